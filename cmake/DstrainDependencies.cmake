@@ -1,0 +1,48 @@
+# Every dependency of dstrain, found once. All come from Debian 12 packages
+# (see .ci/install-deps) or the CUDA toolkit at /usr/local/cuda.
+
+find_package(MPI REQUIRED COMPONENTS C CXX)
+find_package(OpenMP REQUIRED COMPONENTS CXX)
+find_package(nlohmann_json 3 REQUIRED)
+find_package(CLI11 REQUIRED)
+find_package(fmt REQUIRED)
+
+# OpenBLAS, OpenMP flavour: inside an OpenMP parallel region it runs on the calling
+# thread, outside it uses all OpenMP threads, so one thread setting governs everything.
+find_library(OPENBLAS_OPENMP_LIBRARY openblas
+  PATHS /usr/lib/x86_64-linux-gnu/openblas-openmp /usr/lib/aarch64-linux-gnu/openblas-openmp
+  NO_DEFAULT_PATH)
+find_path(OPENBLAS_OPENMP_INCLUDE_DIR cblas.h
+  PATHS /usr/include/x86_64-linux-gnu/openblas-openmp /usr/include/aarch64-linux-gnu/openblas-openmp
+  NO_DEFAULT_PATH)
+if(NOT OPENBLAS_OPENMP_LIBRARY OR NOT OPENBLAS_OPENMP_INCLUDE_DIR)
+  message(FATAL_ERROR "OpenBLAS (OpenMP flavour) not found: apt-get install libopenblas-openmp-dev")
+endif()
+add_library(dstrain_blas INTERFACE)
+target_include_directories(dstrain_blas SYSTEM INTERFACE ${OPENBLAS_OPENMP_INCLUDE_DIR})
+target_link_libraries(dstrain_blas INTERFACE ${OPENBLAS_OPENMP_LIBRARY})
+
+# Kokkos from Trilinos: Debian's KokkosConfig.cmake points at the wrong prefix, so
+# the headers and library are found by hand (Serial backend: used for memory ownership).
+find_path(KOKKOS_INCLUDE_DIR Kokkos_Core.hpp PATHS /usr/include/trilinos REQUIRED)
+find_library(KOKKOS_CORE_LIBRARY trilinos_kokkoscore REQUIRED)
+add_library(dstrain_kokkos INTERFACE)
+target_include_directories(dstrain_kokkos SYSTEM INTERFACE ${KOKKOS_INCLUDE_DIR})
+target_link_libraries(dstrain_kokkos INTERFACE ${KOKKOS_CORE_LIBRARY} ${CMAKE_DL_LIBS})
+
+# CUDA backend: compiled whenever the toolkit is present, run only where a GPU is.
+set(DSTRAIN_HAVE_CUDA OFF)
+if(DSTRAIN_CUDA)
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+      set(CMAKE_CUDA_ARCHITECTURES 90)
+    endif()
+    set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
+    enable_language(CUDA)
+    find_package(CUDAToolkit REQUIRED)
+    set(DSTRAIN_HAVE_CUDA ON)
+  endif()
+endif()
+message(STATUS "dstrain CUDA backend: ${DSTRAIN_HAVE_CUDA}")

@@ -1,0 +1,172 @@
+// Causal grouped-query attention on the CPU, FlashAttention-style in memory: for a block of
+// queries the scores against all earlier keys are formed with sgemm in a per-thread
+// scratch of (block, T) floats, softmaxed, and multiplied by V. Only the output and the
+// row log-sum-exp are kept; the backward recomputes the probabilities from them. Memory
+// therefore grows with T, never with T^2 per head.
+#include <cblas.h>
+#include <omp.h>
+
+#include <cmath>
+#include <vector>
+
+#include "kernels/cpu/cpu_ops.h"
+
+namespace dstrain::cpu {
+namespace {
+
+constexpr int64_t kQueryBlock = 64;
+
+struct Dims {
+  int64_t B, T, W, H, Hkv, Dqk, Dv, group;
+};
+
+Dims dims_of(const Tensor& qkv, const ops::AttentionLayout& L) {
+  DS_CHECK(qkv.ndim() == 3, "attention: qkv must be (B, T, W), got {}", qkv.shape().str());
+  DS_CHECK(L.n_head > 0 && L.n_kv_head > 0 && L.n_head % L.n_kv_head == 0,
+           "attention: {} query heads cannot share {} kv heads evenly", L.n_head, L.n_kv_head);
+  Dims d{qkv.size(0), qkv.size(1), qkv.size(2), L.n_head, L.n_kv_head, L.qk_dim, L.v_dim, L.n_head / L.n_kv_head};
+  DS_CHECK(L.row_stride == d.W, "attention: layout row stride {} but qkv rows have {}", L.row_stride, d.W);
+  DS_CHECK(L.q_offset + d.H * d.Dqk <= d.W && L.k_offset + d.Hkv * d.Dqk <= d.W && L.v_offset + d.Hkv * d.Dv <= d.W,
+           "attention: head ranges exceed the qkv row of {}", d.W);
+  return d;
+}
+
+// Runs body(task) for task in [0, n): across threads when there are enough tasks, otherwise
+// one after another so that each sgemm inside can use every thread.
+template <class F>
+void for_tasks(int64_t n, F&& body) {
+  if (n >= omp_get_max_threads()) {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) body(i);
+  } else {
+    for (int64_t i = 0; i < n; ++i) body(i);
+  }
+}
+
+// Turns scores s (nq, nk; row i may see keys <= t0 + i) into probabilities with the stored
+// or computed log-sum-exp. Masked entries become 0.
+void causal_softmax_rows(float* s, int64_t nq, int64_t nk, int64_t t0, float* lse_out) {
+  for (int64_t i = 0; i < nq; ++i) {
+    float* row = s + i * nk;
+    const int64_t valid = t0 + i + 1;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < valid; ++j) mx = std::max(mx, row[j]);
+    float sum = 0;
+    for (int64_t j = 0; j < valid; ++j) {
+      row[j] = std::exp(row[j] - mx);
+      sum += row[j];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t j = 0; j < valid; ++j) row[j] *= inv;
+    for (int64_t j = valid; j < nk; ++j) row[j] = 0.0f;
+    lse_out[i] = mx + std::log(sum);
+  }
+}
+
+void probabilities_from_lse(float* s, int64_t nq, int64_t nk, int64_t t0, const float* lse) {
+  for (int64_t i = 0; i < nq; ++i) {
+    float* row = s + i * nk;
+    const int64_t valid = t0 + i + 1;
+    const float l = lse[i];
+    for (int64_t j = 0; j < valid; ++j) row[j] = std::exp(row[j] - l);
+    for (int64_t j = valid; j < nk; ++j) row[j] = 0.0f;
+  }
+}
+
+}  // namespace
+
+void attention_forward(Tensor out, Tensor lse, Tensor qkv, const ops::AttentionLayout& L, float scale) {
+  const Dims d = dims_of(qkv, L);
+  DS_CHECK(out.numel() == d.B * d.T * d.H * d.Dv && lse.numel() == d.B * d.H * d.T,
+           "attention_forward: out {} lse {}", out.shape().str(), lse.shape().str());
+  const float* base = qkv.data<float>();
+  float* op = out.data<float>();
+  float* lp = lse.data<float>();
+  const int64_t nblocks = (d.T + kQueryBlock - 1) / kQueryBlock;
+  const int64_t ldo = d.H * d.Dv;
+
+  for_tasks(d.B * d.H * nblocks, [&](int64_t task) {
+    thread_local std::vector<float> scratch;
+    const int64_t qb = task % nblocks, h = (task / nblocks) % d.H, b = task / (nblocks * d.H);
+    const int64_t g = h / d.group;
+    const int64_t t0 = qb * kQueryBlock, nq = std::min(kQueryBlock, d.T - t0), nk = t0 + nq;
+    scratch.resize(size_t(nq * nk));
+    const float* q = base + (b * d.T + t0) * d.W + L.q_offset + h * d.Dqk;
+    const float* k = base + b * d.T * d.W + L.k_offset + g * d.Dqk;
+    const float* v = base + b * d.T * d.W + L.v_offset + g * d.Dv;
+    float* s = scratch.data();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(nq), int(nk), int(d.Dqk), scale, q, int(d.W), k,
+                int(d.W), 0.0f, s, int(nk));
+    causal_softmax_rows(s, nq, nk, t0, lp + (b * d.H + h) * d.T + t0);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(nq), int(d.Dv), int(nk), 1.0f, s, int(nk), v,
+                int(d.W), 0.0f, op + (b * d.T + t0) * ldo + h * d.Dv, int(ldo));
+  });
+}
+
+void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse, const ops::AttentionLayout& L,
+                        float scale) {
+  const Dims d = dims_of(qkv, L);
+  DS_CHECK(dqkv.numel() == qkv.numel() && dout.numel() == out.numel() && out.numel() == d.B * d.T * d.H * d.Dv,
+           "attention_backward: shape mismatch");
+  const float* base = qkv.data<float>();
+  const float* dop = dout.data<float>();
+  const float* op = out.data<float>();
+  const float* lp = lse.data<float>();
+  float* dbase = dqkv.data<float>();
+  const int64_t nblocks = (d.T + kQueryBlock - 1) / kQueryBlock;
+  const int64_t ldo = d.H * d.Dv;
+
+  // One task per (batch, kv head): it owns dK and dV of that head and dQ of the query heads
+  // that read it, so no two tasks write the same memory and sums run in a fixed order.
+  for_tasks(d.B * d.Hkv, [&](int64_t task) {
+    thread_local std::vector<float> s_buf, dp_buf;
+    const int64_t g = task % d.Hkv, b = task / d.Hkv;
+    const float* k = base + b * d.T * d.W + L.k_offset + g * d.Dqk;
+    const float* v = base + b * d.T * d.W + L.v_offset + g * d.Dv;
+    float* dk = dbase + b * d.T * d.W + L.k_offset + g * d.Dqk;
+    float* dv = dbase + b * d.T * d.W + L.v_offset + g * d.Dv;
+    for (int64_t t = 0; t < d.T; ++t) {
+      std::fill_n(dk + t * d.W, d.Dqk, 0.0f);
+      std::fill_n(dv + t * d.W, d.Dv, 0.0f);
+    }
+    for (int64_t h = g * d.group; h < (g + 1) * d.group; ++h) {
+      for (int64_t qb = 0; qb < nblocks; ++qb) {
+        const int64_t t0 = qb * kQueryBlock, nq = std::min(kQueryBlock, d.T - t0), nk = t0 + nq;
+        s_buf.resize(size_t(nq * nk));
+        dp_buf.resize(size_t(nq * nk));
+        float* s = s_buf.data();
+        float* dp = dp_buf.data();
+        const float* q = base + (b * d.T + t0) * d.W + L.q_offset + h * d.Dqk;
+        float* dq = dbase + (b * d.T + t0) * d.W + L.q_offset + h * d.Dqk;
+        const float* o = op + (b * d.T + t0) * ldo + h * d.Dv;
+        const float* dO = dop + (b * d.T + t0) * ldo + h * d.Dv;
+        // P = softmax(scale * Q K^T), recomputed from the saved log-sum-exp.
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(nq), int(nk), int(d.Dqk), scale, q, int(d.W), k,
+                    int(d.W), 0.0f, s, int(nk));
+        probabilities_from_lse(s, nq, nk, t0, lp + (b * d.H + h) * d.T + t0);
+        // dV += P^T dO
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(nk), int(d.Dv), int(nq), 1.0f, s, int(nk), dO,
+                    int(ldo), 1.0f, dv, int(d.W));
+        // dP = dO V^T;  dS = P * (dP - rowsum(dO * O))
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(nq), int(nk), int(d.Dv), 1.0f, dO, int(ldo), v,
+                    int(d.W), 0.0f, dp, int(nk));
+        for (int64_t i = 0; i < nq; ++i) {
+          float delta = 0;
+          for (int64_t e = 0; e < d.Dv; ++e) delta += dO[i * ldo + e] * o[i * ldo + e];
+          float* srow = s + i * nk;
+          const float* dprow = dp + i * nk;
+          const int64_t valid = t0 + i + 1;
+#pragma omp simd
+          for (int64_t j = 0; j < valid; ++j) srow[j] = srow[j] * (dprow[j] - delta);
+        }
+        // dQ = scale * dS K;  dK += scale * dS^T Q
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(nq), int(d.Dqk), int(nk), scale, s, int(nk), k,
+                    int(d.W), 0.0f, dq, int(d.W));
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(nk), int(d.Dqk), int(nq), scale, s, int(nk), q,
+                    int(d.W), 1.0f, dk, int(d.W));
+      }
+    }
+  });
+}
+
+}  // namespace dstrain::cpu

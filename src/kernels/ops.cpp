@@ -1,0 +1,116 @@
+// Device dispatch for kernels/ops.h: every op runs where its tensors live. This build has
+// the CPU kernels; the CUDA backend adds its branch here behind the same signatures.
+#include "kernels/ops.h"
+
+#include "kernels/cpu/cpu_ops.h"
+
+namespace dstrain::ops {
+namespace {
+
+// All tensors of one call must share a device; returns it.
+template <class... Ts>
+Device common_device(const char* op, const Tensor& first, const Ts&... rest) {
+  const Device dev = first.device();
+  auto same = [&](const Tensor& t) {
+    DS_CHECK(!t.defined() || t.device() == dev, "{}: tensors on {} and {}", op, dev.str(), t.device().str());
+  };
+  (same(rest), ...);
+  (void)same;
+  DS_CHECK(dev.is_cpu(), "{}: tensors are on {}, but this build of dstrain has no kernels for that device", op,
+           dev.str());
+  return dev;
+}
+
+}  // namespace
+
+void linear_forward(Tensor out, Tensor x, Tensor w, bool accumulate) {
+  common_device("linear_forward", out, x, w);
+  cpu::linear_forward(out, x, w, accumulate);
+}
+void linear_backward(Tensor dx, Tensor dw, Tensor dout, Tensor x, Tensor w, bool accumulate_dx) {
+  common_device("linear_backward", dout, dx, dw, x, w);
+  cpu::linear_backward(dx, dw, dout, x, w, accumulate_dx);
+}
+void embedding_forward(Tensor out, Tensor tokens, Tensor table) {
+  common_device("embedding_forward", out, tokens, table);
+  cpu::embedding_forward(out, tokens, table);
+}
+void embedding_backward(Tensor dtable, Tensor dout, Tensor tokens) {
+  common_device("embedding_backward", dtable, dout, tokens);
+  cpu::embedding_backward(dtable, dout, tokens);
+}
+void rmsnorm_forward(Tensor out, Tensor rstd, Tensor x, Tensor weight, float eps) {
+  common_device("rmsnorm_forward", out, rstd, x, weight);
+  cpu::rmsnorm_forward(out, rstd, x, weight, eps);
+}
+void rmsnorm_backward(Tensor dx, Tensor dweight, Tensor dout, Tensor x, Tensor weight, Tensor rstd) {
+  common_device("rmsnorm_backward", dx, dweight, dout, x, weight, rstd);
+  cpu::rmsnorm_backward(dx, dweight, dout, x, weight, rstd);
+}
+void rope_tables(Tensor cos, Tensor sin, int head_dim, double theta) {
+  common_device("rope_tables", cos, sin);
+  cpu::rope_tables(cos, sin, head_dim, theta);
+}
+void rope_forward(Tensor x, int64_t offset, int n_heads, int head_dim, Tensor cos, Tensor sin) {
+  common_device("rope_forward", x, cos, sin);
+  cpu::rope_apply(x, offset, n_heads, head_dim, cos, sin, /*inverse=*/false);
+}
+void rope_backward(Tensor dx, int64_t offset, int n_heads, int head_dim, Tensor cos, Tensor sin) {
+  common_device("rope_backward", dx, cos, sin);
+  cpu::rope_apply(dx, offset, n_heads, head_dim, cos, sin, /*inverse=*/true);
+}
+void attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionLayout& layout, float scale) {
+  common_device("attention_forward", out, lse, qkv);
+  cpu::attention_forward(out, lse, qkv, layout, scale);
+}
+void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse, const AttentionLayout& layout,
+                        float scale) {
+  common_device("attention_backward", dqkv, dout, qkv, out, lse);
+  cpu::attention_backward(dqkv, dout, qkv, out, lse, layout, scale);
+}
+void swiglu_forward(Tensor out, Tensor gate_up) {
+  common_device("swiglu_forward", out, gate_up);
+  cpu::swiglu_forward(out, gate_up);
+}
+void swiglu_backward(Tensor dgate_up, Tensor dout, Tensor gate_up) {
+  common_device("swiglu_backward", dgate_up, dout, gate_up);
+  cpu::swiglu_backward(dgate_up, dout, gate_up);
+}
+void cross_entropy_forward(Tensor losses, Tensor lse, Tensor logits, Tensor targets) {
+  common_device("cross_entropy_forward", losses, lse, logits, targets);
+  cpu::cross_entropy_forward(losses, lse, logits, targets);
+}
+void cross_entropy_backward(Tensor dlogits, Tensor logits, Tensor lse, Tensor targets, float scale) {
+  common_device("cross_entropy_backward", dlogits, logits, lse, targets);
+  cpu::cross_entropy_backward(dlogits, logits, lse, targets, scale);
+}
+void add(Tensor out, Tensor a, Tensor b) {
+  common_device("add", out, a, b);
+  cpu::add(out, a, b);
+}
+void add_inplace(Tensor out, Tensor a) {
+  common_device("add_inplace", out, a);
+  cpu::add_inplace(out, a);
+}
+void scale_inplace(Tensor x, float s) {
+  common_device("scale_inplace", x);
+  cpu::scale_inplace(x, s);
+}
+void fill(Tensor x, float value) {
+  common_device("fill", x);
+  cpu::fill(x, value);
+}
+void copy(Tensor dst, Tensor src) {
+  common_device("copy", dst, src);
+  cpu::copy(dst, src);
+}
+double sum_squares(Tensor x) {
+  common_device("sum_squares", x);
+  return cpu::sum_squares(x);
+}
+void adamw_update(Tensor param, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, const AdamWStep& s) {
+  common_device("adamw_update", param, grad, exp_avg, exp_avg_sq);
+  cpu::adamw_update(param, grad, exp_avg, exp_avg_sq, s);
+}
+
+}  // namespace dstrain::ops

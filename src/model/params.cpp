@@ -1,0 +1,67 @@
+#include "model/params.h"
+
+namespace dstrain {
+
+namespace {
+constexpr int64_t kAlign = 16;  // elements: 64-byte alignment for every separate parameter
+}
+
+std::string_view param_kind_name(ParamKind k) {
+  switch (k) {
+    case ParamKind::Embedding: return "embedding";
+    case ParamKind::Norm: return "norm";
+    case ParamKind::Linear: return "linear";
+    case ParamKind::Head: return "lm_head";
+  }
+  return "?";
+}
+
+int ParamRegistry::add(std::string name, Shape shape, ParamKind kind, int layer, bool follow_previous) {
+  DS_CHECK(!values_.allocated(), "parameter '{}' registered after allocation", name);
+  DS_CHECK(!by_name_.count(name), "parameter '{}' registered twice", name);
+  DS_CHECK(!follow_previous || !params_.empty(), "parameter '{}' cannot follow: it is the first", name);
+  ParamInfo p;
+  p.name = std::move(name);
+  p.shape = shape;
+  p.global_shape = shape;
+  p.kind = kind;
+  p.layer = layer;
+  p.offset = follow_previous ? flat_numel_ : (flat_numel_ + kAlign - 1) / kAlign * kAlign;
+  flat_numel_ = p.offset + shape.numel();
+  by_name_[p.name] = int(params_.size());
+  params_.push_back(std::move(p));
+  return int(params_.size()) - 1;
+}
+
+void ParamRegistry::allocate(Device device) {
+  const int64_t n = (flat_numel_ + kAlign - 1) / kAlign * kAlign;
+  values_ = Buffer("parameters", MemCategory::Parameters, DType::F32, n, device);
+  grads_ = Buffer("gradients", MemCategory::Gradients, DType::F32, n, device);
+}
+
+int ParamRegistry::find(const std::string& name) const {
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? -1 : it->second;
+}
+
+Tensor ParamRegistry::param(int id) const { return values_.tensor(info(id).offset, info(id).shape); }
+Tensor ParamRegistry::grad(int id) const { return grads_.tensor(info(id).offset, info(id).shape); }
+
+Tensor ParamRegistry::rows(const Buffer& buf, int first, int last) const {
+  const int64_t cols = info(first).shape[info(first).shape.ndim() - 1];
+  int64_t total_rows = 0;
+  for (int id = first; id <= last; ++id) {
+    const ParamInfo& p = info(id);
+    DS_CHECK(p.shape.ndim() == 2 && p.shape[1] == cols, "'{}' {} cannot be stacked with '{}'", p.name,
+             p.shape.str(), info(first).name);
+    DS_CHECK(id == first || p.offset == info(id - 1).offset + info(id - 1).numel(),
+             "'{}' is not contiguous with '{}'", p.name, info(id - 1).name);
+    total_rows += p.shape[0];
+  }
+  return buf.tensor(info(first).offset, Shape{total_rows, cols});
+}
+
+Tensor ParamRegistry::param_rows(int first, int last) const { return rows(values_, first, last); }
+Tensor ParamRegistry::grad_rows(int first, int last) const { return rows(grads_, first, last); }
+
+}  // namespace dstrain

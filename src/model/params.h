@@ -1,0 +1,81 @@
+// The parameter registry: every parameter has its Hugging Face name, its global shape and
+// how the local piece relates to it, and lives at an offset of one flat allocation.
+// Gradients and optimizer states mirror the same flat layout, so a bucket of gradients or
+// a shard of optimizer state is a contiguous range. Checkpoints and safetensors I/O walk
+// this registry: files hold global tensors; each rank reads and writes its pieces.
+#pragma once
+
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "core/buffer.h"
+
+namespace dstrain {
+
+// What a parameter is, for defaults such as "no weight decay on norms and embeddings".
+enum class ParamKind { Embedding, Norm, Linear, Head };
+std::string_view param_kind_name(ParamKind k);
+
+// How this rank's piece relates to the global tensor.
+struct Placement {
+  enum class Kind {
+    Whole,      // the rank holds the whole tensor (replicated)
+    Shard,      // a slice along `dim`, piece `index` of `count` over grid axis `axis`
+    Expert,     // one expert (`index`) of `count`
+    FlatRange,  // elements [begin, begin + length) of the flattened tensor
+  };
+  Kind kind = Kind::Whole;
+  int dim = -1;
+  std::string axis;
+  int64_t index = 0, count = 1;
+  int64_t begin = 0, length = 0;
+};
+
+struct ParamInfo {
+  std::string name;    // Hugging Face name, e.g. "model.layers.0.self_attn.q_proj.weight"
+  Shape shape;         // local shape
+  Shape global_shape;  // shape in a checkpoint
+  Placement placement;
+  ParamKind kind = ParamKind::Linear;
+  int layer = -1;      // decoder layer index, -1 outside the layers
+  int64_t offset = 0;  // element offset in the flat buffers
+  int64_t numel() const { return shape.numel(); }
+};
+
+class ParamRegistry {
+ public:
+  // Registers a whole (replicated) parameter. With `follow_previous` it is placed directly
+  // after the previous one with no padding, so the two can be used as one fused matrix.
+  int add(std::string name, Shape shape, ParamKind kind, int layer, bool follow_previous = false);
+  // Allocates the flat parameter and gradient buffers (zero-filled).
+  void allocate(Device device);
+
+  int size() const { return int(params_.size()); }
+  const ParamInfo& info(int id) const { return params_[size_t(id)]; }
+  const std::vector<ParamInfo>& all() const { return params_; }
+  int find(const std::string& name) const;  // -1 when absent
+  int64_t flat_numel() const { return flat_numel_; }
+
+  Tensor param(int id) const;
+  Tensor grad(int id) const;
+  // Parameters first..last (registered consecutively with follow_previous) as one matrix
+  // of their stacked rows.
+  Tensor param_rows(int first, int last) const;
+  Tensor grad_rows(int first, int last) const;
+
+  Buffer& values() { return values_; }
+  Buffer& grads() { return grads_; }
+  const Buffer& values() const { return values_; }
+  const Buffer& grads() const { return grads_; }
+  Device device() const { return values_.device(); }
+
+ private:
+  Tensor rows(const Buffer& buf, int first, int last) const;
+  std::vector<ParamInfo> params_;
+  std::unordered_map<std::string, int> by_name_;
+  int64_t flat_numel_ = 0;
+  Buffer values_, grads_;
+};
+
+}  // namespace dstrain

@@ -1,0 +1,293 @@
+#include "model/transformer.h"
+
+#include <cmath>
+
+#include "model/init.h"
+
+namespace dstrain {
+
+// ---------------------------------------------------------------------------------------
+Tensor Scratch::get(const std::string& slot, Shape shape) {
+  Buffer& b = buffers_[slot];
+  if (b.numel() < shape.numel()) b = Buffer("scratch." + slot, MemCategory::Workspace, DType::F32, shape.numel());
+  return b.tensor(0, shape);
+}
+
+Tensor Activation::view(Shape shape) {
+  if (buffer_.numel() < shape.numel()) {
+    buffer_ = Buffer(label_, MemCategory::Activations, DType::F32, shape.numel());
+  }
+  return buffer_.tensor(0, shape);
+}
+
+void RopeCache::ensure(int64_t T_needed, int head_dim, double theta) {
+  if (T_needed <= T) return;
+  cos = Buffer("rope.cos", MemCategory::Workspace, DType::F32, T_needed * head_dim / 2);
+  sin = Buffer("rope.sin", MemCategory::Workspace, DType::F32, T_needed * head_dim / 2);
+  T = T_needed;
+  ops::rope_tables(cos.tensor(0, {T, head_dim / 2}), sin.tensor(0, {T, head_dim / 2}), head_dim, theta);
+}
+
+namespace {
+std::string layer_name(int layer, const char* rest) { return fmt::format("model.layers.{}.{}", layer, rest); }
+Tensor rows_of(Tensor t) { return t.view({t.numel() / t.size(-1), t.size(-1)}); }
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+GQAttention::GQAttention(const ModelConfig& c, ParamRegistry& reg, int layer)
+    : reg_(reg),
+      qkv_(layer_name(layer, "self_attn.qkv")),
+      att_(layer_name(layer, "self_attn.out")),
+      lse_(layer_name(layer, "self_attn.lse")) {
+  const int64_t C = c.hidden_size, D = c.head_dim(), H = c.num_attention_heads, Hkv = c.num_key_value_heads;
+  q_ = reg.add(layer_name(layer, "self_attn.q_proj.weight"), {H * D, C}, ParamKind::Linear, layer);
+  k_ = reg.add(layer_name(layer, "self_attn.k_proj.weight"), {Hkv * D, C}, ParamKind::Linear, layer, true);
+  v_ = reg.add(layer_name(layer, "self_attn.v_proj.weight"), {Hkv * D, C}, ParamKind::Linear, layer, true);
+  o_ = reg.add(layer_name(layer, "self_attn.o_proj.weight"), {C, H * D}, ParamKind::Linear, layer);
+  layout_.n_head = int(H);
+  layout_.n_kv_head = int(Hkv);
+  layout_.qk_dim = int(D);
+  layout_.v_dim = int(D);
+  layout_.q_offset = 0;
+  layout_.k_offset = H * D;
+  layout_.v_offset = (H + Hkv) * D;
+  layout_.row_stride = (H + 2 * Hkv) * D;
+  scale_ = float(1.0 / std::sqrt(double(D)));
+}
+
+void GQAttention::forward(Tensor x, Tensor out, RopeCache& rope) {
+  const int64_t B = x.size(0), T = x.size(1);
+  const int64_t H = layout_.n_head, D = layout_.qk_dim;
+  x_ = x;
+  Tensor qkv = qkv_.view({B, T, layout_.row_stride});
+  Tensor att = att_.view({B, T, H * D});
+  ops::linear_forward(rows_of(qkv), rows_of(x), reg_.param_rows(q_, v_));
+  // q and k heads are adjacent in each row: rotate them in one pass.
+  ops::rope_forward(qkv, 0, layout_.n_head + layout_.n_kv_head, int(D), rope.cos.tensor(0, {rope.T, D / 2}),
+                    rope.sin.tensor(0, {rope.T, D / 2}));
+  ops::attention_forward(att, lse_.view({B, H, T}), qkv, layout_, scale_);
+  ops::linear_forward(rows_of(out), rows_of(att), reg_.param(o_), /*accumulate=*/true);
+}
+
+void GQAttention::backward(Tensor dout, Tensor dx, RopeCache& rope, Scratch& scratch) {
+  const int64_t B = dout.size(0), T = dout.size(1);
+  const int64_t H = layout_.n_head, D = layout_.qk_dim;
+  Tensor qkv = qkv_.view({B, T, layout_.row_stride});
+  Tensor att = att_.view({B, T, H * D});
+  Tensor datt = scratch.get("attn.datt", {B, T, H * D});
+  Tensor dqkv = scratch.get("attn.dqkv", {B, T, layout_.row_stride});
+  ops::linear_backward(rows_of(datt), reg_.grad(o_), rows_of(dout), rows_of(att), reg_.param(o_));
+  ops::attention_backward(dqkv, datt, qkv, att, lse_.view({B, H, T}), layout_, scale_);
+  ops::rope_backward(dqkv, 0, layout_.n_head + layout_.n_kv_head, int(D), rope.cos.tensor(0, {rope.T, D / 2}),
+                     rope.sin.tensor(0, {rope.T, D / 2}));
+  ops::linear_backward(rows_of(dx), reg_.grad_rows(q_, v_), rows_of(dqkv), rows_of(x_), reg_.param_rows(q_, v_));
+}
+
+// ---------------------------------------------------------------------------------------
+SwiGLUMLP::SwiGLUMLP(const ModelConfig& c, ParamRegistry& reg, int layer)
+    : reg_(reg), inter_(c.intermediate_size), gate_up_(layer_name(layer, "mlp.gate_up")), h_(layer_name(layer, "mlp.h")) {
+  const int64_t C = c.hidden_size, I = c.intermediate_size;
+  gate_ = reg.add(layer_name(layer, "mlp.gate_proj.weight"), {I, C}, ParamKind::Linear, layer);
+  up_ = reg.add(layer_name(layer, "mlp.up_proj.weight"), {I, C}, ParamKind::Linear, layer, true);
+  down_ = reg.add(layer_name(layer, "mlp.down_proj.weight"), {C, I}, ParamKind::Linear, layer);
+}
+
+void SwiGLUMLP::forward(Tensor x, Tensor out) {
+  const int64_t B = x.size(0), T = x.size(1);
+  x_ = x;
+  Tensor gu = gate_up_.view({B * T, 2 * inter_});
+  Tensor h = h_.view({B * T, inter_});
+  ops::linear_forward(gu, rows_of(x), reg_.param_rows(gate_, up_));
+  ops::swiglu_forward(h, gu);
+  ops::linear_forward(rows_of(out), h, reg_.param(down_), /*accumulate=*/true);
+}
+
+void SwiGLUMLP::backward(Tensor dout, Tensor dx, Scratch& scratch) {
+  const int64_t N = dout.numel() / dout.size(-1);
+  Tensor gu = gate_up_.view({N, 2 * inter_});
+  Tensor h = h_.view({N, inter_});
+  Tensor dh = scratch.get("mlp.dh", {N, inter_});
+  Tensor dgu = scratch.get("mlp.dgate_up", {N, 2 * inter_});
+  ops::linear_backward(dh, reg_.grad(down_), rows_of(dout), h, reg_.param(down_));
+  ops::swiglu_backward(dgu, dh, gu);
+  ops::linear_backward(rows_of(dx), reg_.grad_rows(gate_, up_), dgu, rows_of(x_), reg_.param_rows(gate_, up_));
+}
+
+// ---------------------------------------------------------------------------------------
+DecoderLayer::DecoderLayer(const ModelConfig& c, ParamRegistry& reg, int layer, std::unique_ptr<AttentionBlock> attn,
+                           std::unique_ptr<FeedForwardBlock> ffn)
+    : reg_(reg),
+      eps_(float(c.rms_norm_eps)),
+      attn_(std::move(attn)),
+      ffn_(std::move(ffn)),
+      ln1_out_(layer_name(layer, "input_layernorm.out")),
+      rstd1_(layer_name(layer, "input_layernorm.rstd")),
+      x_mid_(layer_name(layer, "residual_mid")),
+      ln2_out_(layer_name(layer, "post_attention_layernorm.out")),
+      rstd2_(layer_name(layer, "post_attention_layernorm.rstd")) {
+  ln1_ = reg.add(layer_name(layer, "input_layernorm.weight"), {c.hidden_size}, ParamKind::Norm, layer);
+  ln2_ = reg.add(layer_name(layer, "post_attention_layernorm.weight"), {c.hidden_size}, ParamKind::Norm, layer);
+}
+
+void DecoderLayer::forward(Tensor x_in, Tensor x_out, RopeCache& rope) {
+  const int64_t B = x_in.size(0), T = x_in.size(1), C = x_in.size(2);
+  x_in_ = x_in;
+  Tensor ln1 = ln1_out_.view({B, T, C});
+  Tensor x_mid = x_mid_.view({B, T, C});
+  Tensor ln2 = ln2_out_.view({B, T, C});
+  ops::rmsnorm_forward(ln1, rstd1_.view({B, T}), x_in, reg_.param(ln1_), eps_);
+  ops::copy(x_mid, x_in);
+  attn_->forward(ln1, x_mid, rope);
+  ops::rmsnorm_forward(ln2, rstd2_.view({B, T}), x_mid, reg_.param(ln2_), eps_);
+  ops::copy(x_out, x_mid);
+  ffn_->forward(ln2, x_out);
+}
+
+void DecoderLayer::backward(Tensor dx, RopeCache& rope, Scratch& scratch) {
+  const int64_t B = dx.size(0), T = dx.size(1), C = dx.size(2);
+  Tensor dln = scratch.get("layer.dln", {B, T, C});
+  // x_out = x_mid + ffn(rmsnorm(x_mid))
+  ffn_->backward(dx, dln, scratch);
+  ops::rmsnorm_backward(dx, reg_.grad(ln2_), dln, x_mid_.view({B, T, C}), reg_.param(ln2_), rstd2_.view({B, T}));
+  // x_mid = x_in + attn(rmsnorm(x_in))
+  attn_->backward(dx, dln, rope, scratch);
+  ops::rmsnorm_backward(dx, reg_.grad(ln1_), dln, x_in_, reg_.param(ln1_), rstd1_.view({B, T}));
+}
+
+// ---------------------------------------------------------------------------------------
+Transformer::Transformer(const ModelConfig& config, Device device)
+    : config_(config), xf_("final_norm.out"), rstdf_("final_norm.rstd"), logits_("head.logits"),
+      losses_("head.losses"), lse_("head.lse") {
+  const ModelConfig& c = config_;
+  embed_ = reg_.add("model.embed_tokens.weight", {c.vocab_size, c.hidden_size}, ParamKind::Embedding, -1);
+  layers_.reserve(size_t(c.num_hidden_layers));
+  for (int l = 0; l < int(c.num_hidden_layers); ++l) {
+    const int first = reg_.size();
+    auto attn = std::make_unique<GQAttention>(c, reg_, l);
+    auto ffn = std::make_unique<SwiGLUMLP>(c, reg_, l);
+    layers_.emplace_back(c, reg_, l, std::move(attn), std::move(ffn));
+    layers_.back().set_param_range(first, reg_.size() - 1);
+  }
+  final_norm_ = reg_.add("model.norm.weight", {c.hidden_size}, ParamKind::Norm, -1);
+  lm_head_ = c.tie_word_embeddings ? -1 : reg_.add("lm_head.weight", {c.vocab_size, c.hidden_size}, ParamKind::Head, -1);
+  reg_.allocate(device);
+  for (int l = 0; l <= int(c.num_hidden_layers); ++l) x_.emplace_back(fmt::format("residual.{}", l));
+}
+
+void Transformer::init_weights(uint64_t seed) {
+  for (int id = 0; id < reg_.size(); ++id) {
+    const ParamInfo& p = reg_.info(id);
+    if (p.kind == ParamKind::Norm) {
+      ops::fill(reg_.param(id), 1.0f);
+    } else {
+      fill_normal(reg_.param(id), config_.initializer_range, seed, stream_id(p.name));
+    }
+  }
+}
+
+Tensor Transformer::head_weight() const { return reg_.param(lm_head_ >= 0 ? lm_head_ : embed_); }
+Tensor Transformer::head_grad() const { return reg_.grad(lm_head_ >= 0 ? lm_head_ : embed_); }
+
+int64_t Transformer::head_chunk_rows() const {
+  // About 64 MiB of logits at a time.
+  const int64_t rows = (int64_t(16) << 20) / config_.vocab_size;
+  return std::max<int64_t>(rows, 32);
+}
+
+void Transformer::forward_body(Tensor tokens) {
+  DS_CHECK(tokens.ndim() == 2, "tokens must be (B, T), got {}", tokens.shape().str());
+  const int64_t B = tokens.size(0), T = tokens.size(1), C = config_.hidden_size;
+  DS_CHECK(T <= config_.max_position_embeddings, "sequence length {} exceeds max_position_embeddings {}", T,
+           config_.max_position_embeddings);
+  B_ = B;
+  T_ = T;
+  tokens_ = tokens;
+  rope_.ensure(T, int(config_.head_dim()), config_.rope_theta);
+  Tensor x0 = x_[0].view({B, T, C});
+  ops::embedding_forward(x0.view({B * T, C}), tokens.view({B * T}), reg_.param(embed_));
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    layers_[l].forward(x_[l].view({B, T, C}), x_[l + 1].view({B, T, C}), rope_);
+  }
+  ops::rmsnorm_forward(xf_.view({B, T, C}), rstdf_.view({B, T}), x_.back().view({B, T, C}), reg_.param(final_norm_),
+                       float(config_.rms_norm_eps));
+}
+
+LossSums Transformer::head(Tensor targets, bool backward, float loss_scale) {
+  const int64_t N = B_ * T_, C = config_.hidden_size, V = config_.vocab_size;
+  DS_CHECK(targets.numel() == N, "targets {} for tokens ({}, {})", targets.shape().str(), B_, T_);
+  Tensor xf = xf_.view({N, C});
+  Tensor tg = targets.view({N});
+  Tensor dxf = backward ? scratch_.get("head.dxf", {N, C}) : Tensor();
+  Tensor w = head_weight();
+  const int64_t chunk = std::min(N, head_chunk_rows());
+  Tensor losses = losses_.view({N});
+  // The loss of each chunk is final as soon as its logits exist, so its gradient is formed
+  // right away and the full (N, V) logits never exist at once.
+  for (int64_t r0 = 0; r0 < N; r0 += chunk) {
+    const int64_t r1 = std::min(N, r0 + chunk), n = r1 - r0;
+    Tensor logits = logits_.view({chunk, V}).slice(0, n);
+    Tensor lse = lse_.view({chunk}).slice(0, n);
+    ops::linear_forward(logits, xf.slice(r0, r1), w);
+    ops::cross_entropy_forward(losses.slice(r0, r1), lse, logits, tg.slice(r0, r1));
+    if (backward) {
+      ops::cross_entropy_backward(logits, logits, lse, tg.slice(r0, r1), loss_scale);
+      ops::linear_backward(dxf.slice(r0, r1), head_grad(), logits, xf.slice(r0, r1), w);
+    }
+  }
+  LossSums s;
+  const float* lp = losses.data<float>();
+  const int32_t* tp = tg.data<int32_t>();
+  for (int64_t i = 0; i < N; ++i) {
+    if (tp[i] == ops::kIgnoreIndex) continue;
+    s.sum += lp[i];
+    s.count += 1;
+  }
+  return s;
+}
+
+LossSums Transformer::forward_loss(Tensor tokens, Tensor targets) {
+  forward_body(tokens);
+  return head(targets, /*backward=*/false, 0.0f);
+}
+
+LossSums Transformer::forward_backward(Tensor tokens, Tensor targets, float loss_scale, const GradReadyFn& ready) {
+  forward_body(tokens);
+  LossSums s = head(targets, /*backward=*/true, loss_scale);
+  const int64_t B = B_, T = T_, C = config_.hidden_size;
+  // The residual-stream gradient flows back through the layers in one buffer.
+  Tensor dx = scratch_.get("residual.grad", {B, T, C});
+  ops::fill(dx, 0.0f);
+  ops::rmsnorm_backward(dx, reg_.grad(final_norm_), scratch_.get("head.dxf", {B, T, C}), x_.back().view({B, T, C}),
+                        reg_.param(final_norm_), rstdf_.view({B, T}));
+  if (ready) {
+    ready(final_norm_, final_norm_);
+    if (lm_head_ >= 0) ready(lm_head_, lm_head_);
+  }
+  for (size_t l = layers_.size(); l-- > 0;) {
+    layers_[l].backward(dx, rope_, scratch_);
+    if (ready) ready(layers_[l].first_param(), layers_[l].last_param());
+  }
+  ops::embedding_backward(reg_.grad(embed_), dx.view({B * T, C}), tokens_.view({B * T}));
+  if (ready) ready(embed_, embed_);
+  return s;
+}
+
+void Transformer::forward_logits(Tensor tokens, Tensor logits) {
+  forward_body(tokens);
+  const int64_t N = B_ * T_, C = config_.hidden_size, V = config_.vocab_size;
+  DS_CHECK(logits.numel() == N * V, "logits {} for ({}, {}) tokens and vocabulary {}", logits.shape().str(), B_, T_,
+           V);
+  ops::linear_forward(logits.view({N, V}), xf_.view({N, C}), head_weight());
+}
+
+void Transformer::last_logits(Tensor tokens, Tensor logits) {
+  forward_body(tokens);
+  const int64_t C = config_.hidden_size, V = config_.vocab_size;
+  DS_CHECK(logits.numel() == B_ * V, "logits {} for {} sequences", logits.shape().str(), B_);
+  Tensor xf = xf_.view({B_, T_, C});
+  for (int64_t b = 0; b < B_; ++b) {
+    ops::linear_forward(logits.view({B_, V}).slice(b, b + 1), xf.row(b).slice(T_ - 1, T_), head_weight());
+  }
+}
+
+}  // namespace dstrain

@@ -1,0 +1,181 @@
+// The decoder-only transformer of DeepSeek-LLM (Hugging Face LlamaForCausalLM), with an
+// explicit forward and backward:
+//   x = embed(tokens)
+//   per layer: x = x + o_proj(attn(rope(qkv_proj(rmsnorm(x)))))
+//              x = x + down_proj(silu(gate_proj(h)) * up_proj(h)),  h = rmsnorm(x)
+//   logits = lm_head(rmsnorm(x))
+// Layers hold views into the parameter registry and own their activation buffers. The
+// attention and feed-forward parts sit behind small interfaces so that MLA and MoE layers
+// slot into the same decoder layer.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "core/buffer.h"
+#include "kernels/ops.h"
+#include "model/model_config.h"
+#include "model/params.h"
+
+namespace dstrain {
+
+// Shared temporaries for the backward pass, grown on demand and reused by every layer.
+class Scratch {
+ public:
+  Tensor get(const std::string& slot, Shape shape);
+
+ private:
+  std::unordered_map<std::string, Buffer> buffers_;
+};
+
+// An activation buffer that keeps its allocation and is viewed at the current (B, T).
+class Activation {
+ public:
+  Activation() = default;
+  explicit Activation(std::string label) : label_(std::move(label)) {}
+  Tensor view(Shape shape);  // grows the allocation when needed
+
+ private:
+  std::string label_;
+  Buffer buffer_;
+};
+
+struct RopeCache {
+  Buffer cos, sin;  // (T, head_dim / 2)
+  int64_t T = 0;
+  void ensure(int64_t T_needed, int head_dim, double theta);
+};
+
+class AttentionBlock {
+ public:
+  virtual ~AttentionBlock() = default;
+  // x (B,T,C) normalised input -> out (B,T,C), added to out.
+  virtual void forward(Tensor x, Tensor out, RopeCache& rope) = 0;
+  // dout (B,T,C) -> dx (B,T,C) (overwritten); parameter gradients accumulated.
+  virtual void backward(Tensor dout, Tensor dx, RopeCache& rope, Scratch& scratch) = 0;
+};
+
+class FeedForwardBlock {
+ public:
+  virtual ~FeedForwardBlock() = default;
+  virtual void forward(Tensor x, Tensor out) = 0;  // added to out
+  virtual void backward(Tensor dout, Tensor dx, Scratch& scratch) = 0;
+};
+
+// Grouped-query attention with fused q/k/v projection weights.
+class GQAttention : public AttentionBlock {
+ public:
+  GQAttention(const ModelConfig& c, ParamRegistry& reg, int layer);
+  void forward(Tensor x, Tensor out, RopeCache& rope) override;
+  void backward(Tensor dout, Tensor dx, RopeCache& rope, Scratch& scratch) override;
+
+ private:
+  ParamRegistry& reg_;
+  ops::AttentionLayout layout_;
+  int q_, k_, v_, o_;  // parameter ids
+  float scale_;
+  Tensor x_;           // saved input (owned by the decoder layer)
+  Activation qkv_, att_, lse_;  // (B,T,(H+2Hkv)*D) post-rope, (B,T,H*D), (B,H,T)
+};
+
+// SwiGLU MLP with fused gate/up projection weights.
+class SwiGLUMLP : public FeedForwardBlock {
+ public:
+  SwiGLUMLP(const ModelConfig& c, ParamRegistry& reg, int layer);
+  void forward(Tensor x, Tensor out) override;
+  void backward(Tensor dout, Tensor dx, Scratch& scratch) override;
+
+ private:
+  ParamRegistry& reg_;
+  int gate_, up_, down_;
+  int64_t inter_;
+  Tensor x_;
+  Activation gate_up_, h_;  // (B,T,2I), (B,T,I)
+};
+
+class DecoderLayer {
+ public:
+  DecoderLayer(const ModelConfig& c, ParamRegistry& reg, int layer, std::unique_ptr<AttentionBlock> attn,
+               std::unique_ptr<FeedForwardBlock> ffn);
+  // x_in (B,T,C) must stay alive until backward; x_out (B,T,C) is written.
+  void forward(Tensor x_in, Tensor x_out, RopeCache& rope);
+  // dx: gradient w.r.t. x_out on entry, w.r.t. x_in on return.
+  void backward(Tensor dx, RopeCache& rope, Scratch& scratch);
+  // Parameter ids [first, last] of this layer, for the gradient-ready hook.
+  void set_param_range(int first, int last) {
+    first_param_ = first;
+    last_param_ = last;
+  }
+  int first_param() const { return first_param_; }
+  int last_param() const { return last_param_; }
+
+ private:
+  ParamRegistry& reg_;
+  float eps_;
+  int ln1_, ln2_;
+  int first_param_ = 0, last_param_ = -1;
+  std::unique_ptr<AttentionBlock> attn_;
+  std::unique_ptr<FeedForwardBlock> ffn_;
+  Tensor x_in_;
+  Activation ln1_out_, rstd1_, x_mid_, ln2_out_, rstd2_;
+};
+
+// Sum of token losses and the number of tokens that had a target.
+struct LossSums {
+  double sum = 0;
+  int64_t count = 0;
+  double mean() const { return count ? sum / double(count) : 0.0; }
+};
+
+// Called during the backward each time the gradients of parameters [first, last] are final
+// for this micro-batch, in the order they become ready (last layer first).
+using GradReadyFn = std::function<void(int first, int last)>;
+
+class Transformer {
+ public:
+  Transformer(const ModelConfig& config, Device device);
+  // Layers hold references into the registry: a model stays where it was built.
+  Transformer(const Transformer&) = delete;
+  Transformer& operator=(const Transformer&) = delete;
+  const ModelConfig& config() const { return config_; }
+  ParamRegistry& params() { return reg_; }
+  const ParamRegistry& params() const { return reg_; }
+
+  // Hugging Face's initialisation: normal(0, initializer_range) for linear and embedding
+  // weights, ones for norms; each tensor from its own counter-based stream.
+  void init_weights(uint64_t seed);
+
+  // tokens, targets: (B,T) int32. Accumulates d(loss_scale * sum of token losses) into the
+  // gradients and returns the loss sums of this micro-batch.
+  LossSums forward_backward(Tensor tokens, Tensor targets, float loss_scale, const GradReadyFn& ready = {});
+  LossSums forward_loss(Tensor tokens, Tensor targets);
+  // logits (B,T,V) for every position.
+  void forward_logits(Tensor tokens, Tensor logits);
+  // logits (B,V) of the last position of each sequence (generation).
+  void last_logits(Tensor tokens, Tensor logits);
+
+  // Rows of the vocabulary projection computed at once: bounds the logits memory.
+  int64_t head_chunk_rows() const;
+
+ private:
+  void forward_body(Tensor tokens);  // fills x_final_norm_ (B,T,C)
+  LossSums head(Tensor targets, bool backward, float loss_scale);
+  Tensor head_weight() const;
+  Tensor head_grad() const;
+
+  ModelConfig config_;
+  ParamRegistry reg_;
+  int embed_, final_norm_, lm_head_;
+  std::vector<DecoderLayer> layers_;
+  RopeCache rope_;
+  Scratch scratch_;
+  Tensor tokens_;
+  int64_t B_ = 0, T_ = 0;
+  std::vector<Activation> x_;  // residual stream: x_[0] embedding output, x_[l+1] after layer l
+  Activation xf_, rstdf_;      // final norm output (B,T,C) and rstd (B,T)
+  Activation logits_, losses_, lse_;
+};
+
+}  // namespace dstrain
