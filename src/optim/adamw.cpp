@@ -1,0 +1,44 @@
+#include "optim/adamw.h"
+
+#include <cmath>
+
+#include "kernels/ops.h"
+
+namespace dstrain {
+
+AdamW::AdamW(const AdamWConfig& config, ParamRegistry& params)
+    : config_(config),
+      params_(params),
+      exp_avg_("optimizer.exp_avg", MemCategory::OptimizerState, DType::F32, params.values().numel(), params.device()),
+      exp_avg_sq_("optimizer.exp_avg_sq", MemCategory::OptimizerState, DType::F32, params.values().numel(),
+                  params.device()) {}
+
+double AdamW::weight_decay_of(const ParamInfo& p) const {
+  return config_.no_decay.count(p.kind) ? 0.0 : config_.weight_decay;
+}
+
+void AdamW::step(double lr) {
+  ++step_;
+  ops::AdamWStep s;
+  s.lr = float(lr);
+  s.beta1 = float(config_.beta1);
+  s.beta2 = float(config_.beta2);
+  s.eps = float(config_.eps);
+  s.step = step_;
+  for (const ParamInfo& p : params_.all()) {
+    s.weight_decay = float(weight_decay_of(p));
+    ops::adamw_update(params_.values().tensor(p.offset, p.shape), params_.grads().tensor(p.offset, p.shape),
+                      exp_avg_.tensor(p.offset, p.shape), exp_avg_sq_.tensor(p.offset, p.shape), s);
+  }
+}
+
+double grad_norm(const ParamRegistry& params) { return std::sqrt(ops::sum_squares(params.grads().tensor())); }
+
+double clip_grad_norm(ParamRegistry& params, double max_norm, double norm) {
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef >= 1.0) return 1.0;
+  ops::scale_inplace(params.grads().tensor(), float(coef));
+  return coef;
+}
+
+}  // namespace dstrain

@@ -1,0 +1,47 @@
+// AdamW over the parameter registry's flat buffers: the moments mirror the parameter
+// layout, so a shard of the optimizer state is a contiguous range of the same offsets.
+#pragma once
+
+#include <set>
+
+#include "core/buffer.h"
+#include "model/params.h"
+
+namespace dstrain {
+
+struct AdamWConfig {
+  double lr = 1e-3;
+  double beta1 = 0.9, beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  std::set<ParamKind> no_decay{ParamKind::Norm, ParamKind::Embedding};
+};
+
+class AdamW {
+ public:
+  AdamW(const AdamWConfig& config, ParamRegistry& params);
+
+  // One update with learning rate `lr` from the gradients in the registry.
+  void step(double lr);
+  int64_t steps_taken() const { return step_; }
+  void set_steps_taken(int64_t s) { step_ = s; }
+  double weight_decay_of(const ParamInfo& p) const;
+
+  Buffer& exp_avg() { return exp_avg_; }
+  Buffer& exp_avg_sq() { return exp_avg_sq_; }
+  const AdamWConfig& config() const { return config_; }
+
+ private:
+  AdamWConfig config_;
+  ParamRegistry& params_;
+  Buffer exp_avg_, exp_avg_sq_;
+  int64_t step_ = 0;
+};
+
+// Global L2 norm of all gradients (in a fixed summation order).
+double grad_norm(const ParamRegistry& params);
+// torch.nn.utils.clip_grad_norm_: scales gradients by max_norm / (norm + 1e-6) when that is
+// below 1. Returns the factor applied (1 when nothing was clipped).
+double clip_grad_norm(ParamRegistry& params, double max_norm, double norm);
+
+}  // namespace dstrain

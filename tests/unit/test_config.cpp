@@ -1,0 +1,196 @@
+// Configuration: strict keys, typed values, overrides, DeepSpeed batch arithmetic, Hugging
+// Face config.json fields, and DeepSpeed's learning-rate formulas.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <numbers>
+
+#include "core/json_reader.h"
+#include "train/run_config.h"
+
+namespace dstrain {
+namespace {
+
+using ::testing::HasSubstr;
+
+class TempDir {
+ public:
+  TempDir() : path_(std::filesystem::temp_directory_path() / ("dstrain_cfg_" + std::to_string(::getpid()))) {
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  std::string write(const std::string& name, const std::string& text) const {
+    auto p = path_ / name;
+    std::ofstream(p) << text;
+    return p.string();
+  }
+
+ private:
+  std::filesystem::path path_;
+};
+
+const char* kModel = R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 128,
+  "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false, "initializer_range": 0.02,
+  "bos_token_id": 256, "eos_token_id": 257, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+  "torch_dtype": "bfloat16", "transformers_version": "4.33.1", "use_cache": true, "hidden_act": "silu",
+  "pretraining_tp": 1, "rope_scaling": null})";
+
+std::string run_json(const std::string& train_extra = "", const std::string& top_extra = "") {
+  return std::string(R"({"model": )") + kModel + R"(, "train": {"train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 2, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95],
+    "eps": 1e-8, "weight_decay": 0.1}}, "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 100,
+    "warmup_num_steps": 10}}, "max_steps": 100)" + train_extra + R"(},
+    "data": {"train": "x.bin", "seq_len": 64})" + top_extra + "}";
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(Config, ReadsARunAndItsDeepSpeedKeys) {
+  TempDir d;
+  RunConfig c = RunConfig::load(d.write("run.json", run_json()), {});
+  EXPECT_EQ(c.model.num_key_value_heads, 2);
+  EXPECT_EQ(c.model.eos_token_ids, std::vector<int64_t>{257});
+  EXPECT_EQ(c.train.micro_batch, 4);
+  EXPECT_DOUBLE_EQ(c.train.adamw.beta2, 0.95);
+  EXPECT_EQ(c.train.schedule.type, LrSchedule::Type::WarmupCosineLR);
+  EXPECT_EQ(c.data.train, std::vector<std::string>{"x.bin"});
+  c.train.resolve_batch(2, "run.json");
+  EXPECT_EQ(c.train.train_batch_size, 16);
+  // The resolved configuration reads back to the same values.
+  const json resolved = c.to_json();
+  EXPECT_EQ(resolved["train"]["train_batch_size"], 16);
+  EXPECT_EQ(resolved["model"]["num_key_value_heads"], 2);
+}
+
+TEST(Config, UnknownKeysAreErrorsWithSuggestions) {
+  TempDir d;
+  std::string msg = error_of([&] { RunConfig::load(d.write("a.json", run_json(R"(, "gradient_cliping": 1.0)")), {}); });
+  EXPECT_THAT(msg, HasSubstr("unknown key 'train.gradient_cliping'"));
+  EXPECT_THAT(msg, HasSubstr("did you mean 'train.gradient_clipping'"));
+  EXPECT_THAT(msg, HasSubstr("a.json"));
+  msg = error_of([&] { RunConfig::load(d.write("b.json", run_json("", R"(, "outputs": {})")), {}); });
+  EXPECT_THAT(msg, HasSubstr("unknown key 'outputs'"));
+}
+
+TEST(Config, IllTypedValuesNameTheKey) {
+  TempDir d;
+  std::string msg = error_of([&] { RunConfig::load(d.write("a.json", run_json()), {"train.max_steps=\"ten\""}); });
+  EXPECT_THAT(msg, HasSubstr("'train.max_steps' must be an integer"));
+  msg = error_of([&] { RunConfig::load(d.write("a.json", run_json()), {"train.optimizer.params.betas=[0.9]"}); });
+  EXPECT_THAT(msg, HasSubstr("train.optimizer.params.betas"));
+  msg = error_of([&] { RunConfig::load(d.write("a.json", run_json()), {"data.shuffle=1"}); });
+  EXPECT_THAT(msg, HasSubstr("'data.shuffle' must be true or false"));
+  msg = error_of([&] { RunConfig::load(d.write("a.json", run_json()), {"train.optimizer.type=SGD"}); });
+  EXPECT_THAT(msg, HasSubstr("train.optimizer.type"));
+  msg = error_of([&] { RunConfig::load(d.write("a.json", run_json()), {"novalue"}); });
+  EXPECT_THAT(msg, HasSubstr("KEY=VALUE"));
+}
+
+TEST(Config, OverridesApplyToAnyKey) {
+  TempDir d;
+  RunConfig c = RunConfig::load(d.write("a.json", run_json()),
+                                {"train.optimizer.params.lr=1e-3", "data.train=[\"a.bin\",\"b.bin\"]",
+                                 "output.dir=/tmp/x", "model.num_hidden_layers=3", "generate.prompt=hello world"});
+  EXPECT_DOUBLE_EQ(c.train.adamw.lr, 1e-3);
+  EXPECT_EQ(c.data.train.size(), 2u);
+  EXPECT_EQ(c.output.dir, "/tmp/x");
+  EXPECT_EQ(c.model.num_hidden_layers, 3);
+  EXPECT_EQ(c.generate.prompt, "hello world");
+}
+
+TEST(Config, ModelFromAnHFConfigFileWithInlineOverrides) {
+  TempDir d;
+  const std::string hf = d.write("config.json", kModel);
+  RunConfig c = RunConfig::load(d.write("a.json", run_json()), {"model=\"" + hf + "\""});
+  EXPECT_EQ(c.model.hidden_size, 32);
+  c = RunConfig::load(d.write("a.json", run_json()), {"model={\"hf_config\": \"" + hf + "\", \"rope_theta\": 500000}"});
+  EXPECT_DOUBLE_EQ(c.model.rope_theta, 500000);
+}
+
+TEST(Config, HFConfigFieldsThatChangeTheMathAreChecked) {
+  auto parse = [](const std::string& patch) {
+    json j = json::parse(kModel);
+    j.merge_patch(json::parse(patch));
+    return error_of([&] { ModelConfig::from_hf_json(j, "config.json"); });
+  };
+  EXPECT_THAT(parse(R"({"hidden_act": "gelu"})"), HasSubstr("hidden_act"));
+  EXPECT_THAT(parse(R"({"rope_scaling": {"type": "linear", "factor": 2.0}})"), HasSubstr("rope_scaling"));
+  EXPECT_THAT(parse(R"({"num_key_value_heads": 3})"), HasSubstr("num_key_value_heads"));
+  EXPECT_THAT(parse(R"({"hiden_size": 3})"), HasSubstr("unknown key 'hiden_size'"));
+  EXPECT_THAT(parse(R"({"model_type": "mistral"})"), HasSubstr("model_type"));
+  EXPECT_EQ(parse(R"({"eos_token_id": [1, 2]})"), "no error");
+}
+
+TEST(Config, ShippedDeepSeekConfigsParse) {
+  for (const char* name : {"deepseek-llm-7b-base.json", "deepseek-llm-67b-base.json"}) {
+    const std::string path = std::string(DSTRAIN_SOURCE_DIR) + "/inputs/models/" + name;
+    ModelConfig c = load_hf_config(path);
+    EXPECT_EQ(c.vocab_size, 102400) << name;
+    EXPECT_EQ(c.num_parameters() > 6'000'000'000, true) << name;
+  }
+  EXPECT_NEAR(load_hf_config(std::string(DSTRAIN_SOURCE_DIR) + "/inputs/models/deepseek-llm-7b-base.json")
+                  .num_parameters(), 6.91e9, 0.01e9);
+  EXPECT_NEAR(load_hf_config(std::string(DSTRAIN_SOURCE_DIR) + "/inputs/models/deepseek-llm-67b-base.json")
+                  .num_parameters(), 67.4e9, 0.2e9);
+}
+
+TEST(Config, BatchArithmeticFollowsDeepSpeed) {
+  TrainConfig t;
+  t.train_batch_size = 32;
+  t.micro_batch = 4;
+  t.resolve_batch(2, "x");
+  EXPECT_EQ(t.grad_accum, 4);
+  TrainConfig u;
+  u.train_batch_size = 30;
+  u.micro_batch = 4;
+  EXPECT_THAT(error_of([&] { u.resolve_batch(1, "x"); }), HasSubstr("not divisible"));
+  TrainConfig v;
+  v.train_batch_size = 16;
+  v.micro_batch = 4;
+  v.grad_accum = 2;
+  EXPECT_THAT(error_of([&] { v.resolve_batch(1, "x"); }), HasSubstr("train_batch_size 16 != 4 x 2 x 1"));
+}
+
+TEST(LrSchedule, DeepSpeedFormulas) {
+  auto sched = [](const std::string& text) {
+    json j = json::parse(text);
+    return LrSchedule::from_json(JsonReader(j, "train.scheduler", "test"));
+  };
+  // WarmupCosineLR with linear warmup, ratios of the base lr.
+  LrSchedule c = sched(R"({"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_num_steps": 4,
+                          "warmup_min_ratio": 0.1, "cos_min_ratio": 0.2, "warmup_type": "linear"}})");
+  EXPECT_DOUBLE_EQ(c.lr_at(0, 1.0), 0.1);
+  EXPECT_DOUBLE_EQ(c.lr_at(2, 1.0), 0.1 + 0.5 * 0.9);
+  EXPECT_NEAR(c.lr_at(4, 1.0), 0.2 + 0.8 * (1 + std::cos(std::numbers::pi * 1 / 6)) / 2, 1e-12);
+  EXPECT_NEAR(c.lr_at(9, 2.0), 2 * 0.2, 1e-12);  // the floor at the last step
+  // WarmupLR with DeepSpeed's default log warmup, then constant.
+  LrSchedule w = sched(R"({"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                          "warmup_num_steps": 100}})");
+  EXPECT_DOUBLE_EQ(w.lr_at(0, 1.0), 0.0);
+  EXPECT_NEAR(w.lr_at(9, 1.0), 0.01 * std::log(10.0) / std::log(100.0), 1e-15);
+  EXPECT_DOUBLE_EQ(w.lr_at(500, 1.0), 0.01);
+  // WarmupDecayLR decays linearly to warmup_min_lr at total_num_steps.
+  LrSchedule d = sched(R"({"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.001, "warmup_num_steps": 10,
+                          "total_num_steps": 110, "warmup_type": "linear"}})");
+  EXPECT_DOUBLE_EQ(d.lr_at(5, 0.1), 0.001 + (0.1 - 0.001) * 0.5);
+  EXPECT_DOUBLE_EQ(d.lr_at(60, 0.1), 0.001 + (0.1 - 0.001) * 0.5);
+  EXPECT_DOUBLE_EQ(d.lr_at(200, 0.1), 0.001);
+  EXPECT_DOUBLE_EQ(LrSchedule().lr_at(77, 0.3), 0.3);
+  EXPECT_THAT(error_of([&] { sched(R"({"type": "OneCycle"})"); }), HasSubstr("OneCycle"));
+  EXPECT_THAT(error_of([&] { sched(R"({"type": "WarmupCosineLR", "params": {"warmup_num_steps": 5}})"); }),
+              HasSubstr("total_num_steps"));
+}
+
+}  // namespace
+}  // namespace dstrain

@@ -1,0 +1,293 @@
+// Per-op checks of the CPU kernels: every backward against central finite differences of
+// its forward, and attention against a naive O(T^2) reference.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "kernels/ops.h"
+
+namespace dstrain {
+namespace {
+
+struct Host {
+  std::vector<float> v;
+  Shape shape;
+  Host(Shape s, std::mt19937& rng, float scale = 1.0f) : v(size_t(s.numel())), shape(s) {
+    std::normal_distribution<float> nd(0.0f, scale);
+    for (auto& x : v) x = nd(rng);
+  }
+  explicit Host(Shape s) : v(size_t(s.numel()), 0.0f), shape(s) {}
+  Tensor t() { return Tensor(v.data(), DType::F32, shape); }
+};
+
+double dot(const std::vector<float>& a, const std::vector<float>& b) {
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += double(a[i]) * double(b[i]);
+  return s;
+}
+
+// Compares analytic gradient `grad` of L(x) with central differences at up to `samples`
+// positions of x. L is evaluated in double from fp32 forwards, so the step is not tiny.
+void expect_gradient(const char* what, std::vector<float>& x, const std::vector<float>& grad,
+                     const std::function<double()>& loss, double h = 1e-2, double tol = 2e-2, int samples = 40) {
+  ASSERT_EQ(x.size(), grad.size());
+  std::mt19937 pick(7);
+  double gmax = 1e-6;
+  for (float g : grad) gmax = std::max(gmax, double(std::fabs(g)));
+  const int n = int(x.size());
+  for (int s = 0; s < std::min(samples, n); ++s) {
+    const size_t i = n <= samples ? size_t(s) : size_t(pick() % unsigned(n));
+    const float orig = x[i];
+    x[i] = float(orig + h);
+    const double lp = loss();
+    x[i] = float(orig - h);
+    const double lm = loss();
+    x[i] = orig;
+    const double fd = (lp - lm) / (2 * h);
+    EXPECT_NEAR(grad[i], fd, tol * gmax) << what << " element " << i;
+  }
+}
+
+TEST(Kernels, LinearGradients) {
+  std::mt19937 rng(1);
+  const int64_t M = 7, K = 5, N = 6;
+  Host x({M, K}, rng), w({N, K}, rng), r({M, N}, rng), out({M, N});
+  auto loss = [&] {
+    ops::linear_forward(out.t(), x.t(), w.t());
+    return dot(out.v, r.v);
+  };
+  Host dx({M, K}), dw({N, K});
+  ops::linear_backward(dx.t(), dw.t(), r.t(), x.t(), w.t());
+  expect_gradient("dx", x.v, dx.v, loss);
+  expect_gradient("dw", w.v, dw.v, loss);
+  // dw accumulates, dx accumulates only on request.
+  ops::linear_backward(dx.t(), dw.t(), r.t(), x.t(), w.t(), /*accumulate_dx=*/true);
+  Host dx1({M, K}), dw1({N, K});
+  ops::linear_backward(dx1.t(), dw1.t(), r.t(), x.t(), w.t());
+  for (size_t i = 0; i < dw.v.size(); ++i) EXPECT_NEAR(dw.v[i], 2 * dw1.v[i], 1e-5);
+  for (size_t i = 0; i < dx.v.size(); ++i) EXPECT_NEAR(dx.v[i], 2 * dx1.v[i], 1e-5);
+}
+
+TEST(Kernels, RMSNormGradients) {
+  std::mt19937 rng(2);
+  const int64_t N = 5, C = 12;
+  Host x({N, C}, rng), w({C}, rng), r({N, C}, rng), out({N, C}), rstd({N});
+  auto loss = [&] {
+    ops::rmsnorm_forward(out.t(), rstd.t(), x.t(), w.t(), 1e-5f);
+    return dot(out.v, r.v);
+  };
+  loss();
+  // Forward matches the definition.
+  for (int64_t n = 0; n < N; ++n) {
+    double ss = 0;
+    for (int64_t c = 0; c < C; ++c) ss += double(x.v[size_t(n * C + c)]) * x.v[size_t(n * C + c)];
+    const double rs = 1.0 / std::sqrt(ss / C + 1e-5);
+    for (int64_t c = 0; c < C; ++c)
+      EXPECT_NEAR(out.v[size_t(n * C + c)], w.v[size_t(c)] * x.v[size_t(n * C + c)] * rs, 1e-5);
+  }
+  Host dx({N, C}), dw({C});
+  ops::rmsnorm_backward(dx.t(), dw.t(), r.t(), x.t(), w.t(), rstd.t());
+  expect_gradient("dx", x.v, dx.v, loss, 1e-3);
+  expect_gradient("dw", w.v, dw.v, loss, 1e-3);
+}
+
+TEST(Kernels, EmbeddingGradientsAndBounds) {
+  std::mt19937 rng(3);
+  const int64_t V = 9, C = 4, N = 12;
+  Host table({V, C}, rng), r({N, C}, rng), out({N, C});
+  std::vector<int32_t> tok(static_cast<size_t>(N));
+  for (auto& t : tok) t = int32_t(rng() % V);
+  tok[3] = tok[7];  // a repeated token accumulates twice
+  Tensor tt(tok.data(), DType::I32, Shape{N});
+  auto loss = [&] {
+    ops::embedding_forward(out.t(), tt, table.t());
+    return dot(out.v, r.v);
+  };
+  Host dtable({V, C});
+  ops::embedding_backward(dtable.t(), r.t(), tt);
+  expect_gradient("dtable", table.v, dtable.v, loss);
+  tok[0] = int32_t(V);
+  EXPECT_THROW(ops::embedding_forward(out.t(), tt, table.t()), Error);
+}
+
+TEST(Kernels, RopeIsARotationAndItsBackwardTheInverse) {
+  std::mt19937 rng(4);
+  const int64_t B = 2, T = 5, D = 8, W = 3 * D + 2;  // rotate 2 heads at offset 2 of a wider row
+  Host cos({T, D / 2}), sin({T, D / 2});
+  ops::rope_tables(cos.t(), sin.t(), int(D), 10000.0);
+  Host x({B, T, W}, rng), r({B, T, W}, rng), y({B, T, W});
+  auto loss = [&] {
+    y.v = x.v;
+    ops::rope_forward(y.t(), 2, 2, int(D), cos.t(), sin.t());
+    return dot(y.v, r.v);
+  };
+  loss();
+  // Position 0 is the identity; columns outside the rotated heads are untouched.
+  for (int64_t c = 0; c < W; ++c) EXPECT_EQ(y.v[size_t(c)], x.v[size_t(c)]);
+  for (int64_t bt = 0; bt < B * T; ++bt) {
+    EXPECT_EQ(y.v[size_t(bt * W)], x.v[size_t(bt * W)]);
+    EXPECT_EQ(y.v[size_t(bt * W + W - 1)], x.v[size_t(bt * W + W - 1)]);
+  }
+  // Hugging Face rotate_half at t=3, head 0, pair i=1: x1*cos - x2*sin.
+  const int64_t t = 3, i = 1;
+  const float ang = float(t) * (1.0f / std::pow(10000.0f, float(2 * i) / float(D)));
+  const size_t base = size_t(t * W + 2);
+  EXPECT_NEAR(y.v[base + i], x.v[base + i] * std::cos(ang) - x.v[base + i + D / 2] * std::sin(ang), 1e-5);
+  Host g = r;
+  ops::rope_backward(g.t(), 2, 2, int(D), cos.t(), sin.t());
+  expect_gradient("dx", x.v, g.v, loss, 1e-2, 1e-2, 60);
+}
+
+TEST(Kernels, SwiGLUGradients) {
+  std::mt19937 rng(5);
+  const int64_t N = 4, I = 6;
+  Host gu({N, 2 * I}, rng, 2.0f), r({N, I}, rng), out({N, I});
+  auto loss = [&] {
+    ops::swiglu_forward(out.t(), gu.t());
+    return dot(out.v, r.v);
+  };
+  loss();
+  const float g = gu.v[1], u = gu.v[size_t(I + 1)];
+  EXPECT_NEAR(out.v[1], g / (1 + std::exp(-g)) * u, 1e-6);
+  Host dgu({N, 2 * I});
+  ops::swiglu_backward(dgu.t(), r.t(), gu.t());
+  expect_gradient("dgate_up", gu.v, dgu.v, loss, 1e-3);
+}
+
+TEST(Kernels, CrossEntropyGradientsAndIgnoreIndex) {
+  std::mt19937 rng(6);
+  const int64_t N = 6, V = 11;
+  Host logits({N, V}, rng, 3.0f), losses({N}), lse({N});
+  std::vector<int32_t> tg = {1, 0, 10, ops::kIgnoreIndex, 5, 5};
+  Tensor tt(tg.data(), DType::I32, Shape{N});
+  auto loss = [&] {
+    ops::cross_entropy_forward(losses.t(), lse.t(), logits.t(), tt);
+    double s = 0;
+    for (float l : losses.v) s += l;
+    return s;
+  };
+  loss();
+  EXPECT_EQ(losses.v[3], 0.0f);
+  double mx = -1e30, sum = 0;
+  for (int64_t v = 0; v < V; ++v) mx = std::max(mx, double(logits.v[size_t(v)]));
+  for (int64_t v = 0; v < V; ++v) sum += std::exp(logits.v[size_t(v)] - mx);
+  EXPECT_NEAR(losses.v[0], mx + std::log(sum) - logits.v[1], 1e-5);
+  Host dl({N, V});
+  ops::cross_entropy_backward(dl.t(), logits.t(), lse.t(), tt, 1.0f);
+  for (int64_t v = 0; v < V; ++v) EXPECT_EQ(dl.v[size_t(3 * V + v)], 0.0f);
+  expect_gradient("dlogits", logits.v, dl.v, loss, 1e-3);
+  // In place (dlogits aliasing logits) gives the same result.
+  loss();  // lse of the unperturbed logits
+  Host inplace = logits;
+  ops::cross_entropy_backward(inplace.t(), inplace.t(), lse.t(), tt, 1.0f);
+  for (size_t i = 0; i < dl.v.size(); ++i) EXPECT_FLOAT_EQ(inplace.v[i], dl.v[i]);
+  tg[0] = int32_t(V);
+  EXPECT_THROW(loss(), Error);
+}
+
+// Naive attention in double: out[b,t,h] = softmax_j<=t(q.k_j * scale) v_j.
+std::vector<double> naive_attention(const std::vector<float>& qkv, const ops::AttentionLayout& L, int64_t B,
+                                    int64_t T, float scale) {
+  const int64_t H = L.n_head, group = L.n_head / L.n_kv_head, W = L.row_stride;
+  std::vector<double> out(size_t(B * T * H * L.v_dim));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t g = h / group;
+        std::vector<double> s(size_t(t + 1));
+        double mx = -1e300;
+        for (int64_t j = 0; j <= t; ++j) {
+          double d = 0;
+          for (int e = 0; e < L.qk_dim; ++e)
+            d += double(qkv[size_t((b * T + t) * W + L.q_offset + h * L.qk_dim + e)]) *
+                 qkv[size_t((b * T + j) * W + L.k_offset + g * L.qk_dim + e)];
+          s[size_t(j)] = d * scale;
+          mx = std::max(mx, s[size_t(j)]);
+        }
+        double z = 0;
+        for (auto& x : s) z += (x = std::exp(x - mx));
+        for (int e = 0; e < L.v_dim; ++e) {
+          double acc = 0;
+          for (int64_t j = 0; j <= t; ++j)
+            acc += s[size_t(j)] / z * qkv[size_t((b * T + j) * W + L.v_offset + g * L.v_dim + e)];
+          out[size_t(((b * T + t) * H + h) * L.v_dim + e)] = acc;
+        }
+      }
+  return out;
+}
+
+void check_attention(int64_t B, int64_t T, int H, int Hkv, int Dqk, int Dv, int samples) {
+  std::mt19937 rng(unsigned(T * 100 + H * 10 + Hkv));
+  ops::AttentionLayout L;
+  L.n_head = H;
+  L.n_kv_head = Hkv;
+  L.qk_dim = Dqk;
+  L.v_dim = Dv;
+  L.q_offset = 0;
+  L.k_offset = int64_t(H) * Dqk;
+  L.v_offset = L.k_offset + int64_t(Hkv) * Dqk;
+  L.row_stride = L.v_offset + int64_t(Hkv) * Dv;
+  const float scale = 1.0f / std::sqrt(float(Dqk));
+  Host qkv({B, T, L.row_stride}, rng), out({B, T, int64_t(H) * Dv}), lse({B, H, T}), r({B, T, int64_t(H) * Dv}, rng);
+  ops::attention_forward(out.t(), lse.t(), qkv.t(), L, scale);
+  auto ref = naive_attention(qkv.v, L, B, T, scale);
+  for (size_t i = 0; i < ref.size(); ++i) ASSERT_NEAR(out.v[i], ref[i], 1e-5) << "output " << i;
+  auto loss = [&] {
+    ops::attention_forward(out.t(), lse.t(), qkv.t(), L, scale);
+    return dot(out.v, r.v);
+  };
+  loss();
+  Host dqkv({B, T, L.row_stride});
+  ops::fill(dqkv.t(), 123.0f);  // the backward must overwrite, not accumulate
+  ops::attention_backward(dqkv.t(), r.t(), qkv.t(), out.t(), lse.t(), L, scale);
+  expect_gradient("dqkv", qkv.v, dqkv.v, loss, 1e-2, 2e-2, samples);
+}
+
+TEST(Kernels, AttentionMultiHead) { check_attention(2, 9, 2, 2, 4, 4, 120); }
+TEST(Kernels, AttentionGroupedQuery) { check_attention(1, 11, 4, 2, 6, 6, 150); }
+TEST(Kernels, AttentionAcrossQueryBlocks) { check_attention(1, 150, 2, 1, 4, 4, 200); }
+TEST(Kernels, AttentionDifferentValueDim) { check_attention(2, 7, 2, 2, 6, 4, 120); }
+
+TEST(Kernels, SumSquaresIsExactAndOrderFixed) {
+  std::vector<float> x(100000);
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd;
+  double ref = 0;
+  for (auto& v : x) {
+    v = nd(rng);
+    ref += double(v) * v;
+  }
+  Tensor t(x.data(), DType::F32, Shape{int64_t(x.size())});
+  EXPECT_NEAR(ops::sum_squares(t), ref, 1e-9 * ref);
+  EXPECT_EQ(ops::sum_squares(t), ops::sum_squares(t));
+}
+
+TEST(Kernels, AdamWMatchesTheAlgorithm) {
+  // One parameter, two steps, computed by hand from torch.optim.AdamW's definition.
+  float p = 1.0f, g = 0.5f, m = 0, v = 0;
+  Tensor tp(&p, DType::F32, Shape{1}), tg(&g, DType::F32, Shape{1}), tm(&m, DType::F32, Shape{1}),
+      tv(&v, DType::F32, Shape{1});
+  ops::AdamWStep s;
+  s.lr = 0.1f;
+  s.beta1 = 0.9f;
+  s.beta2 = 0.99f;
+  s.eps = 1e-8f;
+  s.weight_decay = 0.01f;
+  double P = 1.0, M = 0, Vv = 0;
+  for (int step = 1; step <= 2; ++step) {
+    s.step = step;
+    ops::adamw_update(tp, tg, tm, tv, s);
+    P *= 1 - 0.1 * 0.01;
+    M = 0.9 * M + 0.1 * 0.5;
+    Vv = 0.99 * Vv + 0.01 * 0.25;
+    const double mhat = M / (1 - std::pow(0.9, step)), vhat = Vv / (1 - std::pow(0.99, step));
+    P -= 0.1 * mhat / (std::sqrt(vhat) + 1e-8);
+    EXPECT_NEAR(p, P, 1e-6);
+  }
+}
+
+}  // namespace
+}  // namespace dstrain
