@@ -1,0 +1,288 @@
+// Hugging Face checkpoints <-> the parameter registry. Loading is strict (every parameter
+// present with its exact shape, nothing left over); saving writes what transformers reads.
+#include "io/hf_weights.h"
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <numeric>
+#include <regex>
+#include <set>
+
+namespace dstrain {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kSingleFile = "model.safetensors";
+constexpr const char* kIndexFile = "model.safetensors.index.json";
+constexpr const char* kEmbed = "model.embed_tokens.weight";
+constexpr const char* kHead = "lm_head.weight";
+constexpr size_t kMaxListed = 10;
+
+// "'a', 'b', 'c' and 7 more": long lists would bury the message.
+std::string list_names(const std::vector<std::string>& names) {
+  std::string s;
+  for (size_t i = 0; i < names.size() && i < kMaxListed; ++i) s += (i ? ", '" : "'") + names[i] + "'";
+  if (names.size() > kMaxListed) s += fmt::format(" and {} more", names.size() - kMaxListed);
+  return s;
+}
+
+// Weight files that save_hf_weights writes, so that an earlier save's can be removed.
+bool is_weight_file(const std::string& name) {
+  static const std::regex shard(R"(model-\d+-of-\d+\.safetensors)");
+  return name == kSingleFile || name == kIndexFile || std::regex_match(name, shard);
+}
+
+void remove_if_present(const fs::path& p) {
+  std::error_code ec;
+  fs::remove(p, ec);
+  DS_CHECK(!ec, "cannot remove '{}' left by an earlier save: {}", p.string(), ec.message());
+}
+
+// A tied model has no lm_head parameter; a file may still carry one (transformers writes it
+// for some tied models). Dropping it is right only when it is the embedding itself.
+void check_tied_head(const HFWeights& w) {
+  const auto head = w.raw(kHead), embed = w.raw(kEmbed);
+  const bool same = w.dtype(kHead) == w.dtype(kEmbed) && w.shape(kHead) == w.shape(kEmbed) &&
+                    head.size() == embed.size() && std::memcmp(head.data(), embed.data(), head.size()) == 0;
+  DS_CHECK(same,
+           "the model config says tie_word_embeddings=true (the output head is the embedding), but '{}' holds an "
+           "lm_head.weight ({} {}) that differs from model.embed_tokens.weight ({} {}); if this checkpoint has its "
+           "own head, set tie_word_embeddings=false in config.json",
+           w.file_of(kHead), dtype_name(w.dtype(kHead)), w.shape(kHead).str(), dtype_name(w.dtype(kEmbed)),
+           w.shape(kEmbed).str());
+}
+
+void check_whole(const ParamInfo& p, const char* what) {
+  DS_CHECK(p.shape == p.global_shape,
+           "{} handles whole tensors, but this process holds parameter '{}' as a piece {} of the global {}; "
+           "gather or scatter it through the parallel layer", what, p.name, p.shape.str(), p.global_shape.str());
+}
+
+}  // namespace
+
+HFWeights::HFWeights(const std::string& path) : path_(path) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  DS_CHECK(fs::exists(st), "Hugging Face weights '{}' do not exist; pass a model directory or a .safetensors file",
+           path);
+  if (!fs::is_directory(st)) {
+    if (path.ends_with(".json")) {
+      open_index(path);
+    } else {
+      open_single(path);
+    }
+    return;
+  }
+  const fs::path single = fs::path(path) / kSingleFile, index = fs::path(path) / kIndexFile;
+  const bool has_single = fs::exists(single), has_index = fs::exists(index);
+  DS_CHECK(!(has_single && has_index),
+           "'{}' holds both {} and {}, which come from two different saves; remove the stale one", path, kSingleFile,
+           kIndexFile);
+  if (has_single) {
+    open_single(single.string());
+  } else if (has_index) {
+    open_index(index.string());
+  } else {
+    const bool has_bin =
+        fs::exists(fs::path(path) / "pytorch_model.bin") || fs::exists(fs::path(path) / "pytorch_model.bin.index.json");
+    DS_FAIL("no Hugging Face weights in '{}': looked for '{}' and '{}'{}", path, single.string(), index.string(),
+            has_bin ? "; it holds PyTorch .bin weights, which dstrain does not read: convert them to safetensors "
+                      "(save_pretrained(..., safe_serialization=True))"
+                    : "");
+  }
+}
+
+void HFWeights::open_single(const std::string& file) {
+  files_.push_back(std::make_unique<SafeTensorsFile>(file));
+  for (const SafeTensorInfo& t : files_.back()->tensors()) where_[t.name] = 0;
+}
+
+void HFWeights::open_index(const std::string& index_path) {
+  const json index = read_json_file(index_path);
+  DS_CHECK(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(),
+           "'{}' has no \"weight_map\" object; it is not a Hugging Face safetensors index", index_path);
+  const json& weight_map = index["weight_map"];
+  const fs::path dir = fs::path(index_path).parent_path();
+
+  // Each shard is opened once; the first tensor mapped to it names it in errors.
+  std::map<std::string, std::string> shards;  // shard file -> a tensor the index puts there
+  for (const auto& [tensor, shard] : weight_map.items()) {
+    DS_CHECK(shard.is_string(), "'{}': weight_map[\"{}\"] is {}, expected a shard file name", index_path, tensor,
+             shard.dump());
+    shards.emplace(shard.get<std::string>(), tensor);
+  }
+  std::map<std::string, size_t> file_index;  // shard file -> index into files_
+  for (const auto& [shard, example] : shards) {
+    const fs::path p = dir / shard;
+    DS_CHECK(fs::is_regular_file(p),
+             "'{}' maps tensors such as '{}' to shard '{}', but '{}' does not exist; the download or save is "
+             "incomplete", index_path, example, shard, p.string());
+    file_index[shard] = files_.size();
+    files_.push_back(std::make_unique<SafeTensorsFile>(p.string()));
+    for (const SafeTensorInfo& t : files_.back()->tensors()) {
+      auto [it, inserted] = where_.emplace(t.name, files_.size() - 1);
+      DS_CHECK(inserted,
+               "tensor '{}' appears in two shards, '{}' and '{}' (index '{}'); the checkpoint is inconsistent", t.name,
+               files_[it->second]->path(), p.string(), index_path);
+    }
+  }
+  // The index must describe the shards it names, or a loader would trust a wrong map.
+  for (const auto& [tensor, shard] : weight_map.items()) {
+    auto it = where_.find(tensor);
+    const size_t expected = file_index.at(shard.get<std::string>());
+    DS_CHECK(it != where_.end() && it->second == expected, "'{}' maps tensor '{}' to '{}', but {}", index_path, tensor,
+             shard.get<std::string>(),
+             it == where_.end() ? std::string("none of the shards the index names holds it")
+                                : "it is in '" + files_[it->second]->path() + "'");
+  }
+}
+
+const SafeTensorsFile& HFWeights::file(const std::string& name) const {
+  auto it = where_.find(name);
+  DS_CHECK(it != where_.end(), "tensor '{}' is not in the Hugging Face weights at '{}'", name, path_);
+  return *files_[it->second];
+}
+
+const SafeTensorInfo& HFWeights::info(const std::string& name) const { return file(name).info(name); }
+void HFWeights::read_f32(const std::string& name, Tensor out) const { file(name).read_f32(name, out); }
+std::span<const std::byte> HFWeights::raw(const std::string& name) const { return file(name).raw(name); }
+const std::string& HFWeights::file_of(const std::string& name) const { return file(name).path(); }
+
+std::vector<std::string> HFWeights::names() const {
+  std::vector<std::string> out;
+  out.reserve(where_.size());
+  for (const auto& [name, f] : where_) out.push_back(name);
+  return out;
+}
+
+HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg) {
+  DS_CHECK(reg.flat_numel() == 0 || reg.values().allocated(),
+           "load_hf_weights('{}'): allocate the parameter registry before loading into it", path);
+  DS_CHECK(reg.device().is_cpu(), "load_hf_weights('{}'): parameters are on {}; load into host memory", path,
+           reg.device().str());
+  const HFWeights w(path);
+  HFLoadStats stats;
+
+  // Names first, so that a config that does not fit the checkpoint shows every mismatch.
+  std::vector<std::string> missing, unexpected;
+  for (const ParamInfo& p : reg.all()) {
+    check_whole(p, "load_hf_weights");
+    if (!w.has(p.name)) missing.push_back(p.name);
+  }
+  const bool tied = reg.find(kHead) < 0 && reg.find(kEmbed) >= 0;
+  for (const std::string& name : w.names()) {
+    if (reg.find(name) >= 0) continue;
+    if (name.ends_with("rotary_emb.inv_freq")) {  // recomputed from rope_theta
+      ++stats.skipped_inv_freq;
+    } else if (name == kHead && tied && w.has(kEmbed)) {
+      check_tied_head(w);
+      stats.tied_lm_head_checked = true;
+    } else {
+      unexpected.push_back(name);
+    }
+  }
+  if (!missing.empty() || !unexpected.empty()) {
+    std::string msg = fmt::format("the Hugging Face weights at '{}' do not match the model:", w.path());
+    if (!missing.empty()) {
+      msg += fmt::format("\n  {} parameter(s) missing from the files: {}", missing.size(), list_names(missing));
+    }
+    if (!unexpected.empty()) {
+      msg += fmt::format("\n  {} tensor(s) in the files that the model does not have: {}", unexpected.size(),
+                         list_names(unexpected));
+    }
+    DS_FAIL("{}\n  check that config.json (num_hidden_layers, tie_word_embeddings, architecture) describes this "
+            "checkpoint", msg);
+  }
+
+  for (const ParamInfo& p : reg.all()) {
+    const Shape file_shape = w.shape(p.name);
+    DS_CHECK(file_shape == p.global_shape,
+             "tensor '{}' in '{}' has shape {} but the model expects {}; check that config.json (hidden_size, "
+             "intermediate_size, vocab_size, num_attention_heads, num_key_value_heads) matches the checkpoint",
+             p.name, w.file_of(p.name), file_shape.str(), p.global_shape.str());
+  }
+  for (int id = 0; id < reg.size(); ++id) {
+    w.read_f32(reg.info(id).name, reg.param(id));
+    ++stats.loaded;
+  }
+  return stats;
+}
+
+void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const json& config_json,
+                     int64_t max_shard_bytes) {
+  DS_CHECK(max_shard_bytes > 0, "save_hf_weights('{}'): max_shard_bytes must be positive, got {}", dir,
+           max_shard_bytes);
+  DS_CHECK(reg.flat_numel() == 0 || reg.values().allocated(),
+           "save_hf_weights('{}'): the parameter registry is not allocated", dir);
+  DS_CHECK(reg.device().is_cpu(), "save_hf_weights('{}'): parameters are on {}; copy them to host memory first", dir,
+           reg.device().str());
+
+  std::vector<int> ids(size_t(reg.size()));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::sort(ids.begin(), ids.end(), [&](int a, int b) { return reg.info(a).name < reg.info(b).name; });
+
+  // Greedy in name order, as transformers does; a tensor above the limit gets its own shard.
+  std::vector<std::vector<int>> shards;
+  int64_t total = 0, shard_bytes = 0;
+  for (int id : ids) {
+    check_whole(reg.info(id), "save_hf_weights");
+    const int64_t bytes = int64_t(reg.param(id).nbytes());
+    if (shards.empty() || (shard_bytes > 0 && shard_bytes + bytes > max_shard_bytes)) {
+      shards.emplace_back();
+      shard_bytes = 0;
+    }
+    shards.back().push_back(id);
+    shard_bytes += bytes;
+    total += bytes;
+  }
+  auto tensors_of = [&](const std::vector<int>& group) {
+    std::vector<std::pair<std::string, Tensor>> out;
+    for (int id : group) out.emplace_back(reg.info(id).name, reg.param(id).view(reg.info(id).global_shape));
+    return out;
+  };
+  const std::map<std::string, std::string> metadata{{"format", "pt"}};  // transformers checks it
+
+  const fs::path d(dir);
+  std::error_code ec;
+  fs::create_directories(d, ec);
+  DS_CHECK(!ec, "cannot create the directory '{}': {}", dir, ec.message());
+  write_text_file_atomically((d / "config.json").string(), config_json.dump(2) + "\n");
+
+  // Readers find shards through the index: without it an interrupted save fails to load
+  // instead of loading a mix of two saves.
+  remove_if_present(d / kIndexFile);
+  std::set<std::string> written;
+  if (total <= max_shard_bytes) {
+    write_safetensors((d / kSingleFile).string(), tensors_of(ids), metadata);
+    written.insert(kSingleFile);
+  } else {
+    remove_if_present(d / kSingleFile);
+    json weight_map = json::object();
+    for (size_t i = 0; i < shards.size(); ++i) {
+      const std::string name = fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, shards.size());
+      write_safetensors((d / name).string(), tensors_of(shards[i]), metadata);
+      for (int id : shards[i]) weight_map[reg.info(id).name] = name;
+      written.insert(name);
+    }
+    const json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+    write_text_file_atomically((d / kIndexFile).string(), index.dump(2) + "\n");
+    written.insert(kIndexFile);
+  }
+
+  // What an earlier save with another sharding (or an interrupted one) left behind.
+  std::vector<fs::path> stale;
+  fs::directory_iterator entries(d, ec);
+  DS_CHECK(!ec, "cannot list '{}' to remove an earlier save's files: {}", dir, ec.message());
+  for (const fs::directory_entry& e : entries) {
+    std::string name = e.path().filename().string();
+    const bool tmp = name.ends_with(".tmp");
+    if (tmp) name.resize(name.size() - 4);
+    if (is_weight_file(name) && (tmp || !written.count(name))) stale.push_back(e.path());
+  }
+  for (const fs::path& p : stale) remove_if_present(p);
+}
+
+}  // namespace dstrain

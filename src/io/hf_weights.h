@@ -1,0 +1,69 @@
+// Hugging Face model weights on disk: model.safetensors or a sharded set with
+// model.safetensors.index.json, read into and written from the parameter registry.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/json_reader.h"
+#include "io/safetensors.h"
+#include "model/params.h"
+
+namespace dstrain {
+
+// All tensors of one Hugging Face checkpoint, whichever files they are spread over.
+class HFWeights {
+ public:
+  // `path`: a model directory (model.safetensors, or model.safetensors.index.json and its
+  // shards), a single .safetensors file, or an index .json file.
+  explicit HFWeights(const std::string& path);
+
+  const std::string& path() const { return path_; }
+  bool has(const std::string& name) const { return where_.count(name) != 0; }
+  Shape shape(const std::string& name) const { return info(name).shape; }
+  DType dtype(const std::string& name) const { return info(name).dtype; }
+  // Reads `name` into `out` (host F32, same element count), converting from BF16/F16/F64.
+  void read_f32(const std::string& name, Tensor out) const;
+  // The stored bytes of `name`, valid while this object lives.
+  std::span<const std::byte> raw(const std::string& name) const;
+  // The file that holds `name`.
+  const std::string& file_of(const std::string& name) const;
+  // Every tensor name, sorted.
+  std::vector<std::string> names() const;
+
+ private:
+  const SafeTensorInfo& info(const std::string& name) const;
+  const SafeTensorsFile& file(const std::string& name) const;
+  void open_single(const std::string& file);
+  void open_index(const std::string& index_path);
+
+  std::string path_;
+  std::vector<std::unique_ptr<SafeTensorsFile>> files_;
+  std::map<std::string, size_t> where_;  // tensor name -> index into files_
+};
+
+struct HFLoadStats {
+  int loaded = 0;                // registry parameters read from the files
+  int skipped_inv_freq = 0;      // "*rotary_emb.inv_freq" buffers: derived, recomputed by the model
+  bool tied_lm_head_checked = false;  // a tied model's file held an lm_head.weight equal to the embedding
+};
+
+// Reads every registry parameter from the Hugging Face weights at `path` (see HFWeights).
+// Each must be present with exactly its global shape; tensors the registry does not have
+// are an error, except rotary inv_freq buffers and, for tied embeddings, an lm_head.weight
+// bitwise equal to model.embed_tokens.weight. Parameters must be whole (not sharded) and
+// in host memory.
+HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg);
+
+// Writes `reg` as a Hugging Face checkpoint in `dir`: config.json, then model.safetensors,
+// or model-0000i-of-0000N.safetensors shards of at most max_shard_bytes of tensor data
+// (a larger tensor gets a shard of its own) plus model.safetensors.index.json. Tensors are
+// F32, sorted by name. Weight files of an earlier save with another sharding are removed.
+void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const json& config_json,
+                     int64_t max_shard_bytes = int64_t(5) << 30);
+
+}  // namespace dstrain
