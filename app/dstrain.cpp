@@ -1,0 +1,161 @@
+// dstrain: train, evaluate and sample DeepSeek-family models.
+//   dstrain train    --config F [--init-from HF_DIR] [--save-hf DIR] [--max-steps N] [--set key=value]...
+//   dstrain eval     --config F --init-from HF_DIR [--batches N]
+//   dstrain generate --config F --init-from HF_DIR --prompt TEXT
+#include <CLI/CLI.hpp>
+#include <Kokkos_Core.hpp>
+#include <mpi.h>
+#include <omp.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "core/log.h"
+#include "core/version.h"
+#include "io/hf_weights.h"
+#include "train/trainer.h"
+
+namespace {
+
+struct Options {
+  std::string config;
+  std::string init_from;
+  std::string save_hf;
+  int64_t max_steps = -1;
+  std::vector<std::string> overrides;
+  int64_t eval_batches = -1;
+  std::string prompt;
+  int64_t max_new_tokens = -1;
+  double temperature = -1;
+  int64_t top_k = -1;
+  int64_t seed = -1;
+};
+
+dstrain::RunConfig load_config(const Options& o) {
+  std::vector<std::string> overrides = o.overrides;
+  if (o.max_steps >= 0) overrides.push_back(fmt::format("train.max_steps={}", o.max_steps));
+  if (!o.save_hf.empty()) overrides.push_back("output.save_hf=" + dstrain::json(o.save_hf).dump());
+  if (o.eval_batches > 0) overrides.push_back(fmt::format("train.eval_batches={}", o.eval_batches));
+  if (!o.prompt.empty()) overrides.push_back("generate.prompt=" + dstrain::json(o.prompt).dump());
+  if (o.max_new_tokens >= 0) overrides.push_back(fmt::format("generate.max_new_tokens={}", o.max_new_tokens));
+  if (o.temperature >= 0) overrides.push_back(fmt::format("generate.temperature={}", o.temperature));
+  if (o.top_k >= 0) overrides.push_back(fmt::format("generate.top_k={}", o.top_k));
+  if (o.seed >= 0) overrides.push_back(fmt::format("generate.seed={}", o.seed));
+  return dstrain::RunConfig::load(o.config, overrides, o.init_from);
+}
+
+void print_header(const dstrain::RunConfig& c, const char* command) {
+  using namespace dstrain;
+  log::info("dstrain {} ({}) {}: {} OpenMP threads", DSTRAIN_VERSION, DSTRAIN_GIT_COMMIT, command,
+            omp_get_max_threads());
+  log::info("resolved configuration:\n{}", c.to_json().dump(2));
+}
+
+int cmd_train(const Options& o) {
+  using namespace dstrain;
+  RunConfig c = load_config(o);
+  Trainer trainer(c);
+  print_header(trainer.config(), "train");
+  std::filesystem::create_directories(trainer.config().output.dir);
+  std::ofstream(std::filesystem::path(trainer.config().output.dir) / "resolved_config.json")
+      << trainer.config().to_json().dump(2) << "\n";
+  log::info("model: {} parameters, {} layers, hidden {}, heads {} (kv {})", c.model.num_parameters(),
+            c.model.num_hidden_layers, c.model.hidden_size, c.model.num_attention_heads, c.model.num_key_value_heads);
+  trainer.init_weights(o.init_from);
+  trainer.train();
+  if (!trainer.config().generate.prompt.empty()) {
+    log::info("sample: {}", trainer.sample(trainer.config().generate.prompt));
+  }
+  if (!trainer.config().output.save_hf.empty()) {
+    save_hf_weights(trainer.config().output.save_hf, trainer.model().params(), trainer.config().model.to_hf_json());
+    log::info("saved Hugging Face weights to {}", trainer.config().output.save_hf);
+  }
+  return 0;
+}
+
+int cmd_eval(const Options& o) {
+  using namespace dstrain;
+  Trainer trainer(load_config(o));
+  print_header(trainer.config(), "eval");
+  trainer.init_weights(o.init_from);
+  const LossSums s = trainer.evaluate(trainer.config().train.eval_batches);
+  log::info("eval loss {:.6f} over {} tokens ({} windows of {})", s.mean(), s.count,
+            s.count / trainer.config().data.seq_len, trainer.config().data.seq_len);
+  return 0;
+}
+
+int cmd_generate(const Options& o) {
+  using namespace dstrain;
+  Trainer trainer(load_config(o));
+  print_header(trainer.config(), "generate");
+  trainer.init_weights(o.init_from);
+  const std::string text = trainer.sample(trainer.config().generate.prompt);
+  log::info("{}{}", trainer.config().generate.prompt, text);
+  return 0;
+}
+
+int run(int argc, char** argv) {
+  CLI::App app{"dstrain: train DeepSeek-family language models on CPUs and GPUs with MPI"};
+  app.require_subcommand(1);
+  Options o;
+  auto common = [&](CLI::App* sub, bool need_init) {
+    sub->add_option("--config", o.config, "run configuration (JSON)")->required()->check(CLI::ExistingFile);
+    auto* init = sub->add_option("--init-from", o.init_from,
+                                 "initial weights: a Hugging Face directory (safetensors) or a .safetensors file");
+    if (need_init) init->required();
+    sub->add_option("--set", o.overrides, "override a configuration key, e.g. train.optimizer.params.lr=3e-4")
+        ->take_all();
+  };
+  CLI::App* train = app.add_subcommand("train", "train a model");
+  common(train, false);
+  train->add_option("--save-hf", o.save_hf, "write Hugging Face weights (safetensors + config.json) here at the end");
+  train->add_option("--max-steps", o.max_steps, "optimizer steps to run (overrides train.max_steps)")
+      ->check(CLI::NonNegativeNumber);
+  CLI::App* eval = app.add_subcommand("eval", "mean loss over the first windows of the evaluation data");
+  common(eval, true);
+  eval->add_option("--batches", o.eval_batches, "micro-batches to evaluate (overrides train.eval_batches)")
+      ->check(CLI::PositiveNumber);
+  CLI::App* gen = app.add_subcommand("generate", "continue a prompt");
+  common(gen, true);
+  gen->add_option("--prompt", o.prompt, "text to continue")->required();
+  gen->add_option("--max-new-tokens", o.max_new_tokens, "tokens to generate")->check(CLI::NonNegativeNumber);
+  gen->add_option("--temperature", o.temperature, "0 for greedy decoding")->check(CLI::NonNegativeNumber);
+  gen->add_option("--top-k", o.top_k, "sample among the k most likely tokens (0: all)")->check(CLI::NonNegativeNumber);
+  gen->add_option("--seed", o.seed, "sampling seed")->check(CLI::NonNegativeNumber);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  if (train->parsed()) return cmd_train(o);
+  if (eval->parsed()) return cmd_eval(o);
+  return cmd_generate(o);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // MPI first, then Kokkos; torn down in reverse.
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+  int rank = 0, world = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  dstrain::log::set_rank(rank, world);
+  Kokkos::initialize(argc, argv);
+  int rc = 0;
+  try {
+    rc = run(argc, argv);
+  } catch (const std::exception& e) {
+    dstrain::log::error_line(e.what());
+    std::fflush(stdout);
+    // Ends every rank of the job: no rank is left waiting in a collective.
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    rc = 1;
+  }
+  Kokkos::finalize();
+  MPI_Finalize();
+  return rc;
+}

@@ -1,0 +1,24 @@
+// Text generation for a quick look at what a model learned: greedy, temperature and top-k
+// sampling, reproducible from a seed.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "model/transformer.h"
+#include "train/run_config.h"
+
+namespace dstrain {
+
+// Picks the next token from logits (V): argmax when temperature is 0, otherwise a sample
+// from softmax(logits / temperature) restricted to the top_k largest (0: all), drawn with
+// uniform number `draw` of the seed's stream.
+int32_t sample_token(const float* logits, int64_t V, double temperature, int64_t top_k, uint64_t seed,
+                     uint64_t draw);
+
+// Continues `prompt` by up to max_new_tokens tokens, stopping early at a stop id. The model
+// sees at most `context` most recent tokens. Returns only the new tokens.
+std::vector<int32_t> generate_tokens(Transformer& model, const std::vector<int32_t>& prompt, const GenerateConfig& g,
+                                     int64_t context, const std::vector<int64_t>& stop_ids);
+
+}  // namespace dstrain

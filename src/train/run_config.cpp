@@ -1,0 +1,237 @@
+#include "train/run_config.h"
+
+#include <filesystem>
+
+#include "core/error.h"
+
+namespace dstrain {
+namespace {
+
+ModelConfig read_model(const JsonReader& top, const std::string& init_from) {
+  if (!top.has("model")) {
+    if (init_from.empty()) {
+      top.error("model", "is missing: give an HF config.json path (\"model\": \"path/config.json\"), the fields "
+                         "inline, or --init-from a Hugging Face directory");
+    }
+    const std::string path = (std::filesystem::path(init_from) / "config.json").string();
+    DS_CHECK(std::filesystem::exists(path), "--init-from {}: no config.json there to take the architecture from",
+             init_from);
+    return load_hf_config(path);
+  }
+  const json& m = top.raw("model");
+  if (m.is_string()) return load_hf_config(m.get<std::string>());
+  if (!m.is_object()) top.error("model", "must be a path to an HF config.json or an object");
+  if (!m.contains("hf_config")) return ModelConfig::from_hf_json(m, top.source() + " (model)");
+  // {"hf_config": path, field: value, ...}: the file's fields with inline overrides.
+  if (!m.at("hf_config").is_string()) top.error("model", "'hf_config' must be a path string");
+  const std::string path = m.at("hf_config").get<std::string>();
+  json merged = read_json_file(path);
+  for (const auto& [k, v] : m.items()) {
+    if (k != "hf_config") merged[k] = v;
+  }
+  return ModelConfig::from_hf_json(merged, path + " with overrides from " + top.source());
+}
+
+std::set<ParamKind> read_no_decay(const JsonReader& r, const std::string& key) {
+  std::set<ParamKind> kinds;
+  for (const std::string& name : r.get<std::vector<std::string>>(key)) {
+    if (name == "norm") {
+      kinds.insert(ParamKind::Norm);
+    } else if (name == "embedding") {
+      kinds.insert(ParamKind::Embedding);
+    } else if (name == "lm_head") {
+      kinds.insert(ParamKind::Head);
+    } else if (name == "linear") {
+      kinds.insert(ParamKind::Linear);
+    } else {
+      r.error(key, fmt::format("has \"{}\"; the kinds are norm, embedding, lm_head, linear", name));
+    }
+  }
+  return kinds;
+}
+
+TrainConfig read_train(const JsonReader& r) {
+  TrainConfig t;
+  t.micro_batch = r.get<int64_t>("train_micro_batch_size_per_gpu", 0);
+  t.grad_accum = r.get<int64_t>("gradient_accumulation_steps", 0);
+  t.train_batch_size = r.get<int64_t>("train_batch_size", 0);
+  if (t.micro_batch <= 0 && t.train_batch_size <= 0) {
+    r.error("train_micro_batch_size_per_gpu", "or train_batch_size must be set to a positive number");
+  }
+  t.gradient_clipping = r.get<double>("gradient_clipping", 0.0);
+  if (t.gradient_clipping < 0) r.error("gradient_clipping", "must be >= 0 (0 disables clipping)");
+  if (r.has("optimizer")) {
+    JsonReader o = r.child("optimizer");
+    t.optimizer_type = o.get<std::string>("type");
+    if (t.optimizer_type != "AdamW" && t.optimizer_type != "Adam") {
+      o.error("type", fmt::format("is \"{}\"; dstrain implements AdamW (\"AdamW\", or \"Adam\" with adam_w_mode)",
+                                  t.optimizer_type));
+    }
+    if (o.has("params")) {
+      JsonReader p = o.child("params");
+      t.adamw.lr = p.get<double>("lr", t.adamw.lr);
+      if (p.has("betas")) {
+        auto betas = p.get<std::vector<double>>("betas");
+        if (betas.size() != 2) p.error("betas", "must hold two numbers [beta1, beta2]");
+        t.adamw.beta1 = betas[0];
+        t.adamw.beta2 = betas[1];
+      }
+      t.adamw.eps = p.get<double>("eps", t.adamw.eps);
+      t.adamw.weight_decay = p.get<double>("weight_decay", t.adamw.weight_decay);
+      if (!p.get<bool>("adam_w_mode", true)) {
+        p.error("adam_w_mode", "false (L2-coupled Adam) is not implemented; use decoupled weight decay");
+      }
+      if (t.adamw.lr < 0) p.error("lr", "must be >= 0");
+      if (t.adamw.beta1 < 0 || t.adamw.beta1 >= 1 || t.adamw.beta2 < 0 || t.adamw.beta2 >= 1) {
+        p.error("betas", "must lie in [0, 1)");
+      }
+      if (t.adamw.eps <= 0) p.error("eps", "must be positive");
+      p.done();
+    }
+    o.done();
+  }
+  if (r.has("no_weight_decay")) t.adamw.no_decay = read_no_decay(r, "no_weight_decay");
+  if (r.has("scheduler")) t.schedule = LrSchedule::from_json(r.child("scheduler"));
+  t.steps_per_print = r.get<int64_t>("steps_per_print", t.steps_per_print);
+  if (t.steps_per_print <= 0) r.error("steps_per_print", "must be positive");
+  t.max_steps = r.get<int64_t>("max_steps", t.max_steps);
+  if (t.max_steps < 0) r.error("max_steps", "must be >= 0");
+  const int64_t seed = r.get<int64_t>("seed", int64_t(t.seed));
+  if (seed < 0) r.error("seed", "must be >= 0");
+  t.seed = uint64_t(seed);
+  t.eval_interval = r.get<int64_t>("eval_interval", t.eval_interval);
+  t.eval_batches = r.get<int64_t>("eval_batches", t.eval_batches);
+  if (t.eval_interval < 0) r.error("eval_interval", "must be >= 0");
+  if (t.eval_batches <= 0) r.error("eval_batches", "must be positive");
+  r.done();
+  return t;
+}
+
+DataConfig read_data(const JsonReader& r) {
+  DataConfig d;
+  d.format = r.get<std::string>("format", d.format);
+  if (d.format != "llmc") r.error("format", fmt::format("is \"{}\"; supported: \"llmc\" (llm.c token shards)", d.format));
+  d.train = r.get<std::vector<std::string>>("train");
+  if (d.train.empty()) r.error("train", "must name at least one file or pattern");
+  d.val = r.get<std::vector<std::string>>("val", {});
+  d.seq_len = r.get<int64_t>("seq_len");
+  if (d.seq_len <= 0) r.error("seq_len", "must be positive");
+  d.shuffle = r.get<bool>("shuffle", d.shuffle);
+  d.tokenizer = r.get<std::string>("tokenizer", d.tokenizer);
+  r.done();
+  return d;
+}
+
+OutputConfig read_output(const JsonReader& r) {
+  OutputConfig o;
+  o.dir = r.get<std::string>("dir", o.dir);
+  o.save_hf = r.get<std::string>("save_hf", o.save_hf);
+  r.done();
+  return o;
+}
+
+GenerateConfig read_generate(const JsonReader& r) {
+  GenerateConfig g;
+  g.prompt = r.get<std::string>("prompt", g.prompt);
+  g.max_new_tokens = r.get<int64_t>("max_new_tokens", g.max_new_tokens);
+  g.temperature = r.get<double>("temperature", g.temperature);
+  g.top_k = r.get<int64_t>("top_k", g.top_k);
+  const int64_t seed = r.get<int64_t>("seed", 0);
+  g.interval = r.get<int64_t>("interval", g.interval);
+  if (g.max_new_tokens < 0) r.error("max_new_tokens", "must be >= 0");
+  if (g.temperature < 0) r.error("temperature", "must be >= 0 (0 is greedy)");
+  if (g.top_k < 0) r.error("top_k", "must be >= 0 (0 is the whole vocabulary)");
+  if (seed < 0) r.error("seed", "must be >= 0");
+  if (g.interval < 0) r.error("interval", "must be >= 0");
+  g.seed = uint64_t(seed);
+  r.done();
+  return g;
+}
+
+}  // namespace
+
+void TrainConfig::resolve_batch(int64_t dp, const std::string& source) {
+  auto fail = [&](const std::string& what) {
+    throw Error(fmt::format("config error in {}: {} (train_batch_size = train_micro_batch_size_per_gpu x "
+                            "gradient_accumulation_steps x {} data-parallel ranks)",
+                            source, what, dp));
+  };
+  const bool has_mb = micro_batch > 0, has_ga = grad_accum > 0, has_tbs = train_batch_size > 0;
+  if (has_tbs && has_mb && !has_ga) {
+    if (train_batch_size % (micro_batch * dp)) fail(fmt::format("train_batch_size {} is not divisible by {} x {}",
+                                                                train_batch_size, micro_batch, dp));
+    grad_accum = train_batch_size / (micro_batch * dp);
+  } else if (has_tbs && has_ga && !has_mb) {
+    if (train_batch_size % (grad_accum * dp)) fail(fmt::format("train_batch_size {} is not divisible by {} x {}",
+                                                               train_batch_size, grad_accum, dp));
+    micro_batch = train_batch_size / (grad_accum * dp);
+  } else if (has_tbs && !has_mb && !has_ga) {
+    grad_accum = 1;
+    if (train_batch_size % dp) fail(fmt::format("train_batch_size {} is not divisible by {}", train_batch_size, dp));
+    micro_batch = train_batch_size / dp;
+  } else if (!has_tbs) {
+    if (!has_ga) grad_accum = 1;
+  }
+  const int64_t product = micro_batch * grad_accum * dp;
+  if (has_tbs && has_mb && has_ga && product != train_batch_size) {
+    fail(fmt::format("train_batch_size {} != {} x {} x {}", train_batch_size, micro_batch, grad_accum, dp));
+  }
+  if (micro_batch <= 0 || grad_accum <= 0) fail("the batch sizes must be positive");
+  train_batch_size = product;
+}
+
+RunConfig RunConfig::load(const std::string& path, const std::vector<std::string>& overrides,
+                          const std::string& init_from) {
+  json root = read_json_file(path);
+  for (const std::string& o : overrides) apply_override(root, o);
+  const std::string source = overrides.empty() ? path : path + " (with --set overrides)";
+  JsonReader top(root, "", source);
+  RunConfig c;
+  c.source = source;
+  c.model = read_model(top, init_from);
+  c.train = read_train(top.child("train"));
+  c.data = read_data(top.child("data"));
+  if (top.has("output")) c.output = read_output(top.child("output"));
+  if (top.has("generate")) c.generate = read_generate(top.child("generate"));
+  top.done();
+  if (c.data.seq_len > c.model.max_position_embeddings) {
+    throw Error(fmt::format("config error in {}: data.seq_len {} exceeds the model's max_position_embeddings {}",
+                            source, c.data.seq_len, c.model.max_position_embeddings));
+  }
+  return c;
+}
+
+json RunConfig::to_json() const {
+  json j;
+  j["model"] = model.to_hf_json();
+  json t;
+  t["train_micro_batch_size_per_gpu"] = train.micro_batch;
+  t["gradient_accumulation_steps"] = train.grad_accum;
+  t["train_batch_size"] = train.train_batch_size;
+  t["gradient_clipping"] = train.gradient_clipping;
+  t["optimizer"] = {{"type", train.optimizer_type},
+                    {"params",
+                     {{"lr", train.adamw.lr},
+                      {"betas", {train.adamw.beta1, train.adamw.beta2}},
+                      {"eps", train.adamw.eps},
+                      {"weight_decay", train.adamw.weight_decay}}}};
+  json nd = json::array();
+  for (ParamKind k : train.adamw.no_decay) nd.push_back(std::string(param_kind_name(k)));
+  t["no_weight_decay"] = nd;
+  t["scheduler"] = train.schedule.to_json();
+  t["steps_per_print"] = train.steps_per_print;
+  t["max_steps"] = train.max_steps;
+  t["seed"] = train.seed;
+  t["eval_interval"] = train.eval_interval;
+  t["eval_batches"] = train.eval_batches;
+  j["train"] = t;
+  j["data"] = {{"format", data.format}, {"train", data.train}, {"val", data.val},
+               {"seq_len", data.seq_len}, {"shuffle", data.shuffle}, {"tokenizer", data.tokenizer}};
+  j["output"] = {{"dir", output.dir}, {"save_hf", output.save_hf}};
+  j["generate"] = {{"prompt", generate.prompt},           {"max_new_tokens", generate.max_new_tokens},
+                   {"temperature", generate.temperature}, {"top_k", generate.top_k},
+                   {"seed", generate.seed},               {"interval", generate.interval}};
+  return j;
+}
+
+}  // namespace dstrain

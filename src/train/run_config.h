@@ -1,0 +1,75 @@
+// The run configuration: one JSON file with "model", "train", "data", "output" and
+// "generate" parts. "train" uses DeepSpeed's ds_config key names wherever a feature maps.
+// Every key is validated; unknown keys are errors; command-line --set overrides any key.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/json_reader.h"
+#include "model/model_config.h"
+#include "optim/adamw.h"
+#include "optim/lr_schedule.h"
+
+namespace dstrain {
+
+struct TrainConfig {
+  // DeepSpeed: train_batch_size = micro_batch * gradient_accumulation_steps * data-parallel
+  // ranks; any two determine the third (resolved once the rank count is known).
+  int64_t micro_batch = 0;          // train_micro_batch_size_per_gpu
+  int64_t grad_accum = 0;           // gradient_accumulation_steps
+  int64_t train_batch_size = 0;     // train_batch_size
+  double gradient_clipping = 0.0;   // 0: no clipping
+  std::string optimizer_type = "AdamW";
+  AdamWConfig adamw;
+  LrSchedule schedule;
+  int64_t steps_per_print = 10;
+  int64_t max_steps = 0;
+  uint64_t seed = 1234;
+  int64_t eval_interval = 0;        // steps between evaluations, 0: none during training
+  int64_t eval_batches = 8;         // micro-batches of validation windows per evaluation
+
+  // Fills micro_batch / grad_accum / train_batch_size for `dp` data-parallel ranks.
+  void resolve_batch(int64_t dp, const std::string& source);
+};
+
+struct DataConfig {
+  std::string format = "llmc";  // llm.c token shards
+  std::vector<std::string> train;  // files or glob patterns
+  std::vector<std::string> val;
+  int64_t seq_len = 0;
+  bool shuffle = true;
+  std::string tokenizer = "byte";
+};
+
+struct OutputConfig {
+  std::string dir = "runs/default";
+  std::string save_hf;  // Hugging Face directory written at the end ("" = none)
+};
+
+struct GenerateConfig {
+  std::string prompt = "";
+  int64_t max_new_tokens = 64;
+  double temperature = 1.0;  // 0: greedy
+  int64_t top_k = 0;         // 0: whole vocabulary
+  uint64_t seed = 0;
+  int64_t interval = 0;      // steps between samples during training, 0: none
+};
+
+struct RunConfig {
+  ModelConfig model;
+  TrainConfig train;
+  DataConfig data;
+  OutputConfig output;
+  GenerateConfig generate;
+  std::string source;  // the file it came from
+
+  // Reads `path`, applies "key=value" overrides, validates everything. When the file has
+  // no "model" part, the architecture comes from `init_from`/config.json.
+  static RunConfig load(const std::string& path, const std::vector<std::string>& overrides,
+                        const std::string& init_from = "");
+  json to_json() const;  // the resolved configuration, printed at start
+};
+
+}  // namespace dstrain

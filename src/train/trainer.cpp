@@ -1,0 +1,174 @@
+#include "train/trainer.h"
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+
+#include "core/log.h"
+#include "io/hf_weights.h"
+#include "train/generate.h"
+
+namespace dstrain {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+std::string hms(double seconds) {
+  const int64_t s = int64_t(seconds + 0.5);
+  return fmt::format("{:02d}:{:02d}:{:02d}", s / 3600, (s / 60) % 60, s % 60);
+}
+
+Tensor tokens_tensor(std::vector<int32_t>& v, int64_t B, int64_t T) { return Tensor(v.data(), DType::I32, Shape{B, T}); }
+
+}  // namespace
+
+Trainer::Trainer(RunConfig config, Device device) : config_(std::move(config)) {
+  config_.train.resolve_batch(/*dp=*/1, config_.source);
+  model_ = std::make_unique<Transformer>(config_.model, device);
+  optimizer_ = std::make_unique<AdamW>(config_.train.adamw, model_->params());
+}
+
+Tokenizer& Trainer::tokenizer() {
+  // Training reads token ids only; text needs the tokenizer, made on first use.
+  if (!tokenizer_) {
+    tokenizer_ = make_tokenizer(config_.data.tokenizer);
+    DS_CHECK(tokenizer_->vocab_size() <= config_.model.vocab_size,
+             "the {} tokenizer has {} ids but the model's vocab_size is {}: its ids would index the embedding out of "
+             "range; set data.tokenizer to the tokenizer the model was built for",
+             tokenizer_->name(), tokenizer_->vocab_size(), config_.model.vocab_size);
+  }
+  return *tokenizer_;
+}
+
+void Trainer::init_weights(const std::string& init_from) {
+  if (init_from.empty()) {
+    model_->init_weights(config_.train.seed);
+    log::info("initialised {} parameters (seed {})", model_->config().num_parameters(), config_.train.seed);
+    return;
+  }
+  // The directory's architecture, when it states one, must be the configured one.
+  const auto cfg_path = std::filesystem::path(init_from) / "config.json";
+  if (std::filesystem::is_directory(init_from) && std::filesystem::exists(cfg_path)) {
+    const json theirs = load_hf_config(cfg_path.string()).to_hf_json();
+    const json ours = config_.model.to_hf_json();
+    for (const auto& [key, value] : ours.items()) {
+      if (key == "torch_dtype" || key == "eos_token_id" || key == "bos_token_id") continue;
+      DS_CHECK(theirs.contains(key) && theirs.at(key) == value,
+               "--init-from {}: its config.json has {} = {} but the run's model has {}; use the same architecture",
+               init_from, key, theirs.contains(key) ? theirs.at(key).dump() : "nothing", value.dump());
+    }
+  }
+  auto counts = load_hf_weights(init_from, model_->params());
+  log::info("loaded {} tensors from {}", counts.loaded, init_from);
+}
+
+StepRecord Trainer::train_step() {
+  const auto t0 = Clock::now();
+  const TrainConfig& tc = config_.train;
+  const int64_t mb = tc.micro_batch, T = config_.data.seq_len;
+  if (!train_data_) {
+    train_data_ = std::make_unique<WindowDataset>(config_.data.train, T, config_.model.vocab_size);
+    sampler_ = std::make_unique<WindowSampler>(train_data_->num_windows(), config_.data.shuffle, tc.seed);
+  }
+  // The whole step's micro-batches are read first: the loss is the mean over every target
+  // token of the global batch, so each backward needs the global token count.
+  micro_batches_.resize(size_t(tc.grad_accum));
+  int64_t count = 0;
+  for (int64_t m = 0; m < tc.grad_accum; ++m) {
+    fill_batch(*train_data_, *sampler_, consumed_samples_ + m * mb, mb, micro_batches_[size_t(m)]);
+    for (int32_t t : micro_batches_[size_t(m)].targets) count += t != ops::kIgnoreIndex;
+  }
+  DS_CHECK(count > 0, "step {}: the global batch has no target tokens (all are the ignore index)", step_ + 1);
+  const float scale = float(1.0 / double(count));
+
+  ParamRegistry& params = model_->params();
+  params.grads().zero();
+  LossSums sums;
+  for (auto& b : micro_batches_) {
+    LossSums s = model_->forward_backward(tokens_tensor(b.inputs, mb, T), tokens_tensor(b.targets, mb, T), scale);
+    sums.sum += s.sum;
+    sums.count += s.count;
+  }
+
+  StepRecord r;
+  r.step = step_ + 1;
+  r.loss = sums.sum / double(sums.count);
+  r.grad_norm = grad_norm(params);
+  if (tc.gradient_clipping > 0) clip_grad_norm(params, tc.gradient_clipping, r.grad_norm);
+  r.lr = tc.schedule.lr_at(step_, tc.adamw.lr);
+  optimizer_->step(r.lr);
+  ++step_;
+  consumed_samples_ += tc.train_batch_size;
+  r.step_seconds = seconds_since(t0);
+  r.tokens_per_s = double(tc.train_batch_size * T) / r.step_seconds;
+  return r;
+}
+
+void Trainer::print_progress(const StepRecord& r, double elapsed) const {
+  const int64_t remaining = config_.train.max_steps - r.step;
+  const double eta = r.step > 0 ? elapsed / double(r.step) * double(remaining) : 0;
+  log::info("step {:>6}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.4f} | {:.0f} tok/s | elapsed {} | eta {}", r.step,
+            config_.train.max_steps, r.loss, r.lr, r.grad_norm, r.tokens_per_s, hms(elapsed), hms(eta));
+}
+
+void Trainer::train() {
+  const TrainConfig& tc = config_.train;
+  log::info("training {} steps: global batch {} windows x {} tokens (micro-batch {} x {} accumulation steps)",
+            tc.max_steps, tc.train_batch_size, config_.data.seq_len, tc.micro_batch, tc.grad_accum);
+  const auto t0 = Clock::now();
+  while (step_ < tc.max_steps) {
+    StepRecord r = train_step();
+    history_.push_back(r);
+    const double elapsed = seconds_since(t0);
+    if (r.step == 1 || r.step % tc.steps_per_print == 0 || r.step == tc.max_steps) print_progress(r, elapsed);
+    if (tc.eval_interval > 0 && !config_.data.val.empty() &&
+        (r.step % tc.eval_interval == 0 || r.step == tc.max_steps)) {
+      const LossSums e = evaluate(tc.eval_batches);
+      log::info("eval   {:>6} | val loss {:.4f} over {} tokens", r.step, e.mean(), e.count);
+    }
+    if (config_.generate.interval > 0 && r.step % config_.generate.interval == 0) {
+      log::info("sample {:>6} | {}", r.step, sample(config_.generate.prompt));
+    }
+  }
+}
+
+WindowDataset& Trainer::eval_dataset() {
+  if (!eval_data_) {
+    const bool has_val = !config_.data.val.empty();
+    if (!has_val) log::info("no data.val configured: evaluating on the first windows of data.train");
+    eval_data_ = std::make_unique<WindowDataset>(has_val ? config_.data.val : config_.data.train,
+                                                 config_.data.seq_len, config_.model.vocab_size);
+  }
+  return *eval_data_;
+}
+
+LossSums Trainer::evaluate(int64_t batches) {
+  WindowDataset& data = eval_dataset();
+  const int64_t mb = config_.train.micro_batch, T = config_.data.seq_len;
+  const WindowSampler in_order(data.num_windows(), /*shuffle=*/false, 0);
+  const int64_t windows = std::min(batches * mb, data.num_windows());
+  LossSums total;
+  Batch b;
+  for (int64_t first = 0; first < windows; first += mb) {
+    const int64_t n = std::min(mb, windows - first);
+    fill_batch(data, in_order, first, n, b);
+    LossSums s = model_->forward_loss(tokens_tensor(b.inputs, n, T), tokens_tensor(b.targets, n, T));
+    total.sum += s.sum;
+    total.count += s.count;
+  }
+  return total;
+}
+
+std::string Trainer::sample(const std::string& prompt) {
+  // Documents follow an end-of-document token in the training stream, so a prompt does too.
+  Tokenizer& tok = tokenizer();
+  std::vector<int32_t> ids = tok.encode(prompt);
+  ids.insert(ids.begin(), tok.eos_id());
+  std::vector<int64_t> stops = {tok.eos_id()};
+  std::vector<int32_t> out = generate_tokens(*model_, ids, config_.generate, config_.data.seq_len, stops);
+  return tok.decode(out);
+}
+
+}  // namespace dstrain
