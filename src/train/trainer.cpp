@@ -117,16 +117,42 @@ void Trainer::train() {
   const TrainConfig& tc = config_.train;
   log::info("training {} steps: global batch {} windows x {} tokens (micro-batch {} x {} accumulation steps)",
             tc.max_steps, tc.train_batch_size, config_.data.seq_len, tc.micro_batch, tc.grad_accum);
+  if (log::rank() == 0) {
+    std::filesystem::create_directories(config_.output.dir);
+    const auto path = std::filesystem::path(config_.output.dir) / "metrics.jsonl";
+    metrics_.open(path, std::ios::app);
+    DS_CHECK(metrics_.good(), "cannot write {}: check output.dir", path.string());
+  }
+  const double flops_per_token = config_.model.train_flops_per_token(config_.data.seq_len);
   const auto t0 = Clock::now();
   while (step_ < tc.max_steps) {
     StepRecord r = train_step();
     history_.push_back(r);
     const double elapsed = seconds_since(t0);
+    if (metrics_.is_open()) {
+      metrics_ << json{{"type", "train"},
+                       {"step", r.step},
+                       {"loss", r.loss},
+                       {"lr", r.lr},
+                       {"grad_norm", r.grad_norm},
+                       {"step_time_s", r.step_seconds},
+                       {"tokens_per_s", r.tokens_per_s},
+                       {"model_flops_per_s", r.tokens_per_s * flops_per_token},
+                       {"tokens", consumed_samples_ * config_.data.seq_len},
+                       {"elapsed_s", elapsed}}
+                      .dump()
+               << "\n";
+      metrics_.flush();
+    }
     if (r.step == 1 || r.step % tc.steps_per_print == 0 || r.step == tc.max_steps) print_progress(r, elapsed);
     if (tc.eval_interval > 0 && !config_.data.val.empty() &&
         (r.step % tc.eval_interval == 0 || r.step == tc.max_steps)) {
       const LossSums e = evaluate(tc.eval_batches);
       log::info("eval   {:>6} | val loss {:.4f} over {} tokens", r.step, e.mean(), e.count);
+      if (metrics_.is_open()) {
+        metrics_ << json{{"type", "eval"}, {"step", r.step}, {"loss", e.mean()}, {"tokens", e.count}}.dump() << "\n";
+        metrics_.flush();
+      }
     }
     if (config_.generate.interval > 0 && r.step % config_.generate.interval == 0) {
       log::info("sample {:>6} | {}", r.step, sample(config_.generate.prompt));

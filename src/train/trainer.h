@@ -2,6 +2,7 @@
 // (gradients accumulate); then clip, schedule, AdamW; then metrics, evaluation, samples.
 #pragma once
 
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -51,6 +52,7 @@ class Trainer {
   Tokenizer& tokenizer();
 
   RunConfig config_;
+  std::ofstream metrics_;  // output.dir/metrics.jsonl: one JSON object per step and evaluation
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<Tokenizer> tokenizer_;

@@ -1,0 +1,159 @@
+"""End-to-end tests of the dstrain command line: prepare text, train, save Hugging Face
+weights, evaluate and sample from them, and check that PyTorch reads the saved model and
+gets the same loss; the same seed and config give bitwise-identical runs; bad input ends
+with a clear error.
+
+    /usr/bin/python3 tests/e2e/test_cli.py BUILD_DIR
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "validation", "reference"))
+BUILD = None
+
+MODEL = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": 260, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "tie_word_embeddings": False, "initializer_range": 0.02,
+    "bos_token_id": 256, "eos_token_id": 257,
+}
+
+TEXT = """The quick brown fox jumps over the lazy dog.
+%
+A journey of a thousand miles begins with a single step.
+%
+All that glitters is not gold; all that wander are not lost.
+%
+To be, or not to be, that is the question.
+%
+"""
+
+
+def run(args, check=True, **kw):
+    p = subprocess.run(args, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="2"), **kw)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{args} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+class CommandLine(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.mkdtemp(prefix="dstrain_e2e_")
+        with open(os.path.join(cls.dir, "text.txt"), "w") as f:
+            f.write(TEXT * 40)
+        with open(os.path.join(cls.dir, "model.json"), "w") as f:
+            json.dump(MODEL, f)
+        run([os.path.join(BUILD, "app", "dstrain-prep"), "--input", os.path.join(cls.dir, "text.txt"),
+             "--split-on-line", "%", "--val-docs", "12", "--output-prefix", os.path.join(cls.dir, "corpus")])
+        cls.config = os.path.join(cls.dir, "run.json")
+        with open(cls.config, "w") as f:
+            json.dump({
+                "model": os.path.join(cls.dir, "model.json"),
+                "train": {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+                          "gradient_clipping": 1.0,
+                          "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95],
+                                                                    "weight_decay": 0.1}},
+                          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 3,
+                                                                            "total_num_steps": 30,
+                                                                            "warmup_type": "linear"}},
+                          "steps_per_print": 5, "max_steps": 12, "seed": 99, "eval_interval": 6,
+                          "eval_batches": 2},
+                "data": {"train": os.path.join(cls.dir, "corpus_train_*.bin"),
+                         "val": os.path.join(cls.dir, "corpus_val_*.bin"), "seq_len": 32, "shuffle": True},
+                "output": {"dir": os.path.join(cls.dir, "out")},
+                "generate": {"prompt": "The ", "max_new_tokens": 20, "temperature": 0.0},
+            }, f)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.dir)
+
+    def train(self, name, *extra):
+        hf = os.path.join(self.dir, name)
+        p = run([os.path.join(BUILD, "app", "dstrain"), "train", "--config", self.config, "--save-hf", hf,
+                 "--set", f'output.dir="{os.path.join(self.dir, name + "_out")}"', *extra])
+        return hf, p.stdout
+
+    def test_train_save_eval_generate_and_torch_reads_the_export(self):
+        hf, out = self.train("hf_a")
+        losses = [float(x) for x in re.findall(r"^step +\d+/12 \| loss ([0-9.]+)", out, re.M)]
+        self.assertGreaterEqual(len(losses), 3)
+        self.assertLess(losses[-1], losses[0], "the loss must fall")
+        self.assertIn('"train_batch_size": 8', out, "rank 0 prints the resolved configuration")
+        for f in ("config.json", "model.safetensors"):
+            self.assertTrue(os.path.exists(os.path.join(hf, f)), f)
+        metrics = [json.loads(l) for l in open(os.path.join(self.dir, "hf_a_out", "metrics.jsonl"))]
+        self.assertEqual([m["step"] for m in metrics if m["type"] == "train"], list(range(1, 13)))
+        self.assertEqual(len([m for m in metrics if m["type"] == "eval"]), 2)
+
+        ev = run([os.path.join(BUILD, "app", "dstrain"), "eval", "--config", self.config, "--init-from", hf]).stdout
+        loss = float(re.search(r"eval loss ([0-9.]+) over (\d+) tokens", ev).group(1))
+        # The same windows through the PyTorch reference, from the exported files.
+        import numpy as np
+        import torch
+        import llama_ref
+        import safetensors_np
+        cfg = json.load(open(os.path.join(hf, "config.json")))
+        model = llama_ref.LlamaForCausalLM(llama_ref.LlamaConfig(cfg))
+        model.load_numpy_state(safetensors_np.load_dir(hf))
+        shard = os.path.join(self.dir, "corpus_val_000000.bin")
+        header = np.fromfile(shard, dtype=np.int32, count=256)
+        tokens = np.fromfile(shard, dtype=np.uint16, offset=1024, count=header[2]).astype(np.int64)
+        T, n = 32, 8  # eval_batches 2 x micro-batch 4 windows, in order
+        x = torch.tensor(np.stack([tokens[i * T:i * T + T] for i in range(n)]))
+        y = torch.tensor(np.stack([tokens[i * T + 1:i * T + T + 1] for i in range(n)]))
+        with torch.no_grad():
+            ref = llama_ref.mean_loss(model(x), y).item()
+        self.assertAlmostEqual(loss, ref, delta=1e-5 * ref)
+
+        gen = run([os.path.join(BUILD, "app", "dstrain"), "generate", "--config", self.config, "--init-from", hf,
+                   "--prompt", "The ", "--max-new-tokens", "16"]).stdout
+        text = gen.split("tensors from " + hf + "\n", 1)[1]
+        self.assertTrue(text.startswith("The "), gen)
+        self.assertGreater(len(text), len("The "), "something was generated")
+
+    def test_same_seed_same_config_is_bitwise_identical(self):
+        hf1, out1 = self.train("hf_r1")
+        hf2, out2 = self.train("hf_r2")
+        strip = lambda s: re.sub(r"\| [0-9]+ tok/s \|.*$", "", s, flags=re.M)
+        steps = lambda s: [l for l in strip(s).splitlines() if l.startswith(("step", "eval"))]
+        self.assertEqual(steps(out1), steps(out2))
+        with open(os.path.join(hf1, "model.safetensors"), "rb") as a, open(os.path.join(hf2, "model.safetensors"),
+                                                                            "rb") as b:
+            self.assertEqual(a.read(), b.read())
+        hf3, out3 = self.train("hf_r3", "train.seed=100")
+        with open(os.path.join(hf1, "model.safetensors"), "rb") as a, open(os.path.join(hf3, "model.safetensors"),
+                                                                            "rb") as b:
+            self.assertNotEqual(a.read(), b.read(), "another seed gives another run")
+
+    def test_bad_input_is_a_clear_error(self):
+        dstrain = os.path.join(BUILD, "app", "dstrain")
+        p = run([dstrain, "train", "--config", self.config, "--set", "train.optimizer.params.lrr=1"], check=False)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("unknown key 'train.optimizer.params.lrr'", p.stderr)
+        self.assertIn("did you mean 'train.optimizer.params.lr'", p.stderr)
+        p = run([dstrain, "train", "--config", self.config, "--set", 'data.train="/nonexistent/x_*.bin"'],
+                check=False)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("/nonexistent/x_*.bin", p.stderr)
+        p = run([dstrain, "eval", "--config", self.config, "--init-from", self.dir], check=False)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("model.safetensors", p.stderr)
+        p = run([dstrain, "train", "--config", os.path.join(self.dir, "missing.json")], check=False)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("missing.json", p.stderr)
+
+
+if __name__ == "__main__":
+    BUILD = os.path.abspath(sys.argv.pop(1))
+    unittest.main(verbosity=2)
