@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "core/log.h"
 #include "core/version.h"
@@ -45,21 +46,24 @@ dstrain::RunConfig load_config(const Options& o) {
   return dstrain::RunConfig::load(o.config, overrides, o.init_from);
 }
 
-void print_header(const dstrain::RunConfig& c, const char* command) {
+void print_header(const dstrain::RunConfig& c, const char* command, const dstrain::ProcessGrid& grid) {
   using namespace dstrain;
-  log::info("dstrain {} ({}) {}: {} OpenMP threads", DSTRAIN_VERSION, DSTRAIN_GIT_COMMIT, command,
-            omp_get_max_threads());
+  log::info("dstrain {} ({}) {}: {}, {} OpenMP threads per rank", DSTRAIN_VERSION, DSTRAIN_GIT_COMMIT, command,
+            grid.describe(), omp_get_max_threads());
   log::info("resolved configuration:\n{}", c.to_json().dump(2));
 }
 
 int cmd_train(const Options& o) {
   using namespace dstrain;
   RunConfig c = load_config(o);
-  Trainer trainer(c);
-  print_header(trainer.config(), "train");
-  std::filesystem::create_directories(trainer.config().output.dir);
-  std::ofstream(std::filesystem::path(trainer.config().output.dir) / "resolved_config.json")
-      << trainer.config().to_json().dump(2) << "\n";
+  ProcessGrid grid(MPI_COMM_WORLD, c.parallel);
+  Trainer trainer(c, grid);
+  print_header(trainer.config(), "train", grid);
+  if (grid.world_rank() == 0) {
+    std::filesystem::create_directories(trainer.config().output.dir);
+    std::ofstream(std::filesystem::path(trainer.config().output.dir) / "resolved_config.json")
+        << trainer.config().to_json().dump(2) << "\n";
+  }
   log::info("model: {} parameters, {} layers, hidden {}, heads {} (kv {})", c.model.num_parameters(),
             c.model.num_hidden_layers, c.model.hidden_size, c.model.num_attention_heads, c.model.num_key_value_heads);
   trainer.init_weights(o.init_from);
@@ -67,17 +71,16 @@ int cmd_train(const Options& o) {
   if (!trainer.config().generate.prompt.empty()) {
     log::info("sample: {}", trainer.sample(trainer.config().generate.prompt));
   }
-  if (!trainer.config().output.save_hf.empty()) {
-    save_hf_weights(trainer.config().output.save_hf, trainer.model().params(), trainer.config().model.to_hf_json());
-    log::info("saved Hugging Face weights to {}", trainer.config().output.save_hf);
-  }
+  if (!trainer.config().output.save_hf.empty()) trainer.save_hf(trainer.config().output.save_hf);
   return 0;
 }
 
 int cmd_eval(const Options& o) {
   using namespace dstrain;
-  Trainer trainer(load_config(o));
-  print_header(trainer.config(), "eval");
+  RunConfig c = load_config(o);
+  ProcessGrid grid(MPI_COMM_WORLD, c.parallel);
+  Trainer trainer(c, grid);
+  print_header(trainer.config(), "eval", grid);
   trainer.init_weights(o.init_from);
   const LossSums s = trainer.evaluate(trainer.config().train.eval_batches);
   log::info("eval loss {:.6f} over {} tokens ({} windows of {})", s.mean(), s.count,
@@ -87,8 +90,10 @@ int cmd_eval(const Options& o) {
 
 int cmd_generate(const Options& o) {
   using namespace dstrain;
-  Trainer trainer(load_config(o));
-  print_header(trainer.config(), "generate");
+  RunConfig c = load_config(o);
+  ProcessGrid grid(MPI_COMM_WORLD, c.parallel);
+  Trainer trainer(c, grid);
+  print_header(trainer.config(), "generate", grid);
   trainer.init_weights(o.init_from);
   const std::string text = trainer.sample(trainer.config().generate.prompt);
   log::info("{}{}", trainer.config().generate.prompt, text);
@@ -127,7 +132,9 @@ int run(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // Usage messages once per job, not once per rank.
+    std::ostringstream quiet;
+    return dstrain::log::rank() == 0 ? app.exit(e) : app.exit(e, quiet, quiet);
   }
   if (train->parsed()) return cmd_train(o);
   if (eval->parsed()) return cmd_eval(o);
@@ -138,8 +145,9 @@ int run(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   // MPI first, then Kokkos; torn down in reverse.
+  // Communicators run their collectives on worker threads: MPI must allow every thread.
   int provided = 0;
-  MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   int rank = 0, world = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world);

@@ -99,6 +99,17 @@ TrainConfig read_train(const JsonReader& r) {
   const int64_t seed = r.get<int64_t>("seed", int64_t(t.seed));
   if (seed < 0) r.error("seed", "must be >= 0");
   t.seed = uint64_t(seed);
+  if (r.has("zero_optimization")) {
+    JsonReader z = r.child("zero_optimization");
+    t.zero_stage = z.get<int64_t>("stage", t.zero_stage);
+    if (t.zero_stage != 0) {
+      z.error("stage", fmt::format("is {}; this build implements stage 0 (replicated optimizer state)", t.zero_stage));
+    }
+    t.reduce_bucket_size = z.get<int64_t>("reduce_bucket_size", t.reduce_bucket_size);
+    if (t.reduce_bucket_size <= 0) z.error("reduce_bucket_size", "must be positive (elements per bucket)");
+    t.overlap_comm = z.get<bool>("overlap_comm", t.overlap_comm);
+    z.done();
+  }
   t.eval_interval = r.get<int64_t>("eval_interval", t.eval_interval);
   t.eval_batches = r.get<int64_t>("eval_batches", t.eval_batches);
   if (t.eval_interval < 0) r.error("eval_interval", "must be >= 0");
@@ -189,6 +200,7 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
   RunConfig c;
   c.source = source;
   c.model = read_model(top, init_from);
+  if (top.has("parallel")) c.parallel = ParallelConfig::from_json(top.child("parallel"));
   c.train = read_train(top.child("train"));
   c.data = read_data(top.child("data"));
   if (top.has("output")) c.output = read_output(top.child("output"));
@@ -224,7 +236,11 @@ json RunConfig::to_json() const {
   t["seed"] = train.seed;
   t["eval_interval"] = train.eval_interval;
   t["eval_batches"] = train.eval_batches;
+  t["zero_optimization"] = {{"stage", train.zero_stage},
+                            {"reduce_bucket_size", train.reduce_bucket_size},
+                            {"overlap_comm", train.overlap_comm}};
   j["train"] = t;
+  j["parallel"] = parallel.to_json();
   j["data"] = {{"format", data.format}, {"train", data.train}, {"val", data.val},
                {"seq_len", data.seq_len}, {"shuffle", data.shuffle}, {"tokenizer", data.tokenizer}};
   j["output"] = {{"dir", output.dir}, {"save_hf", output.save_hf}};

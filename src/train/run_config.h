@@ -11,6 +11,7 @@
 #include "model/model_config.h"
 #include "optim/adamw.h"
 #include "optim/lr_schedule.h"
+#include "parallel/grid.h"
 
 namespace dstrain {
 
@@ -29,6 +30,10 @@ struct TrainConfig {
   uint64_t seed = 1234;
   int64_t eval_interval = 0;        // steps between evaluations, 0: none during training
   int64_t eval_batches = 8;         // micro-batches of validation windows per evaluation
+  // DeepSpeed's zero_optimization block: stage 0 (no sharding) for now.
+  int64_t zero_stage = 0;
+  int64_t reduce_bucket_size = 500'000'000;  // elements per gradient bucket
+  bool overlap_comm = true;                   // all-reduce buckets during the backward
 
   // Fills micro_batch / grad_accum / train_batch_size for `dp` data-parallel ranks.
   void resolve_batch(int64_t dp, const std::string& source);
@@ -59,6 +64,7 @@ struct GenerateConfig {
 
 struct RunConfig {
   ModelConfig model;
+  ParallelConfig parallel;
   TrainConfig train;
   DataConfig data;
   OutputConfig output;

@@ -2,7 +2,6 @@
 
 #include <chrono>
 #include <filesystem>
-#include <fstream>
 
 #include "core/log.h"
 #include "io/hf_weights.h"
@@ -22,12 +21,32 @@ std::string hms(double seconds) {
 
 Tensor tokens_tensor(std::vector<int32_t>& v, int64_t B, int64_t T) { return Tensor(v.data(), DType::I32, Shape{B, T}); }
 
+// Every rank must train the same thing: a rank whose resolved configuration differs from
+// rank 0's (another file, other overrides) is an error on every rank.
+void check_same_config(Communicator& world, const RunConfig& c) {
+  const std::string text = c.to_json().dump();
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char ch : text) h = (h ^ ch) * 1099511628211ull;
+  std::vector<uint64_t> all(static_cast<size_t>(world.size()));
+  world.all_gather(Tensor(all.data(), DType::U32, Shape{2 * world.size()}), Tensor(&h, DType::U32, Shape{2}));
+  for (int r = 1; r < world.size(); ++r) {
+    DS_CHECK(all[size_t(r)] == all[0],
+             "rank {}'s resolved configuration differs from rank 0's: every rank must be started with the same "
+             "config file and --set overrides",
+             r);
+  }
+}
+
 }  // namespace
 
-Trainer::Trainer(RunConfig config, Device device) : config_(std::move(config)) {
-  config_.train.resolve_batch(/*dp=*/1, config_.source);
+Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
+    : config_(std::move(config)), grid_(grid), dp_(grid.comm(Axis::Data)) {
+  config_.train.resolve_batch(dp_.size(), config_.source);
+  check_same_config(grid_.world(), config_);
   model_ = std::make_unique<Transformer>(config_.model, device);
   optimizer_ = std::make_unique<AdamW>(config_.train.adamw, model_->params());
+  reducer_ = std::make_unique<GradReducer>(model_->params(), dp_, config_.train.reduce_bucket_size,
+                                           config_.train.overlap_comm);
 }
 
 Tokenizer& Trainer::tokenizer() {
@@ -60,6 +79,8 @@ void Trainer::init_weights(const std::string& init_from) {
                init_from, key, theirs.contains(key) ? theirs.at(key).dump() : "nothing", value.dump());
     }
   }
+  // Every rank reads the files itself: they are identical, and this needs no broadcast of
+  // the whole model.
   auto counts = load_hf_weights(init_from, model_->params());
   log::info("loaded {} tensors from {}", counts.loaded, init_from);
 }
@@ -67,34 +88,48 @@ void Trainer::init_weights(const std::string& init_from) {
 StepRecord Trainer::train_step() {
   const auto t0 = Clock::now();
   const TrainConfig& tc = config_.train;
-  const int64_t mb = tc.micro_batch, T = config_.data.seq_len;
+  const int64_t mb = tc.micro_batch, T = config_.data.seq_len, dp = dp_.size(), rank = dp_.rank();
   if (!train_data_) {
     train_data_ = std::make_unique<WindowDataset>(config_.data.train, T, config_.model.vocab_size);
     sampler_ = std::make_unique<WindowSampler>(train_data_->num_windows(), config_.data.shuffle, tc.seed);
   }
-  // The whole step's micro-batches are read first: the loss is the mean over every target
-  // token of the global batch, so each backward needs the global token count.
+  // The global batch of step s is sample positions [s*G, (s+1)*G) whatever the number of
+  // ranks; micro-step m of rank r takes the slice at m*(dp*mb) + r*mb. The whole step's
+  // micro-batches are read first: the loss is the mean over every target token of the global
+  // batch, so each backward needs the global token count.
   micro_batches_.resize(size_t(tc.grad_accum));
   int64_t count = 0;
   for (int64_t m = 0; m < tc.grad_accum; ++m) {
-    fill_batch(*train_data_, *sampler_, consumed_samples_ + m * mb, mb, micro_batches_[size_t(m)]);
+    fill_batch(*train_data_, *sampler_, consumed_samples_ + m * dp * mb + rank * mb, mb, micro_batches_[size_t(m)]);
     for (int32_t t : micro_batches_[size_t(m)].targets) count += t != ops::kIgnoreIndex;
   }
+  double waited = 0;  // in blocking collectives of this step
+  auto timed = [&](auto&& f) {
+    const auto w0 = Clock::now();
+    f();
+    waited += seconds_since(w0);
+  };
+  timed([&] { count = dp_.all_reduce_value<int64_t>(count); });
   DS_CHECK(count > 0, "step {}: the global batch has no target tokens (all are the ignore index)", step_ + 1);
   const float scale = float(1.0 / double(count));
 
   ParamRegistry& params = model_->params();
   params.grads().zero();
-  LossSums sums;
-  for (auto& b : micro_batches_) {
-    LossSums s = model_->forward_backward(tokens_tensor(b.inputs, mb, T), tokens_tensor(b.targets, mb, T), scale);
-    sums.sum += s.sum;
-    sums.count += s.count;
+  double sums[2] = {0, 0};  // loss sum, target count
+  for (int64_t m = 0; m < tc.grad_accum; ++m) {
+    Batch& b = micro_batches_[size_t(m)];
+    reducer_->begin_micro_step(/*communicates=*/m == tc.grad_accum - 1);
+    LossSums s = model_->forward_backward(tokens_tensor(b.inputs, mb, T), tokens_tensor(b.targets, mb, T), scale,
+                                          reducer_->hook());
+    sums[0] += s.sum;
+    sums[1] += double(s.count);
   }
+  const ReduceTimings rt = reducer_->finish();
+  timed([&] { dp_.all_reduce(Tensor(sums, DType::F64, Shape{2})); });
 
   StepRecord r;
   r.step = step_ + 1;
-  r.loss = sums.sum / double(sums.count);
+  r.loss = sums[0] / sums[1];
   r.grad_norm = grad_norm(params);
   if (tc.gradient_clipping > 0) clip_grad_norm(params, tc.gradient_clipping, r.grad_norm);
   r.lr = tc.schedule.lr_at(step_, tc.adamw.lr);
@@ -103,6 +138,17 @@ StepRecord Trainer::train_step() {
   consumed_samples_ += tc.train_batch_size;
   r.step_seconds = seconds_since(t0);
   r.tokens_per_s = double(tc.train_batch_size * T) / r.step_seconds;
+  r.comm_seconds = rt.comm_seconds;
+  r.exposed_comm_seconds = rt.exposed_seconds + waited;
+  // Every rank's timing, for the load-balance view (a small gather outside the timed step).
+  const int W = grid_.world_size();
+  double mine[2] = {r.step_seconds, r.step_seconds - r.exposed_comm_seconds};
+  std::vector<double> all(static_cast<size_t>(2 * W));
+  grid_.world().all_gather(Tensor(all.data(), DType::F64, Shape{2 * W}), Tensor(mine, DType::F64, Shape{2}));
+  for (int k = 0; k < W; ++k) {
+    r.rank_step_seconds.push_back(all[size_t(2 * k)]);
+    r.rank_compute_seconds.push_back(all[size_t(2 * k + 1)]);
+  }
   return r;
 }
 
@@ -113,11 +159,22 @@ void Trainer::print_progress(const StepRecord& r, double elapsed) const {
             config_.train.max_steps, r.loss, r.lr, r.grad_norm, r.tokens_per_s, hms(elapsed), hms(eta));
 }
 
+void Trainer::write_metrics(const json& record) {
+  if (!metrics_.is_open()) return;
+  metrics_ << record.dump() << "\n";
+  metrics_.flush();
+}
+
 void Trainer::train() {
   const TrainConfig& tc = config_.train;
-  log::info("training {} steps: global batch {} windows x {} tokens (micro-batch {} x {} accumulation steps)",
-            tc.max_steps, tc.train_batch_size, config_.data.seq_len, tc.micro_batch, tc.grad_accum);
-  if (log::rank() == 0) {
+  log::info("training {} steps: global batch {} windows x {} tokens = micro-batch {} x {} accumulation steps x {} "
+            "data-parallel ranks",
+            tc.max_steps, tc.train_batch_size, config_.data.seq_len, tc.micro_batch, tc.grad_accum, dp_.size());
+  if (dp_.size() > 1) {
+    log::info("gradients: {} bucket(s) of up to {} elements, all-reduce {}", reducer_->num_buckets(),
+              tc.reduce_bucket_size, tc.overlap_comm ? "overlapped with the backward" : "after the backward");
+  }
+  if (grid_.world_rank() == 0) {
     std::filesystem::create_directories(config_.output.dir);
     const auto path = std::filesystem::path(config_.output.dir) / "metrics.jsonl";
     metrics_.open(path, std::ios::app);
@@ -128,31 +185,28 @@ void Trainer::train() {
   while (step_ < tc.max_steps) {
     StepRecord r = train_step();
     history_.push_back(r);
+    if (on_step) on_step(r);
     const double elapsed = seconds_since(t0);
-    if (metrics_.is_open()) {
-      metrics_ << json{{"type", "train"},
-                       {"step", r.step},
-                       {"loss", r.loss},
-                       {"lr", r.lr},
-                       {"grad_norm", r.grad_norm},
-                       {"step_time_s", r.step_seconds},
-                       {"tokens_per_s", r.tokens_per_s},
-                       {"model_flops_per_s", r.tokens_per_s * flops_per_token},
-                       {"tokens", consumed_samples_ * config_.data.seq_len},
-                       {"elapsed_s", elapsed}}
-                      .dump()
-               << "\n";
-      metrics_.flush();
-    }
+    write_metrics({{"type", "train"},
+                   {"step", r.step},
+                   {"loss", r.loss},
+                   {"lr", r.lr},
+                   {"grad_norm", r.grad_norm},
+                   {"step_time_s", r.step_seconds},
+                   {"comm_time_s", r.comm_seconds},
+                   {"exposed_comm_time_s", r.exposed_comm_seconds},
+                   {"rank_step_time_s", r.rank_step_seconds},
+                   {"rank_compute_time_s", r.rank_compute_seconds},
+                   {"tokens_per_s", r.tokens_per_s},
+                   {"model_flops_per_s", r.tokens_per_s * flops_per_token},
+                   {"tokens", consumed_samples_ * config_.data.seq_len},
+                   {"elapsed_s", elapsed}});
     if (r.step == 1 || r.step % tc.steps_per_print == 0 || r.step == tc.max_steps) print_progress(r, elapsed);
     if (tc.eval_interval > 0 && !config_.data.val.empty() &&
         (r.step % tc.eval_interval == 0 || r.step == tc.max_steps)) {
       const LossSums e = evaluate(tc.eval_batches);
       log::info("eval   {:>6} | val loss {:.4f} over {} tokens", r.step, e.mean(), e.count);
-      if (metrics_.is_open()) {
-        metrics_ << json{{"type", "eval"}, {"step", r.step}, {"loss", e.mean()}, {"tokens", e.count}}.dump() << "\n";
-        metrics_.flush();
-      }
+      write_metrics({{"type", "eval"}, {"step", r.step}, {"loss", e.mean()}, {"tokens", e.count}});
     }
     if (config_.generate.interval > 0 && r.step % config_.generate.interval == 0) {
       log::info("sample {:>6} | {}", r.step, sample(config_.generate.prompt));
@@ -175,16 +229,18 @@ LossSums Trainer::evaluate(int64_t batches) {
   const int64_t mb = config_.train.micro_batch, T = config_.data.seq_len;
   const WindowSampler in_order(data.num_windows(), /*shuffle=*/false, 0);
   const int64_t windows = std::min(batches * mb, data.num_windows());
-  LossSums total;
+  double sums[2] = {0, 0};
   Batch b;
-  for (int64_t first = 0; first < windows; first += mb) {
+  // Micro-batch k goes to data-parallel rank k % dp.
+  for (int64_t first = dp_.rank() * mb; first < windows; first += dp_.size() * mb) {
     const int64_t n = std::min(mb, windows - first);
     fill_batch(data, in_order, first, n, b);
     LossSums s = model_->forward_loss(tokens_tensor(b.inputs, n, T), tokens_tensor(b.targets, n, T));
-    total.sum += s.sum;
-    total.count += s.count;
+    sums[0] += s.sum;
+    sums[1] += double(s.count);
   }
-  return total;
+  dp_.all_reduce(Tensor(sums, DType::F64, Shape{2}));
+  return LossSums{sums[0], int64_t(sums[1])};
 }
 
 std::string Trainer::sample(const std::string& prompt) {
@@ -193,8 +249,14 @@ std::string Trainer::sample(const std::string& prompt) {
   std::vector<int32_t> ids = tok.encode(prompt);
   ids.insert(ids.begin(), tok.eos_id());
   std::vector<int64_t> stops = {tok.eos_id()};
-  std::vector<int32_t> out = generate_tokens(*model_, ids, config_.generate, config_.data.seq_len, stops);
+  std::vector<int32_t> out = generate_tokens(*model_, ids, config_.generate, config_.data.seq_len, tok.vocab_size(), stops);
   return tok.decode(out);
+}
+
+void Trainer::save_hf(const std::string& dir) {
+  if (grid_.world_rank() == 0) save_hf_weights(dir, model_->params(), config_.model.to_hf_json());
+  grid_.world().barrier();
+  log::info("saved Hugging Face weights to {}", dir);
 }
 
 }  // namespace dstrain

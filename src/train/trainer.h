@@ -1,5 +1,7 @@
 // The training loop. For each step: for each micro-batch, next batch, forward, backward
-// (gradients accumulate); then clip, schedule, AdamW; then metrics, evaluation, samples.
+// (gradients accumulate; on the last micro-batch they are all-reduced bucket by bucket over
+// the data-parallel ranks while the backward runs); then finish the reduction, clip,
+// schedule, AdamW; then metrics, evaluation, samples.
 #pragma once
 
 #include <fstream>
@@ -11,6 +13,8 @@
 #include "data/window_dataset.h"
 #include "model/transformer.h"
 #include "optim/adamw.h"
+#include "parallel/grad_reducer.h"
+#include "parallel/grid.h"
 #include "train/run_config.h"
 
 namespace dstrain {
@@ -21,12 +25,18 @@ struct StepRecord {
   double lr = 0;
   double grad_norm = 0;  // before clipping
   double step_seconds = 0;
-  double tokens_per_s = 0;
+  double tokens_per_s = 0;       // global
+  double comm_seconds = 0;       // gradient all-reduce time (overlapped or not)
+  double exposed_comm_seconds = 0;  // part of the step spent waiting for communication
+  // Per rank of the world (index = rank): step time and compute time (step minus exposed
+  // communication), for load balance.
+  std::vector<double> rank_step_seconds, rank_compute_seconds;
 };
 
 class Trainer {
  public:
-  explicit Trainer(RunConfig config, Device device = Device::cpu());
+  // The grid's data axis gives the data-parallel ranks; the trainer keeps a reference.
+  Trainer(RunConfig config, ProcessGrid& grid, Device device = Device::cpu());
 
   // Initial weights: from a Hugging Face directory or safetensors file when given,
   // otherwise Hugging Face's initialisation from train.seed.
@@ -34,27 +44,35 @@ class Trainer {
   // Trains until train.max_steps optimizer steps have been taken.
   void train();
   // Mean token loss over the first `batches` micro-batches of windows of the evaluation
-  // data, in order (no shuffle).
+  // data, in order (no shuffle); the windows are shared out over the data-parallel ranks.
   LossSums evaluate(int64_t batches);
-  // A sample continuation of the configured prompt.
+  // A sample continuation of the configured prompt (the same on every rank).
   std::string sample(const std::string& prompt);
+  // Writes Hugging Face weights (rank 0; every rank returns after the files exist).
+  void save_hf(const std::string& dir);
 
   Transformer& model() { return *model_; }
   AdamW& optimizer() { return *optimizer_; }
   const RunConfig& config() const { return config_; }
   const std::vector<StepRecord>& history() const { return history_; }
   int64_t step() const { return step_; }
+  // Called after every optimizer step (tests check cross-rank agreement here).
+  std::function<void(const StepRecord&)> on_step;
 
  private:
   StepRecord train_step();
   void print_progress(const StepRecord& r, double elapsed) const;
+  void write_metrics(const json& record);
   WindowDataset& eval_dataset();
   Tokenizer& tokenizer();
 
   RunConfig config_;
-  std::ofstream metrics_;  // output.dir/metrics.jsonl: one JSON object per step and evaluation
+  ProcessGrid& grid_;
+  Communicator& dp_;
+  std::ofstream metrics_;  // output.dir/metrics.jsonl (rank 0): one JSON object per step and evaluation
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<AdamW> optimizer_;
+  std::unique_ptr<GradReducer> reducer_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<WindowDataset> train_data_, eval_data_;
   std::unique_ptr<WindowSampler> sampler_;

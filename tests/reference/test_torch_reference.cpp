@@ -127,7 +127,8 @@ TEST_P(TorchReference, ThreeAdamWStepsWithClippingAndAccumulation) {
   const std::string run_path = (work / "run.json").string();
   std::ofstream(run_path) << run.dump(2);
 
-  Trainer trainer(RunConfig::load(run_path, {}));
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  Trainer trainer(RunConfig::load(run_path, {}), grid);
   trainer.init_weights(dir_.string());
   trainer.train();
   const auto& h = trainer.history();

@@ -1,0 +1,96 @@
+#include "parallel/grid.h"
+
+namespace dstrain {
+
+std::string_view axis_name(Axis a) {
+  switch (a) {
+    case Axis::Data: return "data";
+    case Axis::Tensor: return "tensor";
+    case Axis::Pipeline: return "pipeline";
+    case Axis::Expert: return "expert";
+  }
+  return "?";
+}
+
+ParallelConfig ParallelConfig::from_json(const JsonReader& r) {
+  ParallelConfig c;
+  if (r.has("data") && r.raw("data").is_string()) {
+    if (r.get<std::string>("data") != "auto") r.error("data", "must be a positive integer or \"auto\"");
+  } else {
+    c.data = r.get<int64_t>("data", 0);
+  }
+  c.tensor = r.get<int64_t>("tensor", 1);
+  c.pipeline = r.get<int64_t>("pipeline", 1);
+  c.expert = r.get<int64_t>("expert", 1);
+  if (c.data < 0) r.error("data", "must be positive (or \"auto\")");
+  for (auto [key, v] : {std::pair{"tensor", c.tensor}, {"pipeline", c.pipeline}, {"expert", c.expert}}) {
+    if (v < 1) r.error(key, "must be >= 1");
+  }
+  r.done();
+  return c;
+}
+
+json ParallelConfig::to_json() const {
+  return {{"data", data == 0 ? json("auto") : json(data)}, {"tensor", tensor}, {"pipeline", pipeline},
+          {"expert", expert}};
+}
+
+ProcessGrid::ProcessGrid(MPI_Comm world, const ParallelConfig& config) {
+  world_ = std::make_unique<MpiCommunicator>(world, "world");
+  const int W = world_->size();
+  const int64_t fixed = config.tensor * config.pipeline * config.expert;
+  int64_t data = config.data;
+  if (data == 0) {
+    if (W % fixed != 0) {
+      throw Error(fmt::format("parallel layout: tensor {} x pipeline {} x expert {} = {} does not divide the {} ranks "
+                              "of this job; change the layout or the number of ranks",
+                              config.tensor, config.pipeline, config.expert, fixed, W));
+    }
+    data = W / fixed;
+  }
+  if (data * fixed != W) {
+    throw Error(fmt::format("parallel layout: data {} x tensor {} x pipeline {} x expert {} = {} but the job has {} "
+                            "ranks; make the product equal the number of ranks (or set data to \"auto\")",
+                            data, config.tensor, config.pipeline, config.expert, data * fixed, W));
+  }
+  // Axes whose parallelism this build does not implement yet are refused on every rank.
+  for (auto [axis, v] : {std::pair{"tensor", config.tensor}, {"pipeline", config.pipeline}, {"expert", config.expert}}) {
+    if (v != 1) {
+      throw Error(fmt::format("parallel.{} = {}: {} parallelism is not implemented in this build of dstrain; set "
+                              "parallel.{} to 1 and use data parallelism",
+                              axis, v, axis, axis));
+    }
+  }
+  sizes_ = {int(data), int(config.tensor), int(config.pipeline), int(config.expert)};
+  const int r = world_->rank();
+  const int tp = sizes_[1], ep = sizes_[3], dp = sizes_[0];
+  coords_[size_t(Axis::Tensor)] = r % tp;
+  coords_[size_t(Axis::Expert)] = (r / tp) % ep;
+  coords_[size_t(Axis::Data)] = (r / (tp * ep)) % dp;
+  coords_[size_t(Axis::Pipeline)] = r / (tp * ep * dp);
+  // One communicator per axis: ranks that share every other coordinate.
+  for (int a = 0; a < kNumAxes; ++a) {
+    int color = 0;
+    for (int b = 0; b < kNumAxes; ++b) {
+      if (b != a) color = color * sizes_[size_t(b)] + coords_[size_t(b)];
+    }
+    MPI_Comm split;
+    DS_MPI_CHECK(MPI_Comm_split(world_->mpi_comm(), color, coords_[size_t(a)], &split));
+    axes_[size_t(a)] = MpiCommunicator::adopt(MpiCommHandle::adopt(split), std::string(axis_name(Axis(a))));
+  }
+  MPI_Comm node;
+  DS_MPI_CHECK(MPI_Comm_split_type(world_->mpi_comm(), MPI_COMM_TYPE_SHARED, r, MPI_INFO_NULL, &node));
+  MpiCommHandle node_comm = MpiCommHandle::adopt(node);
+  DS_MPI_CHECK(MPI_Comm_rank(node_comm.get(), &local_rank_));
+  DS_MPI_CHECK(MPI_Comm_size(node_comm.get(), &local_size_));
+  int leader = local_rank_ == 0 ? 1 : 0;
+  DS_MPI_CHECK(MPI_Allreduce(&leader, &num_nodes_, 1, MPI_INT, MPI_SUM, world_->mpi_comm()));
+}
+
+std::string ProcessGrid::describe() const {
+  return fmt::format("{} rank{} on {} node{} ({} per node): data {} x tensor {} x pipeline {} x expert {}",
+                     world_size(), world_size() == 1 ? "" : "s", num_nodes_, num_nodes_ == 1 ? "" : "s", local_size_,
+                     sizes_[0], sizes_[1], sizes_[2], sizes_[3]);
+}
+
+}  // namespace dstrain

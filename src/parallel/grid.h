@@ -1,0 +1,53 @@
+// The process grid: MPI_COMM_WORLD arranged along named axes (data, tensor, pipeline,
+// expert), one communicator per axis, created once, passed to whoever needs them, freed by
+// RAII. World rank r has coordinates with tensor fastest:
+//   r = ((pipeline * data_size + data) * expert_size + expert) * tensor_size + tensor.
+#pragma once
+
+#include <array>
+#include <memory>
+#include <string>
+
+#include "core/json_reader.h"
+#include "parallel/mpi_comm.h"
+
+namespace dstrain {
+
+enum class Axis { Data = 0, Tensor = 1, Pipeline = 2, Expert = 3 };
+constexpr int kNumAxes = 4;
+std::string_view axis_name(Axis a);
+
+// The "parallel" part of the run configuration. data = 0 means "what is left".
+struct ParallelConfig {
+  int64_t data = 0, tensor = 1, pipeline = 1, expert = 1;
+  static ParallelConfig from_json(const JsonReader& r);
+  json to_json() const;
+};
+
+class ProcessGrid {
+ public:
+  // Validates the layout against the world size (errors are raised on every rank alike).
+  ProcessGrid(MPI_Comm world, const ParallelConfig& config);
+
+  int world_rank() const { return world_->rank(); }
+  int world_size() const { return world_->size(); }
+  int size(Axis a) const { return sizes_[size_t(a)]; }
+  int coord(Axis a) const { return coords_[size_t(a)]; }
+  Communicator& world() { return *world_; }
+  Communicator& comm(Axis a) { return *axes_[size_t(a)]; }
+
+  // Placement on nodes, from MPI_COMM_TYPE_SHARED: for choosing a GPU per rank.
+  int local_rank() const { return local_rank_; }
+  int local_size() const { return local_size_; }
+  int num_nodes() const { return num_nodes_; }
+
+  std::string describe() const;  // "4 ranks on 1 node: data 4 x tensor 1 x pipeline 1 x expert 1"
+
+ private:
+  std::unique_ptr<MpiCommunicator> world_;
+  std::array<std::unique_ptr<MpiCommunicator>, kNumAxes> axes_;
+  std::array<int, kNumAxes> sizes_{}, coords_{};
+  int local_rank_ = 0, local_size_ = 1, num_nodes_ = 1;
+};
+
+}  // namespace dstrain

@@ -1,0 +1,156 @@
+// The MPI communicator: every collective against values each rank can compute for itself,
+// asynchronous handles, issue order, and the errors of malformed calls.
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "parallel/grid.h"
+#include "parallel/mpi_comm.h"
+
+namespace dstrain {
+namespace {
+
+class Collectives : public ::testing::Test {
+ protected:
+  MpiCommunicator impl{MPI_COMM_WORLD, "test"};
+  Communicator& comm = impl;  // used through the interface, as the trainer does
+  int r = comm.rank(), n = comm.size();
+};
+
+TEST_F(Collectives, AllReduceSumMaxMinOverDtypes) {
+  std::vector<float> f = {float(r), 1.0f, -float(r)};
+  comm.all_reduce(Tensor(f.data(), DType::F32, Shape{3}));
+  EXPECT_EQ(f[0], float(n * (n - 1) / 2));
+  EXPECT_EQ(f[1], float(n));
+  std::vector<double> d = {double(r)};
+  comm.all_reduce(Tensor(d.data(), DType::F64, Shape{1}), ReduceOp::Max);
+  EXPECT_EQ(d[0], double(n - 1));
+  std::vector<int64_t> i = {int64_t(r) + 5};
+  comm.all_reduce(Tensor(i.data(), DType::I64, Shape{1}), ReduceOp::Min);
+  EXPECT_EQ(i[0], 5);
+  EXPECT_EQ(comm.all_reduce_value<int32_t>(2), 2 * n);
+}
+
+TEST_F(Collectives, AllGatherReduceScatterBroadcast) {
+  std::vector<int32_t> in = {r, 10 * r};
+  std::vector<int32_t> out(static_cast<size_t>(2 * n));
+  comm.all_gather(Tensor(out.data(), DType::I32, Shape{2 * n}), Tensor(in.data(), DType::I32, Shape{2}));
+  for (int k = 0; k < n; ++k) {
+    EXPECT_EQ(out[size_t(2 * k)], k);
+    EXPECT_EQ(out[size_t(2 * k + 1)], 10 * k);
+  }
+  // reduce_scatter: piece k of every rank's input is k + r; rank r receives sum over ranks of (r + q).
+  std::vector<float> rs_in(static_cast<size_t>(n)), rs_out(1);
+  for (int k = 0; k < n; ++k) rs_in[size_t(k)] = float(k + r);
+  comm.reduce_scatter(Tensor(rs_out.data(), DType::F32, Shape{1}), Tensor(rs_in.data(), DType::F32, Shape{n}));
+  EXPECT_EQ(rs_out[0], float(n * r + n * (n - 1) / 2));
+  std::vector<uint16_t> b = {uint16_t(r == n - 1 ? 777 : 0)};
+  comm.broadcast(Tensor(b.data(), DType::BF16, Shape{1}), n - 1);
+  EXPECT_EQ(b[0], 777);
+}
+
+TEST_F(Collectives, AllToAllAndVariableCounts) {
+  std::vector<int32_t> in(static_cast<size_t>(n)), out(static_cast<size_t>(n));
+  for (int k = 0; k < n; ++k) in[size_t(k)] = 100 * r + k;  // piece k goes to rank k
+  comm.all_to_all(Tensor(out.data(), DType::I32, Shape{n}), Tensor(in.data(), DType::I32, Shape{n}));
+  for (int k = 0; k < n; ++k) EXPECT_EQ(out[size_t(k)], 100 * k + r);
+  // Rank r sends k+1 copies of r to rank k, so it receives r+1 copies of every k.
+  std::vector<int64_t> sc(static_cast<size_t>(n)), rc(static_cast<size_t>(n), r + 1);
+  std::vector<int32_t> vin, vout(static_cast<size_t>(n * (r + 1)));
+  for (int k = 0; k < n; ++k) {
+    sc[size_t(k)] = k + 1;
+    vin.insert(vin.end(), size_t(k + 1), r);
+  }
+  comm.all_to_all_v(Tensor(vout.data(), DType::I32, Shape{int64_t(vout.size())}), rc,
+                    Tensor(vin.data(), DType::I32, Shape{int64_t(vin.size())}), sc);
+  for (int k = 0; k < n; ++k)
+    for (int c = 0; c <= r; ++c) EXPECT_EQ(vout[size_t(k * (r + 1) + c)], k);
+}
+
+TEST_F(Collectives, SendRecvRingDoesNotDeadlock) {
+  // Everyone sends first and receives second: point-to-point starts at once, not queued.
+  std::vector<float> send(1 << 16, float(r)), recv(1 << 16, -1.0f);
+  const int next = (r + 1) % n, prev = (r + n - 1) % n;
+  Work s = comm.send_async(Tensor(send.data(), DType::F32, Shape{int64_t(send.size())}), next, 3);
+  Work q = comm.recv_async(Tensor(recv.data(), DType::F32, Shape{int64_t(recv.size())}), prev, 3);
+  q.wait();
+  s.wait();
+  EXPECT_EQ(recv.front(), float(prev));
+  EXPECT_EQ(recv.back(), float(prev));
+}
+
+TEST_F(Collectives, AsynchronousOperationsCompleteInIssueOrder) {
+  constexpr int kOps = 16;
+  std::vector<std::vector<float>> bufs(kOps, std::vector<float>(1000));
+  std::vector<Work> work;
+  for (int i = 0; i < kOps; ++i) {
+    std::fill(bufs[size_t(i)].begin(), bufs[size_t(i)].end(), float(i + r));
+    work.push_back(comm.all_reduce_async(Tensor(bufs[size_t(i)].data(), DType::F32, Shape{1000})));
+  }
+  work.back().wait();
+  // FIFO: the last one done means all earlier ones are done.
+  for (auto& w : work) EXPECT_TRUE(w.test());
+  for (int i = 0; i < kOps; ++i) EXPECT_EQ(bufs[size_t(i)][999], float(n * i + n * (n - 1) / 2));
+  uint64_t prev = 0;
+  for (size_t i = 0; i < work.size(); ++i) {
+    if (i) {
+      EXPECT_GT(work[i].state()->seq, prev);
+      EXPECT_GE(work[i].state()->started, work[i - 1].state()->finished);
+    }
+    prev = work[i].state()->seq;
+  }
+  EXPECT_GE(comm.stats().ops, uint64_t(kOps));
+}
+
+TEST_F(Collectives, MalformedCallsAreErrorsOnEveryRank) {
+  std::vector<float> a(4), b(3);
+  EXPECT_THROW(comm.all_gather(Tensor(b.data(), DType::F32, Shape{3}), Tensor(a.data(), DType::F32, Shape{4})),
+               Error);
+  std::vector<uint16_t> h(2);
+  EXPECT_THROW(comm.all_reduce(Tensor(h.data(), DType::BF16, Shape{2})), Error);
+  EXPECT_THROW(comm.broadcast(Tensor(a.data(), DType::F32, Shape{4}), n), Error);
+  comm.barrier();  // still usable afterwards
+}
+
+TEST(ProcessGrid, DataAxisIsInferredAndAxesHaveCommunicators) {
+  ProcessGrid g(MPI_COMM_WORLD, ParallelConfig{});
+  int n = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  EXPECT_EQ(g.size(Axis::Data), n);
+  EXPECT_EQ(g.comm(Axis::Data).size(), n);
+  EXPECT_EQ(g.comm(Axis::Tensor).size(), 1);
+  EXPECT_EQ(g.coord(Axis::Data), g.world_rank());
+  // One node here: every rank is on it.
+  EXPECT_EQ(g.num_nodes(), 1);
+  EXPECT_EQ(g.local_size(), n);
+  EXPECT_EQ(g.local_rank(), g.world_rank());
+  EXPECT_NE(g.describe().find("data " + std::to_string(n)), std::string::npos);
+}
+
+TEST(ProcessGrid, LayoutErrorsAreRaisedOnEveryRank) {
+  int n = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  ParallelConfig wrong;
+  wrong.data = n + 1;
+  try {
+    ProcessGrid g(MPI_COMM_WORLD, wrong);
+    ADD_FAILURE() << "a layout of " << n + 1 << " ranks was accepted for " << n;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("but the job has " + std::to_string(n) + " ranks"), std::string::npos)
+        << e.what();
+  }
+  ParallelConfig tp;
+  tp.tensor = 2;
+  tp.data = 0;
+  try {
+    ProcessGrid g(MPI_COMM_WORLD, tp);
+    ADD_FAILURE() << "tensor parallelism was accepted";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_TRUE(msg.find("not implemented") != std::string::npos || msg.find("does not divide") != std::string::npos)
+        << msg;
+  }
+}
+
+}  // namespace
+}  // namespace dstrain
