@@ -1,5 +1,6 @@
 // dstrain: train, evaluate and sample DeepSeek-family models.
-//   dstrain train    --config F [--init-from HF_DIR] [--save-hf DIR] [--max-steps N] [--set key=value]...
+//   dstrain train    --config F [--init-from HF_DIR|CKPT] [--resume auto|CKPT] [--save-hf DIR] [--max-steps N]
+//                    [--set key=value]...
 //   dstrain eval     --config F --init-from HF_DIR [--batches N]
 //   dstrain generate --config F --init-from HF_DIR --prompt TEXT
 #include <CLI/CLI.hpp>
@@ -23,6 +24,7 @@ struct Options {
   std::string config;
   std::string init_from;
   std::string save_hf;
+  std::string resume;
   int64_t max_steps = -1;
   std::vector<std::string> overrides;
   int64_t eval_batches = -1;
@@ -66,7 +68,16 @@ int cmd_train(const Options& o) {
   }
   log::info("model: {} parameters, {} layers, hidden {}, heads {} (kv {})", c.model.num_parameters(),
             c.model.num_hidden_layers, c.model.hidden_size, c.model.num_attention_heads, c.model.num_key_value_heads);
-  trainer.init_weights(o.init_from);
+  if (o.resume.empty()) {
+    // A new run must not mix its checkpoints (and their rotation) with an earlier run's.
+    const auto existing = trainer.checkpoints().list();
+    DS_CHECK(existing.empty(),
+             "{} already holds checkpoints (newest: {}); continue that run with --resume auto, or choose another "
+             "output.dir or checkpoint.dir",
+             trainer.config().checkpoint.dir, existing.front());
+  }
+  const bool resumed = !o.resume.empty() && trainer.resume(o.resume);
+  if (!resumed) trainer.init_weights(o.init_from);
   trainer.train();
   if (!trainer.config().generate.prompt.empty()) {
     log::info("sample: {}", trainer.sample(trainer.config().generate.prompt));
@@ -117,6 +128,8 @@ int run(int argc, char** argv) {
   train->add_option("--save-hf", o.save_hf, "write Hugging Face weights (safetensors + config.json) here at the end");
   train->add_option("--max-steps", o.max_steps, "optimizer steps to run (overrides train.max_steps)")
       ->check(CLI::NonNegativeNumber);
+  train->add_option("--resume", o.resume,
+                    "continue from a checkpoint: 'auto' (the newest valid one in checkpoint.dir) or a file");
   CLI::App* eval = app.add_subcommand("eval", "mean loss over the first windows of the evaluation data");
   common(eval, true);
   eval->add_option("--batches", o.eval_batches, "micro-batches to evaluate (overrides train.eval_batches)")

@@ -6,6 +6,14 @@ find_package(OpenMP REQUIRED COMPONENTS CXX)
 find_package(nlohmann_json 3 REQUIRED)
 find_package(CLI11 REQUIRED)
 find_package(fmt REQUIRED)
+find_package(ZLIB REQUIRED)
+
+# Parallel HDF5 (the Open MPI flavour): checkpoints are written collectively through MPI-IO.
+set(HDF5_PREFER_PARALLEL ON)
+find_package(HDF5 REQUIRED COMPONENTS C)
+if(NOT HDF5_IS_PARALLEL)
+  message(FATAL_ERROR "parallel HDF5 required: apt-get install libhdf5-openmpi-dev")
+endif()
 
 # OpenBLAS, OpenMP flavour: inside an OpenMP parallel region it runs on the calling
 # thread, outside it uses all OpenMP threads, so one thread setting governs everything.

@@ -35,6 +35,7 @@ std::string_view mem_category_name(MemCategory c) {
     case MemCategory::Activations: return "activations";
     case MemCategory::Workspace: return "workspace";
     case MemCategory::Data: return "data";
+    case MemCategory::Checkpoint: return "checkpoint";
     case MemCategory::kCount: break;
   }
   return "?";

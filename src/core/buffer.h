@@ -14,7 +14,7 @@
 
 namespace dstrain {
 
-enum class MemCategory { Parameters, Gradients, OptimizerState, Activations, Workspace, Data, kCount };
+enum class MemCategory { Parameters, Gradients, OptimizerState, Activations, Workspace, Data, Checkpoint, kCount };
 std::string_view mem_category_name(MemCategory c);
 
 // Bytes currently held per category by live Buffers of this process.

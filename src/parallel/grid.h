@@ -34,6 +34,7 @@ class ProcessGrid {
   int size(Axis a) const { return sizes_[size_t(a)]; }
   int coord(Axis a) const { return coords_[size_t(a)]; }
   Communicator& world() { return *world_; }
+  MPI_Comm mpi_world() const { return world_->mpi_comm(); }  // for libraries that take a communicator (MPI-IO)
   Communicator& comm(Axis a) { return *axes_[size_t(a)]; }
 
   // Placement on nodes, from MPI_COMM_TYPE_SHARED: for choosing a GPU per rank.

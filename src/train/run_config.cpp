@@ -204,6 +204,8 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
   c.train = read_train(top.child("train"));
   c.data = read_data(top.child("data"));
   if (top.has("output")) c.output = read_output(top.child("output"));
+  if (top.has("checkpoint")) c.checkpoint = CheckpointConfig::from_json(top.child("checkpoint"));
+  if (c.checkpoint.dir.empty()) c.checkpoint.dir = (std::filesystem::path(c.output.dir) / "checkpoints").string();
   if (top.has("generate")) c.generate = read_generate(top.child("generate"));
   top.done();
   if (c.data.seq_len > c.model.max_position_embeddings) {
@@ -244,6 +246,7 @@ json RunConfig::to_json() const {
   j["data"] = {{"format", data.format}, {"train", data.train}, {"val", data.val},
                {"seq_len", data.seq_len}, {"shuffle", data.shuffle}, {"tokenizer", data.tokenizer}};
   j["output"] = {{"dir", output.dir}, {"save_hf", output.save_hf}};
+  j["checkpoint"] = checkpoint.to_json();
   j["generate"] = {{"prompt", generate.prompt},           {"max_new_tokens", generate.max_new_tokens},
                    {"temperature", generate.temperature}, {"top_k", generate.top_k},
                    {"seed", generate.seed},               {"interval", generate.interval}};

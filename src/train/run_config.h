@@ -12,6 +12,7 @@
 #include "optim/adamw.h"
 #include "optim/lr_schedule.h"
 #include "parallel/grid.h"
+#include "train/checkpointing.h"
 
 namespace dstrain {
 
@@ -68,6 +69,7 @@ struct RunConfig {
   TrainConfig train;
   DataConfig data;
   OutputConfig output;
+  CheckpointConfig checkpoint;  // its dir defaults to output.dir/checkpoints
   GenerateConfig generate;
   std::string source;  // the file it came from
 

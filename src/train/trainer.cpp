@@ -1,7 +1,9 @@
 #include "train/trainer.h"
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
+#include <set>
 
 #include "core/log.h"
 #include "io/hf_weights.h"
@@ -47,7 +49,38 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
   optimizer_ = std::make_unique<AdamW>(config_.train.adamw, model_->params());
   reducer_ = std::make_unique<GradReducer>(model_->params(), dp_, config_.train.reduce_bucket_size,
                                            config_.train.overlap_comm);
+  ckpt_ = std::make_unique<CheckpointManager>(config_.checkpoint, grid_);
 }
+
+namespace {
+
+bool is_hdf5_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  char sig[8] = {};
+  in.read(sig, 8);
+  return in.gcount() == 8 && std::memcmp(sig, "\x89HDF\r\n\x1a\n", 8) == 0;
+}
+
+// Dotted keys whose values differ between two JSON objects.
+void json_diff(const json& a, const json& b, const std::string& prefix, std::vector<std::string>& out) {
+  if (a.is_object() && b.is_object()) {
+    std::set<std::string> keys;
+    for (const auto& [k, v] : a.items()) keys.insert(k);
+    for (const auto& [k, v] : b.items()) keys.insert(k);
+    for (const std::string& k : keys) {
+      const std::string path = prefix.empty() ? k : prefix + "." + k;
+      if (!a.contains(k) || !b.contains(k)) {
+        out.push_back(path);
+      } else {
+        json_diff(a.at(k), b.at(k), path, out);
+      }
+    }
+  } else if (a != b) {
+    out.push_back(prefix);
+  }
+}
+
+}  // namespace
 
 Tokenizer& Trainer::tokenizer() {
   // Training reads token ids only; text needs the tokenizer, made on first use.
@@ -65,6 +98,12 @@ void Trainer::init_weights(const std::string& init_from) {
   if (init_from.empty()) {
     model_->init_weights(config_.train.seed);
     log::info("initialised {} parameters (seed {})", model_->config().num_parameters(), config_.train.seed);
+    return;
+  }
+  if (std::filesystem::is_regular_file(init_from) && is_hdf5_file(init_from)) {
+    const TrainState st = read_checkpoint(init_from, ckpt_->io_comm(), model_->params(), nullptr, nullptr);
+    log::info("loaded the model of checkpoint {} (step {}); optimizer state and position start afresh", init_from,
+              st.step);
     return;
   }
   // The directory's architecture, when it states one, must be the configured one.
@@ -89,10 +128,7 @@ StepRecord Trainer::train_step() {
   const auto t0 = Clock::now();
   const TrainConfig& tc = config_.train;
   const int64_t mb = tc.micro_batch, T = config_.data.seq_len, dp = dp_.size(), rank = dp_.rank();
-  if (!train_data_) {
-    train_data_ = std::make_unique<WindowDataset>(config_.data.train, T, config_.model.vocab_size);
-    sampler_ = std::make_unique<WindowSampler>(train_data_->num_windows(), config_.data.shuffle, tc.seed);
-  }
+  train_dataset();
   // The global batch of step s is sample positions [s*G, (s+1)*G) whatever the number of
   // ranks; micro-step m of rank r takes the slice at m*(dp*mb) + r*mb. The whole step's
   // micro-batches are read first: the loss is the mean over every target token of the global
@@ -152,9 +188,9 @@ StepRecord Trainer::train_step() {
   return r;
 }
 
-void Trainer::print_progress(const StepRecord& r, double elapsed) const {
+void Trainer::print_progress(const StepRecord& r, double elapsed, int64_t steps_this_run) const {
   const int64_t remaining = config_.train.max_steps - r.step;
-  const double eta = r.step > 0 ? elapsed / double(r.step) * double(remaining) : 0;
+  const double eta = elapsed / double(std::max<int64_t>(steps_this_run, 1)) * double(remaining);
   log::info("step {:>6}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.4f} | {:.0f} tok/s | elapsed {} | eta {}", r.step,
             config_.train.max_steps, r.loss, r.lr, r.grad_norm, r.tokens_per_s, hms(elapsed), hms(eta));
 }
@@ -182,6 +218,7 @@ void Trainer::train() {
   }
   const double flops_per_token = config_.model.train_flops_per_token(config_.data.seq_len);
   const auto t0 = Clock::now();
+  const int64_t first_step = step_ + 1;  // after a resume, not 1
   while (step_ < tc.max_steps) {
     StepRecord r = train_step();
     history_.push_back(r);
@@ -201,7 +238,9 @@ void Trainer::train() {
                    {"model_flops_per_s", r.tokens_per_s * flops_per_token},
                    {"tokens", consumed_samples_ * config_.data.seq_len},
                    {"elapsed_s", elapsed}});
-    if (r.step == 1 || r.step % tc.steps_per_print == 0 || r.step == tc.max_steps) print_progress(r, elapsed);
+    if (r.step == first_step || r.step % tc.steps_per_print == 0 || r.step == tc.max_steps) {
+      print_progress(r, elapsed, r.step - first_step + 1);
+    }
     if (tc.eval_interval > 0 && !config_.data.val.empty() &&
         (r.step % tc.eval_interval == 0 || r.step == tc.max_steps)) {
       const LossSums e = evaluate(tc.eval_batches);
@@ -211,7 +250,128 @@ void Trainer::train() {
     if (config_.generate.interval > 0 && r.step % config_.generate.interval == 0) {
       log::info("sample {:>6} | {}", r.step, sample(config_.generate.prompt));
     }
+    if (checkpoint_due(r.step)) {
+      const double stall = save_checkpoint();
+      write_metrics({{"type", "checkpoint"}, {"step", r.step}, {"stall_s", stall}, {"async", config_.checkpoint.async}});
+    }
   }
+  if (config_.checkpoint.save_final && last_saved_step_ != step_) save_checkpoint();
+  ckpt_->wait();
+}
+
+WindowDataset& Trainer::train_dataset() {
+  if (!train_data_) {
+    train_data_ = std::make_unique<WindowDataset>(config_.data.train, config_.data.seq_len, config_.model.vocab_size);
+    sampler_ = std::make_unique<WindowSampler>(train_data_->num_windows(), config_.data.shuffle, config_.train.seed);
+  }
+  return *train_data_;
+}
+
+TrainState Trainer::state() {
+  const WindowDataset& data = train_dataset();
+  TrainState st;
+  st.step = step_;
+  st.consumed_samples = consumed_samples_;
+  st.consumed_tokens = consumed_samples_ * config_.data.seq_len;
+  st.optimizer_steps = optimizer_->steps_taken();
+  st.scheduler = config_.train.schedule.to_json();
+  st.scheduler["last_batch_iteration"] = step_ - 1;
+  st.scheduler["base_lr"] = config_.train.adamw.lr;
+  // dstrain's randomness is counter-based: a seed and a position say everything.
+  st.rng = {{"generator", "philox4x32-10"},
+            {"seed", config_.train.seed},
+            {"parameter_init", "stream FNV-1a(HF parameter name), element index"},
+            {"shuffle", "stream FNV-1a(\"dstrain.shuffle\") + epoch, derived from consumed_samples"},
+            {"generate_seed", config_.generate.seed}};
+  st.data = {{"consumed_samples", consumed_samples_},
+             {"epoch", sampler_->epoch_of(consumed_samples_)},
+             {"position_in_epoch", consumed_samples_ % data.num_windows()},
+             {"num_windows", data.num_windows()},
+             {"num_tokens", data.num_tokens()},
+             {"seq_len", config_.data.seq_len},
+             {"shuffle", config_.data.shuffle},
+             {"train", config_.data.train}};
+  st.config = config_.to_json();
+  st.layout = {{"world_size", grid_.world_size()},
+               {"data", grid_.size(Axis::Data)},
+               {"tensor", grid_.size(Axis::Tensor)},
+               {"pipeline", grid_.size(Axis::Pipeline)},
+               {"expert", grid_.size(Axis::Expert)},
+               {"partition", "each rank wrote rows [R*r/N, R*(r+1)/N) of dimension 0 of every tensor"}};
+  return st;
+}
+
+double Trainer::save_checkpoint() {
+  ParamRegistry& reg = model_->params();
+  CheckpointBuffers live{reg.values().data<float>(), optimizer_->exp_avg().data<float>(),
+                         optimizer_->exp_avg_sq().data<float>()};
+  const double stall = ckpt_->save(reg, live, state());
+  last_saved_step_ = step_;
+  last_save_time_ = Clock::now();
+  return stall;
+}
+
+bool Trainer::checkpoint_due(int64_t step) {
+  const CheckpointConfig& c = config_.checkpoint;
+  bool due = c.interval_steps > 0 && step % c.interval_steps == 0;
+  if (c.interval_minutes > 0) {
+    // Clocks differ between ranks: rank 0 decides for everyone.
+    int by_time = seconds_since(last_save_time_) >= c.interval_minutes * 60.0 ? 1 : 0;
+    grid_.world().broadcast(Tensor(&by_time, DType::I32, Shape{1}), 0);
+    due = due || by_time;
+  }
+  return due;
+}
+
+bool Trainer::resume(const std::string& spec) {
+  std::vector<std::string> candidates = spec == "auto" ? ckpt_->list() : std::vector<std::string>{spec};
+  if (candidates.empty()) {
+    log::info("no checkpoint in {}: starting a new run", config_.checkpoint.dir);
+    return false;
+  }
+  ParamRegistry& reg = model_->params();
+  for (const std::string& path : candidates) {
+    TrainState st;
+    const auto t0 = Clock::now();
+    try {
+      st = read_checkpoint(path, ckpt_->io_comm(), reg, optimizer_->exp_avg().data<float>(),
+                           optimizer_->exp_avg_sq().data<float>());
+    } catch (const Error& e) {
+      if (spec != "auto") throw;
+      if (grid_.world_rank() == 0) log::warn("skipping invalid checkpoint: {}", e.what());
+      continue;
+    }
+    step_ = st.step;
+    consumed_samples_ = st.consumed_samples;
+    optimizer_->set_steps_taken(st.optimizer_steps);
+    last_saved_step_ = step_;
+    last_save_time_ = Clock::now();
+    const WindowDataset& data = train_dataset();
+    if (st.data.value("num_windows", int64_t(-1)) != data.num_windows() ||
+        st.data.value("seq_len", int64_t(-1)) != config_.data.seq_len) {
+      log::warn("the training data differs from the checkpoint's ({} windows of {} then, {} of {} now): the sample "
+                "sequence does not continue exactly",
+                st.data.value("num_windows", int64_t(-1)), st.data.value("seq_len", int64_t(-1)), data.num_windows(),
+                config_.data.seq_len);
+    }
+    std::vector<std::string> changed;
+    json_diff(st.config, config_.to_json(), "", changed);
+    if (!changed.empty()) {
+      std::string keys;
+      for (const std::string& k : changed) keys += (keys.empty() ? "" : ", ") + k;
+      log::info("configuration changed since the checkpoint: {}", keys);
+    }
+    const double secs = seconds_since(t0);
+    const double mb = double(reg.values().numel()) * 12.0 / 1e6;
+    log::info("resumed from {} at step {} ({} samples consumed; written by {} rank(s), now {}); read and verified "
+              "{:.0f} MB in {:.2f} s ({:.0f} MB/s)",
+              path, step_, consumed_samples_, st.layout.value("world_size", 0), grid_.world_size(), mb, secs,
+              mb / std::max(secs, 1e-9));
+    return true;
+  }
+  throw Error(fmt::format("none of the {} checkpoint(s) in {} is valid (see the warnings above); move them away or "
+                          "start without --resume",
+                          candidates.size(), config_.checkpoint.dir));
 }
 
 WindowDataset& Trainer::eval_dataset() {

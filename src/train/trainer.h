@@ -4,6 +4,7 @@
 // schedule, AdamW; then metrics, evaluation, samples.
 #pragma once
 
+#include <chrono>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -15,6 +16,7 @@
 #include "optim/adamw.h"
 #include "parallel/grad_reducer.h"
 #include "parallel/grid.h"
+#include "train/checkpointing.h"
 #include "train/run_config.h"
 
 namespace dstrain {
@@ -38,9 +40,19 @@ class Trainer {
   // The grid's data axis gives the data-parallel ranks; the trainer keeps a reference.
   Trainer(RunConfig config, ProcessGrid& grid, Device device = Device::cpu());
 
-  // Initial weights: from a Hugging Face directory or safetensors file when given,
-  // otherwise Hugging Face's initialisation from train.seed.
+  // Initial weights: from a Hugging Face directory, a safetensors file or a dstrain
+  // checkpoint (its model tensors) when given, otherwise Hugging Face's initialisation from
+  // train.seed.
   void init_weights(const std::string& init_from);
+  // Continues a run: "auto" takes the newest valid checkpoint of checkpoint.dir (an invalid
+  // one is reported and the next older one tried); otherwise `spec` is a checkpoint file.
+  // Weights, optimizer state, step, schedule and data position are restored. Returns false
+  // when "auto" found no checkpoint at all.
+  bool resume(const std::string& spec);
+  // Writes a checkpoint of the current state (in the background when checkpoint.async);
+  // returns the seconds training was held up.
+  double save_checkpoint();
+  CheckpointManager& checkpoints() { return *ckpt_; }
   // Trains until train.max_steps optimizer steps have been taken.
   void train();
   // Mean token loss over the first `batches` micro-batches of windows of the evaluation
@@ -61,10 +73,13 @@ class Trainer {
 
  private:
   StepRecord train_step();
-  void print_progress(const StepRecord& r, double elapsed) const;
+  void print_progress(const StepRecord& r, double elapsed, int64_t steps_this_run) const;
   void write_metrics(const json& record);
   WindowDataset& eval_dataset();
+  WindowDataset& train_dataset();
   Tokenizer& tokenizer();
+  TrainState state();
+  bool checkpoint_due(int64_t step);
 
   RunConfig config_;
   ProcessGrid& grid_;
@@ -73,6 +88,9 @@ class Trainer {
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<GradReducer> reducer_;
+  std::unique_ptr<CheckpointManager> ckpt_;
+  int64_t last_saved_step_ = -1;
+  std::chrono::steady_clock::time_point last_save_time_ = std::chrono::steady_clock::now();
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<WindowDataset> train_data_, eval_data_;
   std::unique_ptr<WindowSampler> sampler_;

@@ -9,72 +9,13 @@
 #include <fstream>
 #include <random>
 
-#include "data/token_shard.h"
+#include "run_files.h"
 #include "train/trainer.h"
 
 namespace dstrain {
 namespace {
 
 constexpr int kSteps = 10;
-
-// A directory every rank agrees on, with a token shard and a run configuration.
-class RunFiles {
- public:
-  RunFiles() {
-    int pid = ::getpid();
-    MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD);
-    dir_ = std::filesystem::temp_directory_path() / ("dstrain_dp_" + std::to_string(pid));
-    int rank = 0;
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    if (rank == 0) {
-      std::filesystem::create_directories(dir_);
-      std::mt19937 rng(5);
-      std::vector<uint32_t> tokens(4000);
-      for (auto& t : tokens) t = rng() % 60;
-      write_token_shard((dir_ / "train.bin").string(), tokens, 1);
-      json model = {{"hidden_size", 32},         {"intermediate_size", 48},        {"num_hidden_layers", 2},
-                    {"num_attention_heads", 4},  {"num_key_value_heads", 2},       {"vocab_size", 64},
-                    {"max_position_embeddings", 32}, {"rms_norm_eps", 1e-5},       {"rope_theta", 10000.0},
-                    {"tie_word_embeddings", false},  {"initializer_range", 0.1}};
-      json run = {
-          {"model", model},
-          {"train",
-           {{"train_batch_size", 8},
-            {"train_micro_batch_size_per_gpu", 2},
-            {"gradient_clipping", 1.0},
-            {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 3e-3}, {"betas", {0.9, 0.95}}, {"weight_decay", 0.1}}}}},
-            {"scheduler",
-             {{"type", "WarmupCosineLR"},
-              {"params", {{"total_num_steps", 20}, {"warmup_num_steps", 3}, {"warmup_type", "linear"}}}}},
-            {"max_steps", kSteps},
-            {"seed", 17},
-            {"zero_optimization", {{"reduce_bucket_size", 3000}, {"overlap_comm", true}}}}},
-          {"data", {{"train", (dir_ / "train.bin").string()}, {"seq_len", 16}, {"shuffle", true}}},
-          {"output", {{"dir", (dir_ / "out").string()}}}};
-      std::ofstream(dir_ / "run.json") << run.dump(2);
-    }
-    MPI_Barrier(MPI_COMM_WORLD);
-  }
-  ~RunFiles() {
-    MPI_Barrier(MPI_COMM_WORLD);
-    int rank = 0;
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    if (rank == 0) std::filesystem::remove_all(dir_);
-  }
-  RunConfig config(std::vector<std::string> overrides = {}) const {
-    return RunConfig::load((dir_ / "run.json").string(), overrides);
-  }
-
- private:
-  std::filesystem::path dir_;
-};
-
-uint64_t checksum(const Buffer& b) {
-  uint64_t h = 1469598103934665603ull;
-  const auto* p = static_cast<const unsigned char*>(b.data());
-  for (size_t i = 0; i < b.nbytes(); ++i) h = (h ^ p[i]) * 1099511628211ull;
-  return h;
-}
 
 double rel_error(const float* a, const float* b, int64_t n) {
   double diff = 0, scale = 0;
@@ -86,7 +27,7 @@ double rel_error(const float* a, const float* b, int64_t n) {
 }
 
 TEST(DataParallel, MatchesOneRankAndKeepsRanksBitwiseIdentical) {
-  RunFiles files;
+  RunFiles files(kSteps);
   // The one-rank run, on every rank.
   ProcessGrid solo(MPI_COMM_SELF, {});
   Trainer reference(files.config(), solo);
@@ -102,7 +43,7 @@ TEST(DataParallel, MatchesOneRankAndKeepsRanksBitwiseIdentical) {
     // Weights and optimizer state must be the same bits on every rank after every step.
     for (const Buffer* b : {&dist.model().params().values(), &dist.optimizer().exp_avg(),
                             &dist.optimizer().exp_avg_sq()}) {
-      uint64_t mine = checksum(*b);
+      uint64_t mine = checksum(b->data(), b->nbytes());
       std::vector<uint64_t> all(static_cast<size_t>(n));
       MPI_Allgather(&mine, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, MPI_COMM_WORLD);
       for (int r = 0; r < n; ++r) EXPECT_EQ(all[size_t(r)], all[0]) << b->label() << " of rank " << r;
@@ -133,7 +74,7 @@ TEST(DataParallel, MatchesOneRankAndKeepsRanksBitwiseIdentical) {
 }
 
 TEST(DataParallel, OverlappedAndBlockingReductionAgreeBitwise) {
-  RunFiles files;
+  RunFiles files(kSteps);
   ProcessGrid grid(MPI_COMM_WORLD, {});
   Trainer overlapped(files.config(), grid);
   Trainer blocking(files.config({"train.zero_optimization.overlap_comm=false"}), grid);
@@ -150,7 +91,7 @@ TEST(DataParallel, OverlappedAndBlockingReductionAgreeBitwise) {
 }
 
 TEST(DataParallel, DifferentConfigurationsOnRanksAreAnError) {
-  RunFiles files;
+  RunFiles files(kSteps);
   int rank = 0, n = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &n);

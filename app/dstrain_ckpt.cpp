@@ -1,0 +1,91 @@
+// dstrain-ckpt: inspect and convert dstrain checkpoints.
+//   dstrain-ckpt info FILE                 step, layout, tensors, sizes, checksums verified
+//   dstrain-ckpt export FILE --to-hf DIR   Hugging Face safetensors + config.json
+#include <CLI/CLI.hpp>
+#include <Kokkos_Core.hpp>
+#include <mpi.h>
+
+#include <cstdio>
+
+#include "core/log.h"
+#include "io/checkpoint.h"
+#include "io/hf_weights.h"
+#include "model/transformer.h"
+
+namespace {
+
+int cmd_info(const std::string& path, bool verify) {
+  using namespace dstrain;
+  const CheckpointInfo info = inspect_checkpoint(path, verify);
+  const TrainState& s = info.state;
+  std::printf("checkpoint    %s\n", path.c_str());
+  std::printf("written by    dstrain %s (%s) at %s\n", info.version.c_str(), info.build.c_str(), info.created.c_str());
+  std::printf("step          %lld (optimizer step %lld)\n", (long long)s.step, (long long)s.optimizer_steps);
+  std::printf("consumed      %lld samples, %lld tokens\n", (long long)s.consumed_samples,
+              (long long)s.consumed_tokens);
+  std::printf("layout        %s\n", s.layout.dump().c_str());
+  std::printf("scheduler     %s\n", s.scheduler.dump().c_str());
+  std::printf("data          %s\n", s.data.dump().c_str());
+  int64_t bytes = 0, bad = 0;
+  std::printf("%-22s %-60s %-16s %12s  %-10s %s\n", "group", "tensor", "shape", "bytes", "crc32", "verified");
+  for (const CheckpointTensorInfo& t : info.tensors) {
+    const int64_t b = t.shape.numel() * 4;
+    bytes += b;
+    bad += t.ok() ? 0 : 1;
+    std::printf("%-22s %-60s %-16s %12lld  %08x   %s\n", t.group.c_str(), t.name.c_str(), t.shape.str().c_str(),
+                (long long)b, t.stored_crc, !verify ? "not checked" : t.ok() ? "ok" : "MISMATCH");
+  }
+  std::printf("%zu tensors, %.1f MB", info.tensors.size(), double(bytes) / 1e6);
+  if (verify) std::printf(", %lld checksum mismatch(es)", (long long)bad);
+  std::printf("\n");
+  if (bad) {
+    std::fprintf(stderr, "dstrain-ckpt: error: %lld tensor(s) of %s fail their checksum: the file is corrupt\n",
+                 (long long)bad, path.c_str());
+    return 1;
+  }
+  return 0;
+}
+
+int cmd_export(const std::string& path, const std::string& dir) {
+  using namespace dstrain;
+  const CheckpointInfo info = inspect_checkpoint(path, /*verify=*/false);
+  const ModelConfig model = ModelConfig::from_hf_json(info.state.config.at("model"), path + " (config)");
+  Transformer t(model, Device::cpu());
+  read_checkpoint(path, MPI_COMM_SELF, t.params(), nullptr, nullptr);  // verifies the model tensors
+  save_hf_weights(dir, t.params(), model.to_hf_json());
+  std::printf("exported the model of %s (step %lld) to %s\n", path.c_str(), (long long)info.state.step, dir.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  Kokkos::initialize(argc, argv);
+  int rc = 0;
+  try {
+    CLI::App app{"dstrain-ckpt: inspect and convert dstrain checkpoints"};
+    app.require_subcommand(1);
+    std::string file, to_hf;
+    bool no_verify = false;
+    CLI::App* info = app.add_subcommand("info", "show a checkpoint's step, layout and tensors, checksums verified");
+    info->add_option("file", file, "checkpoint (.h5)")->required()->check(CLI::ExistingFile);
+    info->add_flag("--no-verify", no_verify, "skip reading the tensors to verify their checksums");
+    CLI::App* exp = app.add_subcommand("export", "write the model as Hugging Face safetensors + config.json");
+    exp->add_option("file", file, "checkpoint (.h5)")->required()->check(CLI::ExistingFile);
+    exp->add_option("--to-hf", to_hf, "output directory")->required();
+    try {
+      app.parse(argc, argv);
+      rc = info->parsed() ? cmd_info(file, !no_verify) : cmd_export(file, to_hf);
+    } catch (const CLI::ParseError& e) {
+      rc = app.exit(e);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dstrain-ckpt: error: %s\n", e.what());
+    rc = 1;
+  }
+  Kokkos::finalize();
+  MPI_Finalize();
+  return rc;
+}

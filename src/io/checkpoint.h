@@ -1,0 +1,76 @@
+// Parallel HDF5 checkpoints: one self-describing file per checkpoint, written collectively by
+// every rank through MPI-IO. Each tensor is a dataset of its global shape under its Hugging
+// Face name; each rank writes and reads the rows the current partition gives it, so a file
+// restarts on any number of ranks. The format is documented in docs of README ("Checkpoints").
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/json_reader.h"
+#include "model/params.h"
+
+namespace dstrain {
+
+inline constexpr const char* kCheckpointFormat = "dstrain-checkpoint";
+inline constexpr int64_t kCheckpointFormatVersion = 1;
+
+// Everything but the tensors that a checkpoint restores.
+struct TrainState {
+  int64_t step = 0;              // optimizer steps taken
+  int64_t consumed_samples = 0;  // windows of the global batches so far
+  int64_t consumed_tokens = 0;
+  int64_t optimizer_steps = 0;   // AdamW's step count (bias correction)
+  json scheduler;                // {"type", "params", "last_batch_iteration"}
+  json rng;                      // counter-based generators: seeds and counters
+  json data;                     // the data position and what it refers to
+  json config;                   // the resolved run configuration
+  json layout;                   // the parallel layout that wrote the file
+};
+
+// The flat buffers to write (laid out as the registry says); exp_avg/exp_avg_sq may be null
+// when a file holds the model only.
+struct CheckpointBuffers {
+  const float* values = nullptr;
+  const float* exp_avg = nullptr;
+  const float* exp_avg_sq = nullptr;
+};
+
+// Writes `path` collectively over `comm` (every rank calls it with the same state).
+// `threads` bounds the OpenMP threads used for checksums (1 for a background writer, which
+// must not compete with training).
+void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistry& reg, const CheckpointBuffers& bufs,
+                      const TrainState& state, int threads = 0);
+
+// Reads `path` collectively over `comm` into the registry's values and, when given, the
+// moments. Every tensor's checksum is verified; any failure (missing tensor, wrong shape,
+// checksum, HDF5 error on any rank) throws the same error on every rank.
+TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry& reg, float* exp_avg,
+                           float* exp_avg_sq);
+
+// What `dstrain-ckpt info` shows: read by one process, checksums verified.
+struct CheckpointTensorInfo {
+  std::string group;  // "model", "optimizer/exp_avg", ...
+  std::string name;
+  Shape shape;
+  uint32_t stored_crc = 0, computed_crc = 0;
+  bool ok() const { return stored_crc == computed_crc; }
+};
+struct CheckpointInfo {
+  TrainState state;
+  std::string version, build, created;
+  std::vector<CheckpointTensorInfo> tensors;
+};
+CheckpointInfo inspect_checkpoint(const std::string& path, bool verify = true);
+
+// CRC-32 (zlib's) of byte ranges, hashed in chunks over up to `threads` OpenMP threads (0: all)
+// and combined in order, so each value is that of one pass over its range.
+std::vector<uint32_t> crc32_many(const std::vector<std::pair<const void*, size_t>>& ranges, int threads = 0);
+uint32_t crc32_of(const void* data, size_t bytes, int threads = 0);
+// The CRC-32 of the concatenation of two ranges from theirs.
+uint32_t crc32_concat(uint32_t crc_a, uint32_t crc_b, size_t bytes_b);
+
+}  // namespace dstrain

@@ -1,0 +1,82 @@
+// Shared by the MPI tests: a directory every rank agrees on, holding a token shard and a run
+// configuration of a tiny model, and small helpers to compare runs.
+#pragma once
+
+#include <mpi.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "data/token_shard.h"
+#include "train/run_config.h"
+
+namespace dstrain {
+
+class RunFiles {
+ public:
+  explicit RunFiles(int max_steps, const json& extra = json::object()) {
+    int pid = ::getpid();
+    MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    static int instance = 0;
+    dir_ = std::filesystem::temp_directory_path() /
+           ("dstrain_mpi_" + std::to_string(pid) + "_" + std::to_string(instance++));
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    if (rank == 0) {
+      std::filesystem::create_directories(dir_);
+      std::mt19937 rng(5);
+      std::vector<uint32_t> tokens(4000);
+      for (auto& t : tokens) t = rng() % 60;
+      write_token_shard((dir_ / "train.bin").string(), tokens, 1);
+      json model = {{"hidden_size", 32},         {"intermediate_size", 48},        {"num_hidden_layers", 2},
+                    {"num_attention_heads", 4},  {"num_key_value_heads", 2},       {"vocab_size", 64},
+                    {"max_position_embeddings", 32}, {"rms_norm_eps", 1e-5},       {"rope_theta", 10000.0},
+                    {"tie_word_embeddings", false},  {"initializer_range", 0.1}};
+      json run = {
+          {"model", model},
+          {"train",
+           {{"train_batch_size", 8},
+            {"train_micro_batch_size_per_gpu", 2},
+            {"gradient_clipping", 1.0},
+            {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 3e-3}, {"betas", {0.9, 0.95}}, {"weight_decay", 0.1}}}}},
+            {"scheduler",
+             {{"type", "WarmupCosineLR"},
+              {"params", {{"total_num_steps", 20}, {"warmup_num_steps", 3}, {"warmup_type", "linear"}}}}},
+            {"max_steps", max_steps},
+            {"seed", 17},
+            {"zero_optimization", {{"reduce_bucket_size", 3000}, {"overlap_comm", true}}}}},
+          {"data", {{"train", (dir_ / "train.bin").string()}, {"seq_len", 16}, {"shuffle", true}}},
+          {"output", {{"dir", (dir_ / "out").string()}}},
+          {"checkpoint", {{"save_final", false}}}};
+      run.merge_patch(extra);
+      std::ofstream(dir_ / "run.json") << run.dump(2);
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  ~RunFiles() {
+    MPI_Barrier(MPI_COMM_WORLD);
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    if (rank == 0) std::filesystem::remove_all(dir_);
+  }
+  RunConfig config(std::vector<std::string> overrides = {}) const {
+    return RunConfig::load((dir_ / "run.json").string(), overrides);
+  }
+  std::filesystem::path dir() const { return dir_; }
+
+ private:
+  std::filesystem::path dir_;
+};
+
+inline uint64_t checksum(const void* data, size_t bytes) {
+  uint64_t h = 1469598103934665603ull;
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
+}  // namespace dstrain
