@@ -145,6 +145,16 @@ TEST(Checkpoint, RotationKeepsTheNewestAndTheMilestones) {
   EXPECT_EQ(line, "step_00000009.h5");
 }
 
+TEST(Checkpoint, TimeIntervalIsDecidedForEveryRankAlike) {
+  // A tiny interval: every step is due by time, on every rank at once (rank 0's clock).
+  RunFiles files(3, {{"checkpoint", {{"interval_minutes", 1e-9}, {"keep_last", 5}, {"async", false}}}});
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  Trainer t(files.config(), grid);
+  t.init_weights("");
+  t.train();
+  EXPECT_EQ(t.checkpoints().list().size(), 3u);
+}
+
 // Flips a byte in the middle of a tensor's data, found through HDF5 (rank 0 only).
 void corrupt_tensor(const std::string& path, const std::string& dataset) {
   haddr_t offset = 0;
