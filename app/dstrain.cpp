@@ -3,6 +3,8 @@
 //                    [--set key=value]...
 //   dstrain eval     --config F --init-from HF_DIR [--batches N]
 //   dstrain generate --config F --init-from HF_DIR --prompt TEXT
+// Exit status: 0 done, 1 error, 75 stopped on SIGUSR1/SIGTERM after a checkpoint (requeue
+// the job), 76 a collective passed its deadline (the watchdog ended the job).
 #include <CLI/CLI.hpp>
 #include <Kokkos_Core.hpp>
 #include <mpi.h>
@@ -16,6 +18,7 @@
 #include "core/log.h"
 #include "core/version.h"
 #include "io/hf_weights.h"
+#include "parallel/watchdog.h"
 #include "train/trainer.h"
 
 namespace {
@@ -58,6 +61,9 @@ void print_header(const dstrain::RunConfig& c, const char* command, const dstrai
 int cmd_train(const Options& o) {
   using namespace dstrain;
   RunConfig c = load_config(o);
+  // Every collective from here on has a deadline.
+  Watchdog::instance().start(c.resilience.collective_timeout_s);
+  install_stop_signal_handlers();
   ProcessGrid grid(MPI_COMM_WORLD, c.parallel);
   Trainer trainer(c, grid);
   print_header(trainer.config(), "train", grid);
@@ -78,7 +84,7 @@ int cmd_train(const Options& o) {
   }
   const bool resumed = !o.resume.empty() && trainer.resume(o.resume);
   if (!resumed) trainer.init_weights(o.init_from);
-  trainer.train();
+  if (trainer.train() == Trainer::Outcome::StoppedOnSignal) return kExitStoppedForRequeue;
   if (!trainer.config().generate.prompt.empty()) {
     log::info("sample: {}", trainer.sample(trainer.config().generate.prompt));
   }
@@ -176,6 +182,7 @@ int main(int argc, char** argv) {
     MPI_Abort(MPI_COMM_WORLD, 1);
     rc = 1;
   }
+  dstrain::Watchdog::instance().stop();
   Kokkos::finalize();
   MPI_Finalize();
   return rc;

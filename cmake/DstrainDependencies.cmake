@@ -8,6 +8,19 @@ find_package(CLI11 REQUIRED)
 find_package(fmt REQUIRED)
 find_package(ZLIB REQUIRED)
 
+# xxHash (libxxhash-dev): checksums of dataset files, compared across ranks at start.
+find_path(XXHASH_INCLUDE_DIR xxhash.h REQUIRED)
+find_library(XXHASH_LIBRARY xxhash REQUIRED)
+add_library(dstrain_xxhash INTERFACE)
+target_include_directories(dstrain_xxhash SYSTEM INTERFACE ${XXHASH_INCLUDE_DIR})
+target_link_libraries(dstrain_xxhash INTERFACE ${XXHASH_LIBRARY})
+
+# PCRE2 (8-bit, UTF + Unicode properties + JIT): the regexes of Hugging Face tokenizer.json files.
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)
+add_library(dstrain_pcre2 INTERFACE)
+target_link_libraries(dstrain_pcre2 INTERFACE PkgConfig::PCRE2)
+
 # Parallel HDF5 (the Open MPI flavour): checkpoints are written collectively through MPI-IO.
 set(HDF5_PREFER_PARALLEL ON)
 find_package(HDF5 REQUIRED COMPONENTS C)

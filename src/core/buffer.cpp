@@ -60,8 +60,8 @@ Buffer::Buffer(std::string label, MemCategory category, DType dtype, int64_t num
   try {
     view_ = HostBytes(Kokkos::view_alloc(Kokkos::WithoutInitializing, label), bytes);
   } catch (const std::exception& e) {
-    DS_FAIL("could not allocate {:.3f} GiB for '{}' ({}): {}", double(bytes) / (1 << 30), label,
-            mem_category_name(category), e.what());
+    throw OutOfMemory(fmt::format("could not allocate {:.3f} GiB for '{}' ({}): {}", double(bytes) / (1 << 30), label,
+                                  mem_category_name(category), e.what()));
   }
   parallel_zero(view_.data(), bytes);
   account(category_, int64_t(bytes));

@@ -15,6 +15,12 @@ class Error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// An allocation that did not fit: the trainer can retry with a smaller micro-batch.
+class OutOfMemory : public Error {
+ public:
+  using Error::Error;
+};
+
 namespace detail {
 [[noreturn]] void fail(const char* file, int line, const char* condition, const std::string& message);
 }  // namespace detail

@@ -1,7 +1,10 @@
 // The byte tokenizer and the factory that picks a tokenizer by name.
 #include "data/tokenizer.h"
 
+#include <filesystem>
+
 #include "core/error.h"
+#include "data/hf_tokenizer.h"
 
 namespace dstrain {
 
@@ -33,8 +36,12 @@ std::string ByteTokenizer::decode(const std::vector<int32_t>& ids) const {
 
 std::unique_ptr<Tokenizer> make_tokenizer(const std::string& spec) {
   if (spec == "byte") return std::make_unique<ByteTokenizer>();
-  DS_FAIL("unknown tokenizer \"{}\": only \"byte\" is available in this build (a Hugging Face tokenizer.json "
-          "loader comes later); use --tokenizer byte",
+  // Anything else names a Hugging Face tokenizer.json, or a model directory holding one.
+  std::error_code ec;
+  if (std::filesystem::exists(spec, ec)) return load_hf_tokenizer(spec);
+  DS_FAIL("unknown tokenizer \"{}\": no such file or directory. --tokenizer takes only \"byte\" (UTF-8 bytes as "
+          "ids) or the path to a Hugging Face tokenizer.json, or to a directory holding one (a downloaded DeepSeek "
+          "model directory); check the path",
           spec);
 }
 

@@ -1,5 +1,5 @@
-// Tokenizers behind one interface: text <-> token ids. This build has the byte tokenizer;
-// a Hugging Face tokenizer.json loader comes later behind the same interface.
+// Tokenizers behind one interface: text <-> token ids. make_tokenizer gives the byte tokenizer
+// ("byte") or a Hugging Face byte-level BPE tokenizer.json (data/hf_tokenizer.h).
 #pragma once
 
 #include <cstdint>

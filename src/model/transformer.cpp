@@ -194,6 +194,43 @@ int64_t Transformer::head_chunk_rows() const {
   return std::max<int64_t>(rows, 32);
 }
 
+int64_t Transformer::activation_bytes(int64_t B, int64_t T) const {
+  const ModelConfig& c = config_;
+  const int64_t C = c.hidden_size, D = c.head_dim(), H = c.num_attention_heads, Hkv = c.num_key_value_heads;
+  const int64_t I = c.intermediate_size, W = (H + 2 * Hkv) * D, N = B * T, V = c.vocab_size;
+  // Per token and layer: input norm + rstd, residual mid, post norm + rstd, qkv, attention
+  // output, log-sum-exp per head, gate|up, SwiGLU output, the layer's output residual.
+  const int64_t per_layer = C + 1 + C + C + 1 + W + H * D + H + 2 * I + I + C;
+  const int64_t saved = N * (c.num_hidden_layers * per_layer + C /*embedding output*/ + C + 1 /*final norm*/);
+  const int64_t chunk = std::min(N, head_chunk_rows());
+  const int64_t head = chunk * V + 2 * chunk + N /*losses*/;
+  // Backward temporaries shared by the layers: residual and head gradients, dln, datt, dqkv,
+  // dh, dgate|up.
+  const int64_t scratch = N * (C + C + C + H * D + W + I + 2 * I);
+  return (saved + head + scratch) * int64_t(sizeof(float));
+}
+
+void Transformer::release_activations() {
+  for (auto& x : x_) x.release();
+  xf_.release();
+  rstdf_.release();
+  logits_.release();
+  losses_.release();
+  lse_.release();
+  scratch_.release();
+  for (auto& l : layers_) l.release_activations();
+}
+
+void DecoderLayer::release_activations() {
+  ln1_out_.release();
+  rstd1_.release();
+  x_mid_.release();
+  ln2_out_.release();
+  rstd2_.release();
+  attn_->release_activations();
+  ffn_->release_activations();
+}
+
 void Transformer::forward_body(Tensor tokens) {
   DS_CHECK(tokens.ndim() == 2, "tokens must be (B, T), got {}", tokens.shape().str());
   const int64_t B = tokens.size(0), T = tokens.size(1), C = config_.hidden_size;

@@ -25,6 +25,7 @@ namespace dstrain {
 class Scratch {
  public:
   Tensor get(const std::string& slot, Shape shape);
+  void release() { buffers_.clear(); }
 
  private:
   std::unordered_map<std::string, Buffer> buffers_;
@@ -36,6 +37,7 @@ class Activation {
   Activation() = default;
   explicit Activation(std::string label) : label_(std::move(label)) {}
   Tensor view(Shape shape);  // grows the allocation when needed
+  void release() { buffer_ = Buffer(); }
 
  private:
   std::string label_;
@@ -51,6 +53,7 @@ struct RopeCache {
 class AttentionBlock {
  public:
   virtual ~AttentionBlock() = default;
+  virtual void release_activations() = 0;
   // x (B,T,C) normalised input -> out (B,T,C), added to out.
   virtual void forward(Tensor x, Tensor out, RopeCache& rope) = 0;
   // dout (B,T,C) -> dx (B,T,C) (overwritten); parameter gradients accumulated.
@@ -60,6 +63,7 @@ class AttentionBlock {
 class FeedForwardBlock {
  public:
   virtual ~FeedForwardBlock() = default;
+  virtual void release_activations() = 0;
   virtual void forward(Tensor x, Tensor out) = 0;  // added to out
   virtual void backward(Tensor dout, Tensor dx, Scratch& scratch) = 0;
 };
@@ -68,6 +72,11 @@ class FeedForwardBlock {
 class GQAttention : public AttentionBlock {
  public:
   GQAttention(const ModelConfig& c, ParamRegistry& reg, int layer);
+  void release_activations() override {
+    qkv_.release();
+    att_.release();
+    lse_.release();
+  }
   void forward(Tensor x, Tensor out, RopeCache& rope) override;
   void backward(Tensor dout, Tensor dx, RopeCache& rope, Scratch& scratch) override;
 
@@ -84,6 +93,10 @@ class GQAttention : public AttentionBlock {
 class SwiGLUMLP : public FeedForwardBlock {
  public:
   SwiGLUMLP(const ModelConfig& c, ParamRegistry& reg, int layer);
+  void release_activations() override {
+    gate_up_.release();
+    h_.release();
+  }
   void forward(Tensor x, Tensor out) override;
   void backward(Tensor dout, Tensor dx, Scratch& scratch) override;
 
@@ -97,6 +110,7 @@ class SwiGLUMLP : public FeedForwardBlock {
 
 class DecoderLayer {
  public:
+  void release_activations();
   DecoderLayer(const ModelConfig& c, ParamRegistry& reg, int layer, std::unique_ptr<AttentionBlock> attn,
                std::unique_ptr<FeedForwardBlock> ffn);
   // x_in (B,T,C) must stay alive until backward; x_out (B,T,C) is written.
@@ -158,6 +172,10 @@ class Transformer {
 
   // Rows of the vocabulary projection computed at once: bounds the logits memory.
   int64_t head_chunk_rows() const;
+  // Bytes of activations and backward temporaries a micro-batch of (B, T) needs.
+  int64_t activation_bytes(int64_t B, int64_t T) const;
+  // Frees every activation buffer (they are reallocated at the next forward's size).
+  void release_activations();
 
  private:
   void forward_body(Tensor tokens);  // fills x_final_norm_ (B,T,C)

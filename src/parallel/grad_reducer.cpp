@@ -27,10 +27,10 @@ GradReducer::GradReducer(ParamRegistry& params, Communicator& dp, int64_t bucket
 
 void GradReducer::begin_micro_step(bool communicates) {
   communicates_ = communicates && dp_.size() > 1;
+  next_launch_ = 0;
   if (communicates_) stats_before_ = dp_.stats();
   for (Bucket& b : buckets_) {
     b.pending = b.last - b.first + 1;
-    b.launched = false;
     b.work = Work();
   }
 }
@@ -41,14 +41,13 @@ GradReadyFn GradReducer::hook() {
 }
 
 void GradReducer::on_ready(int first, int last) {
-  for (int id = first; id <= last; ++id) {
-    Bucket& b = buckets_[size_t(bucket_of_[size_t(id)])];
-    if (--b.pending == 0) launch(b);
-  }
+  for (int id = first; id <= last; ++id) --buckets_[size_t(bucket_of_[size_t(id)])].pending;
+  // Collectives must be issued in the same order on every rank, whatever order a layer's
+  // gradients complete in and whichever path (hook or finish) issues them.
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) launch(buckets_[next_launch_++]);
 }
 
 void GradReducer::launch(Bucket& b) {
-  b.launched = true;
   b.work = dp_.all_reduce_async(params_.grads().tensor(b.begin, Shape{b.end - b.begin}), ReduceOp::Sum);
 }
 
@@ -57,8 +56,9 @@ ReduceTimings GradReducer::finish() {
   if (!communicates_) return t;
   const auto t0 = std::chrono::steady_clock::now();
   // Buckets the hook did not launch (blocking mode) go now, in bucket order on every rank.
-  for (Bucket& b : buckets_) {
-    if (!b.launched) launch(b);
+  while (next_launch_ < buckets_.size()) {
+    Bucket& b = buckets_[next_launch_++];
+    launch(b);
     if (!overlap_) b.work.wait();
   }
   for (Bucket& b : buckets_) b.work.wait();

@@ -44,7 +44,6 @@ class GradReducer {
     int64_t begin = 0, end = 0;  // flat element range
     int pending = 0;
     Work work;
-    bool launched = false;
   };
   void on_ready(int first, int last);
   void launch(Bucket& b);
@@ -53,6 +52,7 @@ class GradReducer {
   Communicator& dp_;
   bool overlap_;
   bool communicates_ = false;
+  size_t next_launch_ = 0;  // buckets start strictly in index order, the same on every rank
   CommStats stats_before_;
   std::vector<Bucket> buckets_;
   std::vector<int> bucket_of_;  // parameter id -> bucket

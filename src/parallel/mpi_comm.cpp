@@ -3,6 +3,7 @@
 #include <climits>
 
 #include "core/log.h"
+#include "parallel/watchdog.h"
 
 namespace dstrain {
 
@@ -140,6 +141,7 @@ void MpiCommunicator::worker_loop() {
     s.started = std::chrono::steady_clock::now();
     std::exception_ptr error;
     try {
+      WatchScope watch(name_, s.op, s.seq);
       task.body();
     } catch (...) {
       error = std::current_exception();
@@ -251,14 +253,15 @@ Work MpiCommunicator::all_to_all_v_async(Tensor out, const std::vector<int64_t>&
 namespace {
 // Point-to-point operations are matched by peer and tag, not by issue order, so they start
 // at once (nonblocking) instead of queueing behind collectives.
-Work p2p_work(const char* op, MPI_Request request) {
+Work p2p_work(const std::string& comm, const char* op, int peer, MPI_Request request) {
   auto state = std::make_shared<WorkState>();
   state->op = op;
   state->issued = state->started = std::chrono::steady_clock::now();
   auto req = std::make_shared<MPI_Request>(request);
   auto mutex = std::make_shared<std::mutex>();
-  state->wait_fn = [req, mutex] {
+  state->wait_fn = [req, mutex, comm, op, peer] {
     std::lock_guard lock(*mutex);
+    WatchScope watch(comm, fmt::format("{} with rank {}", op, peer), 0);
     DS_MPI_CHECK(MPI_Wait(req.get(), MPI_STATUS_IGNORE));
   };
   state->test_fn = [req, mutex] {
@@ -275,14 +278,14 @@ Work MpiCommunicator::send_async(Tensor t, int peer, int tag) {
   DS_CHECK(peer >= 0 && peer < size_, "send on '{}': peer {} outside [0, {})", name_, peer, size_);
   MPI_Request r;
   DS_MPI_CHECK(MPI_Isend(t.raw(), as_count(t.numel(), "send"), mpi_datatype(t.dtype()), peer, tag, comm_.get(), &r));
-  return p2p_work("send", r);
+  return p2p_work(name_, "send", peer, r);
 }
 
 Work MpiCommunicator::recv_async(Tensor t, int peer, int tag) {
   DS_CHECK(peer >= 0 && peer < size_, "recv on '{}': peer {} outside [0, {})", name_, peer, size_);
   MPI_Request r;
   DS_MPI_CHECK(MPI_Irecv(t.raw(), as_count(t.numel(), "recv"), mpi_datatype(t.dtype()), peer, tag, comm_.get(), &r));
-  return p2p_work("recv", r);
+  return p2p_work(name_, "recv", peer, r);
 }
 
 Work MpiCommunicator::barrier_async() {

@@ -118,21 +118,6 @@ TrainConfig read_train(const JsonReader& r) {
   return t;
 }
 
-DataConfig read_data(const JsonReader& r) {
-  DataConfig d;
-  d.format = r.get<std::string>("format", d.format);
-  if (d.format != "llmc") r.error("format", fmt::format("is \"{}\"; supported: \"llmc\" (llm.c token shards)", d.format));
-  d.train = r.get<std::vector<std::string>>("train");
-  if (d.train.empty()) r.error("train", "must name at least one file or pattern");
-  d.val = r.get<std::vector<std::string>>("val", {});
-  d.seq_len = r.get<int64_t>("seq_len");
-  if (d.seq_len <= 0) r.error("seq_len", "must be positive");
-  d.shuffle = r.get<bool>("shuffle", d.shuffle);
-  d.tokenizer = r.get<std::string>("tokenizer", d.tokenizer);
-  r.done();
-  return d;
-}
-
 OutputConfig read_output(const JsonReader& r) {
   OutputConfig o;
   o.dir = r.get<std::string>("dir", o.dir);
@@ -202,10 +187,11 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
   c.model = read_model(top, init_from);
   if (top.has("parallel")) c.parallel = ParallelConfig::from_json(top.child("parallel"));
   c.train = read_train(top.child("train"));
-  c.data = read_data(top.child("data"));
+  c.data = DataConfig::from_json(top.child("data"));
   if (top.has("output")) c.output = read_output(top.child("output"));
   if (top.has("checkpoint")) c.checkpoint = CheckpointConfig::from_json(top.child("checkpoint"));
   if (c.checkpoint.dir.empty()) c.checkpoint.dir = (std::filesystem::path(c.output.dir) / "checkpoints").string();
+  if (top.has("resilience")) c.resilience = ResilienceConfig::from_json(top.child("resilience"));
   if (top.has("generate")) c.generate = read_generate(top.child("generate"));
   top.done();
   if (c.data.seq_len > c.model.max_position_embeddings) {
@@ -243,10 +229,10 @@ json RunConfig::to_json() const {
                             {"overlap_comm", train.overlap_comm}};
   j["train"] = t;
   j["parallel"] = parallel.to_json();
-  j["data"] = {{"format", data.format}, {"train", data.train}, {"val", data.val},
-               {"seq_len", data.seq_len}, {"shuffle", data.shuffle}, {"tokenizer", data.tokenizer}};
+  j["data"] = data.to_json();
   j["output"] = {{"dir", output.dir}, {"save_hf", output.save_hf}};
   j["checkpoint"] = checkpoint.to_json();
+  j["resilience"] = resilience.to_json();
   j["generate"] = {{"prompt", generate.prompt},           {"max_new_tokens", generate.max_new_tokens},
                    {"temperature", generate.temperature}, {"top_k", generate.top_k},
                    {"seed", generate.seed},               {"interval", generate.interval}};

@@ -8,11 +8,13 @@
 #include <vector>
 
 #include "core/json_reader.h"
+#include "data/data_pipeline.h"
 #include "model/model_config.h"
 #include "optim/adamw.h"
 #include "optim/lr_schedule.h"
 #include "parallel/grid.h"
 #include "train/checkpointing.h"
+#include "train/resilience.h"
 
 namespace dstrain {
 
@@ -40,15 +42,6 @@ struct TrainConfig {
   void resolve_batch(int64_t dp, const std::string& source);
 };
 
-struct DataConfig {
-  std::string format = "llmc";  // llm.c token shards
-  std::vector<std::string> train;  // files or glob patterns
-  std::vector<std::string> val;
-  int64_t seq_len = 0;
-  bool shuffle = true;
-  std::string tokenizer = "byte";
-};
-
 struct OutputConfig {
   std::string dir = "runs/default";
   std::string save_hf;  // Hugging Face directory written at the end ("" = none)
@@ -70,6 +63,7 @@ struct RunConfig {
   DataConfig data;
   OutputConfig output;
   CheckpointConfig checkpoint;  // its dir defaults to output.dir/checkpoints
+  ResilienceConfig resilience;
   GenerateConfig generate;
   std::string source;  // the file it came from
 

@@ -1,7 +1,10 @@
 #include "train/trainer.h"
 
 #include <chrono>
+#include <cmath>
+#include <csignal>
 #include <cstring>
+#include <thread>
 #include <filesystem>
 #include <set>
 
@@ -124,20 +127,28 @@ void Trainer::init_weights(const std::string& init_from) {
   log::info("loaded {} tensors from {}", counts.loaded, init_from);
 }
 
-StepRecord Trainer::train_step() {
+bool Trainer::train_step(StepRecord& r) {
   const auto t0 = Clock::now();
   const TrainConfig& tc = config_.train;
-  const int64_t mb = tc.micro_batch, T = config_.data.seq_len, dp = dp_.size(), rank = dp_.rank();
-  train_dataset();
-  // The global batch of step s is sample positions [s*G, (s+1)*G) whatever the number of
-  // ranks; micro-step m of rank r takes the slice at m*(dp*mb) + r*mb. The whole step's
-  // micro-batches are read first: the loss is the mean over every target token of the global
-  // batch, so each backward needs the global token count.
-  micro_batches_.resize(size_t(tc.grad_accum));
+  const FaultInjection& fault = config_.resilience.fault;
+  const bool faulty = fault.any() && !resumed_ && fault.rank == grid_.world_rank();
+  if (faulty && fault.kill_at_step == step_ + 1) {
+    log::any("fault injection: rank {} kills itself at step {}", grid_.world_rank(), step_ + 1);
+    std::raise(SIGKILL);
+  }
+  if (faulty && fault.hang_at_step == step_ + 1) {
+    log::any("fault injection: rank {} hangs at step {}", grid_.world_rank(), step_ + 1);
+    while (true) std::this_thread::sleep_for(std::chrono::hours(1));
+  }
+  const int64_t mb = tc.micro_batch, T = config_.data.seq_len;
+  // The whole step's micro-batches come at once (read ahead by the pipeline): the loss is the
+  // mean over every target token of the global batch, so each backward needs the global
+  // token count.
+  StepData data = pipeline().next();
+  const double data_wait = pipeline().take_wait_seconds();
   int64_t count = 0;
-  for (int64_t m = 0; m < tc.grad_accum; ++m) {
-    fill_batch(*train_data_, *sampler_, consumed_samples_ + m * dp * mb + rank * mb, mb, micro_batches_[size_t(m)]);
-    for (int32_t t : micro_batches_[size_t(m)].targets) count += t != ops::kIgnoreIndex;
+  for (const Batch& b : data.micro) {
+    for (int32_t t : b.targets) count += t != ops::kIgnoreIndex;
   }
   double waited = 0;  // in blocking collectives of this step
   auto timed = [&](auto&& f) {
@@ -147,33 +158,78 @@ StepRecord Trainer::train_step() {
   };
   timed([&] { count = dp_.all_reduce_value<int64_t>(count); });
   DS_CHECK(count > 0, "step {}: the global batch has no target tokens (all are the ignore index)", step_ + 1);
-  const float scale = float(1.0 / double(count));
+  // An injected NaN goes into this rank's gradients before they are reduced, as a real one
+  // would, so every rank sees it.
+  const bool inject_nan = faulty && fault.nan_at_step == step_ + 1;
+  const float scale = inject_nan ? NAN : float(1.0 / double(count));
 
   ParamRegistry& params = model_->params();
   params.grads().zero();
-  double sums[2] = {0, 0};  // loss sum, target count
-  for (int64_t m = 0; m < tc.grad_accum; ++m) {
-    Batch& b = micro_batches_[size_t(m)];
-    reducer_->begin_micro_step(/*communicates=*/m == tc.grad_accum - 1);
-    LossSums s = model_->forward_backward(tokens_tensor(b.inputs, mb, T), tokens_tensor(b.targets, mb, T), scale,
-                                          reducer_->hook());
-    sums[0] += s.sum;
-    sums[1] += double(s.count);
+  double sums[3] = {0, 0, 0};  // loss sum, target count, ranks out of memory
+  std::string oom;
+  try {
+    for (int64_t m = 0; m < tc.grad_accum; ++m) {
+      Batch& b = data.micro[size_t(m)];
+      reducer_->begin_micro_step(/*communicates=*/m == tc.grad_accum - 1);
+      if (faulty && fault.oom_at_step == step_ + 1 && m == 0 && !oom_fault_fired_) {
+        oom_fault_fired_ = true;  // once: the retried step gets through
+        throw OutOfMemory(fmt::format("fault injection: allocation failure at step {}", step_ + 1));
+      }
+      LossSums s = model_->forward_backward(tokens_tensor(b.inputs, mb, T), tokens_tensor(b.targets, mb, T), scale,
+                                            reducer_->hook());
+      sums[0] += s.sum;
+      sums[1] += double(s.count);
+    }
+  } catch (const OutOfMemory& e) {
+    // This rank still takes part in every gradient bucket the others reduce; the step is
+    // then discarded everywhere.
+    oom = e.what();
+    sums[2] = 1;
+    reducer_->begin_micro_step(/*communicates=*/true);
   }
   const ReduceTimings rt = reducer_->finish();
-  timed([&] { dp_.all_reduce(Tensor(sums, DType::F64, Shape{2})); });
+  timed([&] { dp_.all_reduce(Tensor(sums, DType::F64, Shape{3})); });
+  if (sums[2] > 0) {
+    shrink_micro_batch(oom.empty() ? fmt::format("{:.0f} rank(s) ran out of memory", sums[2])
+                                   : fmt::format("{} (and {:.0f} rank(s) in all)", oom, sums[2]),
+                       step_, data.blend_before);
+    return false;
+  }
 
-  StepRecord r;
+  r = StepRecord{};
   r.step = step_ + 1;
   r.loss = sums[0] / sums[1];
   r.grad_norm = grad_norm(params);
-  if (tc.gradient_clipping > 0) clip_grad_norm(params, tc.gradient_clipping, r.grad_norm);
   r.lr = tc.schedule.lr_at(step_, tc.adamw.lr);
-  optimizer_->step(r.lr);
+  // Every rank sees the same global loss and norm, so every rank decides alike.
+  if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) {
+    r.skipped = true;
+    r.skip_reason = !std::isfinite(r.loss) ? "non-finite loss" : "non-finite gradient norm";
+  } else if (spikes_ && spikes_->is_spike(r.loss)) {
+    r.skipped = true;
+    r.skip_reason = fmt::format("loss spike ({:.4f}, z-score above {})", r.loss, config_.resilience.spike_zscore);
+  }
+  if (r.skipped) {
+    ++skipped_in_a_row_;
+    ++skipped_total_;
+    log::warn("step {} skipped: {} ({} in a row, {} in all)", r.step, r.skip_reason, skipped_in_a_row_,
+              skipped_total_);
+    if (skipped_in_a_row_ >= config_.resilience.max_skipped_steps) {
+      throw Error(fmt::format("training stopped: {} consecutive steps skipped (last: {}); resume from the last "
+                              "checkpoint with a lower learning rate or check the data",
+                              skipped_in_a_row_, r.skip_reason));
+    }
+  } else {
+    skipped_in_a_row_ = 0;
+    if (spikes_) spikes_->accept(r.loss);
+    if (tc.gradient_clipping > 0) clip_grad_norm(params, tc.gradient_clipping, r.grad_norm);
+    optimizer_->step(r.lr);
+  }
   ++step_;
   consumed_samples_ += tc.train_batch_size;
   r.step_seconds = seconds_since(t0);
   r.tokens_per_s = double(tc.train_batch_size * T) / r.step_seconds;
+  r.data_wait_seconds = data_wait;
   r.comm_seconds = rt.comm_seconds;
   r.exposed_comm_seconds = rt.exposed_seconds + waited;
   // Every rank's timing, for the load-balance view (a small gather outside the timed step).
@@ -185,7 +241,44 @@ StepRecord Trainer::train_step() {
     r.rank_step_seconds.push_back(all[size_t(2 * k)]);
     r.rank_compute_seconds.push_back(all[size_t(2 * k + 1)]);
   }
-  return r;
+  return true;
+}
+
+void Trainer::shrink_micro_batch(const std::string& why, int64_t step, const json& blend_before) {
+  TrainConfig& tc = config_.train;
+  DS_CHECK(config_.resilience.oom_fallback,
+           "step {}: {}; lower train.train_micro_batch_size_per_gpu or enable resilience.oom_fallback", step + 1, why);
+  DS_CHECK(tc.micro_batch % 2 == 0,
+           "step {}: {}; the micro-batch of {} cannot be halved while keeping the global batch: lower "
+           "train.train_micro_batch_size_per_gpu",
+           step + 1, why, tc.micro_batch);
+  tc.micro_batch /= 2;
+  tc.grad_accum *= 2;
+  log::warn("step {}: {}: micro-batch halved to {} with {} accumulation steps (global batch {} unchanged); the step "
+            "runs again",
+            step + 1, why, tc.micro_batch, tc.grad_accum, tc.train_batch_size);
+  model_->release_activations();
+  model_->params().grads().zero();
+  pipeline().reconfigure(tc.micro_batch, tc.grad_accum, step, blend_before);
+}
+
+void Trainer::apply_activation_budget() {
+  const double budget = config_.resilience.activation_budget_mb * 1e6;
+  if (budget <= 0) return;
+  TrainConfig& tc = config_.train;
+  // The same arithmetic on every rank: no agreement needed.
+  while (double(model_->activation_bytes(tc.micro_batch, config_.data.seq_len)) > budget) {
+    const double need = double(model_->activation_bytes(tc.micro_batch, config_.data.seq_len)) / 1e6;
+    DS_CHECK(config_.resilience.oom_fallback && tc.micro_batch % 2 == 0,
+             "a micro-batch of {} x {} tokens needs {:.0f} MB of activations, over the budget of {:.0f} MB; lower "
+             "train.train_micro_batch_size_per_gpu or raise resilience.activation_budget_mb",
+             tc.micro_batch, config_.data.seq_len, need, budget / 1e6);
+    tc.micro_batch /= 2;
+    tc.grad_accum *= 2;
+    log::warn("a micro-batch needs {:.0f} MB of activations, over the budget of {:.0f} MB: micro-batch halved to {} "
+              "with {} accumulation steps (global batch {} unchanged)",
+              need, budget / 1e6, tc.micro_batch, tc.grad_accum, tc.train_batch_size);
+  }
 }
 
 void Trainer::print_progress(const StepRecord& r, double elapsed, int64_t steps_this_run) const {
@@ -201,7 +294,11 @@ void Trainer::write_metrics(const json& record) {
   metrics_.flush();
 }
 
-void Trainer::train() {
+Trainer::Outcome Trainer::train() {
+  apply_activation_budget();
+  if (config_.resilience.spike_window > 0 && !spikes_) {
+    spikes_ = std::make_unique<SpikeDetector>(config_.resilience.spike_window, config_.resilience.spike_zscore);
+  }
   const TrainConfig& tc = config_.train;
   log::info("training {} steps: global batch {} windows x {} tokens = micro-batch {} x {} accumulation steps x {} "
             "data-parallel ranks",
@@ -216,11 +313,17 @@ void Trainer::train() {
     metrics_.open(path, std::ios::app);
     DS_CHECK(metrics_.good(), "cannot write {}: check output.dir", path.string());
   }
+  if (!pipeline_started_) {
+    pipeline().reconfigure(tc.micro_batch, tc.grad_accum, step_, resume_blend_);
+    pipeline_started_ = true;
+  }
   const double flops_per_token = config_.model.train_flops_per_token(config_.data.seq_len);
   const auto t0 = Clock::now();
   const int64_t first_step = step_ + 1;  // after a resume, not 1
+  Outcome outcome = Outcome::Completed;
   while (step_ < tc.max_steps) {
-    StepRecord r = train_step();
+    StepRecord r;
+    if (!train_step(r)) continue;  // the micro-batch was halved: the same step again
     history_.push_back(r);
     if (on_step) on_step(r);
     const double elapsed = seconds_since(t0);
@@ -232,6 +335,9 @@ void Trainer::train() {
                    {"step_time_s", r.step_seconds},
                    {"comm_time_s", r.comm_seconds},
                    {"exposed_comm_time_s", r.exposed_comm_seconds},
+                   {"data_wait_s", r.data_wait_seconds},
+                   {"skipped", r.skipped},
+                   {"data_mix", pipeline().drawn()},
                    {"rank_step_time_s", r.rank_step_seconds},
                    {"rank_compute_time_s", r.rank_compute_seconds},
                    {"tokens_per_s", r.tokens_per_s},
@@ -240,35 +346,50 @@ void Trainer::train() {
                    {"elapsed_s", elapsed}});
     if (r.step == first_step || r.step % tc.steps_per_print == 0 || r.step == tc.max_steps) {
       print_progress(r, elapsed, r.step - first_step + 1);
+      if (config_.data.train.size() > 1) log::info("data mix {:>6} | {}", r.step, pipeline().mix_report());
     }
-    if (tc.eval_interval > 0 && !config_.data.val.empty() &&
+    if (tc.eval_interval > 0 && (!config_.data.val.empty() || !config_.data.split.empty()) &&
         (r.step % tc.eval_interval == 0 || r.step == tc.max_steps)) {
-      const LossSums e = evaluate(tc.eval_batches);
-      log::info("eval   {:>6} | val loss {:.4f} over {} tokens", r.step, e.mean(), e.count);
-      write_metrics({{"type", "eval"}, {"step", r.step}, {"loss", e.mean()}, {"tokens", e.count}});
+      const std::vector<LossSums> e = evaluate_each(tc.eval_batches);
+      log::info("eval   {:>6} | {}", r.step, eval_report(e));
+      json per = json::object();
+      for (size_t d = 0; d + 1 < e.size(); ++d) per[eval_names_[d]] = e[d].mean();
+      write_metrics({{"type", "eval"}, {"step", r.step}, {"loss", e.back().mean()}, {"tokens", e.back().count},
+                     {"datasets", per}});
     }
     if (config_.generate.interval > 0 && r.step % config_.generate.interval == 0) {
       log::info("sample {:>6} | {}", r.step, sample(config_.generate.prompt));
+    }
+    // A stop signal on any rank stops every rank at this same step boundary.
+    const int signal = grid_.world().all_reduce_value<int32_t>(stop_signal_received(), ReduceOp::Max);
+    if (signal != 0) {
+      log::info("stop requested (signal {}) at step {}: saving a checkpoint and exiting with status {} so that the "
+                "job can be requeued",
+                signal, step_, kExitStoppedForRequeue);
+      if (last_saved_step_ != step_) save_checkpoint();
+      outcome = Outcome::StoppedOnSignal;
+      break;
     }
     if (checkpoint_due(r.step)) {
       const double stall = save_checkpoint();
       write_metrics({{"type", "checkpoint"}, {"step", r.step}, {"stall_s", stall}, {"async", config_.checkpoint.async}});
     }
   }
-  if (config_.checkpoint.save_final && last_saved_step_ != step_) save_checkpoint();
+  if (outcome == Outcome::Completed && config_.checkpoint.save_final && last_saved_step_ != step_) save_checkpoint();
   ckpt_->wait();
+  return outcome;
 }
 
-WindowDataset& Trainer::train_dataset() {
-  if (!train_data_) {
-    train_data_ = std::make_unique<WindowDataset>(config_.data.train, config_.data.seq_len, config_.model.vocab_size);
-    sampler_ = std::make_unique<WindowSampler>(train_data_->num_windows(), config_.data.shuffle, config_.train.seed);
+DataPipeline& Trainer::pipeline() {
+  if (!pipeline_) {
+    pipeline_ = std::make_unique<DataPipeline>(config_.data, config_.model.vocab_size, config_.train.seed,
+                                               config_.train.micro_batch, config_.train.grad_accum, dp_, grid_.world());
   }
-  return *train_data_;
+  return *pipeline_;
 }
 
 TrainState Trainer::state() {
-  const WindowDataset& data = train_dataset();
+  DataPipeline& data = pipeline();
   TrainState st;
   st.step = step_;
   st.consumed_samples = consumed_samples_;
@@ -283,14 +404,24 @@ TrainState Trainer::state() {
             {"parameter_init", "stream FNV-1a(HF parameter name), element index"},
             {"shuffle", "stream FNV-1a(\"dstrain.shuffle\") + epoch, derived from consumed_samples"},
             {"generate_seed", config_.generate.seed}};
+  // The position: samples drawn from each training dataset (the blender's state); each
+  // dataset's epoch and order follow from its count and the seed.
+  json sets = json::array();
+  for (size_t i = 0; i < data.train_sets().size(); ++i) {
+    const SampleDataset& d = *data.train_sets()[i];
+    const int64_t drawn = data.drawn()[i];
+    sets.push_back({{"name", data.train_sources()[i].name},
+                    {"describe", d.describe()},
+                    {"samples_drawn", drawn},
+                    {"epoch", drawn / d.samples_per_epoch()},
+                    {"samples_per_epoch", d.samples_per_epoch()},
+                    {"num_tokens", d.num_tokens()}});
+  }
   st.data = {{"consumed_samples", consumed_samples_},
-             {"epoch", sampler_->epoch_of(consumed_samples_)},
-             {"position_in_epoch", consumed_samples_ % data.num_windows()},
-             {"num_windows", data.num_windows()},
-             {"num_tokens", data.num_tokens()},
              {"seq_len", config_.data.seq_len},
              {"shuffle", config_.data.shuffle},
-             {"train", config_.data.train}};
+             {"blend", data.blend_state()},
+             {"datasets", sets}};
   st.config = config_.to_json();
   st.layout = {{"world_size", grid_.world_size()},
                {"data", grid_.size(Axis::Data)},
@@ -342,17 +473,21 @@ bool Trainer::resume(const std::string& spec) {
       continue;
     }
     step_ = st.step;
+    resumed_ = true;
     consumed_samples_ = st.consumed_samples;
     optimizer_->set_steps_taken(st.optimizer_steps);
     last_saved_step_ = step_;
     last_save_time_ = Clock::now();
-    const WindowDataset& data = train_dataset();
-    if (st.data.value("num_windows", int64_t(-1)) != data.num_windows() ||
-        st.data.value("seq_len", int64_t(-1)) != config_.data.seq_len) {
-      log::warn("the training data differs from the checkpoint's ({} windows of {} then, {} of {} now): the sample "
-                "sequence does not continue exactly",
-                st.data.value("num_windows", int64_t(-1)), st.data.value("seq_len", int64_t(-1)), data.num_windows(),
-                config_.data.seq_len);
+    DataPipeline& data = pipeline();
+    resume_blend_ = st.data.value("blend", json());
+    const json sets = st.data.value("datasets", json::array());
+    bool same = sets.size() == data.train_sets().size() && st.data.value("seq_len", int64_t(-1)) == config_.data.seq_len;
+    for (size_t i = 0; same && i < sets.size(); ++i) {
+      same = sets[i].value("samples_per_epoch", int64_t(-1)) == data.train_sets()[i]->samples_per_epoch();
+    }
+    if (!same && grid_.world_rank() == 0) {
+      log::warn("the training data differs from the checkpoint's (datasets, their sizes or seq_len): the sample "
+                "sequence does not continue exactly");
     }
     std::vector<std::string> changed;
     json_diff(st.config, config_.to_json(), "", changed);
@@ -374,33 +509,56 @@ bool Trainer::resume(const std::string& spec) {
                           candidates.size(), config_.checkpoint.dir));
 }
 
-WindowDataset& Trainer::eval_dataset() {
-  if (!eval_data_) {
-    const bool has_val = !config_.data.val.empty();
-    if (!has_val) log::info("no data.val configured: evaluating on the first windows of data.train");
-    eval_data_ = std::make_unique<WindowDataset>(has_val ? config_.data.val : config_.data.train,
-                                                 config_.data.seq_len, config_.model.vocab_size);
+const std::vector<std::shared_ptr<SampleDataset>>& Trainer::eval_datasets() {
+  if (eval_sets_.empty()) {
+    const DataConfig& dc = config_.data;
+    std::vector<DataSource> sources = dc.val;
+    if (sources.empty()) {
+      sources = dc.train;  // with data.split: their validation documents; otherwise the training data itself
+      if (dc.split.empty()) log::info("no data.val configured: evaluating on the first samples of data.train");
+    }
+    eval_sets_ = open_datasets(sources, dc, config_.model.vocab_size, config_.train.seed, /*validation=*/true);
+    for (const DataSource& s : sources) eval_names_.push_back(s.name);
   }
-  return *eval_data_;
+  return eval_sets_;
 }
 
-LossSums Trainer::evaluate(int64_t batches) {
-  WindowDataset& data = eval_dataset();
+std::vector<LossSums> Trainer::evaluate_each(int64_t batches) {
+  const auto& sets = eval_datasets();
   const int64_t mb = config_.train.micro_batch, T = config_.data.seq_len;
-  const WindowSampler in_order(data.num_windows(), /*shuffle=*/false, 0);
-  const int64_t windows = std::min(batches * mb, data.num_windows());
-  double sums[2] = {0, 0};
-  Batch b;
-  // Micro-batch k goes to data-parallel rank k % dp.
-  for (int64_t first = dp_.rank() * mb; first < windows; first += dp_.size() * mb) {
-    const int64_t n = std::min(mb, windows - first);
-    fill_batch(data, in_order, first, n, b);
-    LossSums s = model_->forward_loss(tokens_tensor(b.inputs, n, T), tokens_tensor(b.targets, n, T));
-    sums[0] += s.sum;
-    sums[1] += double(s.count);
+  std::vector<double> sums(2 * sets.size() + 2, 0.0);
+  std::vector<int32_t> sample(static_cast<size_t>(T + 1)), inputs, targets;
+  for (size_t d = 0; d < sets.size(); ++d) {
+    const int64_t n = std::min(batches * mb, sets[d]->samples_per_epoch());
+    // Micro-batch k of each dataset goes to data-parallel rank k % dp.
+    for (int64_t first = dp_.rank() * mb; first < n; first += dp_.size() * mb) {
+      const int64_t rows = std::min(mb, n - first);
+      inputs.resize(size_t(rows * T));
+      targets.resize(size_t(rows * T));
+      for (int64_t i = 0; i < rows; ++i) {
+        sets[d]->read_sample(first + i, sample.data());
+        std::copy_n(sample.begin(), T, inputs.begin() + i * T);
+        std::copy_n(sample.begin() + 1, T, targets.begin() + i * T);
+      }
+      LossSums s = model_->forward_loss(tokens_tensor(inputs, rows, T), tokens_tensor(targets, rows, T));
+      sums[2 * d] += s.sum;
+      sums[2 * d + 1] += double(s.count);
+    }
+    sums[2 * sets.size()] += sums[2 * d];
+    sums[2 * sets.size() + 1] += sums[2 * d + 1];
   }
-  dp_.all_reduce(Tensor(sums, DType::F64, Shape{2}));
-  return LossSums{sums[0], int64_t(sums[1])};
+  dp_.all_reduce(Tensor(sums.data(), DType::F64, Shape{int64_t(sums.size())}));
+  std::vector<LossSums> out;
+  for (size_t d = 0; d <= sets.size(); ++d) out.push_back(LossSums{sums[2 * d], int64_t(sums[2 * d + 1])});
+  return out;
+}
+
+std::string Trainer::eval_report(const std::vector<LossSums>& e) const {
+  std::string s = fmt::format("val loss {:.4f} over {} tokens", e.back().mean(), e.back().count);
+  if (e.size() > 2) {
+    for (size_t d = 0; d + 1 < e.size(); ++d) s += fmt::format("{} {} {:.4f}", d ? "," : " |", eval_names_[d], e[d].mean());
+  }
+  return s;
 }
 
 std::string Trainer::sample(const std::string& prompt) {

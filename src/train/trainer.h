@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "data/data_pipeline.h"
 #include "data/tokenizer.h"
-#include "data/window_dataset.h"
 #include "model/transformer.h"
 #include "optim/adamw.h"
 #include "parallel/grad_reducer.h"
@@ -28,8 +28,11 @@ struct StepRecord {
   double grad_norm = 0;  // before clipping
   double step_seconds = 0;
   double tokens_per_s = 0;       // global
+  double data_wait_seconds = 0;  // waiting for this step's batches
   double comm_seconds = 0;       // gradient all-reduce time (overlapped or not)
   double exposed_comm_seconds = 0;  // part of the step spent waiting for communication
+  bool skipped = false;             // no update: non-finite loss or gradients, or a loss spike
+  std::string skip_reason;
   // Per rank of the world (index = rank): step time and compute time (step minus exposed
   // communication), for load balance.
   std::vector<double> rank_step_seconds, rank_compute_seconds;
@@ -53,11 +56,16 @@ class Trainer {
   // returns the seconds training was held up.
   double save_checkpoint();
   CheckpointManager& checkpoints() { return *ckpt_; }
-  // Trains until train.max_steps optimizer steps have been taken.
-  void train();
-  // Mean token loss over the first `batches` micro-batches of windows of the evaluation
-  // data, in order (no shuffle); the windows are shared out over the data-parallel ranks.
-  LossSums evaluate(int64_t batches);
+  // Trains until train.max_steps optimizer steps have been taken, or until a stop signal
+  // (SIGUSR1/SIGTERM) after which every rank saves a checkpoint at the same step boundary.
+  enum class Outcome { Completed, StoppedOnSignal };
+  Outcome train();
+  // Mean token loss over the first `batches` micro-batches of samples of each evaluation
+  // dataset, in order (no shuffle), shared out over the data-parallel ranks: one entry per
+  // dataset, then the token-weighted total.
+  std::vector<LossSums> evaluate_each(int64_t batches);
+  LossSums evaluate(int64_t batches) { return evaluate_each(batches).back(); }
+  std::string eval_report(const std::vector<LossSums>& e) const;
   // A sample continuation of the configured prompt (the same on every rank).
   std::string sample(const std::string& prompt);
   // Writes Hugging Face weights (rank 0; every rank returns after the files exist).
@@ -72,11 +80,15 @@ class Trainer {
   std::function<void(const StepRecord&)> on_step;
 
  private:
-  StepRecord train_step();
+  // One optimizer step; returns false (and nothing happened) when the micro-batch did not fit
+  // and the step must be run again with the smaller one.
+  bool train_step(StepRecord& r);
+  void shrink_micro_batch(const std::string& why, int64_t step, const json& blend_before);
+  void apply_activation_budget();
   void print_progress(const StepRecord& r, double elapsed, int64_t steps_this_run) const;
   void write_metrics(const json& record);
-  WindowDataset& eval_dataset();
-  WindowDataset& train_dataset();
+  const std::vector<std::shared_ptr<SampleDataset>>& eval_datasets();
+  DataPipeline& pipeline();
   Tokenizer& tokenizer();
   TrainState state();
   bool checkpoint_due(int64_t step);
@@ -92,10 +104,16 @@ class Trainer {
   int64_t last_saved_step_ = -1;
   std::chrono::steady_clock::time_point last_save_time_ = std::chrono::steady_clock::now();
   std::unique_ptr<Tokenizer> tokenizer_;
-  std::unique_ptr<WindowDataset> train_data_, eval_data_;
-  std::unique_ptr<WindowSampler> sampler_;
-  std::vector<Batch> micro_batches_;
-  int64_t step_ = 0;              // optimizer steps taken
+  std::unique_ptr<DataPipeline> pipeline_;
+  bool pipeline_started_ = false;
+  json resume_blend_;  // the data position a resume restored, for the pipeline's start
+  std::vector<std::shared_ptr<SampleDataset>> eval_sets_;
+  std::vector<std::string> eval_names_;
+  int64_t step_ = 0;              // optimizer steps taken (skipped ones included)
+  bool resumed_ = false;          // injected faults fire only in runs that started from scratch
+  bool oom_fault_fired_ = false;
+  int64_t skipped_in_a_row_ = 0, skipped_total_ = 0;
+  std::unique_ptr<class SpikeDetector> spikes_;
   int64_t consumed_samples_ = 0;  // windows consumed by those steps (global)
   std::vector<StepRecord> history_;
 };

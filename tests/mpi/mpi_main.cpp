@@ -7,6 +7,8 @@
 
 #include <cstdio>
 
+#include "parallel/watchdog.h"
+
 namespace {
 
 class RankFailurePrinter : public ::testing::EmptyTestEventListener {
@@ -54,7 +56,10 @@ int main(int argc, char** argv) {
   int rc = 0;
   {
     Kokkos::ScopeGuard kokkos(argc, argv);
+    // A test whose ranks stop agreeing ends with the watchdog's report, not a silent hang.
+    dstrain::Watchdog::instance().start(120);
     rc = RUN_ALL_TESTS();
+    dstrain::Watchdog::instance().stop();
   }
   // The job's exit status is failure if any rank failed.
   int any = 0;

@@ -64,7 +64,9 @@ TEST(Config, ReadsARunAndItsDeepSpeedKeys) {
   EXPECT_EQ(c.train.micro_batch, 4);
   EXPECT_DOUBLE_EQ(c.train.adamw.beta2, 0.95);
   EXPECT_EQ(c.train.schedule.type, LrSchedule::Type::WarmupCosineLR);
-  EXPECT_EQ(c.data.train, std::vector<std::string>{"x.bin"});
+  ASSERT_EQ(c.data.train.size(), 1u);
+  EXPECT_EQ(c.data.train[0].paths, std::vector<std::string>{"x.bin"});
+  EXPECT_EQ(c.data.train[0].format, "llmc");
   c.train.resolve_batch(2, "run.json");
   EXPECT_EQ(c.train.train_batch_size, 16);
   // The resolved configuration reads back to the same values.
@@ -103,10 +105,42 @@ TEST(Config, OverridesApplyToAnyKey) {
                                 {"train.optimizer.params.lr=1e-3", "data.train=[\"a.bin\",\"b.bin\"]",
                                  "output.dir=/tmp/x", "model.num_hidden_layers=3", "generate.prompt=hello world"});
   EXPECT_DOUBLE_EQ(c.train.adamw.lr, 1e-3);
-  EXPECT_EQ(c.data.train.size(), 2u);
+  ASSERT_EQ(c.data.train.size(), 1u) << "a list of paths is one dataset";
+  EXPECT_EQ(c.data.train[0].paths.size(), 2u);
   EXPECT_EQ(c.output.dir, "/tmp/x");
   EXPECT_EQ(c.model.num_hidden_layers, 3);
   EXPECT_EQ(c.generate.prompt, "hello world");
+}
+
+TEST(Config, DatasetsToBlendAndTheirSchedule) {
+  TempDir d;
+  RunConfig c = RunConfig::load(
+      d.write("a.json", run_json()),
+      {R"(data.train=[{"path": "web_text_document", "weight": 3, "name": "web", "format": "megatron"},
+                      {"path": ["code_*.bin"], "weight": 1}])",
+       R"(data.blend_schedule=[{"step": 100, "weights": [1, 1]}])"});
+  ASSERT_EQ(c.data.train.size(), 2u);
+  EXPECT_EQ(c.data.train[0].name, "web");
+  EXPECT_EQ(c.data.train[0].format, "megatron");
+  EXPECT_EQ(c.data.train[1].format, "llmc");
+  ASSERT_EQ(c.data.schedule.size(), 2u);
+  EXPECT_EQ(c.data.schedule[0].weights, (std::vector<double>{3, 1}));
+  EXPECT_EQ(c.data.schedule[1].from_step, 100);
+  // data.split divides Megatron datasets only.
+  std::string msg = error_of([&] { RunConfig::load(d.write("b.json", run_json()), {"data.split=[98, 2]"}); });
+  EXPECT_THAT(msg, HasSubstr("data.split"));
+  c = RunConfig::load(d.write("b.json", run_json()), {"data.format=megatron", "data.train=web", "data.split=[98, 2]"});
+  EXPECT_EQ(c.data.split, (std::vector<double>{98, 2}));
+  msg = error_of([&] {
+    RunConfig::load(d.write("c.json", run_json()),
+                    {R"(data.train=[{"path": "a", "weight": 1}, {"path": "b", "weight": 1}])",
+                     R"(data.blend_schedule=[{"step": 10, "weights": [1]}])"});
+  });
+  EXPECT_THAT(msg, HasSubstr("1 weights for 2 training datasets"));
+  msg = error_of([&] { RunConfig::load(d.write("d.json", run_json()), {R"(data.train=[{"path": "a", "wieght": 2}])"}); });
+  EXPECT_THAT(msg, HasSubstr("unknown key 'data.train[0].wieght'"));
+  msg = error_of([&] { RunConfig::load(d.write("e.json", run_json()), {R"(data.train=[{"path": "a", "format": "arrow"}])"}); });
+  EXPECT_THAT(msg, HasSubstr("arrow"));
 }
 
 TEST(Config, ModelFromAnHFConfigFileWithInlineOverrides) {
