@@ -60,6 +60,8 @@ def train(directory, model, async_save, steps, interval, resume=False):
 
 
 def main():
+    subprocess.run([os.path.join(ROOT, ".ci", "prepare-fortunes"), os.path.join(ROOT, "build")], check=True,
+                   stdout=subprocess.DEVNULL)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="inputs/models/deepseek-llm-cpu-d1024.json")
     ap.add_argument("--repeats", type=int, default=3)

@@ -43,6 +43,8 @@ def run(ranks, threads, overlap, steps, bucket):
 
 
 def main():
+    subprocess.run([os.path.join(ROOT, ".ci", "prepare-fortunes"), os.path.join(ROOT, "build")], check=True,
+                   stdout=subprocess.DEVNULL)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--warmup", type=int, default=4)

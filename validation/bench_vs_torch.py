@@ -33,12 +33,7 @@ CONFIGS = [
 
 
 def ensure_data():
-    if glob.glob(DATA):
-        return
-    corpus = sorted(p for p in glob.glob("/usr/share/games/fortunes/*") if "." not in os.path.basename(p))
-    subprocess.run([os.path.join(BUILD, "app", "dstrain-prep"), "--input", *corpus, "--split-on-line", "%",
-                    "--val-docs", "500", "--output-prefix", os.path.join(ROOT, "data", "fortunes", "fortunes")],
-                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([os.path.join(ROOT, ".ci", "prepare-fortunes"), BUILD], check=True, stdout=subprocess.DEVNULL)
 
 
 def run_dstrain(cfg, mb, T, steps, warmup, threads):

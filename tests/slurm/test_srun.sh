@@ -11,11 +11,7 @@ fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cd "$root"
-if ! ls data/fortunes/fortunes_train_*.bin >/dev/null 2>&1; then
-  mapfile -t corpus < <(find /usr/share/games/fortunes -maxdepth 1 -type f ! -name '*.*' | sort)
-  "$build/app/dstrain-prep" --input "${corpus[@]}" --split-on-line % --val-docs 500 \
-    --output-prefix data/fortunes/fortunes >/dev/null
-fi
+.ci/prepare-fortunes "$build" >/dev/null
 OMP_NUM_THREADS=1 timeout 300 srun --mpi=pmix -n 2 -O "$build/app/dstrain" train --config inputs/quickstart.json \
   --max-steps 3 --set train.train_batch_size=16 train.gradient_accumulation_steps=1 train.eval_interval=0 \
   'output.save_hf=""' 'generate.prompt=""' "output.dir=\"$work/out\"" > "$work/log" 2>&1 || {
