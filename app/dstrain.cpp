@@ -19,6 +19,7 @@
 #include "core/version.h"
 #include "io/hf_weights.h"
 #include "parallel/watchdog.h"
+#include "train/resilience.h"
 #include "train/trainer.h"
 
 namespace {
@@ -28,6 +29,7 @@ struct Options {
   std::string init_from;
   std::string save_hf;
   std::string resume;
+  std::string status_file;
   int64_t max_steps = -1;
   std::vector<std::string> overrides;
   int64_t eval_batches = -1;
@@ -84,11 +86,22 @@ int cmd_train(const Options& o) {
   }
   const bool resumed = !o.resume.empty() && trainer.resume(o.resume);
   if (!resumed) trainer.init_weights(o.init_from);
-  if (trainer.train() == Trainer::Outcome::StoppedOnSignal) return kExitStoppedForRequeue;
+  const Trainer::Outcome outcome = trainer.train();
+  // Batch scripts learn what happened from this file rather than from the launcher's status.
+  auto report = [&](const std::string& what) {
+    if (!o.status_file.empty() && grid.world_rank() == 0) {
+      std::ofstream(o.status_file) << what << " " << trainer.step() << "\n";
+    }
+  };
+  if (outcome == Trainer::Outcome::StoppedOnSignal) {
+    report("stopped");
+    return kExitStoppedForRequeue;
+  }
   if (!trainer.config().generate.prompt.empty()) {
     log::info("sample: {}", trainer.sample(trainer.config().generate.prompt));
   }
   if (!trainer.config().output.save_hf.empty()) trainer.save_hf(trainer.config().output.save_hf);
+  report("completed");
   return 0;
 }
 
@@ -134,6 +147,8 @@ int run(int argc, char** argv) {
   train->add_option("--save-hf", o.save_hf, "write Hugging Face weights (safetensors + config.json) here at the end");
   train->add_option("--max-steps", o.max_steps, "optimizer steps to run (overrides train.max_steps)")
       ->check(CLI::NonNegativeNumber);
+  train->add_option("--status-file", o.status_file,
+                    "rank 0 writes 'completed STEP' or 'stopped STEP' here when training ends (for batch scripts)");
   train->add_option("--resume", o.resume,
                     "continue from a checkpoint: 'auto' (the newest valid one in checkpoint.dir) or a file");
   CLI::App* eval = app.add_subcommand("eval", "mean loss over the first windows of the evaluation data");
