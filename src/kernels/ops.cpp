@@ -59,6 +59,20 @@ void rope_backward(Tensor dx, int64_t offset, int n_heads, int head_dim, Tensor 
   common_device("rope_backward", dx, cos, sin);
   cpu::rope_apply(dx, offset, n_heads, head_dim, cos, sin, /*inverse=*/true);
 }
+void rope_tables_yarn(Tensor cos, Tensor sin, int dim, double theta, const YarnParams& yarn) {
+  common_device("rope_tables_yarn", cos, sin);
+  cpu::rope_tables_yarn(cos, sin, dim, theta, yarn);
+}
+void rope_forward_interleaved(Tensor x, int64_t offset, int n_heads, int64_t head_stride, int dim, Tensor cos,
+                              Tensor sin) {
+  common_device("rope_forward_interleaved", x, cos, sin);
+  cpu::rope_apply_interleaved(x, offset, n_heads, head_stride, dim, cos, sin, /*inverse=*/false);
+}
+void rope_backward_interleaved(Tensor dx, int64_t offset, int n_heads, int64_t head_stride, int dim, Tensor cos,
+                               Tensor sin) {
+  common_device("rope_backward_interleaved", dx, cos, sin);
+  cpu::rope_apply_interleaved(dx, offset, n_heads, head_stride, dim, cos, sin, /*inverse=*/true);
+}
 void attention_forward(Tensor out, Tensor lse, Tensor qkv, const AttentionLayout& layout, float scale) {
   common_device("attention_forward", out, lse, qkv);
   cpu::attention_forward(out, lse, qkv, layout, scale);

@@ -42,6 +42,25 @@ void rope_tables(Tensor cos, Tensor sin, int head_dim, double theta);
 void rope_forward(Tensor x, int64_t offset, int n_heads, int head_dim, Tensor cos, Tensor sin);
 void rope_backward(Tensor dx, int64_t offset, int n_heads, int head_dim, Tensor cos, Tensor sin);
 
+// DeepSeek-V2/V3 rotary embedding of dimension `dim`: YaRN-scaled frequencies and the
+// mscale factor (DeepseekV2YarnRotaryEmbedding), tables (T, dim/2) in fp32 as Hugging Face
+// computes them; with factor 1 (no rope_scaling) the plain frequencies.
+struct YarnParams {
+  double factor = 1.0;
+  int64_t original_max_position_embeddings = 0;
+  double beta_fast = 32, beta_slow = 1, mscale = 1, mscale_all_dim = 0;
+};
+void rope_tables_yarn(Tensor cos, Tensor sin, int dim, double theta, const YarnParams& yarn);
+// DeepSeek's pairing: each head's dim values are read as interleaved pairs (x0,x1),(x2,x3),...
+// and written de-interleaved, [rotated evens | rotated odds], as apply_rotary_pos_emb of
+// modeling_deepseek does. x (B,T,W): n_heads heads of `dim` at column `offset` with a stride
+// of `head_stride` columns between heads. The backward maps gradients back to the
+// interleaved input layout.
+void rope_forward_interleaved(Tensor x, int64_t offset, int n_heads, int64_t head_stride, int dim, Tensor cos,
+                              Tensor sin);
+void rope_backward_interleaved(Tensor dx, int64_t offset, int n_heads, int64_t head_stride, int dim, Tensor cos,
+                               Tensor sin);
+
 // ---- causal self-attention with grouped-query heads ---------------------------------
 // q, k and v are column ranges of one fused activation qkv (B,T,row_stride): head h of q at
 // q_offset + h*qk_dim, kv head g of k at k_offset + g*qk_dim and of v at v_offset + g*v_dim.

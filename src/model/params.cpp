@@ -12,11 +12,13 @@ std::string_view param_kind_name(ParamKind k) {
     case ParamKind::Norm: return "norm";
     case ParamKind::Linear: return "linear";
     case ParamKind::Head: return "lm_head";
+    case ParamKind::RouterBias: return "router_bias";
   }
   return "?";
 }
 
-int ParamRegistry::add(std::string name, Shape shape, ParamKind kind, int layer, bool follow_previous) {
+int ParamRegistry::add(std::string name, Shape shape, ParamKind kind, int layer, bool follow_previous,
+                       bool trainable) {
   DS_CHECK(!values_.allocated(), "parameter '{}' registered after allocation", name);
   DS_CHECK(!by_name_.count(name), "parameter '{}' registered twice", name);
   DS_CHECK(!follow_previous || !params_.empty(), "parameter '{}' cannot follow: it is the first", name);
@@ -26,6 +28,7 @@ int ParamRegistry::add(std::string name, Shape shape, ParamKind kind, int layer,
   p.global_shape = shape;
   p.kind = kind;
   p.layer = layer;
+  p.trainable = trainable;
   p.offset = follow_previous ? flat_numel_ : (flat_numel_ + kAlign - 1) / kAlign * kAlign;
   flat_numel_ = p.offset + shape.numel();
   by_name_[p.name] = int(params_.size());

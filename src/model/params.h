@@ -14,7 +14,7 @@
 namespace dstrain {
 
 // What a parameter is, for defaults such as "no weight decay on norms and embeddings".
-enum class ParamKind { Embedding, Norm, Linear, Head };
+enum class ParamKind { Embedding, Norm, Linear, Head, RouterBias };
 std::string_view param_kind_name(ParamKind k);
 
 // How this rank's piece relates to the global tensor.
@@ -40,6 +40,7 @@ struct ParamInfo {
   ParamKind kind = ParamKind::Linear;
   int layer = -1;      // decoder layer index, -1 outside the layers
   int64_t offset = 0;  // element offset in the flat buffers
+  bool trainable = true;  // false: updated by a rule, not by gradients (e.g. MoE routing biases)
   int64_t numel() const { return shape.numel(); }
 };
 
@@ -47,7 +48,8 @@ class ParamRegistry {
  public:
   // Registers a whole (replicated) parameter. With `follow_previous` it is placed directly
   // after the previous one with no padding, so the two can be used as one fused matrix.
-  int add(std::string name, Shape shape, ParamKind kind, int layer, bool follow_previous = false);
+  int add(std::string name, Shape shape, ParamKind kind, int layer, bool follow_previous = false,
+          bool trainable = true);
   // Allocates the flat parameter and gradient buffers (zero-filled).
   void allocate(Device device);
 

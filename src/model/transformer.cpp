@@ -20,12 +20,26 @@ Tensor Activation::view(Shape shape) {
   return buffer_.tensor(0, shape);
 }
 
-void RopeCache::ensure(int64_t T_needed, int head_dim, double theta) {
+void RopeCache::ensure(int64_t T_needed, const ModelConfig& c) {
   if (T_needed <= T) return;
-  cos = Buffer("rope.cos", MemCategory::Workspace, DType::F32, T_needed * head_dim / 2);
-  sin = Buffer("rope.sin", MemCategory::Workspace, DType::F32, T_needed * head_dim / 2);
+  dim = int(c.mla() ? c.qk_rope_head_dim : c.head_dim());
+  cos = Buffer("rope.cos", MemCategory::Workspace, DType::F32, T_needed * dim / 2);
+  sin = Buffer("rope.sin", MemCategory::Workspace, DType::F32, T_needed * dim / 2);
   T = T_needed;
-  ops::rope_tables(cos.tensor(0, {T, head_dim / 2}), sin.tensor(0, {T, head_dim / 2}), head_dim, theta);
+  if (c.mla()) {
+    ops::YarnParams y;
+    if (c.rope_scaling.yarn()) {
+      y.factor = c.rope_scaling.factor;
+      y.original_max_position_embeddings = c.rope_scaling.original_max_position_embeddings;
+      y.beta_fast = c.rope_scaling.beta_fast;
+      y.beta_slow = c.rope_scaling.beta_slow;
+      y.mscale = c.rope_scaling.mscale;
+      y.mscale_all_dim = c.rope_scaling.mscale_all_dim;
+    }
+    ops::rope_tables_yarn(cos_table(), sin_table(), dim, c.rope_theta, y);
+  } else {
+    ops::rope_tables(cos_table(), sin_table(), dim, c.rope_theta);
+  }
 }
 
 namespace {
@@ -63,8 +77,7 @@ void GQAttention::forward(Tensor x, Tensor out, RopeCache& rope) {
   Tensor att = att_.view({B, T, H * D});
   ops::linear_forward(rows_of(qkv), rows_of(x), reg_.param_rows(q_, v_));
   // q and k heads are adjacent in each row: rotate them in one pass.
-  ops::rope_forward(qkv, 0, layout_.n_head + layout_.n_kv_head, int(D), rope.cos.tensor(0, {rope.T, D / 2}),
-                    rope.sin.tensor(0, {rope.T, D / 2}));
+  ops::rope_forward(qkv, 0, layout_.n_head + layout_.n_kv_head, int(D), rope.cos_table(), rope.sin_table());
   ops::attention_forward(att, lse_.view({B, H, T}), qkv, layout_, scale_);
   ops::linear_forward(rows_of(out), rows_of(att), reg_.param(o_), /*accumulate=*/true);
 }
@@ -78,8 +91,7 @@ void GQAttention::backward(Tensor dout, Tensor dx, RopeCache& rope, Scratch& scr
   Tensor dqkv = scratch.get("attn.dqkv", {B, T, layout_.row_stride});
   ops::linear_backward(rows_of(datt), reg_.grad(o_), rows_of(dout), rows_of(att), reg_.param(o_));
   ops::attention_backward(dqkv, datt, qkv, att, lse_.view({B, H, T}), layout_, scale_);
-  ops::rope_backward(dqkv, 0, layout_.n_head + layout_.n_kv_head, int(D), rope.cos.tensor(0, {rope.T, D / 2}),
-                     rope.sin.tensor(0, {rope.T, D / 2}));
+  ops::rope_backward(dqkv, 0, layout_.n_head + layout_.n_kv_head, int(D), rope.cos_table(), rope.sin_table());
   ops::linear_backward(rows_of(dx), reg_.grad_rows(q_, v_), rows_of(dqkv), rows_of(x_), reg_.param_rows(q_, v_));
 }
 
@@ -239,7 +251,7 @@ void Transformer::forward_body(Tensor tokens) {
   B_ = B;
   T_ = T;
   tokens_ = tokens;
-  rope_.ensure(T, int(config_.head_dim()), config_.rope_theta);
+  rope_.ensure(T, config_);
   Tensor x0 = x_[0].view({B, T, C});
   ops::embedding_forward(x0.view({B * T, C}), tokens.view({B * T}), reg_.param(embed_));
   for (size_t l = 0; l < layers_.size(); ++l) {

@@ -44,10 +44,38 @@ class Activation {
   Buffer buffer_;
 };
 
+// Rotary tables for positions 0..T-1: (T, dim/2) of cos and sin. DeepSeek-LLM uses plain
+// frequencies over the head dim; DeepSeek-V2/V3 YaRN frequencies over qk_rope_head_dim.
 struct RopeCache {
-  Buffer cos, sin;  // (T, head_dim / 2)
+  Buffer cos, sin;
   int64_t T = 0;
-  void ensure(int64_t T_needed, int head_dim, double theta);
+  int dim = 0;
+  void ensure(int64_t T_needed, const ModelConfig& config);
+  Tensor cos_table() const { return cos.tensor(0, {T, dim / 2}); }
+  Tensor sin_table() const { return sin.tensor(0, {T, dim / 2}); }
+};
+
+// How the gradient of each loss term is scaled in a backward pass, so that the sum over
+// micro-batches and data-parallel ranks is the gradient of the step's loss:
+//   loss = mean CE over the global batch's target tokens
+//        + auxiliary (load-balancing) terms + mtp_weight x mean multi-token-prediction CE.
+struct LossScales {
+  float token = 0;         // 1 / (target tokens of the global batch)
+  double sequence = 0;     // 1 / (sequences of the global batch): per-sequence terms (seq_aux)
+  double micro_batch = 0;  // 1 / (micro-batches of the global batch, all ranks): per-batch terms
+  float mtp_token = 0;     // mtp_weight / (depth x MTP target tokens of the global batch)
+};
+
+// What a DeepSeekMoE layer reports: expert loads for balance metrics and the bias update,
+// and its auxiliary loss as it enters the step's loss (already scaled). Both accumulate over
+// the micro-batches of a step until reset.
+struct RoutingStats {
+  std::vector<int64_t> tokens_per_expert;  // (n_routed_experts)
+  double aux_loss = 0;
+  void reset() {
+    std::fill(tokens_per_expert.begin(), tokens_per_expert.end(), 0);
+    aux_loss = 0;
+  }
 };
 
 class AttentionBlock {
@@ -64,8 +92,15 @@ class FeedForwardBlock {
  public:
   virtual ~FeedForwardBlock() = default;
   virtual void release_activations() = 0;
-  virtual void forward(Tensor x, Tensor out) = 0;  // added to out
+  virtual void forward(Tensor x, Tensor out) = 0;  // x (B,T,C); the result is added to out
   virtual void backward(Tensor dout, Tensor dx, Scratch& scratch) = 0;
+  // Scales of the auxiliary terms for the next forward and backward (MoE only).
+  virtual void set_loss_scales(const LossScales&) {}
+  // Routing statistics, or null for a dense block.
+  virtual RoutingStats* routing() { return nullptr; }
+  // The auxiliary-loss-free balancing of DeepSeek-V3: each routing bias moves by gamma
+  // towards balance given the experts' token counts over the global batch.
+  virtual void update_routing_bias(const std::vector<int64_t>& global_tokens_per_expert, double gamma) {}
 };
 
 // Grouped-query attention with fused q/k/v projection weights.

@@ -26,6 +26,7 @@ void AdamW::step(double lr) {
   s.eps = float(config_.eps);
   s.step = step_;
   for (const ParamInfo& p : params_.all()) {
+    if (!p.trainable) continue;  // updated by its own rule (routing biases)
     s.weight_decay = float(weight_decay_of(p));
     ops::adamw_update(params_.values().tensor(p.offset, p.shape), params_.grads().tensor(p.offset, p.shape),
                       exp_avg_.tensor(p.offset, p.shape), exp_avg_sq_.tensor(p.offset, p.shape), s);

@@ -13,6 +13,9 @@ void rmsnorm_forward(Tensor out, Tensor rstd, Tensor x, Tensor weight, float eps
 void rmsnorm_backward(Tensor dx, Tensor dweight, Tensor dout, Tensor x, Tensor weight, Tensor rstd);
 void rope_tables(Tensor cos, Tensor sin, int head_dim, double theta);
 void rope_apply(Tensor x, int64_t offset, int n_heads, int head_dim, Tensor cos, Tensor sin, bool inverse);
+void rope_tables_yarn(Tensor cos, Tensor sin, int dim, double theta, const ops::YarnParams& yarn);
+void rope_apply_interleaved(Tensor x, int64_t offset, int n_heads, int64_t head_stride, int dim, Tensor cos, Tensor sin,
+                            bool inverse);
 void attention_forward(Tensor out, Tensor lse, Tensor qkv, const ops::AttentionLayout& layout, float scale);
 void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
                         const ops::AttentionLayout& layout, float scale);
