@@ -191,6 +191,8 @@ void Transformer::init_weights(uint64_t seed) {
     const ParamInfo& p = reg_.info(id);
     if (p.kind == ParamKind::Norm) {
       ops::fill(reg_.param(id), 1.0f);
+    } else if (p.kind == ParamKind::RouterBias) {
+      ops::fill(reg_.param(id), 0.0f);
     } else {
       fill_normal(reg_.param(id), config_.initializer_range, seed, stream_id(p.name));
     }
