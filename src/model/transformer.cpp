@@ -4,6 +4,8 @@
 
 #include "model/init.h"
 
+#include <chrono>
+
 namespace dstrain {
 
 // ---------------------------------------------------------------------------------------
@@ -43,6 +45,9 @@ void RopeCache::ensure(int64_t T_needed, const ModelConfig& c) {
 }
 
 namespace {
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
 std::string layer_name(int layer, const char* rest) { return fmt::format("model.layers.{}.{}", layer, rest); }
 Tensor rows_of(Tensor t) { return t.view({t.numel() / t.size(-1), t.size(-1)}); }
 }  // namespace
@@ -281,8 +286,10 @@ LossSums Transformer::head(Tensor targets, bool backward, float loss_scale) {
     ops::linear_forward(logits, xf.slice(r0, r1), w);
     ops::cross_entropy_forward(losses.slice(r0, r1), lse, logits, tg.slice(r0, r1));
     if (backward) {
+      const auto t0 = std::chrono::steady_clock::now();
       ops::cross_entropy_backward(logits, logits, lse, tg.slice(r0, r1), loss_scale);
       ops::linear_backward(dxf.slice(r0, r1), head_grad(), logits, xf.slice(r0, r1), w);
+      head_backward_s_ += seconds_since(t0);
     }
   }
   LossSums s;
@@ -301,9 +308,20 @@ LossSums Transformer::forward_loss(Tensor tokens, Tensor targets) {
   return head(targets, /*backward=*/false, 0.0f);
 }
 
+std::pair<double, double> Transformer::take_timings() {
+  const std::pair<double, double> t{forward_s_, backward_s_};
+  forward_s_ = backward_s_ = 0;
+  return t;
+}
+
 LossSums Transformer::forward_backward(Tensor tokens, Tensor targets, float loss_scale, const GradReadyFn& ready) {
+  const auto t0 = std::chrono::steady_clock::now();
+  head_backward_s_ = 0;
   forward_body(tokens);
   LossSums s = head(targets, /*backward=*/true, loss_scale);
+  // The head forms each chunk's gradient right after its loss: that part counts as backward.
+  forward_s_ += seconds_since(t0) - head_backward_s_;
+  const auto t1 = std::chrono::steady_clock::now();
   const int64_t B = B_, T = T_, C = config_.hidden_size;
   // The residual-stream gradient flows back through the layers in one buffer.
   Tensor dx = scratch_.get("residual.grad", {B, T, C});
@@ -320,6 +338,7 @@ LossSums Transformer::forward_backward(Tensor tokens, Tensor targets, float loss
   }
   ops::embedding_backward(reg_.grad(embed_), dx.view({B * T, C}), tokens_.view({B * T}));
   if (ready) ready(embed_, embed_);
+  backward_s_ += head_backward_s_ + seconds_since(t1);
   return s;
 }
 

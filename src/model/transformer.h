@@ -207,6 +207,8 @@ class Transformer {
 
   // Rows of the vocabulary projection computed at once: bounds the logits memory.
   int64_t head_chunk_rows() const;
+  // Seconds spent in forward and backward computation since the last call.
+  std::pair<double, double> take_timings();
   // Bytes of activations and backward temporaries a micro-batch of (B, T) needs.
   int64_t activation_bytes(int64_t B, int64_t T) const;
   // Frees every activation buffer (they are reallocated at the next forward's size).
@@ -229,6 +231,7 @@ class Transformer {
   std::vector<Activation> x_;  // residual stream: x_[0] embedding output, x_[l+1] after layer l
   Activation xf_, rstdf_;      // final norm output (B,T,C) and rstd (B,T)
   Activation logits_, losses_, lse_;
+  double forward_s_ = 0, backward_s_ = 0, head_backward_s_ = 0;
 };
 
 }  // namespace dstrain

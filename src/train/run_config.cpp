@@ -192,6 +192,7 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
   if (top.has("checkpoint")) c.checkpoint = CheckpointConfig::from_json(top.child("checkpoint"));
   if (c.checkpoint.dir.empty()) c.checkpoint.dir = (std::filesystem::path(c.output.dir) / "checkpoints").string();
   if (top.has("resilience")) c.resilience = ResilienceConfig::from_json(top.child("resilience"));
+  if (top.has("metrics")) c.metrics = MetricsConfig::from_json(top.child("metrics"));
   if (top.has("generate")) c.generate = read_generate(top.child("generate"));
   top.done();
   if (c.data.seq_len > c.model.max_position_embeddings) {
@@ -233,6 +234,7 @@ json RunConfig::to_json() const {
   j["output"] = {{"dir", output.dir}, {"save_hf", output.save_hf}};
   j["checkpoint"] = checkpoint.to_json();
   j["resilience"] = resilience.to_json();
+  j["metrics"] = metrics.to_json();
   j["generate"] = {{"prompt", generate.prompt},           {"max_new_tokens", generate.max_new_tokens},
                    {"temperature", generate.temperature}, {"top_k", generate.top_k},
                    {"seed", generate.seed},               {"interval", generate.interval}};

@@ -14,6 +14,7 @@
 #include "optim/lr_schedule.h"
 #include "parallel/grid.h"
 #include "train/checkpointing.h"
+#include "train/metrics.h"
 #include "train/resilience.h"
 
 namespace dstrain {
@@ -64,6 +65,7 @@ struct RunConfig {
   OutputConfig output;
   CheckpointConfig checkpoint;  // its dir defaults to output.dir/checkpoints
   ResilienceConfig resilience;
+  MetricsConfig metrics;
   GenerateConfig generate;
   std::string source;  // the file it came from
 

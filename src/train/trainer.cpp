@@ -1,6 +1,8 @@
 #include "train/trainer.h"
 
 #include <chrono>
+#include <sys/resource.h>
+
 #include <cmath>
 #include <csignal>
 #include <cstring>
@@ -19,10 +21,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-std::string hms(double seconds) {
-  const int64_t s = int64_t(seconds + 0.5);
-  return fmt::format("{:02d}:{:02d}:{:02d}", s / 3600, (s / 60) % 60, s % 60);
-}
 
 Tensor tokens_tensor(std::vector<int32_t>& v, int64_t B, int64_t T) { return Tensor(v.data(), DType::I32, Shape{B, T}); }
 
@@ -222,9 +220,12 @@ bool Trainer::train_step(StepRecord& r) {
   } else {
     skipped_in_a_row_ = 0;
     if (spikes_) spikes_->accept(r.loss);
+    const auto o0 = Clock::now();
     if (tc.gradient_clipping > 0) clip_grad_norm(params, tc.gradient_clipping, r.grad_norm);
     optimizer_->step(r.lr);
+    r.optimizer_seconds = seconds_since(o0);
   }
+  std::tie(r.forward_seconds, r.backward_seconds) = model_->take_timings();
   ++step_;
   consumed_samples_ += tc.train_batch_size;
   r.step_seconds = seconds_since(t0);
@@ -234,12 +235,15 @@ bool Trainer::train_step(StepRecord& r) {
   r.exposed_comm_seconds = rt.exposed_seconds + waited;
   // Every rank's timing, for the load-balance view (a small gather outside the timed step).
   const int W = grid_.world_size();
-  double mine[2] = {r.step_seconds, r.step_seconds - r.exposed_comm_seconds};
-  std::vector<double> all(static_cast<size_t>(2 * W));
-  grid_.world().all_gather(Tensor(all.data(), DType::F64, Shape{2 * W}), Tensor(mine, DType::F64, Shape{2}));
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  double mine[3] = {r.step_seconds, r.step_seconds - r.exposed_comm_seconds, double(usage.ru_maxrss) * 1024.0};
+  std::vector<double> all(static_cast<size_t>(3 * W));
+  grid_.world().all_gather(Tensor(all.data(), DType::F64, Shape{3 * W}), Tensor(mine, DType::F64, Shape{3}));
   for (int k = 0; k < W; ++k) {
-    r.rank_step_seconds.push_back(all[size_t(2 * k)]);
-    r.rank_compute_seconds.push_back(all[size_t(2 * k + 1)]);
+    r.rank_step_seconds.push_back(all[size_t(3 * k)]);
+    r.rank_compute_seconds.push_back(all[size_t(3 * k + 1)]);
+    r.rank_peak_rss_bytes.push_back(all[size_t(3 * k + 2)]);
   }
   return true;
 }
@@ -281,17 +285,32 @@ void Trainer::apply_activation_budget() {
   }
 }
 
-void Trainer::print_progress(const StepRecord& r, double elapsed, int64_t steps_this_run) const {
-  const int64_t remaining = config_.train.max_steps - r.step;
-  const double eta = elapsed / double(std::max<int64_t>(steps_this_run, 1)) * double(remaining);
-  log::info("step {:>6}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.4f} | {:.0f} tok/s | elapsed {} | eta {}", r.step,
-            config_.train.max_steps, r.loss, r.lr, r.grad_norm, r.tokens_per_s, hms(elapsed), hms(eta));
-}
-
-void Trainer::write_metrics(const json& record) {
-  if (!metrics_.is_open()) return;
-  metrics_ << record.dump() << "\n";
-  metrics_.flush();
+StepMetrics Trainer::step_metrics(const StepRecord& r, double elapsed, int64_t steps_this_run) {
+  StepMetrics m;
+  m.step = r.step;
+  m.max_steps = config_.train.max_steps;
+  m.loss = r.loss;
+  m.lr = r.lr;
+  m.grad_norm = r.grad_norm;
+  m.tokens_per_s = r.tokens_per_s;
+  m.tokens = consumed_samples_ * config_.data.seq_len;
+  m.elapsed_s = elapsed;
+  m.steps_this_run = steps_this_run;
+  m.time.total = r.step_seconds;
+  m.time.data_wait = r.data_wait_seconds;
+  m.time.forward = r.forward_seconds;
+  m.time.backward = r.backward_seconds;
+  m.time.exposed_comm = r.exposed_comm_seconds;
+  m.time.optimizer = r.optimizer_seconds;
+  m.time.checkpoint = r.checkpoint_seconds;
+  m.comm_s = r.comm_seconds;
+  m.skipped = r.skipped;
+  m.skipped_total = skipped_total_;
+  m.rank_step_s = r.rank_step_seconds;
+  m.rank_compute_s = r.rank_compute_seconds;
+  m.rank_peak_rss_bytes = r.rank_peak_rss_bytes;
+  if (config_.data.train.size() > 1) m.extra["data_mix"] = pipeline().drawn();
+  return m;
 }
 
 Trainer::Outcome Trainer::train() {
@@ -307,17 +326,17 @@ Trainer::Outcome Trainer::train() {
     log::info("gradients: {} bucket(s) of up to {} elements, all-reduce {}", reducer_->num_buckets(),
               tc.reduce_bucket_size, tc.overlap_comm ? "overlapped with the backward" : "after the backward");
   }
-  if (grid_.world_rank() == 0) {
-    std::filesystem::create_directories(config_.output.dir);
-    const auto path = std::filesystem::path(config_.output.dir) / "metrics.jsonl";
-    metrics_.open(path, std::ios::app);
-    DS_CHECK(metrics_.good(), "cannot write {}: check output.dir", path.string());
+  if (grid_.world_rank() == 0) std::filesystem::create_directories(config_.output.dir);
+  grid_.world().barrier();
+  if (!metrics_) {
+    metrics_ = std::make_unique<Metrics>(config_.metrics, config_.model, config_.data.seq_len, grid_.world_rank(),
+                                         grid_.world_size(), grid_.local_size(), config_.output.dir,
+                                         tc.steps_per_print);
   }
   if (!pipeline_started_) {
     pipeline().reconfigure(tc.micro_batch, tc.grad_accum, step_, resume_blend_);
     pipeline_started_ = true;
   }
-  const double flops_per_token = config_.model.train_flops_per_token(config_.data.seq_len);
   const auto t0 = Clock::now();
   const int64_t first_step = step_ + 1;  // after a resume, not 1
   Outcome outcome = Outcome::Completed;
@@ -326,27 +345,17 @@ Trainer::Outcome Trainer::train() {
     if (!train_step(r)) continue;  // the micro-batch was halved: the same step again
     history_.push_back(r);
     if (on_step) on_step(r);
+    // A checkpoint due at this step belongs to its time split.
+    const bool ckpt_due = checkpoint_due(r.step);
+    if (ckpt_due) {
+      r.checkpoint_seconds = history_.back().checkpoint_seconds = save_checkpoint();
+      r.step_seconds += r.checkpoint_seconds;
+      metrics_->on_checkpoint(r.step, r.checkpoint_seconds, config_.checkpoint.async);
+    }
     const double elapsed = seconds_since(t0);
-    write_metrics({{"type", "train"},
-                   {"step", r.step},
-                   {"loss", r.loss},
-                   {"lr", r.lr},
-                   {"grad_norm", r.grad_norm},
-                   {"step_time_s", r.step_seconds},
-                   {"comm_time_s", r.comm_seconds},
-                   {"exposed_comm_time_s", r.exposed_comm_seconds},
-                   {"data_wait_s", r.data_wait_seconds},
-                   {"skipped", r.skipped},
-                   {"data_mix", pipeline().drawn()},
-                   {"rank_step_time_s", r.rank_step_seconds},
-                   {"rank_compute_time_s", r.rank_compute_seconds},
-                   {"tokens_per_s", r.tokens_per_s},
-                   {"model_flops_per_s", r.tokens_per_s * flops_per_token},
-                   {"tokens", consumed_samples_ * config_.data.seq_len},
-                   {"elapsed_s", elapsed}});
-    if (r.step == first_step || r.step % tc.steps_per_print == 0 || r.step == tc.max_steps) {
-      print_progress(r, elapsed, r.step - first_step + 1);
-      if (config_.data.train.size() > 1) log::info("data mix {:>6} | {}", r.step, pipeline().mix_report());
+    metrics_->on_step(step_metrics(r, elapsed, r.step - first_step + 1));
+    if (config_.data.train.size() > 1 && (r.step % tc.steps_per_print == 0 || r.step == tc.max_steps)) {
+      log::info("data mix {:>6} | {}", r.step, pipeline().mix_report());
     }
     if (tc.eval_interval > 0 && (!config_.data.val.empty() || !config_.data.split.empty()) &&
         (r.step % tc.eval_interval == 0 || r.step == tc.max_steps)) {
@@ -354,8 +363,7 @@ Trainer::Outcome Trainer::train() {
       log::info("eval   {:>6} | {}", r.step, eval_report(e));
       json per = json::object();
       for (size_t d = 0; d + 1 < e.size(); ++d) per[eval_names_[d]] = e[d].mean();
-      write_metrics({{"type", "eval"}, {"step", r.step}, {"loss", e.back().mean()}, {"tokens", e.back().count},
-                     {"datasets", per}});
+      metrics_->on_eval(r.step, e.back().mean(), e.back().count, per);
     }
     if (config_.generate.interval > 0 && r.step % config_.generate.interval == 0) {
       log::info("sample {:>6} | {}", r.step, sample(config_.generate.prompt));
@@ -370,13 +378,10 @@ Trainer::Outcome Trainer::train() {
       outcome = Outcome::StoppedOnSignal;
       break;
     }
-    if (checkpoint_due(r.step)) {
-      const double stall = save_checkpoint();
-      write_metrics({{"type", "checkpoint"}, {"step", r.step}, {"stall_s", stall}, {"async", config_.checkpoint.async}});
-    }
   }
   if (outcome == Outcome::Completed && config_.checkpoint.save_final && last_saved_step_ != step_) save_checkpoint();
   ckpt_->wait();
+  metrics_->on_run_end();
   return outcome;
 }
 

@@ -17,6 +17,7 @@
 #include "parallel/grad_reducer.h"
 #include "parallel/grid.h"
 #include "train/checkpointing.h"
+#include "train/metrics.h"
 #include "train/run_config.h"
 
 namespace dstrain {
@@ -29,13 +30,14 @@ struct StepRecord {
   double step_seconds = 0;
   double tokens_per_s = 0;       // global
   double data_wait_seconds = 0;  // waiting for this step's batches
+  double forward_seconds = 0, backward_seconds = 0, optimizer_seconds = 0, checkpoint_seconds = 0;
   double comm_seconds = 0;       // gradient all-reduce time (overlapped or not)
   double exposed_comm_seconds = 0;  // part of the step spent waiting for communication
   bool skipped = false;             // no update: non-finite loss or gradients, or a loss spike
   std::string skip_reason;
   // Per rank of the world (index = rank): step time and compute time (step minus exposed
   // communication), for load balance.
-  std::vector<double> rank_step_seconds, rank_compute_seconds;
+  std::vector<double> rank_step_seconds, rank_compute_seconds, rank_peak_rss_bytes;
 };
 
 class Trainer {
@@ -85,8 +87,7 @@ class Trainer {
   bool train_step(StepRecord& r);
   void shrink_micro_batch(const std::string& why, int64_t step, const json& blend_before);
   void apply_activation_budget();
-  void print_progress(const StepRecord& r, double elapsed, int64_t steps_this_run) const;
-  void write_metrics(const json& record);
+  StepMetrics step_metrics(const StepRecord& r, double elapsed, int64_t steps_this_run);
   const std::vector<std::shared_ptr<SampleDataset>>& eval_datasets();
   DataPipeline& pipeline();
   Tokenizer& tokenizer();
@@ -96,7 +97,7 @@ class Trainer {
   RunConfig config_;
   ProcessGrid& grid_;
   Communicator& dp_;
-  std::ofstream metrics_;  // output.dir/metrics.jsonl (rank 0): one JSON object per step and evaluation
+  std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<GradReducer> reducer_;

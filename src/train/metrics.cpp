@@ -1,0 +1,397 @@
+#include "train/metrics.h"
+
+#include <cblas.h>
+#include <httplib.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <mutex>
+#include <thread>
+
+#include "core/buffer.h"
+#include "core/log.h"
+
+namespace dstrain {
+
+MetricsConfig MetricsConfig::from_json(const JsonReader& r) {
+  MetricsConfig c;
+  c.progress = r.get<std::string>("progress", c.progress);
+  c.prometheus_port = r.get<int64_t>("prometheus_port", c.prometheus_port);
+  c.prometheus_host = r.get<std::string>("prometheus_host", c.prometheus_host);
+  c.peak_tflops = r.get<double>("peak_tflops", c.peak_tflops);
+  c.memory_budget_gb = r.get<double>("memory_budget_gb", c.memory_budget_gb);
+  if (c.progress != "auto" && c.progress != "bar" && c.progress != "lines") {
+    r.error("progress", "must be \"auto\", \"bar\" or \"lines\"");
+  }
+  if (c.prometheus_port < 0 || c.prometheus_port > 65535) r.error("prometheus_port", "must be 0 (off) or a TCP port");
+  if (c.peak_tflops < 0) r.error("peak_tflops", "must be >= 0 (0: measured at start)");
+  if (c.memory_budget_gb < 0) r.error("memory_budget_gb", "must be >= 0 (0: the node's memory over its ranks)");
+  r.done();
+  return c;
+}
+
+json MetricsConfig::to_json() const {
+  return {{"progress", progress},       {"prometheus_port", prometheus_port}, {"prometheus_host", prometheus_host},
+          {"peak_tflops", peak_tflops}, {"memory_budget_gb", memory_budget_gb}};
+}
+
+Utilisation utilisation(double global_tokens_per_s, double flops_per_token, int world_size, double peak_flops) {
+  Utilisation u;
+  u.model_flops_per_s = global_tokens_per_s * flops_per_token / double(std::max(world_size, 1));
+  u.mfu = peak_flops > 0 ? u.model_flops_per_s / peak_flops : 0;
+  return u;
+}
+
+double measure_peak_flops() {
+  constexpr int n = 1024;
+  std::vector<float> a(static_cast<size_t>(n) * n, 0.5f), b(a.size(), 0.25f), c(a.size());
+  std::vector<double> rates;
+  for (int rep = 0; rep < 4; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (rep > 0) rates.push_back(2.0 * n * double(n) * n / s);  // the first warms up
+  }
+  std::sort(rates.begin(), rates.end());
+  return rates[rates.size() / 2];
+}
+
+namespace {
+
+double node_memory_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  double kb = 0;
+  while (in >> key >> kb) {
+    if (key == "MemTotal:") return kb * 1024.0;
+    in.ignore(256, '\n');
+  }
+  return 0;
+}
+
+double peak_rss_bytes() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return double(u.ru_maxrss) * 1024.0;
+}
+
+std::string hms(double seconds) {
+  const int64_t s = int64_t(seconds + 0.5);
+  return fmt::format("{:02d}:{:02d}:{:02d}", s / 3600, (s / 60) % 60, s % 60);
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+struct RankSpread {
+  double max = 0, min = 0, mean = 0;
+  int slowest = 0;
+  double spread() const { return mean > 0 ? (max - min) / mean : 0; }
+};
+RankSpread spread_of(const std::vector<double>& v) {
+  RankSpread s;
+  if (v.empty()) return s;
+  s.max = s.min = v[0];
+  for (size_t r = 0; r < v.size(); ++r) {
+    s.mean += v[r];
+    if (v[r] > s.max) {
+      s.max = v[r];
+      s.slowest = int(r);
+    }
+    s.min = std::min(s.min, v[r]);
+  }
+  s.mean /= double(v.size());
+  return s;
+}
+
+}  // namespace
+
+struct Metrics::Impl {
+  std::ofstream jsonl;
+  mutable std::mutex mutex;  // the endpoint thread reads what the training thread writes
+  StepMetrics last;
+  bool have_step = false;
+  double last_eval = -1;
+  json last_extra = json::object();
+  // Per-step shares of the run, for the summary.
+  std::vector<double> mfu, data, comm, compute, optimizer, checkpoint, imbalance, tokens_per_s, memory;
+  int64_t checkpoints = 0;
+  int64_t last_warn_step[3] = {-1000000, -1000000, -1000000};
+  std::unique_ptr<httplib::Server> server;
+  std::thread server_thread;
+};
+
+Metrics::Metrics(const MetricsConfig& config, const ModelConfig& model, int64_t seq_len, int rank, int world_size,
+                 int local_size, const std::string& output_dir, int64_t steps_per_print)
+    : config_(config), rank_(rank), world_(world_size), steps_per_print_(steps_per_print), impl_(std::make_unique<Impl>()) {
+  flops_per_token_ = model.train_flops_per_token(seq_len);
+  peak_flops_ = config_.peak_tflops > 0 ? config_.peak_tflops * 1e12 : measure_peak_flops();
+  budget_bytes_ = config_.memory_budget_gb > 0 ? config_.memory_budget_gb * 1e9
+                                               : node_memory_bytes() / double(std::max(local_size, 1));
+  bar_ = config_.progress == "bar" || (config_.progress == "auto" && isatty(STDOUT_FILENO));
+  if (rank_ != 0) return;
+  jsonl_path_ = output_dir + "/metrics.jsonl";
+  impl_->jsonl.open(jsonl_path_, std::ios::app);
+  DS_CHECK(impl_->jsonl.good(), "cannot write {}: check output.dir", jsonl_path_);
+  log::info("metrics: {} model FLOP per token, peak {:.1f} GFLOP/s per rank ({}), memory budget {:.1f} GB per rank, "
+            "{}",
+            flops_per_token_, peak_flops_ / 1e9, config_.peak_tflops > 0 ? "configured" : "measured with sgemm",
+            budget_bytes_ / 1e9, jsonl_path_);
+  if (config_.prometheus_port > 0) {
+    impl_->server = std::make_unique<httplib::Server>();
+    impl_->server->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+      res.set_content(prometheus_text(), "text/plain; version=0.0.4; charset=utf-8");
+    });
+    if (!impl_->server->bind_to_port(config_.prometheus_host.c_str(), int(config_.prometheus_port))) {
+      throw Error(fmt::format("metrics.prometheus_port: cannot listen on {}:{} (in use, or not allowed); choose "
+                              "another port or set 0 to turn the endpoint off",
+                              config_.prometheus_host, config_.prometheus_port));
+    }
+    impl_->server_thread = std::thread([this] { impl_->server->listen_after_bind(); });
+    log::info("metrics: Prometheus endpoint on http://{}:{}/metrics", config_.prometheus_host,
+              config_.prometheus_port);
+  }
+}
+
+Metrics::~Metrics() {
+  if (impl_->server) impl_->server->stop();
+  if (impl_->server_thread.joinable()) impl_->server_thread.join();
+}
+
+void Metrics::write(const json& record) {
+  if (!impl_->jsonl.is_open()) return;
+  impl_->jsonl << record.dump() << "\n";
+  impl_->jsonl.flush();
+}
+
+json Metrics::step_record(const StepMetrics& m) const {
+  const Utilisation u = utilisation(m.tokens_per_s, flops_per_token_, world_, peak_flops_);
+  const RankSpread s = spread_of(m.rank_step_s);
+  const MemoryStats mem = memory_stats();
+  json memory = json::object();
+  for (int c = 0; c < int(MemCategory::kCount); ++c) memory[std::string(mem_category_name(MemCategory(c)))] = mem.bytes[size_t(c)];
+  json r = {{"type", "train"},
+            {"step", m.step},
+            {"loss", m.loss},
+            {"lr", m.lr},
+            {"grad_norm", m.grad_norm},
+            {"tokens_per_s", m.tokens_per_s},
+            {"model_flops_per_s", u.model_flops_per_s},
+            {"mfu", u.mfu},
+            {"tokens", m.tokens},
+            {"elapsed_s", m.elapsed_s},
+            {"step_time_s", m.time.total},
+            {"time_s",
+             {{"data_wait", m.time.data_wait},
+              {"forward", m.time.forward},
+              {"backward", m.time.backward},
+              {"exposed_comm", m.time.exposed_comm},
+              {"optimizer", m.time.optimizer},
+              {"checkpoint", m.time.checkpoint},
+              {"other", m.time.other()}}},
+            {"data_wait_s", m.time.data_wait},
+            {"comm_time_s", m.comm_s},
+            {"exposed_comm_time_s", m.time.exposed_comm},
+            {"rank_step_time_s", m.rank_step_s},
+            {"rank_compute_time_s", m.rank_compute_s},
+            {"step_time_max_s", s.max},
+            {"step_time_min_s", s.min},
+            {"step_time_mean_s", s.mean},
+            {"slowest_rank", s.slowest},
+            {"memory_bytes", memory},
+            {"peak_rss_bytes", *std::max_element(m.rank_peak_rss_bytes.begin(), m.rank_peak_rss_bytes.end())},
+            {"skipped", m.skipped},
+            {"skipped_total", m.skipped_total}};
+  for (const auto& [k, v] : m.extra.items()) r[k] = v;
+  return r;
+}
+
+void Metrics::on_step(const StepMetrics& m) {
+  if (rank_ != 0) return;
+  const json record = step_record(m);
+  write(record);
+  {
+    std::lock_guard lock(impl_->mutex);
+    impl_->last = m;
+    impl_->have_step = true;
+    impl_->last_extra = m.extra;
+    const double t = std::max(m.time.total, 1e-12);
+    impl_->mfu.push_back(record["mfu"]);
+    impl_->data.push_back(m.time.data_wait / t);
+    impl_->comm.push_back(m.time.exposed_comm / t);
+    impl_->compute.push_back((m.time.forward + m.time.backward) / t);
+    impl_->optimizer.push_back(m.time.optimizer / t);
+    impl_->checkpoint.push_back(m.time.checkpoint / t);
+    impl_->imbalance.push_back(spread_of(m.rank_step_s).spread());
+    impl_->tokens_per_s.push_back(m.tokens_per_s);
+    impl_->memory.push_back(double(record["peak_rss_bytes"]) / std::max(budget_bytes_, 1.0));
+  }
+  warn_if_abnormal(m);
+  print_progress(m);
+}
+
+void Metrics::warn_if_abnormal(const StepMetrics& m) {
+  // Each kind of warning at most once per steps_per_print steps.
+  auto once = [&](int kind) {
+    if (m.step - impl_->last_warn_step[kind] < steps_per_print_) return false;
+    impl_->last_warn_step[kind] = m.step;
+    return true;
+  };
+  const RankSpread s = spread_of(m.rank_step_s);
+  if (world_ > 1 && s.spread() > 0.10 && once(0)) {
+    log::warn("step {}: load imbalance: step times over ranks spread {:.0f}% (max {:.3f} s, min {:.3f} s, mean {:.3f} "
+              "s); rank {} is the slowest",
+              m.step, 100 * s.spread(), s.max, s.min, s.mean, s.slowest);
+  }
+  const double comm = m.time.total > 0 ? m.time.exposed_comm / m.time.total : 0;
+  if (comm > 0.15 && once(1)) {
+    log::warn("step {}: exposed communication is {:.0f}% of the step (above 15%): enable overlap_comm, use larger "
+              "buckets or micro-batches, or check the interconnect",
+              m.step, 100 * comm);
+  }
+  const double rss = *std::max_element(m.rank_peak_rss_bytes.begin(), m.rank_peak_rss_bytes.end());
+  if (rss > 0.9 * budget_bytes_ && once(2)) {
+    log::warn("step {}: memory at {:.0f}% of the budget ({:.1f} of {:.1f} GB peak resident per rank)", m.step,
+              100 * rss / budget_bytes_, rss / 1e9, budget_bytes_ / 1e9);
+  }
+}
+
+void Metrics::print_progress(const StepMetrics& m) {
+  const double eta = m.elapsed_s / double(std::max<int64_t>(m.steps_this_run, 1)) * double(m.max_steps - m.step);
+  const Utilisation u = utilisation(m.tokens_per_s, flops_per_token_, world_, peak_flops_);
+  const std::string line =
+      fmt::format("step {:>6}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.4f} | {:.0f} tok/s | MFU {:.1f}% | elapsed "
+                  "{} | eta {}{}",
+                  m.step, m.max_steps, m.loss, m.lr, m.grad_norm, m.tokens_per_s, 100 * u.mfu, hms(m.elapsed_s),
+                  hms(eta), m.skipped ? " | skipped" : "");
+  const bool milestone = m.steps_this_run == 1 || m.step % steps_per_print_ == 0 || m.step == m.max_steps;
+  if (bar_) {
+    // A live bar on a terminal: redrawn every step, kept as a line at each print interval.
+    const int width = 24, filled = int(double(width) * double(m.step) / double(std::max<int64_t>(m.max_steps, 1)));
+    std::printf("\r[%s%s] %s\033[K", std::string(size_t(filled), '#').c_str(),
+                std::string(size_t(width - filled), '.').c_str(), line.c_str());
+    if (milestone) std::printf("\n");
+    std::fflush(stdout);
+  } else if (milestone) {
+    log::info("{}", line);
+  }
+}
+
+void Metrics::on_eval(int64_t step, double loss, int64_t tokens, const json& per_dataset) {
+  if (rank_ != 0) return;
+  write({{"type", "eval"}, {"step", step}, {"loss", loss}, {"tokens", tokens}, {"datasets", per_dataset}});
+  std::lock_guard lock(impl_->mutex);
+  impl_->last_eval = loss;
+}
+
+void Metrics::on_checkpoint(int64_t step, double stall_s, bool async) {
+  if (rank_ != 0) return;
+  write({{"type", "checkpoint"}, {"step", step}, {"stall_s", stall_s}, {"async", async}});
+  std::lock_guard lock(impl_->mutex);
+  ++impl_->checkpoints;
+}
+
+std::string Metrics::prometheus_text() const {
+  std::lock_guard lock(impl_->mutex);
+  std::string out;
+  auto metric = [&](const char* name, const char* type, const char* help, const std::vector<std::pair<std::string, double>>& samples) {
+    out += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type);
+    for (const auto& [labels, v] : samples) out += fmt::format("{}{} {}\n", name, labels, v);
+  };
+  const MemoryStats mem = memory_stats();
+  std::vector<std::pair<std::string, double>> memory;
+  for (int c = 0; c < int(MemCategory::kCount); ++c) {
+    memory.push_back({fmt::format("{{category=\"{}\"}}", mem_category_name(MemCategory(c))), double(mem.bytes[size_t(c)])});
+  }
+  metric("dstrain_memory_bytes", "gauge", "Bytes held by rank 0 per category.", memory);
+  metric("dstrain_peak_rss_bytes", "gauge", "Peak resident memory of rank 0's process in bytes.", {{"", peak_rss_bytes()}});
+  metric("dstrain_peak_flops", "gauge", "Peak FLOP/s per rank that MFU is measured against.", {{"", peak_flops_}});
+  metric("dstrain_world_size", "gauge", "Ranks in the job.", {{"", double(world_)}});
+  if (!impl_->have_step) return out;
+  const StepMetrics& m = impl_->last;
+  const Utilisation u = utilisation(m.tokens_per_s, flops_per_token_, world_, peak_flops_);
+  const RankSpread s = spread_of(m.rank_step_s);
+  metric("dstrain_step", "counter", "Optimizer steps taken.", {{"", double(m.step)}});
+  metric("dstrain_tokens_total", "counter", "Training tokens consumed.", {{"", double(m.tokens)}});
+  metric("dstrain_skipped_steps_total", "counter", "Steps skipped (non-finite or spiking loss).",
+         {{"", double(m.skipped_total)}});
+  metric("dstrain_loss", "gauge", "Training loss of the last step.", {{"", m.loss}});
+  metric("dstrain_learning_rate", "gauge", "Learning rate of the last step.", {{"", m.lr}});
+  metric("dstrain_grad_norm", "gauge", "Global gradient norm before clipping.", {{"", m.grad_norm}});
+  metric("dstrain_tokens_per_second", "gauge", "Training throughput over all ranks.", {{"", m.tokens_per_s}});
+  metric("dstrain_model_flops_per_second", "gauge", "Model FLOP/s per rank.", {{"", u.model_flops_per_s}});
+  metric("dstrain_mfu_ratio", "gauge", "Model FLOP utilisation: model FLOP/s over the peak.", {{"", u.mfu}});
+  metric("dstrain_step_duration_seconds", "gauge", "Time of the last step by phase.",
+         {{"{phase=\"total\"}", m.time.total},
+          {"{phase=\"data_wait\"}", m.time.data_wait},
+          {"{phase=\"forward\"}", m.time.forward},
+          {"{phase=\"backward\"}", m.time.backward},
+          {"{phase=\"exposed_comm\"}", m.time.exposed_comm},
+          {"{phase=\"optimizer\"}", m.time.optimizer},
+          {"{phase=\"checkpoint\"}", m.time.checkpoint},
+          {"{phase=\"other\"}", m.time.other()}});
+  metric("dstrain_rank_step_duration_seconds", "gauge", "Step time over ranks.",
+         {{"{stat=\"max\"}", s.max}, {"{stat=\"min\"}", s.min}, {"{stat=\"mean\"}", s.mean}});
+  metric("dstrain_slowest_rank", "gauge", "The rank with the longest last step.", {{"", double(s.slowest)}});
+  if (impl_->last_eval >= 0) metric("dstrain_eval_loss", "gauge", "Last evaluation loss.", {{"", impl_->last_eval}});
+  if (impl_->last_extra.contains("moe")) {
+    std::vector<std::pair<std::string, double>> load, dead, aux;
+    for (const auto& [layer, v] : impl_->last_extra["moe"].items()) {
+      const std::string l = fmt::format("{{layer=\"{}\"}}", layer);
+      load.push_back({l, v.value("max_over_mean_load", 0.0)});
+      dead.push_back({l, v.value("dead_experts", 0.0)});
+      aux.push_back({l, v.value("aux_loss", 0.0)});
+    }
+    metric("dstrain_moe_load_max_over_mean", "gauge", "Tokens of the busiest expert over the mean, per MoE layer.", load);
+    metric("dstrain_moe_dead_experts", "gauge", "Experts that received no token in the last step, per MoE layer.", dead);
+    metric("dstrain_moe_aux_loss", "gauge", "Auxiliary balance loss of the last step, per MoE layer.", aux);
+  }
+  return out;
+}
+
+std::string Metrics::summary_table() const {
+  std::lock_guard lock(impl_->mutex);
+  struct Row {
+    std::string metric, value, normal;
+    bool ok;
+  };
+  const double mfu = median(impl_->mfu), data = median(impl_->data), comm = median(impl_->comm);
+  const double compute = median(impl_->compute), opt = median(impl_->optimizer), ckpt = median(impl_->checkpoint);
+  const double imb = median(impl_->imbalance), mem = impl_->memory.empty() ? 0 : *std::max_element(impl_->memory.begin(), impl_->memory.end());
+  auto pct = [](double x) { return fmt::format("{:.1f}%", 100 * x); };
+  std::vector<Row> rows = {
+      {"throughput (median)", fmt::format("{:.0f} tok/s", median(impl_->tokens_per_s)), "-", true},
+      {"MFU (model FLOP/s over measured peak)", pct(mfu), "> 30% (GEMM-bound CPU runs reach 50-80%)", mfu > 0.30},
+      {"compute share (forward + backward)", pct(compute), "> 80% of a step", compute > 0.80},
+      {"data wait", pct(data), "< 5% of a step", data < 0.05},
+      {"exposed communication", pct(comm), "< 15% of a step", comm < 0.15},
+      {"optimizer", pct(opt), "< 10% of a step", opt < 0.10},
+      {"checkpoint stall", pct(ckpt), "< 5% of a step", ckpt < 0.05},
+      {"load imbalance (step time spread over ranks)", pct(imb), "< 10%", imb < 0.10},
+      {"peak memory / budget", pct(mem), "< 90%", mem < 0.90},
+      {"skipped steps", fmt::format("{}", impl_->have_step ? impl_->last.skipped_total : 0), "0",
+       !impl_->have_step || impl_->last.skipped_total == 0},
+      {"GPU utilisation", "n/a (CPU run)", "> 90%", true},
+  };
+  std::string out = fmt::format("{:<46} {:>14}  {:<42} {}\n", "metric", "value", "normal range", "verdict");
+  for (const Row& r : rows) {
+    out += fmt::format("{:<46} {:>14}  {:<42} {}\n", r.metric, r.value, r.normal, r.normal == "-" ? "" : r.ok ? "ok" : "CHECK");
+  }
+  return out;
+}
+
+void Metrics::on_run_end() {
+  if (rank_ != 0 || !impl_->have_step) return;
+  std::printf("%s", bar_ ? "\n" : "");
+  log::info("run summary (medians over the steps of this run):\n{}", summary_table());
+  write({{"type", "summary"}, {"table", summary_table()}});
+}
+
+}  // namespace dstrain

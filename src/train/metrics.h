@@ -1,0 +1,98 @@
+// What a run shows while it runs: per-step metrics (loss, learning rate, gradient norm,
+// tokens/s, model FLOP/s and MFU, the step's time split, memory by category, skipped steps),
+// the spread over ranks with the slowest named, warnings when the run leaves its normal
+// range, and the outputs users already read: a progress line (a live bar on a terminal),
+// metrics.jsonl, a Prometheus text endpoint served by rank 0, and an end-of-run summary
+// with a bottleneck table.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/json_reader.h"
+#include "model/model_config.h"
+
+namespace dstrain {
+
+struct MetricsConfig {
+  std::string progress = "auto";   // "auto" (a live bar when stdout is a terminal), "bar", "lines"
+  int64_t prometheus_port = 0;     // 0: no endpoint
+  std::string prometheus_host = "0.0.0.0";
+  double peak_tflops = 0;          // per rank; 0: measured at start with sgemm
+  double memory_budget_gb = 0;     // per rank; 0: the node's memory over its ranks
+  static MetricsConfig from_json(const JsonReader& r);
+  json to_json() const;
+};
+
+// The time of one optimizer step, split by phase (seconds).
+struct StepTimes {
+  double total = 0, data_wait = 0, forward = 0, backward = 0, exposed_comm = 0, optimizer = 0, checkpoint = 0;
+  double other() const { return std::max(0.0, total - data_wait - forward - backward - exposed_comm - optimizer - checkpoint); }
+};
+
+// Everything one step reports (filled by the trainer; rank-indexed vectors cover the world).
+struct StepMetrics {
+  int64_t step = 0, max_steps = 0;
+  double loss = 0, lr = 0, grad_norm = 0;
+  double tokens_per_s = 0;
+  int64_t tokens = 0;           // consumed so far (global)
+  double elapsed_s = 0;         // since this run started
+  int64_t steps_this_run = 0;   // for the ETA after a resume
+  StepTimes time;
+  double comm_s = 0;            // all-reduce time, overlapped or not
+  bool skipped = false;
+  int64_t skipped_total = 0;
+  std::vector<double> rank_step_s, rank_compute_s, rank_peak_rss_bytes;
+  json extra = json::object();  // e.g. data mix, routing health
+};
+
+// Model FLOP/s per rank and the fraction of peak it is (MFU).
+struct Utilisation {
+  double model_flops_per_s = 0;  // per rank
+  double mfu = 0;
+};
+Utilisation utilisation(double global_tokens_per_s, double flops_per_token, int world_size, double peak_flops);
+
+// Measured sgemm FLOP/s on this rank's threads (the per-rank peak MFU is measured against).
+double measure_peak_flops();
+
+class Metrics {
+ public:
+  // Rank 0 writes and serves; every rank constructs it (the peak is measured on each).
+  Metrics(const MetricsConfig& config, const ModelConfig& model, int64_t seq_len, int rank, int world_size,
+          int local_size, const std::string& output_dir, int64_t steps_per_print);
+  ~Metrics();
+
+  double peak_flops() const { return peak_flops_; }
+  double flops_per_token() const { return flops_per_token_; }
+  double memory_budget_bytes() const { return budget_bytes_; }
+
+  void on_step(const StepMetrics& m);
+  void on_eval(int64_t step, double loss, int64_t tokens, const json& per_dataset);
+  void on_checkpoint(int64_t step, double stall_s, bool async);
+  void on_run_end();  // the summary (rank 0)
+
+  // The Prometheus text exposition of the latest state (what the endpoint serves).
+  std::string prometheus_text() const;
+  // The bottleneck table of the run so far.
+  std::string summary_table() const;
+  // The JSON record written for a step (metrics.jsonl schema).
+  json step_record(const StepMetrics& m) const;
+
+ private:
+  void write(const json& record);
+  void print_progress(const StepMetrics& m);
+  void warn_if_abnormal(const StepMetrics& m);
+
+  MetricsConfig config_;
+  int rank_, world_;
+  double peak_flops_ = 0, flops_per_token_ = 0, budget_bytes_ = 0;
+  int64_t steps_per_print_;
+  bool bar_ = false;
+  std::string jsonl_path_;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dstrain
