@@ -1,15 +1,120 @@
-// DeepSeek-V2/V3 rotary embedding on the CPU: YaRN tables and the interleaved pairing.
-// (Implemented with the MLA layer; these definitions keep the library linking meanwhile.)
+// DeepSeek-V2/V3 rotary embedding on the CPU: YaRN tables (DeepseekV2YarnRotaryEmbedding)
+// and the interleaved pairing of modeling_deepseek's apply_rotary_pos_emb.
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+#include <vector>
+
 #include "kernels/cpu/cpu_ops.h"
 
 namespace dstrain::cpu {
+namespace {
 
-void rope_tables_yarn(Tensor, Tensor, int, double, const ops::YarnParams&) {
-  DS_FAIL("YaRN rotary tables are not implemented yet");
+// yarn_get_mscale of modeling_deepseek (Python floats, so double).
+double yarn_mscale(double scale, double mscale) { return scale <= 1 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0; }
+
+}  // namespace
+
+void rope_tables_yarn(Tensor cos, Tensor sin, int dim, double theta, const ops::YarnParams& yarn) {
+  const int64_t T = cos.size(0), half = dim / 2;
+  DS_CHECK(dim > 0 && dim % 2 == 0 && cos.ndim() == 2 && cos.size(1) == half && sin.shape() == cos.shape(),
+           "rope_tables_yarn: dim {} with tables {} and {}", dim, cos.shape().str(), sin.shape().str());
+  const bool scaled = yarn.factor > 1;
+  DS_CHECK(!scaled || yarn.original_max_position_embeddings > 0,
+           "rope_tables_yarn: YaRN factor {} needs original_max_position_embeddings > 0", yarn.factor);
+
+  // The correction range is Python float arithmetic in Hugging Face (double here); the
+  // frequencies, the ramp and their blend are fp32 tensors there, and are fp32 here.
+  double low = 0, high = 1;
+  if (scaled) {
+    auto correction_dim = [&](double n_rot) {
+      return double(dim) * std::log(double(yarn.original_max_position_embeddings) / (n_rot * 2 * std::numbers::pi)) /
+             (2 * std::log(theta));
+    };
+    low = std::max(std::floor(correction_dim(yarn.beta_fast)), 0.0);
+    high = std::min(std::ceil(correction_dim(yarn.beta_slow)), double(dim - 1));
+    if (low == high) high += 0.001;  // yarn_linear_ramp_mask's guard against a zero-width ramp
+  }
+  std::vector<float> inv_freq(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i) {
+    const float base_pow = std::pow(float(theta), float(2 * i) / float(dim));
+    const float extra = 1.0f / base_pow;
+    if (!scaled) {
+      inv_freq[size_t(i)] = extra;
+      continue;
+    }
+    const float inter = 1.0f / (float(yarn.factor) * base_pow);
+    const float ramp = std::clamp((float(i) - float(low)) / float(high - low), 0.0f, 1.0f);
+    const float mask = 1.0f - ramp;  // inv_freq_mask: 1 keeps the original frequency
+    // torch rounds each product before the sum; volatile keeps the compiler from fusing
+    // them into one FMA, which would change the last bit inside the ramp.
+    const volatile float from_inter = inter * (1.0f - mask);
+    const volatile float from_extra = extra * mask;
+    inv_freq[size_t(i)] = from_inter + from_extra;
+  }
+  const float m = scaled ? float(yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(yarn.factor, yarn.mscale_all_dim))
+                         : 1.0f;
+  float* cp = cos.data<float>();
+  float* sp = sin.data<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float angle = float(t) * inv_freq[size_t(i)];
+      cp[t * half + i] = std::cos(angle) * m;
+      sp[t * half + i] = std::sin(angle) * m;
+    }
+  }
 }
 
-void rope_apply_interleaved(Tensor, int64_t, int, int64_t, int, Tensor, Tensor, bool) {
-  DS_FAIL("interleaved rotary embedding is not implemented yet");
+// Forward, per head of x = (x0, x1, ..., x_{d-1}) read as pairs: u = [x0, x2, ... | x1, x3, ...],
+// out = [u1*c - u2*s | u2*c + u1*s] written over the head, de-interleaved as Hugging Face
+// leaves it. Backward (`inverse`): the transpose of that linear map, so gradients come back
+// in the interleaved input layout. It is the transpose, not the inverse, that the chain rule
+// needs; they differ by mscale^2 when the YaRN mscale factor is not 1.
+void rope_apply_interleaved(Tensor x, int64_t offset, int n_heads, int64_t head_stride, int dim, Tensor cos, Tensor sin,
+                            bool inverse) {
+  DS_CHECK(x.ndim() == 3, "rope_interleaved: expected (B, T, W), got {}", x.shape().str());
+  const int64_t B = x.size(0), T = x.size(1), W = x.size(2), half = dim / 2;
+  DS_CHECK(dim > 0 && dim % 2 == 0 && n_heads > 0 && (n_heads == 1 || head_stride >= dim),
+           "rope_interleaved: {} heads of dim {} with a stride of {} columns", n_heads, dim, head_stride);
+  DS_CHECK(offset >= 0 && offset + int64_t(n_heads - 1) * head_stride + dim <= W,
+           "rope_interleaved: {} heads of {} at column {} (stride {}) do not fit rows of {}", n_heads, dim, offset,
+           head_stride, W);
+  DS_CHECK(cos.ndim() == 2 && cos.size(0) >= T && cos.size(1) == half && sin.shape() == cos.shape(),
+           "rope_interleaved: tables {} for T = {} and dim {}", cos.shape().str(), T, dim);
+  float* xp = x.data<float>();
+  const float* cp = cos.data<float>();
+  const float* sp = sin.data<float>();
+#pragma omp parallel
+  {
+    std::vector<float> u(static_cast<size_t>(dim));  // one head, so the rotation can run in place
+#pragma omp for schedule(static)
+    for (int64_t bt = 0; bt < B * T; ++bt) {
+      const int64_t t = bt % T;
+      const float* c = cp + t * half;
+      const float* s = sp + t * half;
+      for (int h = 0; h < n_heads; ++h) {
+        float* v = xp + bt * W + offset + int64_t(h) * head_stride;
+        if (!inverse) {
+          for (int64_t i = 0; i < half; ++i) {
+            u[size_t(i)] = v[2 * i];
+            u[size_t(half + i)] = v[2 * i + 1];
+          }
+          for (int64_t i = 0; i < half; ++i) {
+            const float u1 = u[size_t(i)], u2 = u[size_t(half + i)];
+            v[i] = u1 * c[i] - u2 * s[i];
+            v[half + i] = u2 * c[i] + u1 * s[i];
+          }
+        } else {
+          for (int64_t i = 0; i < half; ++i) {
+            const float g1 = v[i], g2 = v[half + i];
+            u[size_t(2 * i)] = g1 * c[i] + g2 * s[i];
+            u[size_t(2 * i + 1)] = g2 * c[i] - g1 * s[i];
+          }
+          std::copy(u.begin(), u.end(), v);
+        }
+      }
+    }
+  }
 }
 
 }  // namespace dstrain::cpu

@@ -1,0 +1,41 @@
+// Multi-head Latent Attention of DeepSeek-V2/V3 (DeepseekV2Attention of modeling_deepseek)
+// as an AttentionBlock, with an explicit forward and backward.
+#pragma once
+
+#include "model/transformer.h"
+
+namespace dstrain {
+
+// Per token, with H heads, Dn = qk_nope_head_dim, Dr = qk_rope_head_dim, Dv = v_head_dim:
+//   q   = q_proj(x)  or  q_b_proj(rmsnorm(q_a_proj(x)))          (H, Dn + Dr)
+//   [c | k_pe] = kv_a_proj_with_mqa(x)                           (kv_lora_rank), (Dr)
+//   [k_nope | v] = kv_b_proj(rmsnorm(c))                         (H, Dn + Dv)
+//   rope (interleaved, YaRN tables) on each head's q_pe and on the one shared k_pe
+//   out += o_proj(causal softmax(scale * q.[k_nope | k_pe]) v)
+// The attention runs on one fused row per token, [q (H, Dn+Dr) | k (H, Dn+Dr) | v (H, Dv)],
+// with k_pe copied into every head's key, so the GQA attention kernels serve it unchanged.
+class MLAttention final : public AttentionBlock {
+ public:
+  MLAttention(const ModelConfig& c, ParamRegistry& reg, int layer);
+  void release_activations() override;
+  // x (B,T,C) normalised input; out (B,T,C) is added to. `rope` must hold YaRN tables of dim
+  // qk_rope_head_dim for at least T positions (RopeCache::ensure of a deepseek_v2/v3 config).
+  void forward(Tensor x, Tensor out, RopeCache& rope) override;
+  // dout (B,T,C) -> dx (B,T,C) (overwritten); every parameter gradient is accumulated.
+  void backward(Tensor dout, Tensor dx, RopeCache& rope, Scratch& scratch) override;
+
+ private:
+  ParamRegistry& reg_;
+  int64_t H_, Dn_, Dr_, Dv_, q_rank_, kv_rank_;
+  float eps_, scale_;
+  ops::AttentionLayout layout_;
+  // Parameter ids; q_ is q_proj without a query LoRA, otherwise q_a_/q_norm_/q_b_ are used.
+  int q_ = -1, q_a_ = -1, q_norm_ = -1, q_b_ = -1, kv_a_ = -1, kv_norm_ = -1, kv_b_ = -1, o_ = -1;
+  Tensor x_;  // saved input (owned by the decoder layer)
+  Activation q_lat_, q_lat_norm_, q_rstd_;     // (B,T,q_lora_rank) x2, (B,T); only with a query LoRA
+  Activation kv_lat_, kv_lat_norm_, kv_rstd_;  // (B,T,kv_lora_rank) x2, (B,T)
+  Activation qkv_;                             // (B,T,H*(2*(Dn+Dr)+Dv)) post-rope
+  Activation att_, lse_;                       // (B,T,H*Dv), (B,H,T)
+};
+
+}  // namespace dstrain
