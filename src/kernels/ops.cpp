@@ -127,4 +127,50 @@ void adamw_update(Tensor param, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, 
   cpu::adamw_update(param, grad, exp_avg, exp_avg_sq, s);
 }
 
+// ---- mixture of experts ----
+void moe_scores(Tensor scores, Tensor logits, MoEScoring scoring) {
+  common_device("moe_scores", scores, logits);
+  cpu::moe_scores(scores, logits, scoring);
+}
+void moe_scores_backward(Tensor dlogits, Tensor dscores, Tensor scores, MoEScoring scoring) {
+  common_device("moe_scores_backward", dlogits, dscores, scores);
+  cpu::moe_scores_backward(dlogits, dscores, scores, scoring);
+}
+void moe_route(Tensor ids, Tensor weights, Tensor scores, Tensor bias, const MoERouteParams& p) {
+  common_device("moe_route", ids, weights, scores, bias);
+  cpu::moe_route(ids, weights, scores, bias, p);
+}
+void moe_route_backward(Tensor dscores, Tensor dweights, Tensor ids, Tensor scores, const MoERouteParams& p) {
+  common_device("moe_route_backward", dscores, dweights, ids, scores);
+  cpu::moe_route_backward(dscores, dweights, ids, scores, p);
+}
+double moe_aux_loss(Tensor coef, Tensor scores, Tensor ids) {
+  common_device("moe_aux_loss", coef, scores, ids);
+  return cpu::moe_aux_loss(coef, scores, ids);
+}
+void moe_aux_loss_backward(Tensor dscores, Tensor coef, float scale) {
+  common_device("moe_aux_loss_backward", dscores, coef);
+  cpu::moe_aux_loss_backward(dscores, coef, scale);
+}
+void moe_dispatch_plan(Tensor offsets, Tensor sorted, Tensor position, Tensor ids) {
+  common_device("moe_dispatch_plan", offsets, sorted, position, ids);
+  cpu::moe_dispatch_plan(offsets, sorted, position, ids);
+}
+void moe_permute(Tensor xg, Tensor x, Tensor sorted, int top_k) {
+  common_device("moe_permute", xg, x, sorted);
+  cpu::moe_permute(xg, x, sorted, top_k);
+}
+void moe_permute_backward(Tensor dx, Tensor dxg, Tensor position, bool accumulate) {
+  common_device("moe_permute_backward", dx, dxg, position);
+  cpu::moe_permute_backward(dx, dxg, position, accumulate);
+}
+void moe_unpermute(Tensor out, Tensor yg, Tensor weights, Tensor position) {
+  common_device("moe_unpermute", out, yg, weights, position);
+  cpu::moe_unpermute(out, yg, weights, position);
+}
+void moe_unpermute_backward(Tensor dyg, Tensor dweights, Tensor dout, Tensor yg, Tensor weights, Tensor sorted) {
+  common_device("moe_unpermute_backward", dyg, dweights, dout, yg, weights, sorted);
+  cpu::moe_unpermute_backward(dyg, dweights, dout, yg, weights, sorted);
+}
+
 }  // namespace dstrain::ops

@@ -110,4 +110,69 @@ struct AdamWStep {
 // torch.optim.AdamW: decoupled decay, bias-corrected moments; all tensors of one shape.
 void adamw_update(Tensor param, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, const AdamWStep& s);
 
+// ---- mixture of experts ----------------------------------------------------------------
+// DeepSeekMoE routing and token permutation (modeling_deepseek.py's MoEGate and moe_infer),
+// split so that expert parallelism can later put an all-to-all between the permutation and
+// the expert GEMMs:
+//   scores  = moe_scores(x · gate^T)                    (N,E)   router probabilities
+//   ids, w  = moe_route(scores, bias)                    (N,k)   top-k experts and weights
+//   plan    = moe_dispatch_plan(ids)                     per-expert row ranges
+//   xg      = moe_permute(x, plan)                       (N*k,C) rows grouped by expert
+//   [all-to-all of xg by expert owner would go here]
+//   yg[e]   = expert_e(xg[e])                            one GEMM per expert
+//   out    += moe_unpermute(yg, w, plan)                 weighted combine per token
+// N tokens, E routed experts, k = num_experts_per_tok, M = N*k dispatched rows.
+enum class MoEScoring { Softmax, Sigmoid };
+// greedy: top-k of the scores. group_limited_greedy (V2): keep the topk_group groups with the
+// largest max score. noaux_tc (V3): choose on scores + bias, groups ranked by the sum of
+// their two largest, weights from the unbiased scores.
+enum class MoETopK { Greedy, GroupLimitedGreedy, NoAuxTC };
+struct MoERouteParams {
+  MoETopK method = MoETopK::Greedy;
+  int top_k = 1;
+  int n_group = 1, topk_group = 1;  // E splits into n_group contiguous groups
+  bool norm_topk_prob = false;
+  float routed_scaling_factor = 1.0f;
+};
+
+// scores (N,E) = softmax or sigmoid of logits (N,E), per row, in fp32; may alias logits.
+void moe_scores(Tensor scores, Tensor logits, MoEScoring scoring);
+// dlogits (N,E) from dscores (N,E) and the forward's scores; dlogits may alias dscores.
+void moe_scores_backward(Tensor dlogits, Tensor dscores, Tensor scores, MoEScoring scoring);
+
+// ids (N,k) int32: the chosen experts of each token, best first, ties to the lower index.
+// weights (N,k): the chosen (unbiased) scores, normalised when k > 1 and norm_topk_prob, and
+// scaled by routed_scaling_factor when not normalised (V2) or always (noaux_tc, V3).
+// bias (E) is e_score_correction_bias for noaux_tc; pass an undefined Tensor otherwise.
+void moe_route(Tensor ids, Tensor weights, Tensor scores, Tensor bias, const MoERouteParams& p);
+// dscores (N,E) = d(weights)/d(scores)^T · dweights (N,k): zero outside each token's chosen
+// experts (selection is piecewise constant). Overwritten.
+void moe_route_backward(Tensor dscores, Tensor dweights, Tensor ids, Tensor scores, const MoERouteParams& p);
+
+// Load-balancing loss over G groups of N/G consecutive tokens (G = B sequences for seq_aux,
+// G = 1 for the micro-batch-wise loss):
+//   aux = sum_g sum_e ce[g,e] * P[g,e],  ce = count of e among the group's ids / (Tg*k/E),
+//   P = mean over the group's tokens of scores[:, e].
+// Returns aux (double, summed in a fixed order); coef (G,E) = d aux / d scores[t in g, e]
+// = ce[g,e] / Tg, kept for the backward (ce is a constant: no gradient through the choice).
+double moe_aux_loss(Tensor coef, Tensor scores, Tensor ids);
+// dscores (N,E) (+=) scale * coef[group of the row].
+void moe_aux_loss_backward(Tensor dscores, Tensor coef, float scale);
+
+// Groups the M = N*k (token, slot) pairs by expert, stably (token order, then slot order):
+// offsets (E+1) int64: expert e owns grouped rows [offsets[e], offsets[e+1]);
+// sorted (M) int32: grouped row p came from pair sorted[p] = n*k + slot;
+// position (M) int32: the inverse, pair n*k + slot sits at grouped row position[n*k+slot].
+void moe_dispatch_plan(Tensor offsets, Tensor sorted, Tensor position, Tensor ids);
+// xg (M,C): xg[p] = x (N,C) [sorted[p] / k].
+void moe_permute(Tensor xg, Tensor x, Tensor sorted, int top_k);
+// dx (N,C) = sum over slots, in slot order, of dxg (M,C) [position[n*k+slot]]; added to dx
+// when accumulate.
+void moe_permute_backward(Tensor dx, Tensor dxg, Tensor position, bool accumulate);
+// out (N,C) (+=) sum over slots, in slot order, of weights[n,slot] * yg (M,C) [position[n*k+slot]].
+void moe_unpermute(Tensor out, Tensor yg, Tensor weights, Tensor position);
+// With pair = sorted[p] = n*k + slot: dyg (M,C) [p] = weights[pair] * dout (N,C) [n] and
+// dweights (N,k) [pair] = <dout[n], yg[p]>. Both overwritten.
+void moe_unpermute_backward(Tensor dyg, Tensor dweights, Tensor dout, Tensor yg, Tensor weights, Tensor sorted);
+
 }  // namespace dstrain::ops

@@ -31,4 +31,17 @@ void copy(Tensor dst, Tensor src);
 double sum_squares(Tensor x);
 void adamw_update(Tensor param, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, const ops::AdamWStep& s);
 
+// ---- mixture of experts ----
+void moe_scores(Tensor scores, Tensor logits, ops::MoEScoring scoring);
+void moe_scores_backward(Tensor dlogits, Tensor dscores, Tensor scores, ops::MoEScoring scoring);
+void moe_route(Tensor ids, Tensor weights, Tensor scores, Tensor bias, const ops::MoERouteParams& p);
+void moe_route_backward(Tensor dscores, Tensor dweights, Tensor ids, Tensor scores, const ops::MoERouteParams& p);
+double moe_aux_loss(Tensor coef, Tensor scores, Tensor ids);
+void moe_aux_loss_backward(Tensor dscores, Tensor coef, float scale);
+void moe_dispatch_plan(Tensor offsets, Tensor sorted, Tensor position, Tensor ids);
+void moe_permute(Tensor xg, Tensor x, Tensor sorted, int top_k);
+void moe_permute_backward(Tensor dx, Tensor dxg, Tensor position, bool accumulate);
+void moe_unpermute(Tensor out, Tensor yg, Tensor weights, Tensor position);
+void moe_unpermute_backward(Tensor dyg, Tensor dweights, Tensor dout, Tensor yg, Tensor weights, Tensor sorted);
+
 }  // namespace dstrain::cpu

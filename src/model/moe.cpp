@@ -1,0 +1,295 @@
+// DeepSeekMoE layer: router, expert-grouped SwiGLU experts and shared experts, forward and
+// backward (see moe.h for the data flow).
+#include "model/moe.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <exception>
+
+namespace dstrain {
+namespace {
+
+std::string layer_name(int layer, const std::string& rest) { return fmt::format("model.layers.{}.{}", layer, rest); }
+
+// An index buffer viewed at the current size, grown like an Activation.
+Tensor index_view(Buffer& b, const std::string& label, DType dtype, Shape shape) {
+  if (b.numel() < shape.numel()) b = Buffer(label, MemCategory::Activations, dtype, shape.numel());
+  return b.tensor(0, shape);
+}
+
+ops::MoETopK topk_method(const std::string& m) {
+  if (m == "greedy") return ops::MoETopK::Greedy;
+  if (m == "group_limited_greedy") return ops::MoETopK::GroupLimitedGreedy;
+  DS_CHECK(m == "noaux_tc", "topk_method '{}': expected greedy, group_limited_greedy or noaux_tc", m);
+  return ops::MoETopK::NoAuxTC;
+}
+
+ops::MoEScoring scoring_func(const std::string& s) {
+  if (s == "softmax") return ops::MoEScoring::Softmax;
+  DS_CHECK(s == "sigmoid", "scoring_func '{}': expected softmax or sigmoid", s);
+  return ops::MoEScoring::Sigmoid;
+}
+
+}  // namespace
+
+// Runs fn(e, first_row, last_row) for every expert with rows. With many experts (at least
+// two per thread) they are spread over the threads, largest first, each GEMM on one thread
+// (OpenBLAS runs single-threaded inside a parallel region): small per-expert GEMMs scale
+// better that way than with threads inside each. With few experts they run one after
+// another with threaded GEMMs. Every expert's arithmetic is the same either way, so the
+// result does not depend on the thread count.
+template <class Fn>
+void MoEBlock::for_each_expert(Fn&& fn) const {
+  const int64_t* off = offsets_.tensor(0, {n_experts_ + 1}).data<int64_t>();
+  const int64_t n = int64_t(active_.size());
+  if (n < 2 * int64_t(omp_get_max_threads())) {
+    for (int64_t e : active_) fn(e, off[e], off[e + 1]);
+    return;
+  }
+  std::exception_ptr error;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t e = active_[size_t(i)];
+    try {
+      fn(e, off[e], off[e + 1]);
+    } catch (...) {
+#pragma omp critical(moe_expert_error)
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+MoEBlock::MoEBlock(const ModelConfig& c, ParamRegistry& reg, int layer)
+    : reg_(reg),
+      n_experts_(c.n_routed_experts),
+      inter_(c.moe_intermediate_size),
+      shared_inter_(c.moe_intermediate_size * c.n_shared_experts),
+      scoring_(scoring_func(c.scoring_func)),
+      aux_alpha_(c.aux_loss_alpha),
+      seq_aux_(c.seq_aux),
+      scores_(layer_name(layer, "mlp.gate.scores")),
+      weights_(layer_name(layer, "mlp.gate.weights")),
+      coef_(layer_name(layer, "mlp.gate.aux_coef")),
+      grouped_(layer_name(layer, "mlp.experts.grouped")),
+      gate_up_(layer_name(layer, "mlp.experts.gate_up")),
+      h_(layer_name(layer, "mlp.experts.h")),
+      shared_gate_up_(layer_name(layer, "mlp.shared_experts.gate_up")),
+      shared_h_(layer_name(layer, "mlp.shared_experts.h")) {
+  const int64_t C = c.hidden_size, E = n_experts_, I = inter_;
+  route_.method = topk_method(c.topk_method);
+  route_.top_k = int(c.num_experts_per_tok);
+  route_.n_group = int(c.n_group);
+  route_.topk_group = int(c.topk_group);
+  route_.norm_topk_prob = c.norm_topk_prob;
+  route_.routed_scaling_factor = float(c.routed_scaling_factor);
+  DS_CHECK(E >= 1 && I >= 1 && c.n_shared_experts >= 0, "layer {}: MoE needs n_routed_experts ({}) and "
+           "moe_intermediate_size ({})", layer, E, I);
+  DS_CHECK(route_.top_k >= 1 && route_.top_k <= E, "layer {}: num_experts_per_tok {} with {} routed experts", layer,
+           route_.top_k, E);
+  if (route_.method != ops::MoETopK::Greedy) {
+    DS_CHECK(route_.n_group >= 1 && E % route_.n_group == 0 && route_.topk_group >= 1 &&
+                 route_.topk_group <= route_.n_group && route_.topk_group * (E / route_.n_group) >= route_.top_k,
+             "layer {}: {} experts in n_group {} with topk_group {} cannot supply top-{}", layer, E, route_.n_group,
+             route_.topk_group, route_.top_k);
+  }
+  DS_CHECK(route_.method != ops::MoETopK::NoAuxTC || E / route_.n_group >= 2,
+           "layer {}: noaux_tc needs at least 2 experts per group", layer);
+
+  gate_ = reg.add(layer_name(layer, "mlp.gate.weight"), {E, C}, ParamKind::Linear, layer);
+  if (route_.method == ops::MoETopK::NoAuxTC) {
+    bias_ = reg.add(layer_name(layer, "mlp.gate.e_score_correction_bias"), {E}, ParamKind::RouterBias, layer,
+                    /*follow_previous=*/false, /*trainable=*/false);
+  }
+  for (int64_t j = 0; j < E; ++j) {
+    const std::string base = fmt::format("mlp.experts.{}.", j);
+    expert_gate_.push_back(reg.add(layer_name(layer, base + "gate_proj.weight"), {I, C}, ParamKind::Linear, layer));
+    expert_up_.push_back(reg.add(layer_name(layer, base + "up_proj.weight"), {I, C}, ParamKind::Linear, layer, true));
+    expert_down_.push_back(reg.add(layer_name(layer, base + "down_proj.weight"), {C, I}, ParamKind::Linear, layer));
+  }
+  if (shared_inter_ > 0) {
+    const int64_t S = shared_inter_;
+    shared_gate_ = reg.add(layer_name(layer, "mlp.shared_experts.gate_proj.weight"), {S, C}, ParamKind::Linear, layer);
+    shared_up_ = reg.add(layer_name(layer, "mlp.shared_experts.up_proj.weight"), {S, C}, ParamKind::Linear, layer, true);
+    shared_down_ = reg.add(layer_name(layer, "mlp.shared_experts.down_proj.weight"), {C, S}, ParamKind::Linear, layer);
+  }
+  stats_.tokens_per_expert.assign(size_t(E), 0);
+}
+
+void MoEBlock::release_activations() {
+  scores_.release();
+  weights_.release();
+  coef_.release();
+  ids_ = Buffer();
+  offsets_ = Buffer();
+  sorted_ = Buffer();
+  position_ = Buffer();
+  grouped_.release();
+  gate_up_.release();
+  h_.release();
+  shared_gate_up_.release();
+  shared_h_.release();
+  grouped_is_output_ = false;
+}
+
+void MoEBlock::forward(Tensor x, Tensor out) {
+  DS_CHECK(x.ndim() == 3 && out.numel() == x.numel(), "MoE forward: x {} out {}", x.shape().str(),
+           out.shape().str());
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2), N = B * T, E = n_experts_, k = route_.top_k;
+  const int64_t M = N * k, I = inter_;
+  DS_CHECK(M < (int64_t(1) << 31), "MoE forward: {} routed rows overflow the int32 dispatch plan", M);
+  x_ = x;
+  B_ = B;
+  T_ = T;
+  N_ = N;
+  Tensor xr = x.view({N, C}), outr = out.view({N, C});
+
+  // Router: scores in fp32, then the top-k choice and the weights.
+  Tensor scores = scores_.view({N, E});
+  ops::linear_forward(scores, xr, reg_.param(gate_));
+  ops::moe_scores(scores, scores, scoring_);
+  Tensor ids = index_view(ids_, "moe.ids", DType::I32, {N, k});
+  Tensor weights = weights_.view({N, k});
+  ops::moe_route(ids, weights, scores, bias_ >= 0 ? reg_.param(bias_) : Tensor(), route_);
+
+  Tensor offsets = index_view(offsets_, "moe.offsets", DType::I64, {E + 1});
+  Tensor sorted = index_view(sorted_, "moe.sorted", DType::I32, {M});
+  Tensor position = index_view(position_, "moe.position", DType::I32, {M});
+  ops::moe_dispatch_plan(offsets, sorted, position, ids);
+  const int64_t* off = offsets.data<int64_t>();
+  active_.clear();
+  for (int64_t e = 0; e < E; ++e) {
+    stats_.tokens_per_expert[size_t(e)] += off[e + 1] - off[e];
+    if (off[e + 1] > off[e]) active_.push_back(e);
+  }
+  std::stable_sort(active_.begin(), active_.end(),
+                   [&](int64_t a, int64_t b) { return off[a + 1] - off[a] > off[b + 1] - off[b]; });
+
+  aux_scale_ = 0;
+  if (aux_alpha_ > 0) {
+    const int64_t G = seq_aux_ ? B : 1;
+    const double scale = aux_alpha_ * (seq_aux_ ? scales_.sequence : scales_.micro_batch);
+    const double aux = ops::moe_aux_loss(coef_.view({G, E}), scores, ids);
+    stats_.aux_loss += scale * aux;
+    aux_scale_ = float(scale);
+  }
+
+  if (shared_inter_ > 0) {
+    Tensor gu = shared_gate_up_.view({N, 2 * shared_inter_});
+    Tensor h = shared_h_.view({N, shared_inter_});
+    ops::linear_forward(gu, xr, reg_.param_rows(shared_gate_, shared_up_));
+    ops::swiglu_forward(h, gu);
+    ops::linear_forward(outr, h, reg_.param(shared_down_), /*accumulate=*/true);
+  }
+
+  // Routed experts: one GEMM per expert over its contiguous rows. The outputs overwrite the
+  // inputs in `grouped`, which the backward re-gathers instead of keeping a second copy.
+  Tensor grouped = grouped_.view({M, C});
+  Tensor gate_up = gate_up_.view({M, 2 * I});
+  Tensor h = h_.view({M, I});
+  ops::moe_permute(grouped, xr, sorted, int(k));
+  for_each_expert([&](int64_t e, int64_t r0, int64_t r1) {
+    ops::linear_forward(gate_up.slice(r0, r1), grouped.slice(r0, r1),
+                        reg_.param_rows(expert_gate_[size_t(e)], expert_up_[size_t(e)]));
+  });
+  ops::swiglu_forward(h, gate_up);
+  for_each_expert([&](int64_t e, int64_t r0, int64_t r1) {
+    ops::linear_forward(grouped.slice(r0, r1), h.slice(r0, r1), reg_.param(expert_down_[size_t(e)]));
+  });
+  ops::moe_unpermute(outr, grouped, weights, position);
+  grouped_is_output_ = true;
+}
+
+void MoEBlock::backward(Tensor dout, Tensor dx, Scratch& scratch) {
+  DS_CHECK(grouped_is_output_, "MoE backward without a forward since the last backward");
+  const int64_t N = N_, C = x_.size(2), E = n_experts_, k = route_.top_k, M = N * k, I = inter_;
+  DS_CHECK(dout.numel() == N * C && dx.numel() == N * C, "MoE backward: dout {} dx {} for x {}", dout.shape().str(),
+           dx.shape().str(), x_.shape().str());
+  grouped_is_output_ = false;
+  Tensor xr = x_.view({N, C}), doutr = dout.view({N, C}), dxr = dx.view({N, C});
+  Tensor scores = scores_.view({N, E});
+  Tensor ids = ids_.tensor(0, {N, k});
+  Tensor weights = weights_.view({N, k});
+  Tensor sorted = sorted_.tensor(0, {M});
+  Tensor position = position_.tensor(0, {M});
+  // The expert temporaries share the dense MLP's scratch slots: the shared experts, the
+  // routed experts and the dense layers use them one after another, never at once.
+  if (shared_inter_ > 0) {
+    Tensor dh = scratch.get("mlp.dh", {N, shared_inter_});
+    Tensor dgu = scratch.get("mlp.dgate_up", {N, 2 * shared_inter_});
+    ops::linear_backward(dh, reg_.grad(shared_down_), doutr, shared_h_.view({N, shared_inter_}),
+                         reg_.param(shared_down_));
+    ops::swiglu_backward(dgu, dh, shared_gate_up_.view({N, 2 * shared_inter_}));
+    ops::linear_backward(dxr, reg_.grad_rows(shared_gate_, shared_up_), dgu, xr,
+                         reg_.param_rows(shared_gate_, shared_up_));
+  } else {
+    ops::fill(dxr, 0.0f);
+  }
+
+  // Routed experts, in expert order.
+  Tensor grouped = grouped_.view({M, C});  // the experts' outputs
+  Tensor gate_up = gate_up_.view({M, 2 * I});
+  Tensor h = h_.view({M, I});
+  Tensor dgrouped = scratch.get("moe.dgrouped", {M, C});
+  Tensor dweights = scratch.get("moe.dweights", {N, k});
+  Tensor dh = scratch.get("mlp.dh", {M, I});
+  Tensor dgu = scratch.get("mlp.dgate_up", {M, 2 * I});
+  ops::moe_unpermute_backward(dgrouped, dweights, doutr, grouped, weights, sorted);
+  for_each_expert([&](int64_t e, int64_t r0, int64_t r1) {
+    ops::linear_backward(dh.slice(r0, r1), reg_.grad(expert_down_[size_t(e)]), dgrouped.slice(r0, r1),
+                         h.slice(r0, r1), reg_.param(expert_down_[size_t(e)]));
+  });
+  ops::swiglu_backward(dgu, dh, gate_up);
+  // The expert inputs again (into dgrouped, now consumed); their gradients go into grouped,
+  // whose outputs are consumed too.
+  Tensor xg = dgrouped, dxg = grouped;
+  ops::moe_permute(xg, xr, sorted, int(k));
+  for_each_expert([&](int64_t e, int64_t r0, int64_t r1) {
+    const int g = expert_gate_[size_t(e)], u = expert_up_[size_t(e)];
+    ops::linear_backward(dxg.slice(r0, r1), reg_.grad_rows(g, u), dgu.slice(r0, r1), xg.slice(r0, r1),
+                         reg_.param_rows(g, u));
+  });
+  ops::moe_permute_backward(dxr, dxg, position, /*accumulate=*/true);
+
+  // Router: through the weights (and the aux loss) into the scores, the logits, the gate.
+  Tensor dscores = scratch.get("moe.dscores", {N, E});
+  ops::moe_route_backward(dscores, dweights, ids, scores, route_);
+  if (aux_scale_ != 0) ops::moe_aux_loss_backward(dscores, coef_.view({seq_aux_ ? B_ : 1, E}), aux_scale_);
+  ops::moe_scores_backward(dscores, dscores, scores, scoring_);
+  ops::linear_backward(dxr, reg_.grad(gate_), dscores, xr, reg_.param(gate_), /*accumulate_dx=*/true);
+}
+
+void MoEBlock::update_routing_bias(const std::vector<int64_t>& counts, double gamma) {
+  if (bias_ < 0) return;
+  DS_CHECK(int64_t(counts.size()) == n_experts_, "update_routing_bias: {} counts for {} experts", counts.size(),
+           n_experts_);
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  float* b = reg_.param(bias_).data<float>();
+  const float step = float(gamma);
+  for (int64_t e = 0; e < n_experts_; ++e) {
+    // counts[e] against mean = total / E, compared exactly in integers.
+    const int64_t lhs = counts[size_t(e)] * n_experts_;
+    if (lhs < total) b[e] += step;
+    if (lhs > total) b[e] -= step;
+  }
+}
+
+int64_t MoEBlock::activation_bytes(const ModelConfig& c, int64_t B, int64_t T) {
+  const int64_t N = B * T, E = c.n_routed_experts, k = c.num_experts_per_tok, M = N * k, C = c.hidden_size;
+  const int64_t I = c.moe_intermediate_size, S = c.moe_intermediate_size * c.n_shared_experts;
+  // scores, weights, aux coefficients, grouped + gate_up + h, shared gate_up + h (fp32);
+  // ids, sorted, position (int32); offsets (int64).
+  const int64_t floats = N * E + N * k + B * E + M * (C + 3 * I) + N * 3 * S;
+  return floats * 4 + 3 * M * 4 + (E + 1) * 8;
+}
+
+int64_t MoEBlock::scratch_bytes(const ModelConfig& c, int64_t B, int64_t T) {
+  const int64_t N = B * T, E = c.n_routed_experts, k = c.num_experts_per_tok, M = N * k, C = c.hidden_size;
+  const int64_t I = c.moe_intermediate_size, S = c.moe_intermediate_size * c.n_shared_experts;
+  // moe.dgrouped, moe.dweights, moe.dscores, and mlp.dh + mlp.dgate_up at their larger use.
+  return (M * C + N * k + N * E + 3 * std::max(M * I, N * S)) * 4;
+}
+
+}  // namespace dstrain

@@ -1,0 +1,761 @@
+// DeepSeekMoE checks: routing kernels against a straightforward reference for each top-k
+// method, the token permutation, the MoE layer's gradients against finite differences (aux
+// loss included), its forward against a naive per-token double-precision version, the
+// auxiliary-loss-free bias update, and thread-count independence.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "model/init.h"
+#include "model/moe.h"
+
+namespace dstrain {
+namespace {
+
+using ops::MoEScoring;
+using ops::MoETopK;
+
+Tensor f32(std::vector<float>& v, Shape s) { return Tensor(v.data(), DType::F32, s); }
+Tensor i32(std::vector<int32_t>& v, Shape s) { return Tensor(v.data(), DType::I32, s); }
+
+std::vector<float> normal(size_t n, std::mt19937& rng, float stdev = 1.0f) {
+  std::normal_distribution<float> nd(0.0f, stdev);
+  std::vector<float> v(n);
+  for (auto& x : v) x = nd(rng);
+  return v;
+}
+
+// ---- reference routing, written from the definition -----------------------------------
+// Indices of v sorted by descending value, ties to the lower index (a stable sort).
+std::vector<int> ranked(const std::vector<double>& v) {
+  std::vector<int> idx(v.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return v[size_t(a)] > v[size_t(b)]; });
+  return idx;
+}
+
+struct RefRoute {
+  std::vector<int> ids;
+  std::vector<double> weights;
+};
+
+RefRoute ref_route(const std::vector<double>& s, const std::vector<double>& bias, const ops::MoERouteParams& p) {
+  const int E = int(s.size()), k = p.top_k;
+  std::vector<double> choice = s;
+  if (p.method == MoETopK::NoAuxTC)
+    for (int e = 0; e < E; ++e) choice[size_t(e)] += bias[size_t(e)];
+  if (p.method != MoETopK::Greedy && p.n_group > 1) {
+    const int gs = E / p.n_group;
+    std::vector<double> gscore(size_t(p.n_group));
+    for (int g = 0; g < p.n_group; ++g) {
+      std::vector<double> members(choice.begin() + g * gs, choice.begin() + (g + 1) * gs);
+      std::sort(members.rbegin(), members.rend());
+      gscore[size_t(g)] = p.method == MoETopK::GroupLimitedGreedy ? members[0] : members[0] + members[1];
+    }
+    const std::vector<int> gr = ranked(gscore);
+    std::set<int> kept(gr.begin(), gr.begin() + p.topk_group);
+    for (int e = 0; e < E; ++e)
+      if (!kept.count(e / gs)) choice[size_t(e)] = 0.0;
+  }
+  RefRoute r;
+  const std::vector<int> order = ranked(choice);
+  r.ids.assign(order.begin(), order.begin() + k);
+  double sum = 0;
+  for (int e : r.ids) {
+    r.weights.push_back(s[size_t(e)]);
+    sum += s[size_t(e)];
+  }
+  const bool norm = k > 1 && p.norm_topk_prob;
+  for (double& w : r.weights) {
+    if (norm) w /= sum + 1e-20;
+    if (!norm || p.method == MoETopK::NoAuxTC) w *= p.routed_scaling_factor;
+  }
+  return r;
+}
+
+std::vector<double> ref_scores(const float* logits, int E, MoEScoring f) {
+  std::vector<double> s(static_cast<size_t>(E));
+  double mx = -1e300, z = 0;
+  for (int e = 0; e < E; ++e) mx = std::max(mx, double(logits[e]));
+  for (int e = 0; e < E; ++e) {
+    s[size_t(e)] = f == MoEScoring::Sigmoid ? 1.0 / (1.0 + std::exp(-double(logits[e]))) : std::exp(logits[e] - mx);
+    z += s[size_t(e)];
+  }
+  if (f == MoEScoring::Softmax)
+    for (double& v : s) v /= z;
+  return s;
+}
+
+struct RouteCase {
+  const char* name;
+  MoEScoring scoring;
+  MoETopK method;
+  int n_group, topk_group;
+  bool norm;
+};
+
+void PrintTo(const RouteCase& c, std::ostream* os) { *os << c.name; }
+
+class MoERoute : public ::testing::TestWithParam<RouteCase> {};
+
+TEST_P(MoERoute, MatchesReference) {
+  const RouteCase rc = GetParam();
+  const int64_t N = 97, E = 16;
+  std::mt19937 rng(11);
+  std::vector<float> logits = normal(size_t(N * E), rng, 2.0f), scores(size_t(N * E));
+  std::vector<float> bias = normal(size_t(E), rng, 0.3f);
+  ops::moe_scores(f32(scores, {N, E}), f32(logits, {N, E}), rc.scoring);
+  for (int64_t n = 0; n < N; ++n) {
+    const std::vector<double> s = ref_scores(logits.data() + n * E, int(E), rc.scoring);
+    for (int64_t e = 0; e < E; ++e) ASSERT_NEAR(scores[size_t(n * E + e)], s[size_t(e)], 1e-6);
+  }
+  const std::vector<double> bias_d(bias.begin(), bias.end()), no_bias(size_t(E), 0.0);
+  for (int k : {1, 4}) {
+    for (float rsf : {1.0f, 2.5f}) {
+      ops::MoERouteParams p;
+      p.method = rc.method;
+      p.top_k = k;
+      p.n_group = rc.n_group;
+      p.topk_group = rc.topk_group;
+      p.norm_topk_prob = rc.norm;
+      p.routed_scaling_factor = rsf;
+      std::vector<int32_t> ids(size_t(N * k));
+      std::vector<float> w(size_t(N * k));
+      const bool noaux = rc.method == MoETopK::NoAuxTC;
+      ops::moe_route(i32(ids, {N, k}), f32(w, {N, k}), f32(scores, {N, E}), noaux ? f32(bias, {E}) : Tensor(), p);
+      int changed_by_bias = 0, changed_by_groups = 0;
+      for (int64_t n = 0; n < N; ++n) {
+        const std::vector<double> s(scores.begin() + n * E, scores.begin() + (n + 1) * E);
+        const RefRoute r = ref_route(s, bias_d, p);
+        for (int j = 0; j < k; ++j) {
+          ASSERT_EQ(ids[size_t(n * k + j)], r.ids[size_t(j)]) << "token " << n << " slot " << j;
+          ASSERT_NEAR(w[size_t(n * k + j)], r.weights[size_t(j)], 1e-6 * rsf) << "token " << n << " slot " << j;
+        }
+        if (noaux) changed_by_bias += ref_route(s, no_bias, p).ids != r.ids;
+        ops::MoERouteParams greedy = p;
+        greedy.method = MoETopK::Greedy;
+        changed_by_groups += ref_route(s, no_bias, greedy).ids != ref_route(s, no_bias, p).ids;
+      }
+      // The cases exercise what they claim: the bias and the group limit change choices.
+      if (noaux) {
+        EXPECT_GT(changed_by_bias, 0);
+      }
+      if (rc.method != MoETopK::Greedy && rc.n_group > 1 && k > 1) {
+        EXPECT_GT(changed_by_groups, 0);
+      }
+      // Normalised weights sum to the scaling factor (V3) or to 1 (V2).
+      if (k > 1 && rc.norm) {
+        const double expect = noaux ? rsf : 1.0;
+        for (int64_t n = 0; n < N; ++n) {
+          double sum = 0;
+          for (int j = 0; j < k; ++j) sum += w[size_t(n * k + j)];
+          EXPECT_NEAR(sum, expect, 1e-5 * expect);
+        }
+      }
+    }
+  }
+}
+
+TEST_P(MoERoute, TiesGoToTheLowerIndex) {
+  const RouteCase rc = GetParam();
+  const int64_t E = 16, k = 4;
+  std::vector<float> scores(size_t(E), 0.25f), bias(size_t(E), 0.0f);
+  ops::MoERouteParams p;
+  p.method = rc.method;
+  p.top_k = int(k);
+  p.n_group = rc.n_group;
+  p.topk_group = rc.topk_group;
+  std::vector<int32_t> ids(static_cast<size_t>(k));
+  std::vector<float> w(static_cast<size_t>(k));
+  ops::moe_route(i32(ids, {1, k}), f32(w, {1, k}), f32(scores, {1, E}),
+                 rc.method == MoETopK::NoAuxTC ? f32(bias, {E}) : Tensor(), p);
+  EXPECT_EQ(ids, (std::vector<int32_t>{0, 1, 2, 3}));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Methods, MoERoute,
+    ::testing::Values(RouteCase{"softmax_greedy", MoEScoring::Softmax, MoETopK::Greedy, 1, 1, false},
+                      RouteCase{"softmax_greedy_norm", MoEScoring::Softmax, MoETopK::Greedy, 1, 1, true},
+                      RouteCase{"softmax_group_limited", MoEScoring::Softmax, MoETopK::GroupLimitedGreedy, 4, 2, false},
+                      RouteCase{"softmax_group_limited_norm", MoEScoring::Softmax, MoETopK::GroupLimitedGreedy, 8, 3,
+                                true},
+                      RouteCase{"sigmoid_noaux_tc", MoEScoring::Sigmoid, MoETopK::NoAuxTC, 4, 2, false},
+                      RouteCase{"sigmoid_noaux_tc_norm", MoEScoring::Sigmoid, MoETopK::NoAuxTC, 4, 2, true},
+                      RouteCase{"sigmoid_noaux_tc_one_group", MoEScoring::Sigmoid, MoETopK::NoAuxTC, 1, 1, true}),
+    [](const auto& tp) { return std::string(tp.param.name); });
+
+// Central differences of a loss of the fp32 kernels, at every element of x.
+double max_fd_error(std::vector<float>& x, const std::vector<float>& grad, const std::function<double()>& loss,
+                    double h) {
+  double gmax = 1e-6, err = 0;
+  for (float g : grad) gmax = std::max(gmax, double(std::fabs(g)));
+  for (size_t i = 0; i < x.size(); ++i) {
+    const float orig = x[i];
+    x[i] = float(orig + h);
+    const double lp = loss();
+    x[i] = float(orig - h);
+    const double lm = loss();
+    x[i] = orig;
+    err = std::max(err, std::fabs(grad[i] - (lp - lm) / (2 * h)) / gmax);
+  }
+  return err;
+}
+
+double dot(const std::vector<float>& a, const std::vector<float>& b) {
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += double(a[i]) * double(b[i]);
+  return s;
+}
+
+TEST(MoERouteGradients, ScoresWeightsAndAuxMatchFiniteDifferences) {
+  const int64_t N = 6, E = 8, k = 3;
+  std::mt19937 rng(3);
+  for (MoEScoring f : {MoEScoring::Softmax, MoEScoring::Sigmoid}) {
+    for (bool norm : {false, true}) {
+      for (MoETopK m : {MoETopK::Greedy, MoETopK::NoAuxTC}) {
+        ops::MoERouteParams p;
+        p.method = m;
+        p.top_k = int(k);
+        p.norm_topk_prob = norm;
+        p.routed_scaling_factor = 1.7f;
+        std::vector<float> logits = normal(size_t(N * E), rng, 2.0f), scores(size_t(N * E)), w(size_t(N * k));
+        std::vector<float> bias = normal(size_t(E), rng, 0.2f), rw = normal(size_t(N * k), rng);
+        std::vector<float> rs = normal(size_t(N * E), rng), coef(size_t(2 * E));
+        std::vector<int32_t> ids(size_t(N * k)), ids0;
+        const Tensor b = m == MoETopK::NoAuxTC ? f32(bias, {E}) : Tensor();
+        // L = <w, rw> + <scores, rs> + 0.7 * aux over 2 groups of 3 tokens.
+        auto loss = [&] {
+          ops::moe_scores(f32(scores, {N, E}), f32(logits, {N, E}), f);
+          ops::moe_route(i32(ids, {N, k}), f32(w, {N, k}), f32(scores, {N, E}), b, p);
+          const double aux = ops::moe_aux_loss(f32(coef, {2, E}), f32(scores, {N, E}), i32(ids, {N, k}));
+          return dot(w, rw) + dot(scores, rs) + 0.7 * aux;
+        };
+        loss();
+        ids0 = ids;
+        std::vector<float> dscores(size_t(N * E)), dlogits(size_t(N * E));
+        ops::moe_route_backward(f32(dscores, {N, E}), f32(rw, {N, k}), i32(ids, {N, k}), f32(scores, {N, E}), p);
+        for (size_t i = 0; i < dscores.size(); ++i) dscores[i] += rs[i];
+        ops::moe_aux_loss_backward(f32(dscores, {N, E}), f32(coef, {2, E}), 0.7f);
+        ops::moe_scores_backward(f32(dlogits, {N, E}), f32(dscores, {N, E}), f32(scores, {N, E}), f);
+        const double err = max_fd_error(logits, dlogits, loss, 1e-3);
+        loss();
+        ASSERT_EQ(ids, ids0) << "the finite differences changed the routing";
+        EXPECT_LT(err, 5e-3) << (f == MoEScoring::Softmax ? "softmax" : "sigmoid") << " norm " << norm;
+      }
+    }
+  }
+}
+
+TEST(MoERouteGradients, AuxLossMatchesDefinition) {
+  // Sequence-wise (G = B) and batch-wise (G = 1) against the formulas of Hugging Face.
+  const int64_t B = 3, T = 4, N = B * T, E = 6, k = 2;
+  std::mt19937 rng(8);
+  std::vector<float> logits = normal(size_t(N * E), rng), scores(size_t(N * E)), w(size_t(N * k));
+  std::vector<int32_t> ids(size_t(N * k));
+  ops::moe_scores(f32(scores, {N, E}), f32(logits, {N, E}), MoEScoring::Softmax);
+  ops::MoERouteParams p;
+  p.top_k = int(k);
+  ops::moe_route(i32(ids, {N, k}), f32(w, {N, k}), f32(scores, {N, E}), Tensor(), p);
+  std::vector<float> coef_seq(size_t(B * E)), coef_batch(static_cast<size_t>(E));
+  const double seq = ops::moe_aux_loss(f32(coef_seq, {B, E}), f32(scores, {N, E}), i32(ids, {N, k}));
+  const double batch = ops::moe_aux_loss(f32(coef_batch, {1, E}), f32(scores, {N, E}), i32(ids, {N, k}));
+  double ref_seq = 0, ref_batch = 0;
+  std::vector<double> count_all(static_cast<size_t>(E)), p_all(static_cast<size_t>(E));
+  for (int64_t b = 0; b < B; ++b) {
+    std::vector<double> count(static_cast<size_t>(E)), P(static_cast<size_t>(E));
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t j = 0; j < k; ++j) count[size_t(ids[size_t((b * T + t) * k + j)])] += 1;
+      for (int64_t e = 0; e < E; ++e) P[size_t(e)] += scores[size_t((b * T + t) * E + e)] / double(T);
+    }
+    for (int64_t e = 0; e < E; ++e) {
+      ref_seq += count[size_t(e)] / (double(T * k) / double(E)) * P[size_t(e)];
+      count_all[size_t(e)] += count[size_t(e)];
+      p_all[size_t(e)] += P[size_t(e)] / double(B);
+    }
+  }
+  for (int64_t e = 0; e < E; ++e) ref_batch += double(E) * count_all[size_t(e)] / double(N * k) * p_all[size_t(e)];
+  EXPECT_NEAR(seq, ref_seq, 1e-6 * ref_seq);
+  EXPECT_NEAR(batch, ref_batch, 1e-6 * ref_batch);
+}
+
+// ---- permutation ------------------------------------------------------------------------
+TEST(MoEPermute, GroupsByExpertInTokenOrderAndRoundTrips) {
+  const int64_t N = 37, k = 3, E = 7, C = 5, M = N * k;
+  std::mt19937 rng(2);
+  std::vector<int32_t> ids(static_cast<size_t>(M));
+  for (int64_t n = 0; n < N; ++n) {
+    // k distinct experts per token, never expert 4 (an expert with no tokens).
+    std::vector<int32_t> pool = {0, 1, 2, 3, 5, 6};
+    std::shuffle(pool.begin(), pool.end(), rng);
+    for (int64_t j = 0; j < k; ++j) ids[size_t(n * k + j)] = pool[size_t(j)];
+  }
+  std::vector<int64_t> offsets(size_t(E + 1));
+  std::vector<int32_t> sorted(static_cast<size_t>(M)), position(static_cast<size_t>(M));
+  ops::moe_dispatch_plan(Tensor(offsets.data(), DType::I64, Shape{E + 1}), i32(sorted, {M}), i32(position, {M}),
+                         i32(ids, {N, k}));
+  EXPECT_EQ(offsets[0], 0);
+  EXPECT_EQ(offsets[size_t(E)], M);
+  EXPECT_EQ(offsets[4], offsets[5]);
+  for (int64_t e = 0; e < E; ++e) {
+    int64_t count = 0;
+    for (int32_t id : ids) count += id == e;
+    EXPECT_EQ(offsets[size_t(e + 1)] - offsets[size_t(e)], count) << "expert " << e;
+    for (int64_t p = offsets[size_t(e)]; p < offsets[size_t(e + 1)]; ++p) {
+      EXPECT_EQ(ids[size_t(sorted[size_t(p)])], e) << "row " << p;
+      if (p > offsets[size_t(e)]) {
+        EXPECT_LT(sorted[size_t(p - 1)], sorted[size_t(p)]) << "token order, row " << p;
+      }
+    }
+  }
+  for (int64_t i = 0; i < M; ++i) EXPECT_EQ(sorted[size_t(position[size_t(i)])], i);
+
+  std::vector<float> x = normal(size_t(N * C), rng), xg(size_t(M * C)), w = normal(size_t(M), rng);
+  ops::moe_permute(f32(xg, {M, C}), f32(x, {N, C}), i32(sorted, {M}), int(k));
+  for (int64_t p = 0; p < M; ++p)
+    for (int64_t c = 0; c < C; ++c) ASSERT_EQ(xg[size_t(p * C + c)], x[size_t(sorted[size_t(p)] / k * C + c)]);
+  // Round trip: out = sum_slots w * x, in slot order.
+  std::vector<float> out(size_t(N * C), 1.0f);
+  ops::moe_unpermute(f32(out, {N, C}), f32(xg, {M, C}), f32(w, {N, k}), i32(position, {M}));
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t c = 0; c < C; ++c) {
+      float acc = 0;
+      for (int64_t j = 0; j < k; ++j) acc += w[size_t(n * k + j)] * x[size_t(n * C + c)];
+      ASSERT_NEAR(out[size_t(n * C + c)], 1.0f + acc, 1e-6) << n << "," << c;
+    }
+  // The backwards are the adjoints: <permute(x), G> = <x, permute_backward(G)>, and the
+  // unpermute backward gives <dout, d unpermute> for each input.
+  std::vector<float> G = normal(size_t(M * C), rng), dx(size_t(N * C), 5.0f), dout = normal(size_t(N * C), rng);
+  ops::moe_permute_backward(f32(dx, {N, C}), f32(G, {M, C}), i32(position, {M}), false);
+  EXPECT_NEAR(dot(xg, G), dot(x, dx), 1e-4);
+  std::vector<float> dyg(size_t(M * C)), dw(static_cast<size_t>(M));
+  ops::moe_unpermute_backward(f32(dyg, {M, C}), f32(dw, {N, k}), f32(dout, {N, C}), f32(G, {M, C}), f32(w, {N, k}),
+                              i32(sorted, {M}));
+  std::vector<float> y(size_t(N * C), 0.0f);
+  ops::moe_unpermute(f32(y, {N, C}), f32(G, {M, C}), f32(w, {N, k}), i32(position, {M}));
+  EXPECT_NEAR(dot(y, dout), dot(dyg, G), 1e-4);  // linear in yg
+  EXPECT_NEAR(dot(y, dout), dot(dw, w), 1e-4);   // and in the weights
+}
+
+// ---- the MoE layer ----------------------------------------------------------------------
+struct BlockCase {
+  const char* name;
+  std::string scoring, method;
+  int64_t experts, n_group, topk_group, shared;
+  bool seq_aux, norm;
+  double rsf;
+};
+
+void PrintTo(const BlockCase& c, std::ostream* os) { *os << c.name; }
+
+ModelConfig block_config(const BlockCase& bc, int64_t C = 12, int64_t I = 5, int64_t k = 2) {
+  ModelConfig c;
+  c.model_type = "deepseek_v2";
+  c.hidden_size = C;
+  c.n_routed_experts = bc.experts;
+  c.n_shared_experts = bc.shared;
+  c.num_experts_per_tok = k;
+  c.moe_intermediate_size = I;
+  c.scoring_func = bc.scoring;
+  c.topk_method = bc.method;
+  c.n_group = bc.n_group;
+  c.topk_group = bc.topk_group;
+  c.norm_topk_prob = bc.norm;
+  c.routed_scaling_factor = bc.rsf;
+  c.aux_loss_alpha = 0.3;  // large, so the aux gradient is visible next to the main one
+  c.seq_aux = bc.seq_aux;
+  return c;
+}
+
+// A layer with its own registry: experts normal(0, 0.4), a router whose logits spread
+// widely (so small perturbations rarely change the choice), a nonzero routing bias.
+struct Layer {
+  ModelConfig config;
+  ParamRegistry reg;
+  std::unique_ptr<MoEBlock> block;
+  Scratch scratch;
+  Layer(const ModelConfig& c, uint64_t seed) : config(c) {
+    block = std::make_unique<MoEBlock>(c, reg, 0);
+    reg.allocate(Device::cpu());
+    for (int id = 0; id < reg.size(); ++id) {
+      const ParamInfo& p = reg.info(id);
+      if (p.kind == ParamKind::RouterBias) {
+        float* b = reg.param(id).data<float>();
+        for (int64_t e = 0; e < p.numel(); ++e) b[e] = 0.15f * float(std::sin(3.0 * double(e) + 1.0));
+      } else {
+        const bool router = p.name.find("mlp.gate.weight") != std::string::npos;
+        fill_normal(reg.param(id), router ? 1.0 : 0.4, seed, stream_id(p.name));
+      }
+    }
+    LossScales s;
+    s.sequence = 0.5;  // 1 / B with B = 2
+    s.micro_batch = 1.0;
+    block->set_loss_scales(s);
+  }
+  // <out, R> + the layer's aux loss; out starts from zero.
+  double loss(std::vector<float>& x, const std::vector<float>& R, int64_t B, int64_t T) {
+    const int64_t C = config.hidden_size;
+    std::vector<float> out(x.size(), 0.0f);
+    block->routing()->reset();
+    block->forward(f32(x, {B, T, C}), f32(out, {B, T, C}));
+    return dot(out, R) + block->routing()->aux_loss;
+  }
+  std::vector<std::set<int32_t>> chosen() {
+    Tensor ids = block->last_ids();
+    const int64_t N = ids.size(0), k = ids.size(1);
+    std::vector<std::set<int32_t>> s(static_cast<size_t>(N));
+    for (int64_t n = 0; n < N; ++n) s[size_t(n)] = {ids.data<int32_t>() + n * k, ids.data<int32_t>() + (n + 1) * k};
+    return s;
+  }
+};
+
+class MoEBlockGradients : public ::testing::TestWithParam<BlockCase> {};
+
+TEST_P(MoEBlockGradients, MatchFiniteDifferences) {
+  const BlockCase bc = GetParam();
+  const int64_t B = 2, T = 5, C = 12, N = B * T;
+  Layer L(block_config(bc), 21);
+  std::mt19937 rng(4);
+  std::vector<float> x = normal(size_t(N * C), rng);
+  // Two losses: the full one, and the aux term alone (R = 0), whose gradient reaches only the
+  // router and x and would otherwise hide under the tolerance of the main term.
+  for (bool aux_only : {false, true}) {
+    std::vector<float> R = aux_only ? std::vector<float>(size_t(N * C), 0.0f) : normal(size_t(N * C), rng);
+    L.reg.grads().zero();
+    L.loss(x, R, B, T);
+    const auto routing0 = L.chosen();
+    std::vector<float> dx(size_t(N * C), 7.0f);  // overwritten, not accumulated
+    L.block->backward(f32(R, {B, T, C}), f32(dx, {B, T, C}), L.scratch);
+    const double h = 1e-2;
+    int checked = 0, skipped = 0;
+    // Central difference at element i of v; false when the routing changed.
+    auto fd = [&](float* v, int64_t i, double* out) {
+      const float orig = v[i];
+      v[i] = float(orig + h);
+      const double lp = L.loss(x, R, B, T);
+      const bool same_p = L.chosen() == routing0;
+      v[i] = float(orig - h);
+      const double lm = L.loss(x, R, B, T);
+      const bool same_m = L.chosen() == routing0;
+      v[i] = orig;
+      *out = (lp - lm) / (2 * h);
+      return same_p && same_m;
+    };
+    auto check = [&](const std::string& what, float* v, const float* g, int64_t n, int samples) {
+      double gmax = 1e-6, err = 0;
+      for (int64_t i = 0; i < n; ++i) gmax = std::max(gmax, double(std::fabs(g[i])));
+      std::mt19937 pick(9);
+      for (int s = 0; s < std::min<int64_t>(samples, n); ++s) {
+        const int64_t i = n <= samples ? s : int64_t(pick() % uint32_t(n));
+        double d;
+        if (!fd(v, i, &d)) {
+          ++skipped;
+          continue;
+        }
+        ++checked;
+        err = std::max(err, std::fabs(g[i] - d) / gmax);
+        EXPECT_NEAR(g[i], d, 1e-2 * gmax) << what << "[" << i << "]";
+      }
+      return err;
+    };
+    double err_x = check("x", x.data(), dx.data(), N * C, int(N * C));
+    double err_router = 0, err_experts = 0, err_shared = 0;
+    for (int id = 0; id < L.reg.size(); ++id) {
+      const ParamInfo& p = L.reg.info(id);
+      if (!p.trainable) {
+        const float* g = L.reg.grad(id).data<float>();
+        for (int64_t i = 0; i < p.numel(); ++i) EXPECT_EQ(g[i], 0.0f) << p.name;
+        continue;
+      }
+      const double e = check(p.name, L.reg.param(id).data<float>(), L.reg.grad(id).data<float>(), p.numel(), 6);
+      if (p.name.find("mlp.gate.") != std::string::npos) err_router = std::max(err_router, e);
+      if (p.name.find("mlp.experts.") != std::string::npos) err_experts = std::max(err_experts, e);
+      if (p.name.find("mlp.shared_experts.") != std::string::npos) err_shared = std::max(err_shared, e);
+    }
+    std::printf("[ MoE FD ] %-26s %s: max |grad - fd| / max|grad|: x %.1e router %.1e experts %.1e shared %.1e "
+                "(%d checked, %d skipped: routing flipped)\n",
+                bc.name, aux_only ? "aux only " : "full loss", err_x, err_router, err_experts, err_shared, checked,
+                skipped);
+    EXPECT_LT(skipped * 10, checked) << "too many samples changed the routing";
+  }
+}
+
+const BlockCase kBlockCases[] = {
+    {"softmax_greedy_seq_aux", "softmax", "greedy", 6, 1, 1, 1, true, false, 1.5},
+    {"softmax_group_limited_batch_aux", "softmax", "group_limited_greedy", 8, 4, 2, 2, false, true, 1.0},
+    {"sigmoid_noaux_tc_groups", "sigmoid", "noaux_tc", 8, 4, 2, 1, true, true, 2.5},
+    {"sigmoid_noaux_tc_no_shared", "sigmoid", "noaux_tc", 8, 2, 1, 0, false, false, 2.5},
+};
+
+INSTANTIATE_TEST_SUITE_P(Configs, MoEBlockGradients, ::testing::ValuesIn(kBlockCases),
+                         [](const auto& tp) { return std::string(tp.param.name); });
+
+// Naive forward, token by token in double: router, reference routing, each chosen expert
+// applied to the token alone, shared experts, aux loss.
+class MoEBlockForward : public ::testing::TestWithParam<BlockCase> {};
+
+TEST_P(MoEBlockForward, MatchesNaivePerTokenDouble) {
+  const BlockCase bc = GetParam();
+  const int64_t B = 2, T = 5, C = 12, I = 5, k = 2, N = B * T;
+  Layer L(block_config(bc), 5);
+  const ModelConfig& c = L.config;
+  const int64_t E = c.n_routed_experts, S = c.moe_intermediate_size * c.n_shared_experts;
+  std::mt19937 rng(6);
+  std::vector<float> x = normal(size_t(N * C), rng), out = normal(size_t(N * C), rng);
+  const std::vector<float> out0 = out;
+  L.block->routing()->reset();
+  L.block->forward(f32(x, {B, T, C}), f32(out, {B, T, C}));
+
+  auto P = [&](const std::string& name) { return L.reg.param(L.reg.find("model.layers.0.mlp." + name)).data<float>(); };
+  // y = down(silu(gate x) * up x) for one token.
+  auto mlp = [&](const float* g, const float* u, const float* d, int64_t inter, const float* xt, double* y) {
+    std::vector<double> hid(static_cast<size_t>(inter));
+    for (int64_t i = 0; i < inter; ++i) {
+      double a = 0, b = 0;
+      for (int64_t cc = 0; cc < C; ++cc) {
+        a += double(g[i * C + cc]) * xt[cc];
+        b += double(u[i * C + cc]) * xt[cc];
+      }
+      hid[size_t(i)] = a / (1.0 + std::exp(-a)) * b;
+    }
+    for (int64_t cc = 0; cc < C; ++cc) {
+      double s = 0;
+      for (int64_t i = 0; i < inter; ++i) s += double(d[cc * inter + i]) * hid[size_t(i)];
+      y[cc] += s;
+    }
+  };
+  ops::MoERouteParams p = L.block->route_params();
+  std::vector<double> bias(size_t(E), 0.0);
+  if (L.block->bias_param() >= 0)
+    for (int64_t e = 0; e < E; ++e) bias[size_t(e)] = L.reg.param(L.block->bias_param()).data<float>()[e];
+  const int64_t G = bc.seq_aux ? B : 1, Tg = N / G;
+  std::vector<double> count(size_t(G * E)), Pmean(size_t(G * E));
+  double worst = 0;
+  const int32_t* ids = L.block->last_ids().data<int32_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    const float* xt = x.data() + n * C;
+    std::vector<float> logit(static_cast<size_t>(E));
+    std::vector<double> logit_d(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) {
+      for (int64_t cc = 0; cc < C; ++cc) logit_d[size_t(e)] += double(P("gate.weight")[e * C + cc]) * xt[cc];
+      logit[size_t(e)] = float(logit_d[size_t(e)]);
+    }
+    const std::vector<double> s = ref_scores(logit.data(), int(E), c.scoring_func == "sigmoid" ? MoEScoring::Sigmoid
+                                                                                              : MoEScoring::Softmax);
+    const RefRoute r = ref_route(s, bias, p);
+    for (int64_t j = 0; j < k; ++j) ASSERT_EQ(ids[n * k + j], r.ids[size_t(j)]) << "token " << n;
+    std::vector<double> y(static_cast<size_t>(C), 0.0), routed(static_cast<size_t>(C), 0.0);
+    for (int64_t j = 0; j < k; ++j) {
+      std::vector<double> ye(static_cast<size_t>(C), 0.0);
+      const std::string ex = fmt::format("experts.{}.", r.ids[size_t(j)]);
+      mlp(P(ex + "gate_proj.weight"), P(ex + "up_proj.weight"), P(ex + "down_proj.weight"), I, xt, ye.data());
+      for (int64_t cc = 0; cc < C; ++cc) routed[size_t(cc)] += r.weights[size_t(j)] * ye[size_t(cc)];
+    }
+    if (S > 0) {
+      mlp(P("shared_experts.gate_proj.weight"), P("shared_experts.up_proj.weight"), P("shared_experts.down_proj.weight"),
+          S, xt, y.data());
+    }
+    for (int64_t cc = 0; cc < C; ++cc) {
+      const double ref = out0[size_t(n * C + cc)] + routed[size_t(cc)] + y[size_t(cc)];
+      worst = std::max(worst, std::fabs(out[size_t(n * C + cc)] - ref) / std::max(1.0, std::fabs(ref)));
+    }
+    for (int64_t j = 0; j < k; ++j) count[size_t((n / Tg) * E + r.ids[size_t(j)])] += 1;
+    for (int64_t e = 0; e < E; ++e) Pmean[size_t((n / Tg) * E + e)] += s[size_t(e)] / double(Tg);
+  }
+  double aux = 0;
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t e = 0; e < E; ++e)
+      aux += count[size_t(g * E + e)] / (double(Tg * k) / double(E)) * Pmean[size_t(g * E + e)];
+  aux *= c.aux_loss_alpha * (bc.seq_aux ? 0.5 : 1.0);
+  const double aux_err = std::fabs(L.block->routing()->aux_loss - aux) / aux;
+  std::printf("[ MoE fwd ] %-26s max relative error of out %.1e, of the aux loss %.1e\n", bc.name, worst, aux_err);
+  EXPECT_LT(worst, 1e-5);
+  EXPECT_LT(aux_err, 1e-5);
+  // Token counts match and accumulate over forwards until reset.
+  const std::vector<int64_t> tpe = L.block->routing()->tokens_per_expert;
+  for (int64_t e = 0; e < E; ++e) {
+    double total = 0;
+    for (int64_t g = 0; g < G; ++g) total += count[size_t(g * E + e)];
+    EXPECT_EQ(double(tpe[size_t(e)]), total);
+  }
+  L.block->forward(f32(x, {B, T, C}), f32(out, {B, T, C}));
+  for (int64_t e = 0; e < E; ++e) EXPECT_EQ(L.block->routing()->tokens_per_expert[size_t(e)], 2 * tpe[size_t(e)]);
+  EXPECT_NEAR(L.block->routing()->aux_loss, 2 * aux, 1e-5 * aux);
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, MoEBlockForward, ::testing::ValuesIn(kBlockCases),
+                         [](const auto& tp) { return std::string(tp.param.name); });
+
+TEST(MoEBlock, RegistersHuggingFaceNames) {
+  ModelConfig c = block_config(kBlockCases[2]);
+  ParamRegistry reg;
+  MoEBlock block(c, reg, 3);
+  const int bias = reg.find("model.layers.3.mlp.gate.e_score_correction_bias");
+  ASSERT_GE(bias, 0);
+  EXPECT_EQ(reg.info(bias).kind, ParamKind::RouterBias);
+  EXPECT_FALSE(reg.info(bias).trainable);
+  EXPECT_EQ(reg.info(reg.find("model.layers.3.mlp.gate.weight")).shape, (Shape{8, 12}));
+  const ParamInfo& g = reg.info(reg.find("model.layers.3.mlp.experts.7.gate_proj.weight"));
+  const ParamInfo& u = reg.info(reg.find("model.layers.3.mlp.experts.7.up_proj.weight"));
+  EXPECT_EQ(u.offset, g.offset + g.numel());  // one (2I, C) matrix
+  EXPECT_EQ(reg.info(reg.find("model.layers.3.mlp.experts.7.down_proj.weight")).shape, (Shape{12, 5}));
+  EXPECT_EQ(reg.info(reg.find("model.layers.3.mlp.shared_experts.up_proj.weight")).shape, (Shape{5, 12}));
+  ParamRegistry v2;
+  MoEBlock greedy(block_config(kBlockCases[0]), v2, 0);
+  EXPECT_EQ(v2.find("model.layers.0.mlp.gate.e_score_correction_bias"), -1);
+  ParamRegistry none;
+  MoEBlock no_shared(block_config(kBlockCases[3]), none, 0);
+  EXPECT_EQ(none.find("model.layers.0.mlp.shared_experts.gate_proj.weight"), -1);
+}
+
+TEST(MoEBlock, RoutingBiasUpdate) {
+  Layer L(block_config(kBlockCases[2]), 1);
+  float* b = L.reg.param(L.block->bias_param()).data<float>();
+  const std::vector<float> before(b, b + 8);
+  // mean 4: under-loaded experts move up, over-loaded down, exactly balanced ones stay.
+  L.block->update_routing_bias({5, 3, 4, 4, 8, 0, 4, 4}, 0.01);
+  const std::vector<float> expect_delta = {-0.01f, 0.01f, 0, 0, -0.01f, 0.01f, 0, 0};
+  for (size_t e = 0; e < 8; ++e) EXPECT_EQ(b[e], before[e] + expect_delta[e]) << e;
+  // A mean that is not an integer (10 / 8 = 1.25).
+  L.block->update_routing_bias({1, 2, 1, 1, 1, 2, 1, 1}, 0.5);
+  for (size_t e = 0; e < 8; ++e) {
+    const float after_first = before[e] + expect_delta[e];
+    EXPECT_EQ(b[e], (e == 1 || e == 5) ? after_first - 0.5f : after_first + 0.5f) << e;
+  }
+  EXPECT_THROW(L.block->update_routing_bias({1, 2}, 0.1), Error);
+  // Without noaux_tc there is no bias and the update does nothing.
+  Layer G(block_config(kBlockCases[0]), 1);
+  std::vector<float> values(G.reg.values().data<float>(), G.reg.values().data<float>() + G.reg.flat_numel());
+  G.block->update_routing_bias({1, 2, 3, 4, 5, 6}, 0.1);
+  EXPECT_EQ(0, std::memcmp(values.data(), G.reg.values().data(), values.size() * sizeof(float)));
+}
+
+// Forward and backward of a larger layer under 1 and 2 (and 3) threads: the same bits.
+TEST(MoEBlock, BitwiseIndependentOfThreadCount) {
+  BlockCase bc{"det", "sigmoid", "noaux_tc", 16, 4, 2, 1, true, true, 2.5};
+  const int64_t B = 4, T = 64, C = 64, N = B * T;
+  Layer L(block_config(bc, C, 32, 4), 3);
+  std::mt19937 rng(1);
+  const std::vector<float> x0 = normal(size_t(N * C), rng);
+  std::vector<float> R = normal(size_t(N * C), rng);
+  auto run = [&](int threads, std::vector<float>& out, std::vector<float>& dx, std::vector<float>& grads) {
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    std::vector<float> x = x0, r = R;
+    out.assign(size_t(N * C), 0.0f);
+    dx.assign(size_t(N * C), 0.0f);
+    L.reg.grads().zero();
+    L.block->forward(f32(x, {B, T, C}), f32(out, {B, T, C}));
+    L.block->backward(f32(r, {B, T, C}), f32(dx, {B, T, C}), L.scratch);
+    grads.assign(L.reg.grads().data<float>(), L.reg.grads().data<float>() + L.reg.flat_numel());
+    omp_set_num_threads(saved);
+  };
+  std::vector<float> o1, d1, g1;
+  run(1, o1, d1, g1);
+  for (int threads : {2, 3}) {
+    std::vector<float> o, d, g;
+    run(threads, o, d, g);
+    EXPECT_EQ(0, std::memcmp(o.data(), o1.data(), o.size() * sizeof(float))) << threads << " threads: out";
+    EXPECT_EQ(0, std::memcmp(d.data(), d1.data(), d.size() * sizeof(float))) << threads << " threads: dx";
+    EXPECT_EQ(0, std::memcmp(g.data(), g1.data(), g.size() * sizeof(float))) << threads << " threads: grads";
+  }
+  EXPECT_THROW(L.block->backward(f32(R, {B, T, C}), f32(d1, {B, T, C}), L.scratch),
+               Error);  // a second backward of one forward
+}
+
+// Where the time goes at C=256, 16 experts, top-4, moe_intermediate 128, 2048 tokens: the
+// whole layer against its routing and permutation ops alone. Run with
+// --gtest_also_run_disabled_tests --gtest_filter='*MoEBench*'.
+TEST(MoEBench, DISABLED_RoutingAndPermutationShare) {
+  BlockCase bc{"bench", "softmax", "group_limited_greedy", 16, 4, 2, 0, true, true, 1.0};
+  const int64_t B = 4, T = 512, C = 256, N = B * T, E = 16, k = 4, M = N * k;
+  ModelConfig c = block_config(bc, C, 128, k);
+  Layer L(c, 1);
+  std::mt19937 rng(1);
+  std::vector<float> x = normal(size_t(N * C), rng), R = normal(size_t(N * C), rng), out(size_t(N * C)),
+                     dx(size_t(N * C));
+  using clk = std::chrono::steady_clock;
+  auto secs = [](clk::time_point a) { return std::chrono::duration<double>(clk::now() - a).count(); };
+  const int reps = 20;
+  double t_layer = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    auto t0 = clk::now();
+    L.block->forward(f32(x, {B, T, C}), f32(out, {B, T, C}));
+    L.block->backward(f32(R, {B, T, C}), f32(dx, {B, T, C}), L.scratch);
+    t_layer = std::min(t_layer, secs(t0));
+  }
+  // The same routing and permutation calls the layer makes, on the same data.
+  std::vector<float> scores(size_t(N * E)), w(size_t(N * k)), coef(size_t(B * E)), xg(size_t(M * C)),
+      dyg(size_t(M * C)), dw(size_t(N * k)), dscores(size_t(N * E));
+  std::vector<int32_t> ids(size_t(N * k)), sorted(static_cast<size_t>(M)), position(static_cast<size_t>(M));
+  std::vector<int64_t> offsets(size_t(E + 1));
+  Tensor gate = L.reg.param(L.reg.find("model.layers.0.mlp.gate.weight"));
+  double t_route = 1e30, t_perm = 1e30, t_gate_gemm = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    auto t0 = clk::now();
+    ops::linear_forward(f32(scores, {N, E}), f32(x, {N, C}), gate);
+    const double g1 = secs(t0);
+    auto t1 = clk::now();
+    ops::moe_scores(f32(scores, {N, E}), f32(scores, {N, E}), MoEScoring::Softmax);
+    ops::moe_route(i32(ids, {N, k}), f32(w, {N, k}), f32(scores, {N, E}), Tensor(), L.block->route_params());
+    ops::moe_dispatch_plan(Tensor(offsets.data(), DType::I64, Shape{E + 1}), i32(sorted, {M}), i32(position, {M}),
+                           i32(ids, {N, k}));
+    ops::moe_aux_loss(f32(coef, {B, E}), f32(scores, {N, E}), i32(ids, {N, k}));
+    ops::moe_route_backward(f32(dscores, {N, E}), f32(dw, {N, k}), i32(ids, {N, k}), f32(scores, {N, E}),
+                            L.block->route_params());
+    ops::moe_aux_loss_backward(f32(dscores, {N, E}), f32(coef, {B, E}), 0.1f);
+    ops::moe_scores_backward(f32(dscores, {N, E}), f32(dscores, {N, E}), f32(scores, {N, E}), MoEScoring::Softmax);
+    const double route = secs(t1);
+    auto t2 = clk::now();
+    ops::moe_permute(f32(xg, {M, C}), f32(x, {N, C}), i32(sorted, {M}), int(k));
+    ops::moe_unpermute(f32(out, {N, C}), f32(xg, {M, C}), f32(w, {N, k}), i32(position, {M}));
+    ops::moe_unpermute_backward(f32(dyg, {M, C}), f32(dw, {N, k}), f32(R, {N, C}), f32(xg, {M, C}), f32(w, {N, k}),
+                                i32(sorted, {M}));
+    ops::moe_permute(f32(xg, {M, C}), f32(x, {N, C}), i32(sorted, {M}), int(k));  // the backward's re-gather
+    ops::moe_permute_backward(f32(dx, {N, C}), f32(dyg, {M, C}), i32(position, {M}), true);
+    const double perm = secs(t2);
+    t_route = std::min(t_route, route);
+    t_perm = std::min(t_perm, perm);
+    t_gate_gemm = std::min(t_gate_gemm, g1);
+  }
+  // The experts' arithmetic as one dense SwiGLU MLP over all M rows: what grouping costs.
+  std::vector<float> wgu = normal(size_t(2 * 128 * C), rng, 0.05f), wd = normal(size_t(C * 128), rng, 0.05f);
+  std::vector<float> gu(size_t(M * 256)), hh(size_t(M * 128)), dgu(size_t(M * 256)), dhh(size_t(M * 128)),
+      gwgu(wgu.size()), gwd(wd.size()), yy(size_t(M * C));
+  double t_dense = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    auto t0 = clk::now();
+    ops::linear_forward(f32(gu, {M, 256}), f32(xg, {M, C}), f32(wgu, {256, C}));
+    ops::swiglu_forward(f32(hh, {M, 128}), f32(gu, {M, 256}));
+    ops::linear_forward(f32(yy, {M, C}), f32(hh, {M, 128}), f32(wd, {C, 128}));
+    ops::linear_backward(f32(dhh, {M, 128}), f32(gwd, {C, 128}), f32(dyg, {M, C}), f32(hh, {M, 128}),
+                         f32(wd, {C, 128}));
+    ops::swiglu_backward(f32(dgu, {M, 256}), f32(dhh, {M, 128}), f32(gu, {M, 256}));
+    ops::linear_backward(f32(yy, {M, C}), f32(gwgu, {256, C}), f32(dgu, {M, 256}), f32(xg, {M, C}),
+                         f32(wgu, {256, C}));
+    t_dense = std::min(t_dense, secs(t0));
+  }
+  std::printf("[ MoE bench ] the same expert arithmetic as one dense SwiGLU over %lld rows: %.2f ms\n",
+              (long long)M, 1e3 * t_dense);
+  const double flops = 6.0 * double(M) * double(C) * 3.0 * 128.0;  // expert GEMMs, fwd + bwd
+  std::printf("[ MoE bench ] %d threads, N=%lld C=%lld E=%lld k=%lld I=128: layer fwd+bwd %.2f ms "
+              "(expert GEMMs %.0f GFLOP/s if they took it all); routing (scores, top-k, plan, aux, their "
+              "backwards) %.3f ms = %.1f%%; permutation (permute x2, unpermute, their backwards) %.3f ms = %.1f%%; "
+              "router GEMM forward alone %.3f ms\n",
+              omp_get_max_threads(), (long long)N, (long long)C, (long long)E, (long long)k, 1e3 * t_layer,
+              flops / t_layer / 1e9, 1e3 * t_route, 100 * t_route / t_layer, 1e3 * t_perm, 100 * t_perm / t_layer,
+              1e3 * t_gate_gemm);
+}
+
+}  // namespace
+}  // namespace dstrain
