@@ -55,6 +55,29 @@ void check_tied_head(const HFWeights& w) {
            w.shape(kEmbed).str());
 }
 
+// DeepSeek-V3's checkpoints store, with each multi-token-prediction module
+// (model.layers.{N}.*, N >= num_hidden_layers), copies of the embedding and the output head
+// it shares with the main model. dstrain shares them: a copy is accepted when it is the same.
+bool is_shared_copy(const HFWeights& w, const ParamRegistry& reg, const std::string& name, std::string* original) {
+  if (!name.starts_with("model.layers.")) return false;
+  if (name.ends_with(".embed_tokens.weight")) {
+    *original = kEmbed;
+  } else if (name.ends_with(".shared_head.head.weight")) {
+    *original = reg.find(kHead) >= 0 ? kHead : kEmbed;
+  } else {
+    return false;
+  }
+  if (!w.has(*original)) return false;
+  const auto a = w.raw(name), b = w.raw(*original);
+  DS_CHECK(w.dtype(name) == w.dtype(*original) && w.shape(name) == w.shape(*original) && a.size() == b.size() &&
+               std::memcmp(a.data(), b.data(), a.size()) == 0,
+           "'{}' holds {} ({} {}), which dstrain shares with {} but which differs from it ({} {}); this checkpoint's "
+           "multi-token-prediction module has its own copy",
+           w.file_of(name), name, dtype_name(w.dtype(name)), w.shape(name).str(), *original,
+           dtype_name(w.dtype(*original)), w.shape(*original).str());
+  return true;
+}
+
 void check_whole(const ParamInfo& p, const char* what) {
   DS_CHECK(p.shape == p.global_shape,
            "{} handles whole tensors, but this process holds parameter '{}' as a piece {} of the global {}; "
@@ -180,6 +203,8 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg) {
     } else if (name == kHead && tied && w.has(kEmbed)) {
       check_tied_head(w);
       stats.tied_lm_head_checked = true;
+    } else if (std::string original; is_shared_copy(w, reg, name, &original)) {
+      ++stats.shared_copies;
     } else {
       unexpected.push_back(name);
     }

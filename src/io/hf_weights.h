@@ -50,6 +50,7 @@ struct HFLoadStats {
   int loaded = 0;                // registry parameters read from the files
   int skipped_inv_freq = 0;      // "*rotary_emb.inv_freq" buffers: derived, recomputed by the model
   bool tied_lm_head_checked = false;  // a tied model's file held an lm_head.weight equal to the embedding
+  int shared_copies = 0;  // MTP modules' copies of the shared embedding/head, checked equal and skipped
 };
 
 // Reads every registry parameter from the Hugging Face weights at `path` (see HFWeights).

@@ -250,7 +250,8 @@ std::pair<int64_t, int64_t> ffn_params(const ModelConfig& c, int64_t l) {
   if (!c.is_moe_layer(l)) return {3 * C * c.intermediate_size, 3 * C * c.intermediate_size};
   const int64_t expert = 3 * C * c.moe_intermediate_size;
   const int64_t shared = c.n_shared_experts * expert, gate = c.n_routed_experts * C;
-  return {c.n_routed_experts * expert + shared + gate + c.n_routed_experts,
+  const int64_t bias = c.topk_method == "noaux_tc" ? c.n_routed_experts : 0;
+  return {c.n_routed_experts * expert + shared + gate + bias,
           c.num_experts_per_tok * expert + shared + gate};
 }
 }  // namespace

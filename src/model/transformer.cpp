@@ -3,6 +3,8 @@
 #include <cmath>
 
 #include "model/init.h"
+#include "model/mla.h"
+#include "model/moe.h"
 
 #include <chrono>
 
@@ -178,15 +180,49 @@ Transformer::Transformer(const ModelConfig& config, Device device)
   const ModelConfig& c = config_;
   embed_ = reg_.add("model.embed_tokens.weight", {c.vocab_size, c.hidden_size}, ParamKind::Embedding, -1);
   layers_.reserve(size_t(c.num_hidden_layers));
+  // DeepSeek-LLM: GQA + SwiGLU; DeepSeek-V2/V3: MLA + DeepSeekMoE (dense in the first layers).
+  auto make_layer = [&](int l) {
+    std::unique_ptr<AttentionBlock> attn;
+    if (c.mla()) {
+      attn = std::make_unique<MLAttention>(c, reg_, l);
+    } else {
+      attn = std::make_unique<GQAttention>(c, reg_, l);
+    }
+    std::unique_ptr<FeedForwardBlock> ffn;
+    if (c.is_moe_layer(l)) {
+      ffn = std::make_unique<MoEBlock>(c, reg_, l);
+    } else {
+      ffn = std::make_unique<SwiGLUMLP>(c, reg_, l);
+    }
+    return std::make_unique<DecoderLayer>(c, reg_, l, std::move(attn), std::move(ffn));
+  };
   for (int l = 0; l < int(c.num_hidden_layers); ++l) {
     const int first = reg_.size();
-    auto attn = std::make_unique<GQAttention>(c, reg_, l);
-    auto ffn = std::make_unique<SwiGLUMLP>(c, reg_, l);
-    layers_.emplace_back(c, reg_, l, std::move(attn), std::move(ffn));
+    auto layer = make_layer(l);
+    layers_.push_back(std::move(*layer));
     layers_.back().set_param_range(first, reg_.size() - 1);
   }
   final_norm_ = reg_.add("model.norm.weight", {c.hidden_size}, ParamKind::Norm, -1);
   lm_head_ = c.tie_word_embeddings ? -1 : reg_.add("lm_head.weight", {c.vocab_size, c.hidden_size}, ParamKind::Head, -1);
+  // Multi-token prediction modules, stored as the layers after the last one (as DeepSeek-V3's
+  // checkpoints do); they share the embedding and the head.
+  for (int k = 0; k < int(c.num_nextn_predict_layers); ++k) {
+    const int l = int(c.num_hidden_layers) + k;
+    MtpModule m;
+    m.first_param = reg_.size();
+    m.enorm = reg_.add(layer_name(l, "enorm.weight"), {c.hidden_size}, ParamKind::Norm, l);
+    m.hnorm = reg_.add(layer_name(l, "hnorm.weight"), {c.hidden_size}, ParamKind::Norm, l);
+    m.eh_proj = reg_.add(layer_name(l, "eh_proj.weight"), {c.hidden_size, 2 * c.hidden_size}, ParamKind::Linear, l);
+    m.layer = make_layer(l);
+    m.head_norm = reg_.add(layer_name(l, "shared_head.norm.weight"), {c.hidden_size}, ParamKind::Norm, l);
+    m.last_param = reg_.size() - 1;
+    for (auto [act, what] : {std::pair{&m.emb, "mtp.emb"}, {&m.e_rstd, "mtp.e_rstd"}, {&m.hn_in, "mtp.hnorm"},
+                             {&m.h_rstd, "mtp.h_rstd"}, {&m.cat, "mtp.cat"}, {&m.h_in, "mtp.h_in"},
+                             {&m.h_out, "mtp.h_out"}, {&m.out_norm, "mtp.out_norm"}, {&m.out_rstd, "mtp.out_rstd"}}) {
+      *act = Activation(fmt::format("layers.{}.{}", l, what));
+    }
+    mtp_.push_back(std::move(m));
+  }
   reg_.allocate(device);
   for (int l = 0; l <= int(c.num_hidden_layers); ++l) x_.emplace_back(fmt::format("residual.{}", l));
 }
@@ -215,18 +251,42 @@ int64_t Transformer::head_chunk_rows() const {
 
 int64_t Transformer::activation_bytes(int64_t B, int64_t T) const {
   const ModelConfig& c = config_;
-  const int64_t C = c.hidden_size, D = c.head_dim(), H = c.num_attention_heads, Hkv = c.num_key_value_heads;
-  const int64_t I = c.intermediate_size, W = (H + 2 * Hkv) * D, N = B * T, V = c.vocab_size;
-  // Per token and layer: input norm + rstd, residual mid, post norm + rstd, qkv, attention
-  // output, log-sum-exp per head, gate|up, SwiGLU output, the layer's output residual.
-  const int64_t per_layer = C + 1 + C + C + 1 + W + H * D + H + 2 * I + I + C;
-  const int64_t saved = N * (c.num_hidden_layers * per_layer + C /*embedding output*/ + C + 1 /*final norm*/);
+  const int64_t C = c.hidden_size, H = c.num_attention_heads, N = B * T, V = c.vocab_size;
+  // Attention, kept per token: GQA keeps q|k|v, its output and a log-sum-exp per head; MLA
+  // also its latents with their norms (see model/mla.h).
+  int64_t attn = 0, attn_scratch = 0;
+  if (c.mla()) {
+    const int64_t Dqk = c.qk_head_dim(), Dv = c.v_head_dim, W = H * (2 * Dqk + Dv);
+    attn = 2 * c.kv_lora_rank + 1 + (c.q_lora_rank ? 2 * c.q_lora_rank + 1 : 0) + W + H * Dv + H;
+    attn_scratch = W + std::max({H * Dv, H * Dqk, H * (c.qk_nope_head_dim + Dv)}) +
+                   2 * std::max(c.q_lora_rank, c.kv_lora_rank) + c.qk_rope_head_dim;
+  } else {
+    const int64_t D = c.head_dim(), W = (H + 2 * c.num_key_value_heads) * D;
+    attn = W + H * D + H;
+    attn_scratch = W + H * D;
+  }
+  // Feed-forward, kept per token: SwiGLU's gate|up and output; a MoE layer's scores, routes
+  // and, per routed copy of the token, its input row, gate|up, output and expert output,
+  // plus the shared experts.
+  auto ffn = [&](int64_t l) -> int64_t {
+    if (!c.is_moe_layer(l)) return 3 * c.intermediate_size;
+    const int64_t k = c.num_experts_per_tok, I = c.moe_intermediate_size, Is = I * c.n_shared_experts;
+    return 2 * c.n_routed_experts + 2 * k + k * (C + 3 * I + C) + 3 * Is;
+  };
+  int64_t per_token = C /*embedding output*/ + C + 1 /*final norm*/;
+  int64_t widest_ffn = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers + c.num_nextn_predict_layers; ++l) {
+    // Norms with their rstd, the residual in the middle and at the end, attention, FFN.
+    per_token += 2 * (C + 1) + 2 * C + attn + ffn(l);
+    if (l >= c.num_hidden_layers) per_token += 6 * C + 3;  // MTP: embedding, norms, [e|h], projection
+    widest_ffn = std::max(widest_ffn, ffn(l));
+  }
   const int64_t chunk = std::min(N, head_chunk_rows());
   const int64_t head = chunk * V + 2 * chunk + N /*losses*/;
-  // Backward temporaries shared by the layers: residual and head gradients, dln, datt, dqkv,
-  // dh, dgate|up.
-  const int64_t scratch = N * (C + C + C + H * D + W + I + 2 * I);
-  return (saved + head + scratch) * int64_t(sizeof(float));
+  // Backward temporaries shared by the layers: residual and head gradients, dln, the widest
+  // attention and feed-forward gradients.
+  const int64_t scratch = N * (3 * C + attn_scratch + widest_ffn);
+  return (N * per_token + head + scratch) * int64_t(sizeof(float));
 }
 
 void Transformer::release_activations() {
@@ -238,6 +298,12 @@ void Transformer::release_activations() {
   lse_.release();
   scratch_.release();
   for (auto& l : layers_) l.release_activations();
+  for (auto& m : mtp_) {
+    m.layer->release_activations();
+    for (Activation* a : {&m.emb, &m.e_rstd, &m.hn_in, &m.h_rstd, &m.cat, &m.h_in, &m.h_out, &m.out_norm, &m.out_rstd}) {
+      a->release();
+    }
+  }
 }
 
 void DecoderLayer::release_activations() {
@@ -268,12 +334,11 @@ void Transformer::forward_body(Tensor tokens) {
                        float(config_.rms_norm_eps));
 }
 
-LossSums Transformer::head(Tensor targets, bool backward, float loss_scale) {
-  const int64_t N = B_ * T_, C = config_.hidden_size, V = config_.vocab_size;
-  DS_CHECK(targets.numel() == N, "targets {} for tokens ({}, {})", targets.shape().str(), B_, T_);
-  Tensor xf = xf_.view({N, C});
+LossSums Transformer::head(Tensor x, Tensor targets, bool backward, float scale, Tensor dx) {
+  const int64_t C = config_.hidden_size, V = config_.vocab_size, N = x.numel() / C;
+  DS_CHECK(targets.numel() == N, "targets {} for {} positions", targets.shape().str(), N);
+  Tensor xr = x.view({N, C});
   Tensor tg = targets.view({N});
-  Tensor dxf = backward ? scratch_.get("head.dxf", {N, C}) : Tensor();
   Tensor w = head_weight();
   const int64_t chunk = std::min(N, head_chunk_rows());
   Tensor losses = losses_.view({N});
@@ -283,12 +348,12 @@ LossSums Transformer::head(Tensor targets, bool backward, float loss_scale) {
     const int64_t r1 = std::min(N, r0 + chunk), n = r1 - r0;
     Tensor logits = logits_.view({chunk, V}).slice(0, n);
     Tensor lse = lse_.view({chunk}).slice(0, n);
-    ops::linear_forward(logits, xf.slice(r0, r1), w);
+    ops::linear_forward(logits, xr.slice(r0, r1), w);
     ops::cross_entropy_forward(losses.slice(r0, r1), lse, logits, tg.slice(r0, r1));
     if (backward) {
       const auto t0 = std::chrono::steady_clock::now();
-      ops::cross_entropy_backward(logits, logits, lse, tg.slice(r0, r1), loss_scale);
-      ops::linear_backward(dxf.slice(r0, r1), head_grad(), logits, xf.slice(r0, r1), w);
+      ops::cross_entropy_backward(logits, logits, lse, tg.slice(r0, r1), scale);
+      ops::linear_backward(dx.view({N, C}).slice(r0, r1), head_grad(), logits, xr.slice(r0, r1), w);
       head_backward_s_ += seconds_since(t0);
     }
   }
@@ -303,9 +368,103 @@ LossSums Transformer::head(Tensor targets, bool backward, float loss_scale) {
   return s;
 }
 
+std::vector<std::pair<int, FeedForwardBlock*>> Transformer::moe_layers() {
+  std::vector<std::pair<int, FeedForwardBlock*>> out;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    if (layers_[l].ffn().routing()) out.emplace_back(int(l), &layers_[l].ffn());
+  }
+  for (size_t k = 0; k < mtp_.size(); ++k) {
+    if (mtp_[k].layer->ffn().routing()) out.emplace_back(int(layers_.size() + k), &mtp_[k].layer->ffn());
+  }
+  return out;
+}
+
+void Transformer::mtp_forward_backward(const LossScales& scales, Tensor targets, Tensor dxf, LossSums& sums,
+                                       const GradReadyFn& ready) {
+  const int64_t B = B_, T = T_, C = config_.hidden_size, N = B * T;
+  const float eps = float(config_.rms_norm_eps);
+  const int32_t* tg = targets.data<int32_t>();
+  // Forward through the depths: module k (0-based) reads token t+k+1 at position t (targets
+  // column t+k) and predicts token t+k+2 (targets column t+k+1).
+  Tensor h_prev = xf_.view({B, T, C});
+  for (size_t k = 0; k < mtp_.size(); ++k) {
+    MtpModule& m = mtp_[k];
+    m.inputs.assign(size_t(N), 0);
+    m.targets.assign(size_t(N), ops::kIgnoreIndex);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t in = t + int64_t(k), out = in + 1;
+        if (in < T && tg[b * T + in] != ops::kIgnoreIndex) m.inputs[size_t(b * T + t)] = tg[b * T + in];
+        if (out < T) m.targets[size_t(b * T + t)] = tg[b * T + out];
+      }
+    }
+    Tensor emb = m.emb.view({N, C}), cat = m.cat.view({N, 2 * C});
+    ops::embedding_forward(emb, Tensor(m.inputs.data(), DType::I32, Shape{N}), reg_.param(embed_));
+    Tensor en = scratch_.get("mtp.enorm", {N, C}), hn = m.hn_in.view({N, C});
+    ops::rmsnorm_forward(en, m.e_rstd.view({N}), emb, reg_.param(m.enorm), eps);
+    ops::rmsnorm_forward(hn, m.h_rstd.view({N}), h_prev.view({N, C}), reg_.param(m.hnorm), eps);
+    // cat = [enorm(embedding) | hnorm(hidden)] per row.
+    float* cp = cat.data<float>();
+    const float* ep = en.data<float>();
+    const float* hp = hn.data<float>();
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < N; ++i) {
+      std::copy_n(ep + i * C, C, cp + i * 2 * C);
+      std::copy_n(hp + i * C, C, cp + i * 2 * C + C);
+    }
+    Tensor h_in = m.h_in.view({B, T, C}), h_out = m.h_out.view({B, T, C});
+    ops::linear_forward(h_in.view({N, C}), cat, reg_.param(m.eh_proj));
+    m.layer->forward(h_in, h_out, rope_);
+    Tensor on = m.out_norm.view({N, C});
+    ops::rmsnorm_forward(on, m.out_rstd.view({N}), h_out.view({N, C}), reg_.param(m.head_norm), eps);
+    m.h_prev = h_prev;
+    h_prev = h_out;
+  }
+  // Each depth's loss: its gradient w.r.t. the normed output is formed at once.
+  std::vector<Tensor> d_out(mtp_.size());
+  for (size_t k = 0; k < mtp_.size(); ++k) {
+    MtpModule& m = mtp_[k];
+    d_out[k] = scratch_.get(fmt::format("mtp.{}.d_out", k), {N, C});
+    const LossSums s = head(m.out_norm.view({N, C}), Tensor(m.targets.data(), DType::I32, Shape{N}), true,
+                            scales.mtp_token[k], d_out[k]);
+    sums.mtp_sum.push_back(s.sum);
+    sums.mtp_count.push_back(s.count);
+  }
+  // Backward from the deepest module: dh carries the gradient w.r.t. h^k from depth k+1.
+  Tensor dh = scratch_.get("mtp.dh", {B, T, C});
+  ops::fill(dh, 0.0f);
+  for (size_t k = mtp_.size(); k-- > 0;) {
+    MtpModule& m = mtp_[k];
+    ops::rmsnorm_backward(dh.view({N, C}), reg_.grad(m.head_norm), d_out[k], m.h_out.view({N, C}),
+                          reg_.param(m.head_norm), m.out_rstd.view({N}));
+    m.layer->backward(dh, rope_, scratch_);  // dh: w.r.t. h_in now
+    Tensor dcat = scratch_.get("mtp.dcat", {N, 2 * C});
+    ops::linear_backward(dcat, reg_.grad(m.eh_proj), dh.view({N, C}), m.cat.view({N, 2 * C}), reg_.param(m.eh_proj));
+    Tensor de = scratch_.get("mtp.de", {N, C}), dhn = scratch_.get("mtp.dhn", {N, C});
+    const float* dcp = dcat.data<float>();
+    float* dep = de.data<float>();
+    float* dhp = dhn.data<float>();
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < N; ++i) {
+      std::copy_n(dcp + i * 2 * C, C, dep + i * C);
+      std::copy_n(dcp + i * 2 * C + C, C, dhp + i * C);
+    }
+    Tensor demb = scratch_.get("mtp.demb", {N, C});
+    ops::fill(demb, 0.0f);
+    ops::rmsnorm_backward(demb, reg_.grad(m.enorm), de, m.emb.view({N, C}), reg_.param(m.enorm), m.e_rstd.view({N}));
+    ops::embedding_backward(reg_.grad(embed_), demb, Tensor(m.inputs.data(), DType::I32, Shape{N}));
+    // The gradient w.r.t. h^{k-1}: the main model's normed output for k = 0.
+    Tensor dprev = k == 0 ? dxf.view({N, C}) : dh.view({N, C});
+    if (k > 0) ops::fill(dprev, 0.0f);
+    ops::rmsnorm_backward(dprev, reg_.grad(m.hnorm), dhn, m.h_prev.view({N, C}), reg_.param(m.hnorm),
+                          m.h_rstd.view({N}));
+    if (ready) ready(m.first_param, m.last_param);
+  }
+}
+
 LossSums Transformer::forward_loss(Tensor tokens, Tensor targets) {
   forward_body(tokens);
-  return head(targets, /*backward=*/false, 0.0f);
+  return head(xf_.view({B_, T_, config_.hidden_size}), targets, /*backward=*/false, 0.0f, Tensor());
 }
 
 std::pair<double, double> Transformer::take_timings() {
@@ -315,10 +474,28 @@ std::pair<double, double> Transformer::take_timings() {
 }
 
 LossSums Transformer::forward_backward(Tensor tokens, Tensor targets, float loss_scale, const GradReadyFn& ready) {
+  LossScales scales;
+  scales.token = loss_scale;
+  scales.sequence = tokens.ndim() == 2 ? 1.0 / double(tokens.size(0)) : 0.0;
+  scales.micro_batch = 1.0;
+  scales.mtp_token.assign(mtp_.size(), 0.0f);
+  return forward_backward(tokens, targets, scales, ready);
+}
+
+LossSums Transformer::forward_backward(Tensor tokens, Tensor targets, const LossScales& scales,
+                                       const GradReadyFn& ready) {
   const auto t0 = std::chrono::steady_clock::now();
   head_backward_s_ = 0;
+  for (auto& [l, ffn] : moe_layers()) ffn->set_loss_scales(scales);
   forward_body(tokens);
-  LossSums s = head(targets, /*backward=*/true, loss_scale);
+  const int64_t N = B_ * T_;
+  Tensor dxf = scratch_.get("head.dxf", {N, config_.hidden_size});
+  LossSums s = head(xf_.view({B_, T_, config_.hidden_size}), targets, /*backward=*/true, scales.token, dxf);
+  if (!mtp_.empty() && !scales.mtp_token.empty()) {
+    DS_CHECK(scales.mtp_token.size() == mtp_.size(), "{} MTP loss scales for {} depths", scales.mtp_token.size(),
+             mtp_.size());
+    mtp_forward_backward(scales, targets, dxf, s, ready);
+  }
   // The head forms each chunk's gradient right after its loss: that part counts as backward.
   forward_s_ += seconds_since(t0) - head_backward_s_;
   const auto t1 = std::chrono::steady_clock::now();
@@ -326,7 +503,7 @@ LossSums Transformer::forward_backward(Tensor tokens, Tensor targets, float loss
   // The residual-stream gradient flows back through the layers in one buffer.
   Tensor dx = scratch_.get("residual.grad", {B, T, C});
   ops::fill(dx, 0.0f);
-  ops::rmsnorm_backward(dx, reg_.grad(final_norm_), scratch_.get("head.dxf", {B, T, C}), x_.back().view({B, T, C}),
+  ops::rmsnorm_backward(dx, reg_.grad(final_norm_), dxf.view({B, T, C}), x_.back().view({B, T, C}),
                         reg_.param(final_norm_), rstdf_.view({B, T}));
   if (ready) {
     ready(final_norm_, final_norm_);

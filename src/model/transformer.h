@@ -63,7 +63,9 @@ struct LossScales {
   float token = 0;         // 1 / (target tokens of the global batch)
   double sequence = 0;     // 1 / (sequences of the global batch): per-sequence terms (seq_aux)
   double micro_batch = 0;  // 1 / (micro-batches of the global batch, all ranks): per-batch terms
-  float mtp_token = 0;     // mtp_weight / (depth x MTP target tokens of the global batch)
+  // Per multi-token-prediction depth k: mtp_weight / (depth x the depth's target tokens of the
+  // global batch). Empty: the MTP loss is not computed.
+  std::vector<float> mtp_token;
 };
 
 // What a DeepSeekMoE layer reports: expert loads for balance metrics and the bias update,
@@ -153,6 +155,7 @@ class DecoderLayer {
   // dx: gradient w.r.t. x_out on entry, w.r.t. x_in on return.
   void backward(Tensor dx, RopeCache& rope, Scratch& scratch);
   // Parameter ids [first, last] of this layer, for the gradient-ready hook.
+  FeedForwardBlock& ffn() { return *ffn_; }
   void set_param_range(int first, int last) {
     first_param_ = first;
     last_param_ = last;
@@ -171,10 +174,13 @@ class DecoderLayer {
   Activation ln1_out_, rstd1_, x_mid_, ln2_out_, rstd2_;
 };
 
-// Sum of token losses and the number of tokens that had a target.
+// Sum of token losses and the number of tokens that had a target; for models with
+// multi-token prediction the same per depth.
 struct LossSums {
   double sum = 0;
   int64_t count = 0;
+  std::vector<double> mtp_sum;
+  std::vector<int64_t> mtp_count;
   double mean() const { return count ? sum / double(count) : 0.0; }
 };
 
@@ -196,8 +202,11 @@ class Transformer {
   // weights, ones for norms; each tensor from its own counter-based stream.
   void init_weights(uint64_t seed);
 
-  // tokens, targets: (B,T) int32. Accumulates d(loss_scale * sum of token losses) into the
-  // gradients and returns the loss sums of this micro-batch.
+  // tokens, targets: (B,T) int32. Accumulates the gradient of this micro-batch's share of
+  // the step's loss (CE, auxiliary terms, MTP; scaled as `scales` says) and returns its loss
+  // sums. MoE layers add their auxiliary terms to their routing statistics.
+  LossSums forward_backward(Tensor tokens, Tensor targets, const LossScales& scales, const GradReadyFn& ready = {});
+  // The CE-only form: d(loss_scale x sum of token losses).
   LossSums forward_backward(Tensor tokens, Tensor targets, float loss_scale, const GradReadyFn& ready = {});
   LossSums forward_loss(Tensor tokens, Tensor targets);
   // logits (B,T,V) for every position.
@@ -207,6 +216,9 @@ class Transformer {
 
   // Rows of the vocabulary projection computed at once: bounds the logits memory.
   int64_t head_chunk_rows() const;
+  // The DeepSeekMoE layers (main and MTP) with their layer indices.
+  std::vector<std::pair<int, FeedForwardBlock*>> moe_layers();
+  int mtp_depth() const { return int(mtp_.size()); }
   // Seconds spent in forward and backward computation since the last call.
   std::pair<double, double> take_timings();
   // Bytes of activations and backward temporaries a micro-batch of (B, T) needs.
@@ -216,7 +228,20 @@ class Transformer {
 
  private:
   void forward_body(Tensor tokens);  // fills x_final_norm_ (B,T,C)
-  LossSums head(Tensor targets, bool backward, float loss_scale);
+  // Chunked vocabulary projection and cross-entropy of x (N,C) against targets (N); with
+  // backward, dx (N,C) is overwritten with scale x d(sum of losses)/dx.
+  LossSums head(Tensor x, Tensor targets, bool backward, float scale, Tensor dx);
+  // One multi-token-prediction depth: the module, its shifted inputs and targets.
+  struct MtpModule {
+    int enorm = -1, hnorm = -1, eh_proj = -1, head_norm = -1;
+    int first_param = 0, last_param = -1;
+    std::unique_ptr<DecoderLayer> layer;
+    std::vector<int32_t> inputs, targets;  // (B*T)
+    Activation emb, e_rstd, hn_in, h_rstd, cat, h_in, h_out, out_norm, out_rstd;
+    Tensor h_prev;  // (B,T,C) the hidden state it read (h^{k-1})
+  };
+  void mtp_forward_backward(const LossScales& scales, Tensor targets, Tensor dxf, LossSums& sums,
+                            const GradReadyFn& ready);
   Tensor head_weight() const;
   Tensor head_grad() const;
 
@@ -224,6 +249,7 @@ class Transformer {
   ParamRegistry reg_;
   int embed_, final_norm_, lm_head_;
   std::vector<DecoderLayer> layers_;
+  std::vector<MtpModule> mtp_;
   RopeCache rope_;
   Scratch scratch_;
   Tensor tokens_;

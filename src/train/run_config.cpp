@@ -99,6 +99,10 @@ TrainConfig read_train(const JsonReader& r) {
   const int64_t seed = r.get<int64_t>("seed", int64_t(t.seed));
   if (seed < 0) r.error("seed", "must be >= 0");
   t.seed = uint64_t(seed);
+  t.mtp_loss_weight = r.get<double>("mtp_loss_weight", t.mtp_loss_weight);
+  t.router_bias_update_rate = r.get<double>("router_bias_update_rate", t.router_bias_update_rate);
+  if (t.mtp_loss_weight < 0) r.error("mtp_loss_weight", "must be >= 0");
+  if (t.router_bias_update_rate < 0) r.error("router_bias_update_rate", "must be >= 0");
   if (r.has("zero_optimization")) {
     JsonReader z = r.child("zero_optimization");
     t.zero_stage = z.get<int64_t>("stage", t.zero_stage);
@@ -225,6 +229,8 @@ json RunConfig::to_json() const {
   t["seed"] = train.seed;
   t["eval_interval"] = train.eval_interval;
   t["eval_batches"] = train.eval_batches;
+  t["mtp_loss_weight"] = train.mtp_loss_weight;
+  t["router_bias_update_rate"] = train.router_bias_update_rate;
   t["zero_optimization"] = {{"stage", train.zero_stage},
                             {"reduce_bucket_size", train.reduce_bucket_size},
                             {"overlap_comm", train.overlap_comm}};

@@ -34,6 +34,8 @@ struct TrainConfig {
   uint64_t seed = 1234;
   int64_t eval_interval = 0;        // steps between evaluations, 0: none during training
   int64_t eval_batches = 8;         // micro-batches of validation windows per evaluation
+  double mtp_loss_weight = 0.3;          // lambda of the multi-token prediction loss (DeepSeek-V3)
+  double router_bias_update_rate = 0.001;  // gamma of the auxiliary-loss-free balancing (noaux_tc)
   // DeepSpeed's zero_optimization block: stage 0 (no sharding) for now.
   int64_t zero_stage = 0;
   int64_t reduce_bucket_size = 500'000'000;  // elements per gradient bucket

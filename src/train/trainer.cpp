@@ -144,9 +144,17 @@ bool Trainer::train_step(StepRecord& r) {
   // token count.
   StepData data = pipeline().next();
   const double data_wait = pipeline().take_wait_seconds();
-  int64_t count = 0;
+  // Target tokens of the global batch: for the CE, and per multi-token-prediction depth k
+  // (position t predicts token t+k+2, so its target is targets column t+k+1).
+  const int D = model_->mtp_depth();
+  std::vector<int64_t> counts(size_t(1 + D), 0);
   for (const Batch& b : data.micro) {
-    for (int32_t t : b.targets) count += t != ops::kIgnoreIndex;
+    for (int64_t i = 0; i < b.B * T; ++i) {
+      if (b.targets[size_t(i)] == ops::kIgnoreIndex) continue;
+      const int64_t t = i % T;
+      ++counts[0];
+      for (int k = 0; k < D; ++k) counts[size_t(1 + k)] += t >= k + 1;
+    }
   }
   double waited = 0;  // in blocking collectives of this step
   auto timed = [&](auto&& f) {
@@ -154,16 +162,27 @@ bool Trainer::train_step(StepRecord& r) {
     f();
     waited += seconds_since(w0);
   };
-  timed([&] { count = dp_.all_reduce_value<int64_t>(count); });
+  timed([&] { dp_.all_reduce(Tensor(counts.data(), DType::I64, Shape{int64_t(counts.size())})); });
+  const int64_t count = counts[0];
   DS_CHECK(count > 0, "step {}: the global batch has no target tokens (all are the ignore index)", step_ + 1);
   // An injected NaN goes into this rank's gradients before they are reduced, as a real one
   // would, so every rank sees it.
   const bool inject_nan = faulty && fault.nan_at_step == step_ + 1;
-  const float scale = inject_nan ? NAN : float(1.0 / double(count));
+  LossScales scales;
+  scales.token = inject_nan ? NAN : float(1.0 / double(count));
+  scales.sequence = 1.0 / double(tc.train_batch_size);
+  scales.micro_batch = 1.0 / double(tc.grad_accum * dp_.size());
+  for (int k = 0; k < D; ++k) {
+    const int64_t ck = counts[size_t(1 + k)];
+    scales.mtp_token.push_back(ck > 0 ? float(tc.mtp_loss_weight / double(D) / double(ck)) : 0.0f);
+  }
+  const auto moe = model_->moe_layers();
+  for (auto& [l, ffn] : moe) ffn->routing()->reset();
 
   ParamRegistry& params = model_->params();
   params.grads().zero();
-  double sums[3] = {0, 0, 0};  // loss sum, target count, ranks out of memory
+  // loss sum, target count, ranks out of memory, then the MTP loss sum per depth
+  std::vector<double> sums(size_t(3 + D), 0.0);
   std::string oom;
   try {
     for (int64_t m = 0; m < tc.grad_accum; ++m) {
@@ -173,10 +192,11 @@ bool Trainer::train_step(StepRecord& r) {
         oom_fault_fired_ = true;  // once: the retried step gets through
         throw OutOfMemory(fmt::format("fault injection: allocation failure at step {}", step_ + 1));
       }
-      LossSums s = model_->forward_backward(tokens_tensor(b.inputs, mb, T), tokens_tensor(b.targets, mb, T), scale,
+      LossSums s = model_->forward_backward(tokens_tensor(b.inputs, mb, T), tokens_tensor(b.targets, mb, T), scales,
                                             reducer_->hook());
       sums[0] += s.sum;
       sums[1] += double(s.count);
+      for (int k = 0; k < D && k < int(s.mtp_sum.size()); ++k) sums[size_t(3 + k)] += s.mtp_sum[size_t(k)];
     }
   } catch (const OutOfMemory& e) {
     // This rank still takes part in every gradient bucket the others reduce; the step is
@@ -186,7 +206,7 @@ bool Trainer::train_step(StepRecord& r) {
     reducer_->begin_micro_step(/*communicates=*/true);
   }
   const ReduceTimings rt = reducer_->finish();
-  timed([&] { dp_.all_reduce(Tensor(sums, DType::F64, Shape{3})); });
+  timed([&] { dp_.all_reduce(Tensor(sums.data(), DType::F64, Shape{int64_t(sums.size())})); });
   if (sums[2] > 0) {
     shrink_micro_batch(oom.empty() ? fmt::format("{:.0f} rank(s) ran out of memory", sums[2])
                                    : fmt::format("{} (and {:.0f} rank(s) in all)", oom, sums[2]),
@@ -196,7 +216,31 @@ bool Trainer::train_step(StepRecord& r) {
 
   r = StepRecord{};
   r.step = step_ + 1;
-  r.loss = sums[0] / sums[1];
+  // The step's loss: CE + the MoE layers' auxiliary terms + the weighted MTP losses.
+  r.ce_loss = sums[0] / sums[1];
+  for (int k = 0; k < D; ++k) {
+    const int64_t ck = counts[size_t(1 + k)];
+    if (ck > 0) r.mtp_loss += tc.mtp_loss_weight / double(D) * sums[size_t(3 + k)] / double(ck);
+  }
+  std::vector<double> routing;  // per MoE layer: aux loss, then tokens per expert
+  for (auto& [l, ffn] : moe) {
+    const RoutingStats& st = *ffn->routing();
+    routing.push_back(st.aux_loss);
+    for (int64_t c : st.tokens_per_expert) routing.push_back(double(c));
+  }
+  if (!routing.empty()) {
+    timed([&] { dp_.all_reduce(Tensor(routing.data(), DType::F64, Shape{int64_t(routing.size())})); });
+  }
+  size_t at = 0;
+  for (auto& [l, ffn] : moe) {
+    MoeLayerStats ms;
+    ms.layer = l;
+    ms.aux_loss = routing[at++];
+    r.aux_loss += ms.aux_loss;
+    for (size_t e = 0; e < ffn->routing()->tokens_per_expert.size(); ++e) ms.tokens.push_back(int64_t(routing[at++]));
+    r.moe.push_back(std::move(ms));
+  }
+  r.loss = r.ce_loss + r.aux_loss + r.mtp_loss;
   r.grad_norm = grad_norm(params);
   r.lr = tc.schedule.lr_at(step_, tc.adamw.lr);
   // Every rank sees the same global loss and norm, so every rank decides alike.
@@ -223,6 +267,10 @@ bool Trainer::train_step(StepRecord& r) {
     const auto o0 = Clock::now();
     if (tc.gradient_clipping > 0) clip_grad_norm(params, tc.gradient_clipping, r.grad_norm);
     optimizer_->step(r.lr);
+    // DeepSeek-V3's auxiliary-loss-free balancing: routing biases follow the global loads.
+    for (size_t i = 0; i < moe.size(); ++i) {
+      moe[i].second->update_routing_bias(r.moe[i].tokens, tc.router_bias_update_rate);
+    }
     r.optimizer_seconds = seconds_since(o0);
   }
   std::tie(r.forward_seconds, r.backward_seconds) = model_->take_timings();
@@ -310,6 +358,19 @@ StepMetrics Trainer::step_metrics(const StepRecord& r, double elapsed, int64_t s
   m.rank_compute_s = r.rank_compute_seconds;
   m.rank_peak_rss_bytes = r.rank_peak_rss_bytes;
   if (config_.data.train.size() > 1) m.extra["data_mix"] = pipeline().drawn();
+  if (!r.moe.empty()) {
+    m.extra["ce_loss"] = r.ce_loss;
+    m.extra["aux_loss"] = r.aux_loss;
+    m.extra["mtp_loss"] = r.mtp_loss;
+    json moe = json::object();
+    for (const MoeLayerStats& ms : r.moe) {
+      moe[std::to_string(ms.layer)] = {{"max_over_mean_load", ms.max_over_mean()},
+                                       {"dead_experts", ms.dead()},
+                                       {"aux_loss", ms.aux_loss},
+                                       {"tokens_per_expert", ms.tokens}};
+    }
+    m.extra["moe"] = moe;
+  }
   return m;
 }
 
@@ -354,8 +415,19 @@ Trainer::Outcome Trainer::train() {
     }
     const double elapsed = seconds_since(t0);
     metrics_->on_step(step_metrics(r, elapsed, r.step - first_step + 1));
-    if (config_.data.train.size() > 1 && (r.step % tc.steps_per_print == 0 || r.step == tc.max_steps)) {
-      log::info("data mix {:>6} | {}", r.step, pipeline().mix_report());
+    const bool print = r.step % tc.steps_per_print == 0 || r.step == tc.max_steps || r.step == first_step;
+    if (config_.data.train.size() > 1 && print) log::info("data mix {:>6} | {}", r.step, pipeline().mix_report());
+    if (!r.moe.empty() && print) {
+      const MoeLayerStats* worst = &r.moe[0];
+      int64_t dead = 0, experts = 0;
+      for (const MoeLayerStats& ms : r.moe) {
+        if (ms.max_over_mean() > worst->max_over_mean()) worst = &ms;
+        dead += ms.dead();
+        experts += int64_t(ms.tokens.size());
+      }
+      log::info("routing {:>6} | ce {:.4f} + aux {:.5f} + mtp {:.4f} | worst expert load {:.2f} x mean (layer {}) | "
+                "dead experts {} of {}",
+                r.step, r.ce_loss, r.aux_loss, r.mtp_loss, worst->max_over_mean(), worst->layer, dead, experts);
     }
     if (tc.eval_interval > 0 && (!config_.data.val.empty() || !config_.data.split.empty()) &&
         (r.step % tc.eval_interval == 0 || r.step == tc.max_steps)) {
@@ -554,7 +626,12 @@ std::vector<LossSums> Trainer::evaluate_each(int64_t batches) {
   }
   dp_.all_reduce(Tensor(sums.data(), DType::F64, Shape{int64_t(sums.size())}));
   std::vector<LossSums> out;
-  for (size_t d = 0; d <= sets.size(); ++d) out.push_back(LossSums{sums[2 * d], int64_t(sums[2 * d + 1])});
+  for (size_t d = 0; d <= sets.size(); ++d) {
+    LossSums ls;
+    ls.sum = sums[2 * d];
+    ls.count = int64_t(sums[2 * d + 1]);
+    out.push_back(ls);
+  }
   return out;
 }
 

@@ -4,6 +4,7 @@
 // schedule, AdamW; then metrics, evaluation, samples.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <memory>
@@ -22,9 +23,27 @@
 
 namespace dstrain {
 
+// Routing health of one DeepSeekMoE layer over a step's global batch.
+struct MoeLayerStats {
+  int layer = 0;
+  double aux_loss = 0;
+  std::vector<int64_t> tokens;  // (n_routed_experts) assignments
+  double max_over_mean() const {
+    int64_t total = 0, mx = 0;
+    for (int64_t t : tokens) {
+      total += t;
+      mx = std::max(mx, t);
+    }
+    return total ? double(mx) * double(tokens.size()) / double(total) : 0.0;
+  }
+  int64_t dead() const { return std::count(tokens.begin(), tokens.end(), 0); }
+};
+
 struct StepRecord {
   int64_t step = 0;  // 1-based number of the optimizer step
-  double loss = 0;   // mean token loss over the global batch
+  double loss = 0;   // the step's loss: ce_loss + aux_loss + mtp_loss
+  double ce_loss = 0, aux_loss = 0, mtp_loss = 0;
+  std::vector<MoeLayerStats> moe;
   double lr = 0;
   double grad_norm = 0;  // before clipping
   double step_seconds = 0;
