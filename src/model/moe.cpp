@@ -2,6 +2,8 @@
 // backward (see moe.h for the data flow).
 #include "model/moe.h"
 
+#include "core/clock.h"
+
 #include <omp.h>
 
 #include <algorithm>
@@ -146,6 +148,7 @@ void MoEBlock::forward(Tensor x, Tensor out) {
   Tensor xr = x.view({N, C}), outr = out.view({N, C});
 
   // Router: scores in fp32, then the top-k choice and the weights.
+  auto t = Clock::now();
   Tensor scores = scores_.view({N, E});
   ops::linear_forward(scores, xr, reg_.param(gate_));
   ops::moe_scores(scores, scores, scoring_);
@@ -174,6 +177,7 @@ void MoEBlock::forward(Tensor x, Tensor out) {
     stats_.aux_loss += scale * aux;
     aux_scale_ = float(scale);
   }
+  stats_.route_seconds += seconds_since(t);
 
   if (shared_inter_ > 0) {
     Tensor gu = shared_gate_up_.view({N, 2 * shared_inter_});
@@ -188,7 +192,9 @@ void MoEBlock::forward(Tensor x, Tensor out) {
   Tensor grouped = grouped_.view({M, C});
   Tensor gate_up = gate_up_.view({M, 2 * I});
   Tensor h = h_.view({M, I});
+  t = Clock::now();
   ops::moe_permute(grouped, xr, sorted, int(k));
+  stats_.permute_seconds += seconds_since(t);
   for_each_expert([&](int64_t e, int64_t r0, int64_t r1) {
     ops::linear_forward(gate_up.slice(r0, r1), grouped.slice(r0, r1),
                         reg_.param_rows(expert_gate_[size_t(e)], expert_up_[size_t(e)]));
@@ -197,7 +203,9 @@ void MoEBlock::forward(Tensor x, Tensor out) {
   for_each_expert([&](int64_t e, int64_t r0, int64_t r1) {
     ops::linear_forward(grouped.slice(r0, r1), h.slice(r0, r1), reg_.param(expert_down_[size_t(e)]));
   });
+  t = Clock::now();
   ops::moe_unpermute(outr, grouped, weights, position);
+  stats_.permute_seconds += seconds_since(t);
   grouped_is_output_ = true;
 }
 
@@ -235,7 +243,9 @@ void MoEBlock::backward(Tensor dout, Tensor dx, Scratch& scratch) {
   Tensor dweights = scratch.get("moe.dweights", {N, k});
   Tensor dh = scratch.get("mlp.dh", {M, I});
   Tensor dgu = scratch.get("mlp.dgate_up", {M, 2 * I});
+  auto t = Clock::now();
   ops::moe_unpermute_backward(dgrouped, dweights, doutr, grouped, weights, sorted);
+  stats_.permute_seconds += seconds_since(t);
   for_each_expert([&](int64_t e, int64_t r0, int64_t r1) {
     ops::linear_backward(dh.slice(r0, r1), reg_.grad(expert_down_[size_t(e)]), dgrouped.slice(r0, r1),
                          h.slice(r0, r1), reg_.param(expert_down_[size_t(e)]));
@@ -244,20 +254,26 @@ void MoEBlock::backward(Tensor dout, Tensor dx, Scratch& scratch) {
   // The expert inputs again (into dgrouped, now consumed); their gradients go into grouped,
   // whose outputs are consumed too.
   Tensor xg = dgrouped, dxg = grouped;
+  t = Clock::now();
   ops::moe_permute(xg, xr, sorted, int(k));
+  stats_.permute_seconds += seconds_since(t);
   for_each_expert([&](int64_t e, int64_t r0, int64_t r1) {
     const int g = expert_gate_[size_t(e)], u = expert_up_[size_t(e)];
     ops::linear_backward(dxg.slice(r0, r1), reg_.grad_rows(g, u), dgu.slice(r0, r1), xg.slice(r0, r1),
                          reg_.param_rows(g, u));
   });
+  t = Clock::now();
   ops::moe_permute_backward(dxr, dxg, position, /*accumulate=*/true);
+  stats_.permute_seconds += seconds_since(t);
 
   // Router: through the weights (and the aux loss) into the scores, the logits, the gate.
+  t = Clock::now();
   Tensor dscores = scratch.get("moe.dscores", {N, E});
   ops::moe_route_backward(dscores, dweights, ids, scores, route_);
   if (aux_scale_ != 0) ops::moe_aux_loss_backward(dscores, coef_.view({seq_aux_ ? B_ : 1, E}), aux_scale_);
   ops::moe_scores_backward(dscores, dscores, scores, scoring_);
   ops::linear_backward(dxr, reg_.grad(gate_), dscores, xr, reg_.param(gate_), /*accumulate_dx=*/true);
+  stats_.route_seconds += seconds_since(t);
 }
 
 void MoEBlock::update_routing_bias(const std::vector<int64_t>& counts, double gamma) {

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "core/clock.h"
 #include "model/init.h"
 #include "model/mla.h"
 #include "model/moe.h"
@@ -47,9 +48,6 @@ void RopeCache::ensure(int64_t T_needed, const ModelConfig& c) {
 }
 
 namespace {
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
 std::string layer_name(int layer, const char* rest) { return fmt::format("model.layers.{}.{}", layer, rest); }
 Tensor rows_of(Tensor t) { return t.view({t.numel() / t.size(-1), t.size(-1)}); }
 }  // namespace
@@ -351,7 +349,7 @@ LossSums Transformer::head(Tensor x, Tensor targets, bool backward, float scale,
     ops::linear_forward(logits, xr.slice(r0, r1), w);
     ops::cross_entropy_forward(losses.slice(r0, r1), lse, logits, tg.slice(r0, r1));
     if (backward) {
-      const auto t0 = std::chrono::steady_clock::now();
+      const auto t0 = Clock::now();
       ops::cross_entropy_backward(logits, logits, lse, tg.slice(r0, r1), scale);
       ops::linear_backward(dx.view({N, C}).slice(r0, r1), head_grad(), logits, xr.slice(r0, r1), w);
       head_backward_s_ += seconds_since(t0);
@@ -484,7 +482,7 @@ LossSums Transformer::forward_backward(Tensor tokens, Tensor targets, float loss
 
 LossSums Transformer::forward_backward(Tensor tokens, Tensor targets, const LossScales& scales,
                                        const GradReadyFn& ready) {
-  const auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = Clock::now();
   head_backward_s_ = 0;
   for (auto& [l, ffn] : moe_layers()) ffn->set_loss_scales(scales);
   forward_body(tokens);
@@ -498,7 +496,7 @@ LossSums Transformer::forward_backward(Tensor tokens, Tensor targets, const Loss
   }
   // The head forms each chunk's gradient right after its loss: that part counts as backward.
   forward_s_ += seconds_since(t0) - head_backward_s_;
-  const auto t1 = std::chrono::steady_clock::now();
+  const auto t1 = Clock::now();
   const int64_t B = B_, T = T_, C = config_.hidden_size;
   // The residual-stream gradient flows back through the layers in one buffer.
   Tensor dx = scratch_.get("residual.grad", {B, T, C});

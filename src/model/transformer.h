@@ -74,9 +74,12 @@ struct LossScales {
 struct RoutingStats {
   std::vector<int64_t> tokens_per_expert;  // (n_routed_experts)
   double aux_loss = 0;
+  // Wall time in the router (gate GEMM, scores, top-k, plan, aux loss; forward and backward)
+  // and in moving token rows into and out of expert order.
+  double route_seconds = 0, permute_seconds = 0;
   void reset() {
     std::fill(tokens_per_expert.begin(), tokens_per_expert.end(), 0);
-    aux_loss = 0;
+    aux_loss = route_seconds = permute_seconds = 0;
   }
 };
 

@@ -7,14 +7,13 @@
 #include <fstream>
 #include <regex>
 
+#include "core/clock.h"
 #include "core/log.h"
 
 namespace dstrain {
 namespace fs = std::filesystem;
 
 namespace {
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 int64_t step_of(const std::string& filename) {
   static const std::regex re(R"(^step_(\d+)\.h5$)");

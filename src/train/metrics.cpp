@@ -352,6 +352,9 @@ std::string Metrics::prometheus_text() const {
     metric("dstrain_moe_load_max_over_mean", "gauge", "Tokens of the busiest expert over the mean, per MoE layer.", load);
     metric("dstrain_moe_dead_experts", "gauge", "Experts that received no token in the last step, per MoE layer.", dead);
     metric("dstrain_moe_aux_loss", "gauge", "Auxiliary balance loss of the last step, per MoE layer.", aux);
+    metric("dstrain_moe_duration_seconds", "gauge", "Time of the last step in MoE routing and token permutation.",
+           {{"{part=\"routing\"}", impl_->last_extra.value("moe_route_s", 0.0)},
+            {"{part=\"permutation\"}", impl_->last_extra.value("moe_permute_s", 0.0)}});
   }
   return out;
 }

@@ -10,17 +10,13 @@
 #include <filesystem>
 #include <set>
 
+#include "core/clock.h"
 #include "core/log.h"
 #include "io/hf_weights.h"
 #include "train/generate.h"
 
 namespace dstrain {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
 
 Tensor tokens_tensor(std::vector<int32_t>& v, int64_t B, int64_t T) { return Tensor(v.data(), DType::I32, Shape{B, T}); }
 
@@ -233,6 +229,8 @@ bool Trainer::train_step(StepRecord& r) {
   }
   size_t at = 0;
   for (auto& [l, ffn] : moe) {
+    r.moe_route_seconds += ffn->routing()->route_seconds;
+    r.moe_permute_seconds += ffn->routing()->permute_seconds;
     MoeLayerStats ms;
     ms.layer = l;
     ms.aux_loss = routing[at++];
@@ -362,6 +360,8 @@ StepMetrics Trainer::step_metrics(const StepRecord& r, double elapsed, int64_t s
     m.extra["ce_loss"] = r.ce_loss;
     m.extra["aux_loss"] = r.aux_loss;
     m.extra["mtp_loss"] = r.mtp_loss;
+    m.extra["moe_route_s"] = r.moe_route_seconds;
+    m.extra["moe_permute_s"] = r.moe_permute_seconds;
     json moe = json::object();
     for (const MoeLayerStats& ms : r.moe) {
       moe[std::to_string(ms.layer)] = {{"max_over_mean_load", ms.max_over_mean()},
@@ -426,8 +426,9 @@ Trainer::Outcome Trainer::train() {
         experts += int64_t(ms.tokens.size());
       }
       log::info("routing {:>6} | ce {:.4f} + aux {:.5f} + mtp {:.4f} | worst expert load {:.2f} x mean (layer {}) | "
-                "dead experts {} of {}",
-                r.step, r.ce_loss, r.aux_loss, r.mtp_loss, worst->max_over_mean(), worst->layer, dead, experts);
+                "dead experts {} of {} | routing {:.1f}% + permutation {:.1f}% of the step",
+                r.step, r.ce_loss, r.aux_loss, r.mtp_loss, worst->max_over_mean(), worst->layer, dead, experts,
+                100 * r.moe_route_seconds / r.step_seconds, 100 * r.moe_permute_seconds / r.step_seconds);
     }
     if (tc.eval_interval > 0 && (!config_.data.val.empty() || !config_.data.split.empty()) &&
         (r.step % tc.eval_interval == 0 || r.step == tc.max_steps)) {

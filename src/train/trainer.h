@@ -44,6 +44,9 @@ struct StepRecord {
   double loss = 0;   // the step's loss: ce_loss + aux_loss + mtp_loss
   double ce_loss = 0, aux_loss = 0, mtp_loss = 0;
   std::vector<MoeLayerStats> moe;
+  // This rank's time in MoE routing and in token permutation (all layers, forward and
+  // backward, every micro-step); part of forward_seconds + backward_seconds.
+  double moe_route_seconds = 0, moe_permute_seconds = 0;
   double lr = 0;
   double grad_norm = 0;  // before clipping
   double step_seconds = 0;

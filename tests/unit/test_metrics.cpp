@@ -1,6 +1,10 @@
 // Metrics arithmetic: model FLOPs per token and MFU against a hand-computed example, and the
 // Prometheus text of a step.
 #include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
 
 #include "train/metrics.h"
 
@@ -54,6 +58,46 @@ TEST(Metrics, StepRecordAndPrometheusTextOfAStep) {
   const std::string text = m.prometheus_text();
   EXPECT_NE(text.find("# TYPE dstrain_memory_bytes gauge"), std::string::npos);
   EXPECT_NE(text.find("dstrain_peak_flops 1000000000000"), std::string::npos) << text;
+}
+
+// Routing health of a MoE model reaches the metrics file and the Prometheus text, per layer.
+TEST(Metrics, RoutingHealthPerMoELayer) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    ("dstrain_metrics_moe_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  MetricsConfig mc;
+  mc.progress = "lines";
+  std::string text;
+  {
+    Metrics m(mc, small(), 32, /*rank=*/0, /*world=*/1, /*local=*/1, dir.string(), 10);
+    StepMetrics s;
+    s.step = 1;
+    s.max_steps = 10;
+    s.loss = 2.5;
+    s.tokens_per_s = 2000;
+    s.time = {1.0, 0.1, 0.3, 0.4, 0.05, 0.05, 0.02};
+    s.rank_step_s = {1.0};
+    s.rank_compute_s = {0.9};
+    s.rank_peak_rss_bytes = {1e8};
+    s.extra["moe_route_s"] = 0.03;
+    s.extra["moe_permute_s"] = 0.02;
+    s.extra["moe"] = {{"1", {{"max_over_mean_load", 3.5}, {"dead_experts", 2}, {"aux_loss", 0.01}}},
+                      {"3", {{"max_over_mean_load", 1.25}, {"dead_experts", 0}, {"aux_loss", 0.02}}}};
+    m.on_step(s);
+    text = m.prometheus_text();
+  }
+  EXPECT_NE(text.find("dstrain_moe_load_max_over_mean{layer=\"1\"} 3.5"), std::string::npos) << text;
+  EXPECT_NE(text.find("dstrain_moe_load_max_over_mean{layer=\"3\"} 1.25"), std::string::npos) << text;
+  EXPECT_NE(text.find("dstrain_moe_dead_experts{layer=\"1\"} 2"), std::string::npos) << text;
+  EXPECT_NE(text.find("dstrain_moe_aux_loss{layer=\"3\"} 0.02"), std::string::npos) << text;
+  EXPECT_NE(text.find("dstrain_moe_duration_seconds{part=\"routing\"} 0.03"), std::string::npos) << text;
+  std::ifstream f(dir / "metrics.jsonl");
+  std::string line;
+  std::getline(f, line);
+  const json row = json::parse(line);
+  EXPECT_EQ(row["moe"]["1"]["dead_experts"], 2);
+  EXPECT_DOUBLE_EQ(row["moe_permute_s"].get<double>(), 0.02);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

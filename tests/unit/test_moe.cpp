@@ -6,7 +6,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -671,90 +670,6 @@ TEST(MoEBlock, BitwiseIndependentOfThreadCount) {
   }
   EXPECT_THROW(L.block->backward(f32(R, {B, T, C}), f32(d1, {B, T, C}), L.scratch),
                Error);  // a second backward of one forward
-}
-
-// Where the time goes at C=256, 16 experts, top-4, moe_intermediate 128, 2048 tokens: the
-// whole layer against its routing and permutation ops alone. Run with
-// --gtest_also_run_disabled_tests --gtest_filter='*MoEBench*'.
-TEST(MoEBench, DISABLED_RoutingAndPermutationShare) {
-  BlockCase bc{"bench", "softmax", "group_limited_greedy", 16, 4, 2, 0, true, true, 1.0};
-  const int64_t B = 4, T = 512, C = 256, N = B * T, E = 16, k = 4, M = N * k;
-  ModelConfig c = block_config(bc, C, 128, k);
-  Layer L(c, 1);
-  std::mt19937 rng(1);
-  std::vector<float> x = normal(size_t(N * C), rng), R = normal(size_t(N * C), rng), out(size_t(N * C)),
-                     dx(size_t(N * C));
-  using clk = std::chrono::steady_clock;
-  auto secs = [](clk::time_point a) { return std::chrono::duration<double>(clk::now() - a).count(); };
-  const int reps = 20;
-  double t_layer = 1e30;
-  for (int r = 0; r < reps; ++r) {
-    auto t0 = clk::now();
-    L.block->forward(f32(x, {B, T, C}), f32(out, {B, T, C}));
-    L.block->backward(f32(R, {B, T, C}), f32(dx, {B, T, C}), L.scratch);
-    t_layer = std::min(t_layer, secs(t0));
-  }
-  // The same routing and permutation calls the layer makes, on the same data.
-  std::vector<float> scores(size_t(N * E)), w(size_t(N * k)), coef(size_t(B * E)), xg(size_t(M * C)),
-      dyg(size_t(M * C)), dw(size_t(N * k)), dscores(size_t(N * E));
-  std::vector<int32_t> ids(size_t(N * k)), sorted(static_cast<size_t>(M)), position(static_cast<size_t>(M));
-  std::vector<int64_t> offsets(size_t(E + 1));
-  Tensor gate = L.reg.param(L.reg.find("model.layers.0.mlp.gate.weight"));
-  double t_route = 1e30, t_perm = 1e30, t_gate_gemm = 1e30;
-  for (int r = 0; r < reps; ++r) {
-    auto t0 = clk::now();
-    ops::linear_forward(f32(scores, {N, E}), f32(x, {N, C}), gate);
-    const double g1 = secs(t0);
-    auto t1 = clk::now();
-    ops::moe_scores(f32(scores, {N, E}), f32(scores, {N, E}), MoEScoring::Softmax);
-    ops::moe_route(i32(ids, {N, k}), f32(w, {N, k}), f32(scores, {N, E}), Tensor(), L.block->route_params());
-    ops::moe_dispatch_plan(Tensor(offsets.data(), DType::I64, Shape{E + 1}), i32(sorted, {M}), i32(position, {M}),
-                           i32(ids, {N, k}));
-    ops::moe_aux_loss(f32(coef, {B, E}), f32(scores, {N, E}), i32(ids, {N, k}));
-    ops::moe_route_backward(f32(dscores, {N, E}), f32(dw, {N, k}), i32(ids, {N, k}), f32(scores, {N, E}),
-                            L.block->route_params());
-    ops::moe_aux_loss_backward(f32(dscores, {N, E}), f32(coef, {B, E}), 0.1f);
-    ops::moe_scores_backward(f32(dscores, {N, E}), f32(dscores, {N, E}), f32(scores, {N, E}), MoEScoring::Softmax);
-    const double route = secs(t1);
-    auto t2 = clk::now();
-    ops::moe_permute(f32(xg, {M, C}), f32(x, {N, C}), i32(sorted, {M}), int(k));
-    ops::moe_unpermute(f32(out, {N, C}), f32(xg, {M, C}), f32(w, {N, k}), i32(position, {M}));
-    ops::moe_unpermute_backward(f32(dyg, {M, C}), f32(dw, {N, k}), f32(R, {N, C}), f32(xg, {M, C}), f32(w, {N, k}),
-                                i32(sorted, {M}));
-    ops::moe_permute(f32(xg, {M, C}), f32(x, {N, C}), i32(sorted, {M}), int(k));  // the backward's re-gather
-    ops::moe_permute_backward(f32(dx, {N, C}), f32(dyg, {M, C}), i32(position, {M}), true);
-    const double perm = secs(t2);
-    t_route = std::min(t_route, route);
-    t_perm = std::min(t_perm, perm);
-    t_gate_gemm = std::min(t_gate_gemm, g1);
-  }
-  // The experts' arithmetic as one dense SwiGLU MLP over all M rows: what grouping costs.
-  std::vector<float> wgu = normal(size_t(2 * 128 * C), rng, 0.05f), wd = normal(size_t(C * 128), rng, 0.05f);
-  std::vector<float> gu(size_t(M * 256)), hh(size_t(M * 128)), dgu(size_t(M * 256)), dhh(size_t(M * 128)),
-      gwgu(wgu.size()), gwd(wd.size()), yy(size_t(M * C));
-  double t_dense = 1e30;
-  for (int r = 0; r < reps; ++r) {
-    auto t0 = clk::now();
-    ops::linear_forward(f32(gu, {M, 256}), f32(xg, {M, C}), f32(wgu, {256, C}));
-    ops::swiglu_forward(f32(hh, {M, 128}), f32(gu, {M, 256}));
-    ops::linear_forward(f32(yy, {M, C}), f32(hh, {M, 128}), f32(wd, {C, 128}));
-    ops::linear_backward(f32(dhh, {M, 128}), f32(gwd, {C, 128}), f32(dyg, {M, C}), f32(hh, {M, 128}),
-                         f32(wd, {C, 128}));
-    ops::swiglu_backward(f32(dgu, {M, 256}), f32(dhh, {M, 128}), f32(gu, {M, 256}));
-    ops::linear_backward(f32(yy, {M, C}), f32(gwgu, {256, C}), f32(dgu, {M, 256}), f32(xg, {M, C}),
-                         f32(wgu, {256, C}));
-    t_dense = std::min(t_dense, secs(t0));
-  }
-  std::printf("[ MoE bench ] the same expert arithmetic as one dense SwiGLU over %lld rows: %.2f ms\n",
-              (long long)M, 1e3 * t_dense);
-  const double flops = 6.0 * double(M) * double(C) * 3.0 * 128.0;  // expert GEMMs, fwd + bwd
-  std::printf("[ MoE bench ] %d threads, N=%lld C=%lld E=%lld k=%lld I=128: layer fwd+bwd %.2f ms "
-              "(expert GEMMs %.0f GFLOP/s if they took it all); routing (scores, top-k, plan, aux, their "
-              "backwards) %.3f ms = %.1f%%; permutation (permute x2, unpermute, their backwards) %.3f ms = %.1f%%; "
-              "router GEMM forward alone %.3f ms\n",
-              omp_get_max_threads(), (long long)N, (long long)C, (long long)E, (long long)k, 1e3 * t_layer,
-              flops / t_layer / 1e9, 1e3 * t_route, 100 * t_route / t_layer, 1e3 * t_perm, 100 * t_perm / t_layer,
-              1e3 * t_gate_gemm);
 }
 
 }  // namespace
