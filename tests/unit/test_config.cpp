@@ -179,6 +179,69 @@ TEST(Config, ShippedDeepSeekConfigsParse) {
                   .num_parameters(), 67.4e9, 0.2e9);
 }
 
+// DeepSeek-V2-Lite and V3 as shipped: every MLA/MoE/MTP field read, and the parameter counts
+// of their model cards (V2-Lite 15.7B; V3 671B plus the 14B multi-token-prediction module).
+TEST(Config, ShippedDeepSeekV2AndV3ConfigsParse) {
+  const std::string dir = std::string(DSTRAIN_SOURCE_DIR) + "/inputs/models/";
+  ModelConfig lite = load_hf_config(dir + "deepseek-v2-lite.json");
+  EXPECT_EQ(lite.model_type, "deepseek_v2");
+  EXPECT_EQ(lite.q_lora_rank, 0) << "q_lora_rank null: q_proj";
+  EXPECT_EQ(lite.kv_lora_rank, 512);
+  EXPECT_EQ(lite.qk_nope_head_dim, 128);
+  EXPECT_EQ(lite.qk_rope_head_dim, 64);
+  EXPECT_EQ(lite.n_routed_experts, 64);
+  EXPECT_EQ(lite.n_shared_experts, 2);
+  EXPECT_EQ(lite.num_experts_per_tok, 6);
+  EXPECT_EQ(lite.first_k_dense_replace, 1);
+  EXPECT_EQ(lite.topk_method, "greedy");
+  EXPECT_EQ(lite.scoring_func, "softmax");
+  EXPECT_TRUE(lite.rope_scaling.yarn());
+  EXPECT_NEAR(lite.num_parameters(), 15.7e9, 0.05e9);
+
+  ModelConfig v3 = load_hf_config(dir + "deepseek-v3.json");
+  EXPECT_EQ(v3.model_type, "deepseek_v3");
+  EXPECT_EQ(v3.q_lora_rank, 1536);
+  EXPECT_EQ(v3.n_routed_experts, 256);
+  EXPECT_EQ(v3.n_group, 8);
+  EXPECT_EQ(v3.topk_group, 4);
+  EXPECT_EQ(v3.topk_method, "noaux_tc");
+  EXPECT_EQ(v3.scoring_func, "sigmoid");
+  EXPECT_TRUE(v3.norm_topk_prob);
+  EXPECT_DOUBLE_EQ(v3.routed_scaling_factor, 2.5);
+  EXPECT_EQ(v3.first_k_dense_replace, 3);
+  EXPECT_EQ(v3.num_nextn_predict_layers, 1);
+  EXPECT_NEAR(v3.num_parameters(), 671e9 + 14e9, 3e9);
+  // Written back, a config reads the same.
+  ModelConfig again = ModelConfig::from_hf_json(v3.to_hf_json(), "round trip");
+  EXPECT_EQ(again.to_hf_json().dump(), v3.to_hf_json().dump());
+
+  for (const char* name : {"deepseek-v2-tiny.json", "deepseek-v3-tiny.json"}) {
+    ModelConfig c = load_hf_config(dir + name);
+    EXPECT_TRUE(c.mla()) << name;
+    EXPECT_GT(c.n_routed_experts, 0) << name;
+    EXPECT_LT(c.num_parameters(), 50'000'000) << name << " is meant for CPU runs";
+  }
+}
+
+TEST(Config, DeepSeekMoEFieldsThatCannotWorkAreErrors) {
+  const std::string dir = std::string(DSTRAIN_SOURCE_DIR) + "/inputs/models/";
+  const json base = json::parse(std::ifstream(dir + "deepseek-v3-tiny.json"));
+  auto parse = [&](const std::string& patch) {
+    json j = base;
+    j.merge_patch(json::parse(patch));
+    return error_of([&] { ModelConfig::from_hf_json(j, "v3.json"); });
+  };
+  EXPECT_EQ(parse("{}"), "no error");
+  EXPECT_THAT(parse(R"({"scoring_func": "relu"})"), HasSubstr("scoring_func"));
+  EXPECT_THAT(parse(R"({"topk_method": "random"})"), HasSubstr("topk_method"));
+  EXPECT_THAT(parse(R"({"n_group": 5})"), HasSubstr("n_group"));
+  EXPECT_THAT(parse(R"({"topk_group": 1, "num_experts_per_tok": 9})"), HasSubstr("topk_group"));
+  EXPECT_THAT(parse(R"({"rope_scaling": {"factor": null}})"), HasSubstr("factor"));
+  EXPECT_THAT(parse(R"({"rope_scaling": {"type": "dynamic", "factor": 2}})"), HasSubstr("yarn"));
+  EXPECT_EQ(parse(R"({"topk_method": "gready", "scoring_func": "softmax"})"), "no error");
+  EXPECT_EQ(parse(R"({"q_lora_rank": null})"), "no error");
+}
+
 TEST(Config, BatchArithmeticFollowsDeepSpeed) {
   TrainConfig t;
   t.train_batch_size = 32;
