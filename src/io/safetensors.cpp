@@ -68,9 +68,13 @@ SafeTensorInfo parse_entry(const std::string& file, const std::string& name, con
 
   const json& dt = e["dtype"];
   DS_CHECK(dt.is_string(), "{}: dtype is {}, expected a string such as \"BF16\"", where, dt.dump());
-  DS_CHECK(dtype_from_name(dt.get<std::string>(), &t.dtype),
-           "{}: unknown dtype \"{}\"; dstrain reads F32, BF16, F16, F64, I64, I32, U32, U16 and U8", where,
-           dt.get<std::string>());
+  const std::string dname = dt.get<std::string>();
+  DS_CHECK(!dname.starts_with("F8_"),
+           "{}: dtype \"{}\" is FP8, as in DeepSeek-V3's released weights, which dstrain does not read; convert "
+           "the checkpoint to BF16 first (dequantising each weight with its weight_scale_inv)",
+           where, dname);
+  DS_CHECK(dtype_from_name(dname, &t.dtype),
+           "{}: unknown dtype \"{}\"; dstrain reads F32, BF16, F16, F64, I64, I32, U32, U16 and U8", where, dname);
 
   const json& shape = e["shape"];
   DS_CHECK(shape.is_array(), "{}: shape is {}, expected an array of dimensions", where, shape.dump());

@@ -292,20 +292,4 @@ void MoEBlock::update_routing_bias(const std::vector<int64_t>& counts, double ga
   }
 }
 
-int64_t MoEBlock::activation_bytes(const ModelConfig& c, int64_t B, int64_t T) {
-  const int64_t N = B * T, E = c.n_routed_experts, k = c.num_experts_per_tok, M = N * k, C = c.hidden_size;
-  const int64_t I = c.moe_intermediate_size, S = c.moe_intermediate_size * c.n_shared_experts;
-  // scores, weights, aux coefficients, grouped + gate_up + h, shared gate_up + h (fp32);
-  // ids, sorted, position (int32); offsets (int64).
-  const int64_t floats = N * E + N * k + B * E + M * (C + 3 * I) + N * 3 * S;
-  return floats * 4 + 3 * M * 4 + (E + 1) * 8;
-}
-
-int64_t MoEBlock::scratch_bytes(const ModelConfig& c, int64_t B, int64_t T) {
-  const int64_t N = B * T, E = c.n_routed_experts, k = c.num_experts_per_tok, M = N * k, C = c.hidden_size;
-  const int64_t I = c.moe_intermediate_size, S = c.moe_intermediate_size * c.n_shared_experts;
-  // moe.dgrouped, moe.dweights, moe.dscores, and mlp.dh + mlp.dgate_up at their larger use.
-  return (M * C + N * k + N * E + 3 * std::max(M * I, N * S)) * 4;
-}
-
 }  // namespace dstrain

@@ -59,11 +59,6 @@ class MoEBlock : public FeedForwardBlock {
   ops::MoEScoring scoring() const { return scoring_; }
   int bias_param() const { return bias_; }  // -1 unless noaux_tc
 
-  // Bytes of activations one MoE layer keeps per micro-batch of (B, T), and of backward
-  // temporaries it takes from the shared Scratch.
-  static int64_t activation_bytes(const ModelConfig& c, int64_t B, int64_t T);
-  static int64_t scratch_bytes(const ModelConfig& c, int64_t B, int64_t T);
-
  private:
   template <class Fn>
   void for_each_expert(Fn&& fn) const;

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <random>
 
+#include "core/buffer.h"
 #include "model/init.h"
 #include "model/transformer.h"
 
@@ -177,6 +178,38 @@ TEST(Model, FusedProjectionsAreContiguousInTheRegistry) {
   EXPECT_EQ(r.find("lm_head.weight") >= 0, true);
   Transformer t(tiny(true, true), Device::cpu());
   EXPECT_EQ(t.params().find("lm_head.weight"), -1);
+}
+
+// The activation estimate the OOM fallback and the memory budget rely on matches what a
+// forward and backward really allocate: dense, GQA, and DeepSeek-V3 with MLA, MoE and MTP.
+TEST(Model, ActivationEstimateMatchesWhatATrainingStepAllocates) {
+  ModelConfig v3 = load_hf_config(std::string(DSTRAIN_SOURCE_DIR) + "/inputs/models/deepseek-v3-tiny.json");
+  ModelConfig dense = tiny(true, false);
+  dense.max_position_embeddings = 64;
+  for (const ModelConfig& c : {dense, v3}) {
+    Transformer m(c, Device::cpu());
+    m.init_weights(5);
+    const int64_t B = 2, T = 64;
+    Data d(B, T, c.vocab_size, 9);
+    LossScales scales;
+    scales.token = float(1.0 / double(B * T));
+    scales.sequence = 1.0 / double(B);
+    scales.micro_batch = 1.0;
+    for (int64_t k = 0; k < c.num_nextn_predict_layers; ++k) scales.mtp_token.push_back(0.3f / float(B * T));
+    const auto before = memory_stats();
+    m.forward_backward(d.tok(), d.tgt(), scales);
+    const auto after = memory_stats();
+    const auto held = [](const MemoryStats& s) {
+      return s.bytes[size_t(MemCategory::Activations)] + s.bytes[size_t(MemCategory::Workspace)];
+    };
+    const double used = double(held(after) - held(before)), estimate = double(m.activation_bytes(B, T));
+    EXPECT_GT(used, 0.0);
+    std::printf("[ activations ] %s: estimated %.0f bytes, allocated %.0f (ratio %.3f)\n",
+                c.mla() ? c.model_type.c_str() : "dense", estimate, used, estimate / used);
+    EXPECT_NEAR(estimate / used, 1.0, 0.15) << c.model_type << ": estimated " << estimate << " bytes, allocated "
+                                            << used;
+    m.release_activations();
+  }
 }
 
 }  // namespace
