@@ -6,6 +6,7 @@
 #include <cmath>
 #include <functional>
 #include <numbers>
+#include <ostream>
 #include <random>
 #include <vector>
 
@@ -97,6 +98,8 @@ struct YarnCase {
   double theta;
   ops::YarnParams y;
 };
+// How ctest lists the case (instead of its bytes).
+void PrintTo(const YarnCase& k, std::ostream* os) { *os << k.name; }
 
 ops::YarnParams yarn(double factor, int64_t original, double mscale, double mscale_all_dim) {
   ops::YarnParams y;
@@ -386,6 +389,9 @@ struct MlaCase {
 };
 std::string case_name(const ::testing::TestParamInfo<MlaCase>& tp) {
   return std::string(tp.param.q_lora ? "q_lora" : "q_proj") + (tp.param.yarn ? "_yarn" : "_plain");
+}
+void PrintTo(const MlaCase& k, std::ostream* os) {
+  *os << (k.q_lora ? "q_lora" : "q_proj") << (k.yarn ? "_yarn" : "_plain");
 }
 const auto kMlaCases = ::testing::Values(MlaCase{false, false}, MlaCase{true, false}, MlaCase{false, true},
                                          MlaCase{true, true});
