@@ -3,54 +3,24 @@
 // validation/reference/make_case_v2v3.py before this test runs, holds a random small model,
 // its data and the reference's logits, loss terms (CE, auxiliary, MTP), every gradient, and
 // the weights and routing biases after three steps.
-//
-// Error measure: max |dstrain - reference| / max |reference| over each tensor.
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 
 #include "io/hf_weights.h"
 #include "io/safetensors.h"
 #include "model/transformer.h"
+#include "reference_case.h"
 #include "train/trainer.h"
 
 namespace dstrain {
 namespace {
 
-constexpr double kLogitsTol = 1e-5, kLossTol = 1e-5, kGradTol = 1e-4, kWeightTol = 1e-4;
+using namespace reference;
 
-std::vector<std::string> case_names() {
-  std::vector<std::string> names;
-  std::stringstream ss(DSTRAIN_DEEPSEEK_CASES);
-  for (std::string n; std::getline(ss, n, ',');) names.push_back(n);
-  return names;
-}
-
-std::vector<float> read(const SafeTensorsFile& f, const std::string& name) {
-  std::vector<float> v(static_cast<size_t>(f.info(name).shape.numel()));
-  f.read_f32(name, Tensor(v.data(), DType::F32, Shape{int64_t(v.size())}));
-  return v;
-}
-
-std::vector<int32_t> read_i32(const SafeTensorsFile& f, const std::string& name) {
-  auto bytes = f.raw(name);
-  std::vector<int32_t> v(bytes.size() / 4);
-  std::memcpy(v.data(), bytes.data(), bytes.size());
-  return v;
-}
-
-double rel_error(const float* got, const std::vector<float>& want) {
-  double diff = 0, scale = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    diff = std::max(diff, double(std::fabs(got[i] - want[i])));
-    scale = std::max(scale, double(std::fabs(want[i])));
-  }
-  return diff / std::max(scale, 1e-30);
-}
+std::vector<std::string> case_names() { return split_names(DSTRAIN_DEEPSEEK_CASES); }
 
 class DeepSeekReference : public ::testing::TestWithParam<std::string> {
  protected:
