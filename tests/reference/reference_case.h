@@ -3,14 +3,20 @@
 // max |dstrain - reference| / max |reference| over a tensor.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "core/json_reader.h"
 #include "io/safetensors.h"
+#include "model/model_config.h"
 
 namespace dstrain::reference {
 
@@ -45,5 +51,25 @@ inline double rel_error(const float* got, const std::vector<float>& want) {
   }
   return diff / std::max(scale, 1e-30);
 }
+
+// A generated case, named by the test parameter: its directory under
+// DSTRAIN_REFERENCE_CASE_DIR with config.json, case.json and the reference's
+// expected.safetensors.
+class CaseFixture : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::path(DSTRAIN_REFERENCE_CASE_DIR) / GetParam();
+    ASSERT_TRUE(std::filesystem::exists(dir_ / "expected.safetensors"))
+        << "missing reference case " << dir_ << " (made by the reference.make_case tests; needs /usr/bin/python3 "
+        << "with torch: .ci/install-deps --tests)";
+    expected_ = std::make_unique<SafeTensorsFile>((dir_ / "expected.safetensors").string());
+    config_ = load_hf_config((dir_ / "config.json").string());
+    case_ = read_json_file((dir_ / "case.json").string());
+  }
+  std::filesystem::path dir_;
+  std::unique_ptr<SafeTensorsFile> expected_;
+  ModelConfig config_;
+  json case_;
+};
 
 }  // namespace dstrain::reference

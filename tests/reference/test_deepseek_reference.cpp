@@ -22,22 +22,7 @@ using namespace reference;
 
 std::vector<std::string> case_names() { return split_names(DSTRAIN_DEEPSEEK_CASES); }
 
-class DeepSeekReference : public ::testing::TestWithParam<std::string> {
- protected:
-  void SetUp() override {
-    dir_ = std::filesystem::path(DSTRAIN_REFERENCE_CASE_DIR) / GetParam();
-    ASSERT_TRUE(std::filesystem::exists(dir_ / "expected.safetensors"))
-        << "missing reference case " << dir_ << " (made by the reference.make_case tests; needs /usr/bin/python3 "
-        << "with torch: .ci/install-deps --tests)";
-    expected_ = std::make_unique<SafeTensorsFile>((dir_ / "expected.safetensors").string());
-    config_ = load_hf_config((dir_ / "config.json").string());
-    case_ = read_json_file((dir_ / "case.json").string());
-  }
-  std::filesystem::path dir_;
-  std::unique_ptr<SafeTensorsFile> expected_;
-  ModelConfig config_;
-  json case_;
-};
+class DeepSeekReference : public CaseFixture {};
 
 TEST_P(DeepSeekReference, LogitsLossTermsAndEveryGradient) {
   Transformer model(config_, Device::cpu());
