@@ -30,16 +30,12 @@ against an optimised PyTorch MoE (grouped GEMMs, fused permutation). No targets;
 """
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BUILD = os.path.join(ROOT, "build")
-DATA = os.path.join(ROOT, "data", "fortunes", "fortunes_train_*.bin")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_vs_torch import dstrain_rows, ensure_data, run_torch  # noqa: E402
 
 CONFIGS = [
     # name, HF config
@@ -48,36 +44,15 @@ CONFIGS = [
 ]
 
 
-def ensure_data():
-    subprocess.run([os.path.join(ROOT, ".ci", "prepare-fortunes"), BUILD], check=True, stdout=subprocess.DEVNULL)
-
-
 def run_dstrain(cfg, mb, T, steps, warmup, threads):
     """Per timed step: tokens/s, step seconds, routing share, permutation share."""
-    with tempfile.TemporaryDirectory() as out:
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        cmd = [os.path.join(BUILD, "app", "dstrain"), "train", "--config", "inputs/quickstart.json",
-               "--max-steps", str(steps), "--set", f'model="{cfg}"', f"train.train_micro_batch_size_per_gpu={mb}",
-               "train.gradient_accumulation_steps=1", f"data.seq_len={T}", "train.eval_interval=0",
-               'output.save_hf=""', f'output.dir="{out}"', 'generate.prompt=""', "generate.interval=0"]
-        subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
-        rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
-    rows = [r for r in rows if r["type"] == "train"][warmup:]
+    rows = dstrain_rows(cfg, mb, T, steps, warmup, threads)
     missing = [k for k in ("moe_route_s", "moe_permute_s", "step_time_s") if k not in rows[0]]
     if missing:
         sys.exit(f"bench_moe: metrics.jsonl train rows lack {missing}; rebuild dstrain (cmake --build build)")
     return ([r["tokens_per_s"] for r in rows], [r["step_time_s"] for r in rows],
             [r["moe_route_s"] / r["step_time_s"] for r in rows],
             [r["moe_permute_s"] / r["step_time_s"] for r in rows])
-
-
-def run_torch(cfg, mb, T, steps, warmup, threads):
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS="1")
-    cmd = ["/usr/bin/python3", os.path.join(ROOT, "validation", "reference", "train_ref.py"), "--config", cfg,
-           "--data", DATA, "--seq-len", str(T), "--micro-batch", str(mb), "--steps", str(steps),
-           "--warmup", str(warmup), "--threads", str(threads), "--mtp-loss-weight", "0.3"]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["tokens_per_s"]
 
 
 def main():
@@ -103,7 +78,8 @@ def main():
             ds_step += s
             route += r
             permute += p
-            pt_tps.append(run_torch(cfg, a.micro_batch, a.seq_len, a.steps, a.warmup, a.threads))
+            pt_tps.append(run_torch(cfg, a.micro_batch, a.seq_len, a.steps, a.warmup, a.threads,
+                                    "--mtp-loss-weight", "0.3"))
         results.append((name, statistics.median(ds_tps), statistics.median(pt_tps), statistics.median(ds_step),
                         statistics.median(route), statistics.median(permute)))
     print(f"{'model':<33} {'dstrain tok/s':>13} {'torch tok/s':>12} {'ratio':>7} {'dstrain step ms':>16} "

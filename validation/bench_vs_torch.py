@@ -13,7 +13,6 @@ model.
 """
 
 import argparse
-import glob
 import json
 import os
 import statistics
@@ -36,7 +35,8 @@ def ensure_data():
     subprocess.run([os.path.join(ROOT, ".ci", "prepare-fortunes"), BUILD], check=True, stdout=subprocess.DEVNULL)
 
 
-def run_dstrain(cfg, mb, T, steps, warmup, threads):
+def dstrain_rows(cfg, mb, T, steps, warmup, threads):
+    """The metrics.jsonl train rows of a quickstart run of model `cfg`, after `warmup` steps."""
     with tempfile.TemporaryDirectory() as out:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         cmd = [os.path.join(BUILD, "app", "dstrain"), "train", "--config", "inputs/quickstart.json",
@@ -44,16 +44,22 @@ def run_dstrain(cfg, mb, T, steps, warmup, threads):
                "train.gradient_accumulation_steps=1", f"data.seq_len={T}", "train.eval_interval=0",
                'output.save_hf=""', f'output.dir="{out}"', 'generate.prompt=""', "generate.interval=0"]
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
-        rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
-    rows = [r for r in rows if r["type"] == "train"][warmup:]
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            rows = [json.loads(l) for l in f]
+    return [r for r in rows if r["type"] == "train"][warmup:]
+
+
+def run_dstrain(cfg, mb, T, steps, warmup, threads):
+    rows = dstrain_rows(cfg, mb, T, steps, warmup, threads)
     return [r["tokens_per_s"] for r in rows], [r["model_flops_per_s"] for r in rows]
 
 
-def run_torch(cfg, mb, T, steps, warmup, threads):
+def run_torch(cfg, mb, T, steps, warmup, threads, *extra):
+    """Median tokens/s of the PyTorch peer (validation/reference/train_ref.py) on the same run."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS="1")
     cmd = ["/usr/bin/python3", os.path.join(ROOT, "validation", "reference", "train_ref.py"), "--config", cfg,
            "--data", DATA, "--seq-len", str(T), "--micro-batch", str(mb), "--steps", str(steps),
-           "--warmup", str(warmup), "--threads", str(threads)]
+           "--warmup", str(warmup), "--threads", str(threads), *extra]
     out = subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])["tokens_per_s"]
 
