@@ -5,27 +5,18 @@ checkpoint, the guard against mixing runs, and a corrupt file being reported.
     /usr/bin/python3 tests/e2e/test_checkpoint_cli.py BUILD_DIR
 """
 
-import json
 import os
 import re
 import shutil
-import subprocess
 import sys
-import tempfile
 import unittest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))
 import test_cli  # noqa: E402  (shares the tiny model and corpus)
+from test_cli import run  # noqa: E402
 
 BUILD = None
-
-
-def run(args, check=True):
-    p = subprocess.run(args, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="2"))
-    if check and p.returncode != 0:
-        raise AssertionError(f"{args} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
-    return p
 
 
 class CheckpointCommandLine(unittest.TestCase):

@@ -11,13 +11,15 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import unittest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "validation", "reference"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))
+from test_cli import TEXT, run  # noqa: E402  (the corpus and the command runner of the dense tests)
+
 BUILD = None
 
 # MLA with q LoRA and YaRN, sigmoid/noaux_tc routing over 2 groups, one shared expert, a dense
@@ -37,24 +39,7 @@ MODEL = {
     "routed_scaling_factor": 2.5, "aux_loss_alpha": 0.001, "seq_aux": True, "num_nextn_predict_layers": 1,
 }
 
-TEXT = """The quick brown fox jumps over the lazy dog.
-%
-A journey of a thousand miles begins with a single step.
-%
-All that glitters is not gold; all that wander are not lost.
-%
-To be, or not to be, that is the question.
-%
-"""
-
 STEPS = 10
-
-
-def run(args, check=True):
-    p = subprocess.run(args, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="2"))
-    if check and p.returncode != 0:
-        raise AssertionError(f"{args} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
-    return p
 
 
 class DeepSeekV3CommandLine(unittest.TestCase):
