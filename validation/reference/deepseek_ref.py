@@ -51,13 +51,19 @@ Evaluation loss = main CE only.
 """
 
 import math
+import os
+import sys
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# What HF's DeepSeek code shares with its Llama code: the RMSNorm, fp32 upcasting, the loss.
+from llama_ref import IGNORE_INDEX, _compute_dtype, mean_loss, token_losses  # noqa: E402,F401
+from llama_ref import LlamaRMSNorm as DeepseekRMSNorm  # noqa: E402
+
 MTP_PAD_TOKEN = 0  # input id of MTP positions beyond the window (their target is ignored)
 
 
@@ -163,11 +169,6 @@ class DeepseekConfig:
         return s
 
 
-def _compute_dtype(dtype):
-    """HF upcasts to float32 for norms/softmax/router; keep float64 when given float64."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 # ---------------------------------------------------------------------------
 # Rotary embedding (DeepseekV2RotaryEmbedding / DeepseekV2YarnRotaryEmbedding)
 # ---------------------------------------------------------------------------
@@ -243,20 +244,6 @@ def apply_rotary(x, cos, sin):
 # ---------------------------------------------------------------------------
 # Modules
 # ---------------------------------------------------------------------------
-class DeepseekRMSNorm(nn.Module):
-    def __init__(self, hidden_size, eps):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, x):
-        input_dtype = x.dtype
-        x = x.to(_compute_dtype(input_dtype))
-        variance = x.pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * x.to(input_dtype)
-
-
 class DeepseekMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
@@ -614,20 +601,6 @@ def param_kind(name):
 # ---------------------------------------------------------------------------
 # Losses
 # ---------------------------------------------------------------------------
-def token_losses(logits, targets):
-    """Per-token cross-entropy, shape (B*T,); ignore_index=-100 positions give 0."""
-    v = logits.shape[-1]
-    return F.cross_entropy(logits.reshape(-1, v), targets.reshape(-1),
-                           reduction="none", ignore_index=IGNORE_INDEX)
-
-
-def mean_loss(logits, targets):
-    """Mean token loss over the non-ignored targets (the evaluation loss on main logits)."""
-    losses = token_losses(logits, targets)
-    n = (targets.reshape(-1) != IGNORE_INDEX).sum().clamp(min=1)
-    return losses.sum() / n
-
-
 def mtp_batch(window, depth):
     """window (B, T+1) tokens t_0..t_T -> MTP-`depth` inputs and targets, both (B, T).
 
