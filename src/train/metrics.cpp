@@ -60,8 +60,6 @@ double measure_peak_flops() {
   return rates[rates.size() / 2];
 }
 
-namespace {
-
 double node_memory_bytes() {
   std::ifstream in("/proc/meminfo");
   std::string key;
@@ -72,6 +70,8 @@ double node_memory_bytes() {
   }
   return 0;
 }
+
+namespace {
 
 double peak_rss_bytes() {
   rusage u{};

@@ -56,6 +56,8 @@ Utilisation utilisation(double global_tokens_per_s, double flops_per_token, int 
 
 // Measured sgemm FLOP/s on this rank's threads (the per-rank peak MFU is measured against).
 double measure_peak_flops();
+// Physical memory of this node (MemTotal of /proc/meminfo); 0 when unknown.
+double node_memory_bytes();
 
 class Metrics {
  public:

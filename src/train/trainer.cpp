@@ -20,6 +20,21 @@ namespace {
 
 Tensor tokens_tensor(std::vector<int32_t>& v, int64_t B, int64_t T) { return Tensor(v.data(), DType::I32, Shape{B, T}); }
 
+// Every data-parallel rank holds the whole model state: fp32 weights, gradients and both
+// AdamW moments, 16 bytes per parameter. A model that cannot fit is an error that says so,
+// before anything is allocated.
+void check_model_state_fits(const RunConfig& config, const ProcessGrid& grid) {
+  const double params = double(config.model.num_parameters());
+  const double need = 16.0 * params, have = node_memory_bytes() / double(std::max(grid.local_size(), 1));
+  DS_CHECK(have <= 0 || need < have,
+           "{}: the model has {:.2f}B parameters, whose weights, gradients and AdamW moments (16 bytes per "
+           "parameter, held whole by every data-parallel rank) need {:.1f} GB, more than the {:.1f} GB of memory "
+           "each of the {} rank(s) on this node has; train a smaller model or run fewer ranks per node on nodes "
+           "with more memory (sharded optimizer state and tensor, pipeline and expert parallelism are not in this "
+           "build)",
+           config.source, params / 1e9, need / 1e9, have / 1e9, grid.local_size());
+}
+
 // Every rank must train the same thing: a rank whose resolved configuration differs from
 // rank 0's (another file, other overrides) is an error on every rank.
 void check_same_config(Communicator& world, const RunConfig& c) {
@@ -42,6 +57,7 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
     : config_(std::move(config)), grid_(grid), dp_(grid.comm(Axis::Data)) {
   config_.train.resolve_batch(dp_.size(), config_.source);
   check_same_config(grid_.world(), config_);
+  check_model_state_fits(config_, grid_);
   model_ = std::make_unique<Transformer>(config_.model, device);
   optimizer_ = std::make_unique<AdamW>(config_.train.adamw, model_->params());
   reducer_ = std::make_unique<GradReducer>(model_->params(), dp_, config_.train.reduce_bucket_size,

@@ -152,6 +152,13 @@ class CommandLine(unittest.TestCase):
         p = run([dstrain, "train", "--config", os.path.join(self.dir, "missing.json")], check=False)
         self.assertNotEqual(p.returncode, 0)
         self.assertIn("missing.json", p.stderr)
+        # A model whose weights, gradients and AdamW state cannot fit this machine is refused
+        # before anything is allocated, with what it needs and what there is.
+        p = run([dstrain, "train", "--config", self.config, "--set",
+                 f'model="{os.path.join(ROOT, "inputs", "models", "deepseek-v3.json")}"'], check=False)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertRegex(p.stderr, r"the model has 68\d\.\d\dB parameters, whose weights, gradients and AdamW "
+                                   r"moments .* need 1\d{4}\.\d GB, more than the")
 
 
 if __name__ == "__main__":
