@@ -352,7 +352,7 @@ LossSums Transformer::head(Tensor x, Tensor targets, bool backward, float scale,
       const auto t0 = Clock::now();
       ops::cross_entropy_backward(logits, logits, lse, tg.slice(r0, r1), scale);
       ops::linear_backward(dx.view({N, C}).slice(r0, r1), head_grad(), logits, xr.slice(r0, r1), w);
-      head_backward_s_ += seconds_since(t0);
+      early_backward_s_ += seconds_since(t0);
     }
   }
   LossSums s;
@@ -429,6 +429,7 @@ void Transformer::mtp_forward_backward(const LossScales& scales, Tensor targets,
     sums.mtp_count.push_back(s.count);
   }
   // Backward from the deepest module: dh carries the gradient w.r.t. h^k from depth k+1.
+  const auto t0 = Clock::now();
   Tensor dh = scratch_.get("mtp.dh", {B, T, C});
   ops::fill(dh, 0.0f);
   for (size_t k = mtp_.size(); k-- > 0;) {
@@ -458,6 +459,7 @@ void Transformer::mtp_forward_backward(const LossScales& scales, Tensor targets,
                           m.h_rstd.view({N}));
     if (ready) ready(m.first_param, m.last_param);
   }
+  early_backward_s_ += seconds_since(t0);
 }
 
 LossSums Transformer::forward_loss(Tensor tokens, Tensor targets) {
@@ -483,7 +485,7 @@ LossSums Transformer::forward_backward(Tensor tokens, Tensor targets, float loss
 LossSums Transformer::forward_backward(Tensor tokens, Tensor targets, const LossScales& scales,
                                        const GradReadyFn& ready) {
   const auto t0 = Clock::now();
-  head_backward_s_ = 0;
+  early_backward_s_ = 0;
   for (auto& [l, ffn] : moe_layers()) ffn->set_loss_scales(scales);
   forward_body(tokens);
   const int64_t N = B_ * T_;
@@ -494,8 +496,9 @@ LossSums Transformer::forward_backward(Tensor tokens, Tensor targets, const Loss
              mtp_.size());
     mtp_forward_backward(scales, targets, dxf, s, ready);
   }
-  // The head forms each chunk's gradient right after its loss: that part counts as backward.
-  forward_s_ += seconds_since(t0) - head_backward_s_;
+  // The head forms each chunk's gradient right after its loss, and the MTP modules run their
+  // backward before the main layers': those parts count as backward.
+  forward_s_ += seconds_since(t0) - early_backward_s_;
   const auto t1 = Clock::now();
   const int64_t B = B_, T = T_, C = config_.hidden_size;
   // The residual-stream gradient flows back through the layers in one buffer.
@@ -513,7 +516,7 @@ LossSums Transformer::forward_backward(Tensor tokens, Tensor targets, const Loss
   }
   ops::embedding_backward(reg_.grad(embed_), dx.view({B * T, C}), tokens_.view({B * T}));
   if (ready) ready(embed_, embed_);
-  backward_s_ += head_backward_s_ + seconds_since(t1);
+  backward_s_ += early_backward_s_ + seconds_since(t1);
   return s;
 }
 

@@ -260,7 +260,8 @@ class Transformer {
   std::vector<Activation> x_;  // residual stream: x_[0] embedding output, x_[l+1] after layer l
   Activation xf_, rstdf_;      // final norm output (B,T,C) and rstd (B,T)
   Activation logits_, losses_, lse_;
-  double forward_s_ = 0, backward_s_ = 0, head_backward_s_ = 0;
+  // Backward work done inside the forward pass (head chunks, MTP modules), moved to backward_s_.
+  double forward_s_ = 0, backward_s_ = 0, early_backward_s_ = 0;
 };
 
 }  // namespace dstrain
