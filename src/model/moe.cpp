@@ -2,12 +2,12 @@
 // backward (see moe.h for the data flow).
 #include "model/moe.h"
 
-#include "core/clock.h"
-
 #include <omp.h>
 
 #include <algorithm>
 #include <exception>
+
+#include "core/clock.h"
 
 namespace dstrain {
 namespace {
