@@ -122,6 +122,9 @@ struct Metrics::Impl {
   json last_extra = json::object();
   // Per-step shares of the run, for the summary.
   std::vector<double> mfu, data, comm, compute, optimizer, checkpoint, imbalance, tokens_per_s, memory;
+  // MoE runs: the busiest expert over the mean (worst layer), dead experts (all layers), and
+  // the share of the step in routing and permutation.
+  std::vector<double> moe_load, moe_dead, moe_share;
   int64_t checkpoints = 0;
   int64_t last_warn_step[3] = {-1000000, -1000000, -1000000};
   std::unique_ptr<httplib::Server> server;
@@ -232,6 +235,16 @@ void Metrics::on_step(const StepMetrics& m) {
     impl_->imbalance.push_back(spread_of(m.rank_step_s).spread());
     impl_->tokens_per_s.push_back(m.tokens_per_s);
     impl_->memory.push_back(double(record["peak_rss_bytes"]) / std::max(budget_bytes_, 1.0));
+    if (m.extra.contains("moe")) {
+      double load = 0, dead = 0;
+      for (const auto& [layer, v] : m.extra["moe"].items()) {
+        load = std::max(load, v.value("max_over_mean_load", 0.0));
+        dead += v.value("dead_experts", 0.0);
+      }
+      impl_->moe_load.push_back(load);
+      impl_->moe_dead.push_back(dead);
+      impl_->moe_share.push_back((m.extra.value("moe_route_s", 0.0) + m.extra.value("moe_permute_s", 0.0)) / t);
+    }
   }
   warn_if_abnormal(m);
   print_progress(m);
@@ -383,6 +396,13 @@ std::string Metrics::summary_table() const {
        !impl_->have_step || impl_->last.skipped_total == 0},
       {"GPU utilisation", "n/a (CPU run)", "> 90%", true},
   };
+  if (!impl_->moe_load.empty()) {
+    const double load = median(impl_->moe_load), dead = impl_->moe_dead.back(), share = median(impl_->moe_share);
+    rows.push_back({"expert load (busiest over mean, worst layer)", fmt::format("{:.2f}x", load), "< 2x the mean",
+                    load < 2.0});
+    rows.push_back({"dead experts (last step, all layers)", fmt::format("{:.0f}", dead), "0", dead == 0});
+    rows.push_back({"MoE routing + permutation", pct(share), "< 10% of a step", share < 0.10});
+  }
   std::string out = fmt::format("{:<46} {:>14}  {:<42} {}\n", "metric", "value", "normal range", "verdict");
   for (const Row& r : rows) {
     out += fmt::format("{:<46} {:>14}  {:<42} {}\n", r.metric, r.value, r.normal, r.normal == "-" ? "" : r.ok ? "ok" : "CHECK");

@@ -90,6 +90,7 @@ class CommandLine(unittest.TestCase):
         self.assertGreaterEqual(len(losses), 3)
         self.assertLess(losses[-1], losses[0], "the loss must fall")
         self.assertIn('"train_batch_size": 8', out, "rank 0 prints the resolved configuration")
+        self.assertNotIn("expert load", out, "no MoE rows in a dense model's summary")
         for f in ("config.json", "model.safetensors"):
             self.assertTrue(os.path.exists(os.path.join(hf, f)), f)
         metrics = [json.loads(l) for l in open(os.path.join(self.dir, "hf_a_out", "metrics.jsonl"))]

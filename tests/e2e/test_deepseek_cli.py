@@ -87,6 +87,10 @@ class DeepSeekV3CommandLine(unittest.TestCase):
                              r"([0-9.]+) x mean \(layer [12]\) \| dead experts (\d+) of 16 \| routing [0-9.]+% \+ "
                              r"permutation [0-9.]+% of the step", self.out, re.M)
         self.assertGreaterEqual(len(routing), 2, self.out)
+        # The end-of-run summary judges the routing too.
+        self.assertRegex(self.out, r"expert load \(busiest over mean, worst layer\) +[0-9.]+x +< 2x the mean")
+        self.assertRegex(self.out, r"dead experts \(last step, all layers\) +\d+ +0 ")
+        self.assertRegex(self.out, r"MoE routing \+ permutation +[0-9.]+% +< 10% of a step")
         with open(os.path.join(self.dir, "out", "metrics.jsonl")) as f:
             rows = [json.loads(l) for l in f]
         train = [r for r in rows if r["type"] == "train"]

@@ -1,5 +1,6 @@
 // Metrics arithmetic: model FLOPs per token and MFU against a hand-computed example, and the
-// Prometheus text of a step.
+// Prometheus text and summary table of a step, MoE routing health included.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -10,6 +11,8 @@
 
 namespace dstrain {
 namespace {
+
+using ::testing::ContainsRegex;
 
 ModelConfig small() {
   ModelConfig c;
@@ -85,6 +88,10 @@ TEST(Metrics, RoutingHealthPerMoELayer) {
                       {"3", {{"max_over_mean_load", 1.25}, {"dead_experts", 0}, {"aux_loss", 0.02}}}};
     m.on_step(s);
     text = m.prometheus_text();
+    const std::string table = m.summary_table();
+    EXPECT_THAT(table, ContainsRegex("expert load \\(busiest over mean, worst layer\\) +3\\.50x +< 2x the mean +CHECK"));
+    EXPECT_THAT(table, ContainsRegex("dead experts \\(last step, all layers\\) +2 +0 +CHECK"));
+    EXPECT_THAT(table, ContainsRegex("MoE routing \\+ permutation +5\\.0% +< 10% of a step +ok"));
   }
   EXPECT_NE(text.find("dstrain_moe_load_max_over_mean{layer=\"1\"} 3.5"), std::string::npos) << text;
   EXPECT_NE(text.find("dstrain_moe_load_max_over_mean{layer=\"3\"} 1.25"), std::string::npos) << text;
