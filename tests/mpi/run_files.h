@@ -72,6 +72,15 @@ class RunFiles {
   std::filesystem::path dir_;
 };
 
+// The first k ranks of the world, or MPI_COMM_NULL on the others (collective over the world).
+inline MPI_Comm first_ranks(int k) {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm c;
+  MPI_Comm_split(MPI_COMM_WORLD, rank < k ? 0 : MPI_UNDEFINED, rank, &c);
+  return c;
+}
+
 inline uint64_t checksum(const void* data, size_t bytes) {
   uint64_t h = 1469598103934665603ull;
   const auto* p = static_cast<const unsigned char*>(data);

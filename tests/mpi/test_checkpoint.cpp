@@ -73,13 +73,6 @@ TEST_P(ResumeExactness, StopAndResumeEqualsOneRun) {
 INSTANTIATE_TEST_SUITE_P(Saves, ResumeExactness, ::testing::Values(false, true),
                          [](const auto& p) { return p.param ? "async" : "sync"; });
 
-// The first k ranks of the world, or MPI_COMM_NULL on the others.
-MPI_Comm first_ranks(int k) {
-  MPI_Comm c;
-  MPI_Comm_split(MPI_COMM_WORLD, world_rank() < k ? 0 : MPI_UNDEFINED, world_rank(), &c);
-  return c;
-}
-
 TEST(Checkpoint, RestartsOnAnotherRankCount) {
   RunFiles files(8);
   const int n = world_size();

@@ -129,5 +129,57 @@ TEST(MoEDataParallel, ResumeIsBitwiseExactWithRoutingBiases) {
       << "weights and routing biases after resuming";
 }
 
+// A checkpoint written at every rank continues at one rank, and one written at one rank
+// continues at every rank: the same losses and routing biases as the uninterrupted run.
+TEST(MoEDataParallel, RestartsOnAnotherRankCountWithRoutingBiases) {
+  RunFiles files(6, v3_model());
+  ProcessGrid solo(MPI_COMM_SELF, {});
+  int rank = 0, n = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  const auto dir_of = [&](const std::string& name) {
+    return "checkpoint.dir=" + json((files.dir() / name).string()).dump();
+  };
+  Trainer full(files.config({dir_of("full_" + std::to_string(rank))}), solo);
+  full.init_weights("");
+  full.train();
+
+  for (const auto& [writers, readers] : {std::pair{n, 1}, std::pair{1, n}}) {
+    const std::string dir = dir_of(fmt::format("written_by_{}_for_{}", writers, readers));
+    if (MPI_Comm w = first_ranks(writers); w != MPI_COMM_NULL) {
+      ProcessGrid g(w, {});
+      Trainer a(files.config({"train.max_steps=3", "checkpoint.save_final=true", dir}), g);
+      a.init_weights("");
+      a.train();
+      MPI_Comm_free(&w);
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (MPI_Comm r = first_ranks(readers); r != MPI_COMM_NULL) {
+      ProcessGrid g(r, {});
+      Trainer b(files.config({dir}), g);
+      ASSERT_TRUE(b.resume("auto"));
+      b.train();
+      ASSERT_EQ(b.history().size(), 3u);
+      for (size_t i = 0; i < 3; ++i) {
+        const double want = full.history()[i + 3].loss;
+        EXPECT_NEAR(b.history()[i].loss, want, 1e-5 * want)
+            << "step " << i + 4 << ": written at " << writers << " rank(s), resumed at " << readers;
+      }
+      const ParamRegistry& pb = b.model().params();
+      const ParamRegistry& pf = full.model().params();
+      for (int id = 0; id < pb.size(); ++id) {
+        if (pb.info(id).kind != ParamKind::RouterBias) continue;
+        const float *x = pb.param(id).data<float>(), *y = pf.param(id).data<float>();
+        for (int64_t e = 0; e < pb.info(id).numel(); ++e) {
+          EXPECT_NEAR(x[e], y[e], 1e-6) << pb.info(id).name << "[" << e << "]: written at " << writers
+                                        << " rank(s), resumed at " << readers;
+        }
+      }
+      MPI_Comm_free(&r);
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+}
+
 }  // namespace
 }  // namespace dstrain
