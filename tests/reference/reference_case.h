@@ -17,6 +17,8 @@
 #include "core/json_reader.h"
 #include "io/safetensors.h"
 #include "model/model_config.h"
+#include "model/transformer.h"
+#include "train/trainer.h"
 
 namespace dstrain::reference {
 
@@ -65,6 +67,51 @@ class CaseFixture : public ::testing::TestWithParam<std::string> {
     expected_ = std::make_unique<SafeTensorsFile>((dir_ / "expected.safetensors").string());
     config_ = load_hf_config((dir_ / "config.json").string());
     case_ = read_json_file((dir_ / "case.json").string());
+  }
+
+  // The model's logits on `tokens` (B,T) against the reference's; returns the error.
+  double expect_logits(Transformer& model, Tensor tokens) const {
+    const int64_t B = tokens.size(0), T = tokens.size(1), V = config_.vocab_size;
+    std::vector<float> logits(static_cast<size_t>(B * T * V));
+    model.forward_logits(tokens, Tensor(logits.data(), DType::F32, Shape{B, T, V}));
+    const double err = rel_error(logits.data(), read(*expected_, "logits"));
+    EXPECT_LE(err, kLogitsTol) << "logits";
+    return err;
+  }
+
+  // The case's hyper-parameters as a dstrain run configuration writing under `work`.
+  json run_config(const std::filesystem::path& work) const {
+    json run;
+    run["model"] = (dir_ / "config.json").string();
+    run["train"] = {{"train_micro_batch_size_per_gpu", case_["micro_batch"]},
+                    {"gradient_accumulation_steps", case_["grad_accum"]},
+                    {"gradient_clipping", case_["gradient_clipping"]},
+                    {"optimizer",
+                     {{"type", "AdamW"},
+                      {"params",
+                       {{"lr", case_["lr"]},
+                        {"betas", case_["betas"]},
+                        {"eps", case_["eps"]},
+                        {"weight_decay", case_["weight_decay"]}}}}},
+                    {"scheduler", case_["scheduler"]},
+                    {"no_weight_decay", case_["no_decay"]},
+                    {"max_steps", case_["steps"]},
+                    {"steps_per_print", 1}};
+    run["data"] = {{"train", (dir_ / "data.bin").string()}, {"seq_len", case_["seq_len"]}, {"shuffle", false}};
+    run["output"] = {{"dir", (work / "out").string()}};
+    return run;
+  }
+
+  // Every step's loss, learning rate and gradient norm against the reference's.
+  void expect_history(const std::vector<StepRecord>& h) const {
+    const std::vector<float> losses = read(*expected_, "step_losses"), lrs = read(*expected_, "lrs"),
+                             norms = read(*expected_, "grad_norms");
+    ASSERT_EQ(h.size(), losses.size());
+    for (size_t i = 0; i < h.size(); ++i) {
+      EXPECT_NEAR(h[i].loss, losses[i], kLossTol * std::fabs(losses[i])) << "loss of step " << i + 1;
+      EXPECT_NEAR(h[i].lr, lrs[i], 1e-6 * lrs[i]) << "learning rate of step " << i + 1;
+      EXPECT_NEAR(h[i].grad_norm, norms[i], kGradTol * norms[i]) << "gradient norm of step " << i + 1;
+    }
   }
   std::filesystem::path dir_;
   std::unique_ptr<SafeTensorsFile> expected_;

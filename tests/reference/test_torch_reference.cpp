@@ -28,13 +28,10 @@ TEST_P(TorchReference, LogitsLossAndEveryGradient) {
   Transformer model(config_, Device::cpu());
   load_hf_weights(dir_.string(), model.params());
   std::vector<int32_t> tokens = read_i32(*expected_, "tokens"), targets = read_i32(*expected_, "targets");
-  const int64_t T = case_["seq_len"].get<int64_t>(), B = int64_t(tokens.size()) / T, V = config_.vocab_size;
+  const int64_t T = case_["seq_len"].get<int64_t>(), B = int64_t(tokens.size()) / T;
   Tensor tok(tokens.data(), DType::I32, Shape{B, T}), tgt(targets.data(), DType::I32, Shape{B, T});
 
-  std::vector<float> logits(static_cast<size_t>(B * T * V));
-  model.forward_logits(tok, Tensor(logits.data(), DType::F32, Shape{B, T, V}));
-  const double logits_err = rel_error(logits.data(), read(*expected_, "logits"));
-  EXPECT_LE(logits_err, kLogitsTol) << "logits";
+  const double logits_err = expect_logits(model, tok);
 
   model.params().grads().zero();
   const LossSums s = model.forward_backward(tok, tgt, float(1.0 / double(B * T)));
@@ -58,24 +55,7 @@ TEST_P(TorchReference, ThreeAdamWStepsWithClippingAndAccumulation) {
   const auto work = std::filesystem::temp_directory_path() / ("dstrain_ref_" + GetParam() + "_" +
                                                                std::to_string(::getpid()));
   std::filesystem::create_directories(work);
-  json run;
-  run["model"] = (dir_ / "config.json").string();
-  run["train"] = {{"train_micro_batch_size_per_gpu", case_["micro_batch"]},
-                  {"gradient_accumulation_steps", case_["grad_accum"]},
-                  {"gradient_clipping", case_["gradient_clipping"]},
-                  {"optimizer",
-                   {{"type", "AdamW"},
-                    {"params",
-                     {{"lr", case_["lr"]},
-                      {"betas", case_["betas"]},
-                      {"eps", case_["eps"]},
-                      {"weight_decay", case_["weight_decay"]}}}}},
-                  {"scheduler", case_["scheduler"]},
-                  {"no_weight_decay", case_["no_decay"]},
-                  {"max_steps", case_["steps"]},
-                  {"steps_per_print", 1}};
-  run["data"] = {{"train", (dir_ / "data.bin").string()}, {"seq_len", case_["seq_len"]}, {"shuffle", false}};
-  run["output"] = {{"dir", (work / "out").string()}};
+  json run = run_config(work);
   const std::string run_path = (work / "run.json").string();
   std::ofstream(run_path) << run.dump(2);
 
@@ -84,14 +64,7 @@ TEST_P(TorchReference, ThreeAdamWStepsWithClippingAndAccumulation) {
   trainer.init_weights(dir_.string());
   trainer.train();
   const auto& h = trainer.history();
-  const std::vector<float> losses = read(*expected_, "step_losses"), lrs = read(*expected_, "lrs"),
-                           norms = read(*expected_, "grad_norms");
-  ASSERT_EQ(h.size(), losses.size());
-  for (size_t i = 0; i < h.size(); ++i) {
-    EXPECT_NEAR(h[i].loss, losses[i], kLossTol * std::fabs(losses[i])) << "loss of step " << i + 1;
-    EXPECT_NEAR(h[i].lr, lrs[i], 1e-6 * lrs[i]) << "learning rate of step " << i + 1;
-    EXPECT_NEAR(h[i].grad_norm, norms[i], kGradTol * norms[i]) << "gradient norm of step " << i + 1;
-  }
+  ASSERT_NO_FATAL_FAILURE(expect_history(h));
   ParamRegistry& params = trainer.model().params();
   double worst = 0;
   for (int id = 0; id < params.size(); ++id) {
