@@ -45,16 +45,21 @@ def run(args, check=True, **kw):
     return p
 
 
+def prepare_corpus(directory, build):
+    """TEXT x 40 as llm.c shards: directory/corpus_train_*.bin, and corpus_val_*.bin (the first 12 documents)."""
+    with open(os.path.join(directory, "text.txt"), "w") as f:
+        f.write(TEXT * 40)
+    run([os.path.join(build, "app", "dstrain-prep"), "--input", os.path.join(directory, "text.txt"),
+         "--split-on-line", "%", "--val-docs", "12", "--output-prefix", os.path.join(directory, "corpus")])
+
+
 class CommandLine(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.dir = tempfile.mkdtemp(prefix="dstrain_e2e_")
-        with open(os.path.join(cls.dir, "text.txt"), "w") as f:
-            f.write(TEXT * 40)
+        prepare_corpus(cls.dir, BUILD)
         with open(os.path.join(cls.dir, "model.json"), "w") as f:
             json.dump(MODEL, f)
-        run([os.path.join(BUILD, "app", "dstrain-prep"), "--input", os.path.join(cls.dir, "text.txt"),
-             "--split-on-line", "%", "--val-docs", "12", "--output-prefix", os.path.join(cls.dir, "corpus")])
         cls.config = os.path.join(cls.dir, "run.json")
         with open(cls.config, "w") as f:
             json.dump({

@@ -18,7 +18,7 @@ import unittest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "validation", "reference"))
 sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))
-from test_cli import TEXT, run  # noqa: E402  (the corpus and the command runner of the dense tests)
+from test_cli import prepare_corpus, run  # noqa: E402  (the corpus and the command runner of the dense tests)
 
 BUILD = None
 
@@ -47,12 +47,9 @@ class DeepSeekV3CommandLine(unittest.TestCase):
     def setUpClass(cls):
         cls.dir = tempfile.mkdtemp(prefix="dstrain_e2e_v3_")
         cls.dstrain = os.path.join(BUILD, "app", "dstrain")
-        with open(os.path.join(cls.dir, "text.txt"), "w") as f:
-            f.write(TEXT * 40)
+        prepare_corpus(cls.dir, BUILD)
         with open(os.path.join(cls.dir, "model.json"), "w") as f:
             json.dump(MODEL, f)
-        run([os.path.join(BUILD, "app", "dstrain-prep"), "--input", os.path.join(cls.dir, "text.txt"),
-             "--split-on-line", "%", "--val-docs", "12", "--output-prefix", os.path.join(cls.dir, "corpus")])
         cls.config = os.path.join(cls.dir, "run.json")
         with open(cls.config, "w") as f:
             json.dump({
