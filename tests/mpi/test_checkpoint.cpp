@@ -10,6 +10,7 @@
 #include <fstream>
 
 #include "io/hdf5_util.h"
+#include "resume_check.h"
 #include "run_files.h"
 #include "train/trainer.h"
 
@@ -40,34 +41,9 @@ std::vector<double> losses_of(const Trainer& t) {
 class ResumeExactness : public ::testing::TestWithParam<bool> {};
 
 TEST_P(ResumeExactness, StopAndResumeEqualsOneRun) {
-  const bool async = GetParam();
   RunFiles files(8);
   ProcessGrid grid(MPI_COMM_WORLD, {});
-  const std::string mode = std::string("checkpoint.async=") + (async ? "true" : "false");
-  Trainer full(files.config({"checkpoint.dir=" + quoted(files.dir() / "full")}), grid);
-  full.init_weights("");
-  full.train();
-
-  const std::string split_dir = "checkpoint.dir=" + quoted(files.dir() / "split");
-  std::vector<double> first;
-  {
-    Trainer a(files.config({"train.max_steps=4", "checkpoint.save_final=true", mode, split_dir}), grid);
-    a.init_weights("");
-    a.train();  // ends with the final checkpoint, completed before train() returns
-    first = losses_of(a);
-  }
-  Trainer b(files.config({mode, split_dir}), grid);
-  ASSERT_TRUE(b.resume("auto"));
-  EXPECT_EQ(b.step(), 4);
-  b.train();
-  std::vector<double> joined = first;
-  for (double l : losses_of(b)) joined.push_back(l);
-  ASSERT_EQ(joined.size(), losses_of(full).size());
-  for (size_t i = 0; i < joined.size(); ++i) EXPECT_EQ(joined[i], losses_of(full)[i]) << "loss of step " << i + 1;
-  for (const Buffer* x : {&full.model().params().values(), &full.optimizer().exp_avg()}) {
-    const Buffer& y = x == &full.model().params().values() ? b.model().params().values() : b.optimizer().exp_avg();
-    EXPECT_EQ(0, std::memcmp(x->data(), y.data(), x->nbytes())) << x->label() << " differs after resuming";
-  }
+  expect_resume_is_bitwise(files, grid, 4, {std::string("checkpoint.async=") + (GetParam() ? "true" : "false")});
 }
 
 INSTANTIATE_TEST_SUITE_P(Saves, ResumeExactness, ::testing::Values(false, true),

@@ -13,6 +13,7 @@
 #include "data/data_pipeline.h"
 #include "data/token_shard.h"
 #include "parallel/grid.h"
+#include "resume_check.h"
 #include "run_files.h"
 #include "train/trainer.h"
 
@@ -87,25 +88,7 @@ TEST(DataPipeline, ResumingABlendedRunIsBitwiseExact) {
   RunFiles base(6);
   RunFiles files(6, blended_data(base.dir()));
   ProcessGrid grid(MPI_COMM_WORLD, {});
-  const std::string dir = "checkpoint.dir=" + json((files.dir() / "ck").string()).dump();
-  Trainer full(files.config({"checkpoint.dir=" + json((files.dir() / "full").string()).dump()}), grid);
-  full.init_weights("");
-  full.train();
-  std::vector<double> losses;
-  {
-    Trainer a(files.config({"train.max_steps=3", "checkpoint.save_final=true", dir}), grid);
-    a.init_weights("");
-    a.train();
-    for (const auto& r : a.history()) losses.push_back(r.loss);
-  }
-  Trainer b(files.config({dir}), grid);
-  ASSERT_TRUE(b.resume("auto"));
-  b.train();
-  for (const auto& r : b.history()) losses.push_back(r.loss);
-  ASSERT_EQ(losses.size(), full.history().size());
-  for (size_t i = 0; i < losses.size(); ++i) EXPECT_EQ(losses[i], full.history()[i].loss) << "step " << i + 1;
-  const Buffer& x = full.model().params().values();
-  EXPECT_EQ(0, std::memcmp(x.data(), b.model().params().values().data(), x.nbytes()));
+  expect_resume_is_bitwise(files, grid, 3);
 }
 
 TEST(DataPipeline, FilesThatDifferBetweenRanksAreAnError) {

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "resume_check.h"
 #include "run_files.h"
 #include "train/trainer.h"
 
@@ -107,26 +108,7 @@ TEST(MoEDataParallel, MatchesOneRankIncludingRoutingBiases) {
 TEST(MoEDataParallel, ResumeIsBitwiseExactWithRoutingBiases) {
   RunFiles files(6, v3_model());
   ProcessGrid grid(MPI_COMM_WORLD, {});
-  Trainer full(files.config({"checkpoint.dir=" + json((files.dir() / "full").string()).dump()}), grid);
-  full.init_weights("");
-  full.train();
-  const std::string dir = "checkpoint.dir=" + json((files.dir() / "split").string()).dump();
-  std::vector<double> losses;
-  {
-    Trainer a(files.config({"train.max_steps=3", "checkpoint.save_final=true", dir}), grid);
-    a.init_weights("");
-    a.train();
-    for (const auto& r : a.history()) losses.push_back(r.loss);
-  }
-  Trainer b(files.config({dir}), grid);
-  ASSERT_TRUE(b.resume("auto"));
-  b.train();
-  for (const auto& r : b.history()) losses.push_back(r.loss);
-  ASSERT_EQ(losses.size(), full.history().size());
-  for (size_t i = 0; i < losses.size(); ++i) EXPECT_EQ(losses[i], full.history()[i].loss) << "step " << i + 1;
-  const Buffer& x = full.model().params().values();
-  EXPECT_EQ(0, std::memcmp(x.data(), b.model().params().values().data(), x.nbytes()))
-      << "weights and routing biases after resuming";
+  expect_resume_is_bitwise(files, grid, 3);
 }
 
 // A checkpoint written at every rank continues at one rank, and one written at one rank

@@ -1,0 +1,53 @@
+// Shared by the MPI tests: stopping a run and resuming it from its checkpoint must equal the
+// uninterrupted run, bit for bit.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "run_files.h"
+#include "train/trainer.h"
+
+namespace dstrain {
+
+// Trains the run of `files` uninterrupted, then again for `stop_at` steps ending with a
+// checkpoint and resumed from it (--resume auto), `overrides` applied to all of them. The
+// losses, the weights (routing biases included) and AdamW's moments must be bitwise equal.
+inline void expect_resume_is_bitwise(const RunFiles& files, ProcessGrid& grid, int stop_at,
+                                     std::vector<std::string> overrides = {}) {
+  const auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), overrides.begin(), overrides.end());
+    return files.config(more);
+  };
+  const auto dir_of = [&](const char* name) { return "checkpoint.dir=" + json((files.dir() / name).string()).dump(); };
+  Trainer full(with({dir_of("full")}), grid);
+  full.init_weights("");
+  full.train();
+  std::vector<double> losses;
+  {
+    Trainer a(with({"train.max_steps=" + std::to_string(stop_at), "checkpoint.save_final=true", dir_of("split")}),
+              grid);
+    a.init_weights("");
+    a.train();  // ends with the final checkpoint, completed before train() returns
+    for (const StepRecord& r : a.history()) losses.push_back(r.loss);
+  }
+  Trainer b(with({dir_of("split")}), grid);
+  ASSERT_TRUE(b.resume("auto"));
+  EXPECT_EQ(b.step(), stop_at);
+  b.train();
+  for (const StepRecord& r : b.history()) losses.push_back(r.loss);
+  ASSERT_EQ(losses.size(), full.history().size());
+  for (size_t i = 0; i < losses.size(); ++i) EXPECT_EQ(losses[i], full.history()[i].loss) << "loss of step " << i + 1;
+  const std::pair<const Buffer*, const Buffer*> pairs[] = {
+      {&full.model().params().values(), &b.model().params().values()},
+      {&full.optimizer().exp_avg(), &b.optimizer().exp_avg()},
+      {&full.optimizer().exp_avg_sq(), &b.optimizer().exp_avg_sq()}};
+  for (const auto& [x, y] : pairs) {
+    EXPECT_EQ(0, std::memcmp(x->data(), y->data(), x->nbytes())) << x->label() << " differs after resuming";
+  }
+}
+
+}  // namespace dstrain
