@@ -144,13 +144,13 @@ void moe_route_backward(Tensor dscores, Tensor dweights, Tensor ids, Tensor scor
   common_device("moe_route_backward", dscores, dweights, ids, scores);
   cpu::moe_route_backward(dscores, dweights, ids, scores, p);
 }
-double moe_aux_loss(Tensor coef, Tensor scores, Tensor ids) {
+double moe_aux_loss(Tensor coef, Tensor scores, Tensor ids, MoEScoring scoring) {
   common_device("moe_aux_loss", coef, scores, ids);
-  return cpu::moe_aux_loss(coef, scores, ids);
+  return cpu::moe_aux_loss(coef, scores, ids, scoring);
 }
-void moe_aux_loss_backward(Tensor dscores, Tensor coef, float scale) {
-  common_device("moe_aux_loss_backward", dscores, coef);
-  cpu::moe_aux_loss_backward(dscores, coef, scale);
+void moe_aux_loss_backward(Tensor dscores, Tensor coef, Tensor scores, MoEScoring scoring, float scale) {
+  common_device("moe_aux_loss_backward", dscores, coef, scores);
+  cpu::moe_aux_loss_backward(dscores, coef, scores, scoring, scale);
 }
 void moe_dispatch_plan(Tensor offsets, Tensor sorted, Tensor position, Tensor ids) {
   common_device("moe_dispatch_plan", offsets, sorted, position, ids);

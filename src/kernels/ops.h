@@ -152,12 +152,16 @@ void moe_route_backward(Tensor dscores, Tensor dweights, Tensor ids, Tensor scor
 // Load-balancing loss over G groups of N/G consecutive tokens (G = B sequences for seq_aux,
 // G = 1 for the micro-batch-wise loss):
 //   aux = sum_g sum_e ce[g,e] * P[g,e],  ce = count of e among the group's ids / (Tg*k/E),
-//   P = mean over the group's tokens of scores[:, e].
-// Returns aux (double, summed in a fixed order); coef (G,E) = d aux / d scores[t in g, e]
-// = ce[g,e] / Tg, kept for the backward (ce is a constant: no gradient through the choice).
-double moe_aux_loss(Tensor coef, Tensor scores, Tensor ids);
-// dscores (N,E) (+=) scale * coef[group of the row].
-void moe_aux_loss_backward(Tensor dscores, Tensor coef, float scale);
+//   P = mean over the group's tokens of the affinities a[t, e].
+// Softmax: a = scores (they sum to 1 already). Sigmoid: a[t,e] = scores[t,e] / sum_j
+// scores[t,j], the normalised affinities of DeepSeek-V3's sequence-wise balance loss
+// (technical report, eqs. 18-20; Megatron-Core's compute_routing_scores_for_aux_loss).
+// Returns aux (double, summed in a fixed order); coef (G,E) = ce[g,e] / Tg, kept for the
+// backward (ce is a constant: no gradient through the choice).
+double moe_aux_loss(Tensor coef, Tensor scores, Tensor ids, MoEScoring scoring);
+// dscores (N,E) += scale * d aux / d scores, from coef (G,E) and the forward's scores (N,E):
+// softmax: coef[g]; sigmoid: (coef[g,i] - sum_e coef[g,e] a[t,e]) / sum_j scores[t,j].
+void moe_aux_loss_backward(Tensor dscores, Tensor coef, Tensor scores, MoEScoring scoring, float scale);
 
 // Groups the M = N*k (token, slot) pairs by expert, stably (token order, then slot order):
 // offsets (E+1) int64: expert e owns grouped rows [offsets[e], offsets[e+1]);

@@ -173,7 +173,7 @@ void MoEBlock::forward(Tensor x, Tensor out) {
   if (aux_alpha_ > 0) {
     const int64_t G = seq_aux_ ? B : 1;
     const double scale = aux_alpha_ * (seq_aux_ ? scales_.sequence : scales_.micro_batch);
-    const double aux = ops::moe_aux_loss(coef_.view({G, E}), scores, ids);
+    const double aux = ops::moe_aux_loss(coef_.view({G, E}), scores, ids, scoring_);
     stats_.aux_loss += scale * aux;
     aux_scale_ = float(scale);
   }
@@ -270,7 +270,9 @@ void MoEBlock::backward(Tensor dout, Tensor dx, Scratch& scratch) {
   t = Clock::now();
   Tensor dscores = scratch.get("moe.dscores", {N, E});
   ops::moe_route_backward(dscores, dweights, ids, scores, route_);
-  if (aux_scale_ != 0) ops::moe_aux_loss_backward(dscores, coef_.view({seq_aux_ ? B_ : 1, E}), aux_scale_);
+  if (aux_scale_ != 0) {
+    ops::moe_aux_loss_backward(dscores, coef_.view({seq_aux_ ? B_ : 1, E}), scores, scoring_, aux_scale_);
+  }
   ops::moe_scores_backward(dscores, dscores, scores, scoring_);
   ops::linear_backward(dxr, reg_.grad(gate_), dscores, xr, reg_.param(gate_), /*accumulate_dx=*/true);
   stats_.route_seconds += seconds_since(t);

@@ -15,7 +15,8 @@
 // grouped rows by expert owner, with the per-expert counts from the plan) and between the
 // GEMMs and moe_unpermute (the way back); routing and the plan stay on the token's rank.
 //
-// Training semantics beyond Hugging Face: the load-balancing loss (aux_loss_alpha > 0) is
+// Training semantics beyond Hugging Face: the load-balancing loss (aux_loss_alpha > 0; with
+// sigmoid scores on affinities normalised per token, DeepSeek-V3 eqs. 18-20) is
 // scaled by LossScales (sequence-wise with seq_aux, else per micro-batch) and its gradient
 // flows through the scores only; noaux_tc's e_score_correction_bias is not trained but moved
 // by update_routing_bias (DeepSeek-V3's auxiliary-loss-free balancing).

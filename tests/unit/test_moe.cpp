@@ -237,7 +237,7 @@ TEST(MoERouteGradients, ScoresWeightsAndAuxMatchFiniteDifferences) {
         auto loss = [&] {
           ops::moe_scores(f32(scores, {N, E}), f32(logits, {N, E}), f);
           ops::moe_route(i32(ids, {N, k}), f32(w, {N, k}), f32(scores, {N, E}), b, p);
-          const double aux = ops::moe_aux_loss(f32(coef, {2, E}), f32(scores, {N, E}), i32(ids, {N, k}));
+          const double aux = ops::moe_aux_loss(f32(coef, {2, E}), f32(scores, {N, E}), i32(ids, {N, k}), f);
           return dot(w, rw) + dot(scores, rs) + 0.7 * aux;
         };
         loss();
@@ -245,7 +245,7 @@ TEST(MoERouteGradients, ScoresWeightsAndAuxMatchFiniteDifferences) {
         std::vector<float> dscores(size_t(N * E)), dlogits(size_t(N * E));
         ops::moe_route_backward(f32(dscores, {N, E}), f32(rw, {N, k}), i32(ids, {N, k}), f32(scores, {N, E}), p);
         for (size_t i = 0; i < dscores.size(); ++i) dscores[i] += rs[i];
-        ops::moe_aux_loss_backward(f32(dscores, {N, E}), f32(coef, {2, E}), 0.7f);
+        ops::moe_aux_loss_backward(f32(dscores, {N, E}), f32(coef, {2, E}), f32(scores, {N, E}), f, 0.7f);
         ops::moe_scores_backward(f32(dlogits, {N, E}), f32(dscores, {N, E}), f32(scores, {N, E}), f);
         const double err = max_fd_error(logits, dlogits, loss, 1e-3);
         loss();
@@ -256,36 +256,70 @@ TEST(MoERouteGradients, ScoresWeightsAndAuxMatchFiniteDifferences) {
   }
 }
 
-TEST(MoERouteGradients, AuxLossMatchesDefinition) {
-  // Sequence-wise (G = B) and batch-wise (G = 1) against the formulas of Hugging Face.
-  const int64_t B = 3, T = 4, N = B * T, E = 6, k = 2;
-  std::mt19937 rng(8);
-  std::vector<float> logits = normal(size_t(N * E), rng), scores(size_t(N * E)), w(size_t(N * k));
-  std::vector<int32_t> ids(size_t(N * k));
-  ops::moe_scores(f32(scores, {N, E}), f32(logits, {N, E}), MoEScoring::Softmax);
-  ops::MoERouteParams p;
-  p.top_k = int(k);
-  ops::moe_route(i32(ids, {N, k}), f32(w, {N, k}), f32(scores, {N, E}), Tensor(), p);
-  std::vector<float> coef_seq(size_t(B * E)), coef_batch(static_cast<size_t>(E));
-  const double seq = ops::moe_aux_loss(f32(coef_seq, {B, E}), f32(scores, {N, E}), i32(ids, {N, k}));
-  const double batch = ops::moe_aux_loss(f32(coef_batch, {1, E}), f32(scores, {N, E}), i32(ids, {N, k}));
-  double ref_seq = 0, ref_batch = 0;
-  std::vector<double> count_all(static_cast<size_t>(E)), p_all(static_cast<size_t>(E));
-  for (int64_t b = 0; b < B; ++b) {
+// The balance loss written straight from its definition, in double: sequence-wise (G = B)
+// and batch-wise (G = 1). Softmax scores enter as they are (Hugging Face's DeepSeek-V2 gate);
+// sigmoid scores as the normalised affinities s'_{i,t} = s_{i,t} / sum_j s_{j,t} of the
+// DeepSeek-V3 technical report, eqs. 18-20: P_i = 1/T sum_t s'_{i,t}, f_i = E/(kT) count_i.
+double aux_definition(const std::vector<float>& scores, const std::vector<int32_t>& ids, int64_t G, int64_t T,
+                      int64_t E, int64_t k, MoEScoring f) {
+  double aux = 0;
+  for (int64_t g = 0; g < G; ++g) {
     std::vector<double> count(static_cast<size_t>(E)), P(static_cast<size_t>(E));
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t j = 0; j < k; ++j) count[size_t(ids[size_t((b * T + t) * k + j)])] += 1;
-      for (int64_t e = 0; e < E; ++e) P[size_t(e)] += scores[size_t((b * T + t) * E + e)] / double(T);
+    for (int64_t t = g * T; t < (g + 1) * T; ++t) {
+      double S = 0;
+      for (int64_t e = 0; e < E; ++e) S += scores[size_t(t * E + e)];
+      for (int64_t j = 0; j < k; ++j) count[size_t(ids[size_t(t * k + j)])] += 1;
+      for (int64_t e = 0; e < E; ++e) {
+        const double a = f == MoEScoring::Sigmoid ? scores[size_t(t * E + e)] / S : scores[size_t(t * E + e)];
+        P[size_t(e)] += a / double(T);
+      }
     }
-    for (int64_t e = 0; e < E; ++e) {
-      ref_seq += count[size_t(e)] / (double(T * k) / double(E)) * P[size_t(e)];
-      count_all[size_t(e)] += count[size_t(e)];
-      p_all[size_t(e)] += P[size_t(e)] / double(B);
-    }
+    for (int64_t e = 0; e < E; ++e) aux += double(E) * count[size_t(e)] / double(k * T) * P[size_t(e)];
   }
-  for (int64_t e = 0; e < E; ++e) ref_batch += double(E) * count_all[size_t(e)] / double(N * k) * p_all[size_t(e)];
-  EXPECT_NEAR(seq, ref_seq, 1e-6 * ref_seq);
-  EXPECT_NEAR(batch, ref_batch, 1e-6 * ref_batch);
+  return aux;
+}
+
+TEST(MoERouteGradients, AuxLossMatchesDefinition) {
+  const int64_t B = 3, T = 4, N = B * T, E = 6, k = 2;
+  for (MoEScoring f : {MoEScoring::Softmax, MoEScoring::Sigmoid}) {
+    std::mt19937 rng(8);
+    std::vector<float> logits = normal(size_t(N * E), rng), scores(size_t(N * E)), w(size_t(N * k));
+    std::vector<int32_t> ids(size_t(N * k));
+    ops::moe_scores(f32(scores, {N, E}), f32(logits, {N, E}), f);
+    ops::MoERouteParams p;
+    p.top_k = int(k);
+    ops::moe_route(i32(ids, {N, k}), f32(w, {N, k}), f32(scores, {N, E}), Tensor(), p);
+    std::vector<float> coef_seq(size_t(B * E)), coef_batch(static_cast<size_t>(E));
+    const double seq = ops::moe_aux_loss(f32(coef_seq, {B, E}), f32(scores, {N, E}), i32(ids, {N, k}), f);
+    const double batch = ops::moe_aux_loss(f32(coef_batch, {1, E}), f32(scores, {N, E}), i32(ids, {N, k}), f);
+    const double ref_seq = aux_definition(scores, ids, B, T, E, k, f);
+    const double ref_batch = aux_definition(scores, ids, 1, N, E, k, f);
+    const char* name = f == MoEScoring::Sigmoid ? "sigmoid" : "softmax";
+    EXPECT_NEAR(seq, ref_seq, 1e-6 * ref_seq) << name;
+    EXPECT_NEAR(batch, ref_batch, 1e-6 * ref_batch) << name;
+  }
+}
+
+// A case small enough to work out by hand from eqs. 18-20 (T = 2 tokens, E = 4, k = 2):
+//   s_0 = (0.8, 0.4, 0.6, 0.2), S_0 = 2 -> s'_0 = (0.4, 0.2, 0.3, 0.1), chosen {0, 1}
+//   s_1 = (0.2, 0.6, 0.1, 0.1), S_1 = 1 -> s'_1 = (0.2, 0.6, 0.1, 0.1), chosen {1, 3}
+//   f = E/(kT) (1, 2, 0, 1) = (1, 2, 0, 1),  P = (0.3, 0.4, 0.2, 0.1)
+//   aux = sum_i f_i P_i = 0.3 + 0.8 + 0 + 0.1 = 1.2   (the raw scores would give 1.65)
+//   d aux / d s_{i,t} = (f_i - sum_e f_e s'_{e,t}) / (T S_t):
+//     t = 0: sum f s' = 0.9 -> (0.025, 0.275, -0.225, 0.025)
+//     t = 1: sum f s' = 1.5 -> (-0.25, 0.25, -0.75, -0.25)
+TEST(MoERouteGradients, SigmoidAuxLossOnAHandWorkedCase) {
+  std::vector<float> scores = {0.8f, 0.4f, 0.6f, 0.2f, 0.2f, 0.6f, 0.1f, 0.1f}, coef(4);
+  std::vector<int32_t> ids = {0, 1, 1, 3};
+  const double aux = ops::moe_aux_loss(f32(coef, {1, 4}), f32(scores, {2, 4}), i32(ids, {2, 2}), MoEScoring::Sigmoid);
+  EXPECT_NEAR(aux, 1.2, 1e-6);
+  std::vector<float> d(8, 1.0f);  // added to
+  ops::moe_aux_loss_backward(f32(d, {2, 4}), f32(coef, {1, 4}), f32(scores, {2, 4}), MoEScoring::Sigmoid, 2.0f);
+  const std::vector<double> want = {0.025, 0.275, -0.225, 0.025, -0.25, 0.25, -0.75, -0.25};
+  for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(d[i], 1.0 + 2.0 * want[i], 1e-6) << i;
+  // Softmax scores are used as they are (these rows do not sum to 1, which shows it).
+  const double raw = ops::moe_aux_loss(f32(coef, {1, 4}), f32(scores, {2, 4}), i32(ids, {2, 2}), MoEScoring::Softmax);
+  EXPECT_NEAR(raw, 1.65, 1e-6);
 }
 
 // ---- permutation ------------------------------------------------------------------------
@@ -569,7 +603,11 @@ TEST_P(MoEBlockForward, MatchesNaivePerTokenDouble) {
       worst = std::max(worst, std::fabs(out[size_t(n * C + cc)] - ref) / std::max(1.0, std::fabs(ref)));
     }
     for (int64_t j = 0; j < k; ++j) count[size_t((n / Tg) * E + r.ids[size_t(j)])] += 1;
-    for (int64_t e = 0; e < E; ++e) Pmean[size_t((n / Tg) * E + e)] += s[size_t(e)] / double(Tg);
+    // The balance loss's affinities: sigmoid scores normalised per token (DeepSeek-V3 eq. 19).
+    double sum = 0;
+    for (int64_t e = 0; e < E; ++e) sum += s[size_t(e)];
+    if (c.scoring_func != "sigmoid") sum = 1.0;
+    for (int64_t e = 0; e < E; ++e) Pmean[size_t((n / Tg) * E + e)] += s[size_t(e)] / sum / double(Tg);
   }
   double aux = 0;
   for (int64_t g = 0; g < G; ++g)

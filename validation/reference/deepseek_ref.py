@@ -646,9 +646,25 @@ class LossScales:
         return cls(1.0 / (n_seq * seq_len), 1.0 / n_seq, 1.0 / grad_accum, mtp)
 
 
+def aux_affinities(cfg, scores):
+    """The per-token affinities the balance loss averages into P_i.
+
+    Softmax scores already sum to 1 over the experts and are used as they are (Hugging Face's
+    DeepSeek-V2 MoEGate).  Sigmoid scores are normalised per token first, as in the
+    sequence-wise balance loss of the DeepSeek-V3 technical report (arXiv 2412.19437),
+    eqs. 18-20:  s'_{i,t} = s_{i,t} / sum_j s_{j,t},  P_i = (1/T) sum_t s'_{i,t},
+    L_Bal = alpha sum_i f_i P_i; Megatron-Core normalises alike for sigmoid scores in
+    compute_routing_scores_for_aux_loss (megatron/core/transformer/moe): scores /
+    (scores.sum(dim=-1, keepdim=True) + 1e-20).  The gradient flows through the sum.
+    """
+    if cfg.scoring_func == "sigmoid":
+        return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    return scores
+
+
 def aux_loss_term(cfg, rec, scales):
     """The auxiliary term one MoE layer adds to a micro-batch's loss (already scaled)."""
-    scores, idx = rec.scores, rec.idx
+    scores, idx = aux_affinities(cfg, rec.scores), rec.idx
     b, t, e = scores.shape
     k = idx.shape[-1]
     alpha = cfg.aux_loss_alpha

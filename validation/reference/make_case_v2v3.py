@@ -38,9 +38,11 @@ Training semantics (shared with dstrain and make_case.py): window i of the shard
 [i*T, i*T+T] (inputs = first T, targets = last T), consumed in order; step s, micro-step m
 uses windows s*B*A + m*B + [0, B).  Per step: zero grads; each micro-step backpropagates
     sum(CE token losses) / (B*A*T)
-  + per MoE layer: seq_aux: alpha * sum_b aux_b / (B*A)   (aux_b = sum_e ce[b,e] * mean_t s[b,t,e],
+  + per MoE layer: seq_aux: alpha * sum_b aux_b / (B*A)   (aux_b = sum_e ce[b,e] * mean_t a[b,t,e],
                                                            ce = count / (T*K/E))
                    else:    alpha * sum_e Pi[e]*fi[e] / A  (of this micro-batch)
+    with affinities a = the softmax scores, or the sigmoid scores normalised per token
+    (DeepSeek-V3 eqs. 18-20; deepseek_ref.aux_affinities);
   + mtp_weight / D * sum_k sum(MTP-k token losses) / (B*A*(T-k));
 MTP depth k at position i reads token t_{i+k} (0 beyond the window) and predicts t_{i+k+1}
 (ignored beyond the window).  Then clip_grad_norm_(trainable params, gradient_clipping);

@@ -197,7 +197,20 @@ void moe_route_backward(Tensor dscores, Tensor dweights, Tensor ids, Tensor scor
   }
 }
 
-double moe_aux_loss(Tensor coef, Tensor scores, Tensor ids) {
+namespace {
+
+// 1 / (sum_e scores[e] + 1e-20) for sigmoid scores (the normaliser of the balance loss's
+// affinities, as Megatron-Core writes it), 1 for softmax scores, which sum to 1 already.
+double affinity_scale(const float* s, int64_t E, ops::MoEScoring scoring) {
+  if (scoring != ops::MoEScoring::Sigmoid) return 1.0;
+  double sum = 0;
+  for (int64_t e = 0; e < E; ++e) sum += s[e];
+  return 1.0 / (sum + 1e-20);
+}
+
+}  // namespace
+
+double moe_aux_loss(Tensor coef, Tensor scores, Tensor ids, ops::MoEScoring scoring) {
   const int64_t E = scores.size(-1), N = rows(scores), G = coef.numel() / E;
   const int64_t k = ids.numel() / N;
   DS_CHECK(coef.numel() == G * E && G >= 1 && N % G == 0 && ids.numel() == N * k,
@@ -216,7 +229,9 @@ double moe_aux_loss(Tensor coef, Tensor scores, Tensor ids) {
       std::fill(P.begin(), P.end(), 0.0);
       std::fill(count.begin(), count.end(), 0);
       for (int64_t t = g * Tg; t < (g + 1) * Tg; ++t) {
-        for (int64_t e = 0; e < E; ++e) P[size_t(e)] += sp[t * E + e];
+        const float* s = sp + t * E;
+        const double a = affinity_scale(s, E, scoring);
+        for (int64_t e = 0; e < E; ++e) P[size_t(e)] += a * s[e];
         for (int64_t j = 0; j < k; ++j) count[size_t(ip[t * k + j])] += 1;
       }
       double aux = 0;
@@ -233,18 +248,29 @@ double moe_aux_loss(Tensor coef, Tensor scores, Tensor ids) {
   return total;
 }
 
-void moe_aux_loss_backward(Tensor dscores, Tensor coef, float scale) {
+void moe_aux_loss_backward(Tensor dscores, Tensor coef, Tensor scores, ops::MoEScoring scoring, float scale) {
   const int64_t E = dscores.size(-1), N = rows(dscores), G = coef.numel() / E;
-  DS_CHECK(coef.numel() == G * E && G >= 1 && N % G == 0, "moe_aux_loss_backward: coef {} for dscores {}",
-           coef.shape().str(), dscores.shape().str());
+  DS_CHECK(coef.numel() == G * E && G >= 1 && N % G == 0 && scores.numel() == N * E,
+           "moe_aux_loss_backward: coef {} scores {} for dscores {}", coef.shape().str(), scores.shape().str(),
+           dscores.shape().str());
   const int64_t Tg = N / G;
   const float* cp = coef.data<float>();
+  const float* sp = scores.data<float>();
   float* dp = dscores.data<float>();
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     const float* c = cp + (n / Tg) * E;
     float* d = dp + n * E;
-    for (int64_t e = 0; e < E; ++e) d[e] += scale * c[e];
+    if (scoring != ops::MoEScoring::Sigmoid) {
+      for (int64_t e = 0; e < E; ++e) d[e] += scale * c[e];
+      continue;
+    }
+    // a_e = s_e / S: d aux / d s_i = (c_i - sum_e c_e a_e) / S, the sum through S.
+    const float* s = sp + n * E;
+    const double inv = affinity_scale(s, E, scoring);
+    double ca = 0;
+    for (int64_t e = 0; e < E; ++e) ca += double(c[e]) * double(s[e]) * inv;
+    for (int64_t e = 0; e < E; ++e) d[e] += float(double(scale) * (double(c[e]) - ca) * inv);
   }
 }
 
