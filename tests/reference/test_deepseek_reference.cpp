@@ -65,8 +65,11 @@ TEST_P(DeepSeekReference, LogitsLossTermsAndEveryGradient) {
     worst = std::max(worst, err);
     ++checked;
   }
-  std::printf("[ %s ] logits %.2e  loss %.6f (ce %.6f aux %.6f mtp %.6f)  worst of %d gradients %.2e\n",
-              GetParam().c_str(), logits_err, total, ce, aux, mtp, checked, worst);
+  auto rel = [](double got, float want) { return std::fabs(got - double(want)) / std::max(1e-30, std::fabs(double(want))); };
+  std::printf("[ %s ] logits %.2e  loss %.6f (ce %.6f aux %.6f mtp %.6f), relative errors: loss %.1e ce %.1e "
+              "aux %.1e mtp %.1e  worst of %d gradients %.2e\n",
+              GetParam().c_str(), logits_err, total, ce, aux, mtp, rel(total, read(*expected_, "loss")[0]),
+              rel(ce, read(*expected_, "ce_loss")[0]), rel(aux, want_aux[0]), rel(mtp, want_mtp[0]), checked, worst);
 }
 
 TEST_P(DeepSeekReference, ThreeStepsWithRoutingBiasUpdates) {
