@@ -1,14 +1,20 @@
-// Model-level checks of the dense transformer: gradients of the whole model against finite
-// differences, consistency of the three forward paths, gradient accumulation, and
-// bitwise reproducibility.
+// Model-level checks: gradients of the whole dense and DeepSeek-V3 models (MLA, MoE with
+// sigmoid/noaux_tc routing and its aux loss, MTP) against finite differences, the MTP input
+// convention, consistency of the three forward paths, gradient accumulation, and bitwise
+// reproducibility.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <functional>
 #include <random>
+#include <vector>
 
 #include "core/buffer.h"
 #include "model/init.h"
+#include "model/moe.h"
 #include "model/transformer.h"
 
 namespace dstrain {
@@ -51,10 +57,35 @@ void perturb_norms(Transformer& m) {
   }
 }
 
+// d loss / d w[i] from central differences at steps h and h/2 combined by Richardson
+// extrapolation, so that the O(h^2) truncation error of a single difference (large next to
+// fp32 rounding where the loss curves sharply, as in attention) drops to O(h^4). Divides by
+// the steps fp32 really took.
+double richardson_fd(float* w, int64_t i, double h, const std::function<double()>& loss) {
+  const float orig = w[i];
+  auto central = [&](double step) {
+    const float up = float(orig + step), down = float(orig - step);
+    w[i] = up;
+    const double lp = loss();
+    w[i] = down;
+    const double lm = loss();
+    w[i] = orig;
+    return (lp - lm) / (double(up) - double(down));
+  };
+  const double coarse = central(h), fine = central(h / 2);
+  return (4 * fine - coarse) / 3;
+}
+
+// |grad - fd| / max |grad| of the tensor: measured at most 2.9e-4.
+constexpr double kDenseGradTol = 1e-3;
+
 class ModelGradients : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
 
 TEST_P(ModelGradients, MatchFiniteDifferences) {
   const auto [gqa, tied] = GetParam();
+  // One thread: thousands of tiny forwards, where thread start-up would dominate.
+  const int saved_threads = omp_get_max_threads();
+  omp_set_num_threads(1);
   Transformer m(tiny(gqa, tied), Device::cpu());
   m.init_weights(11);
   perturb_norms(m);
@@ -68,24 +99,30 @@ TEST_P(ModelGradients, MatchFiniteDifferences) {
   m.params().grads().zero();
   m.forward_backward(d.tok(), d.tgt(), float(1.0 / double(s0.count)));
   std::mt19937 pick(5);
+  double worst = 0;
+  std::string worst_name;
+  int checked = 0;
   for (int id = 0; id < m.params().size(); ++id) {
     const ParamInfo& p = m.params().info(id);
     float* w = m.params().param(id).data<float>();
     const float* g = m.params().grad(id).data<float>();
     double gmax = 1e-4;
     for (int64_t i = 0; i < p.numel(); ++i) gmax = std::max(gmax, double(std::fabs(g[i])));
-    for (int k = 0; k < 6; ++k) {
-      const int64_t i = int64_t(pick() % uint32_t(p.numel()));
-      const float orig = w[i];
-      const double h = 1e-2;
-      w[i] = float(orig + h);
-      const double lp = loss();
-      w[i] = float(orig - h);
-      const double lm = loss();
-      w[i] = orig;
-      EXPECT_NEAR(g[i], (lp - lm) / (2 * h), 3e-2 * gmax) << p.name << "[" << i << "]";
+    const int samples = 24;
+    for (int k = 0; k < std::min<int64_t>(samples, p.numel()); ++k) {
+      const int64_t i = p.numel() <= samples ? k : int64_t(pick() % uint32_t(p.numel()));
+      const double fd = richardson_fd(w, i, 2e-2, loss), err = std::fabs(g[i] - fd) / gmax;
+      EXPECT_NEAR(g[i], fd, kDenseGradTol * gmax) << p.name << "[" << i << "]";
+      ++checked;
+      if (err > worst) {
+        worst = err;
+        worst_name = p.name;
+      }
     }
   }
+  std::printf("[ model FD ] %s %s: max |grad - fd| / max|grad| %.1e (%s) over %d elements\n", gqa ? "gqa" : "mha",
+              tied ? "tied" : "untied", worst, worst_name.c_str(), checked);
+  omp_set_num_threads(saved_threads);
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, ModelGradients,
@@ -210,6 +247,317 @@ TEST(Model, ActivationEstimateMatchesWhatATrainingStepAllocates) {
                                             << used;
     m.release_activations();
   }
+}
+
+// ---- DeepSeek-V3: MLA + MoE (sigmoid scores, noaux_tc, aux loss) + MTP ------------------
+ModelConfig tiny_v3(int64_t mtp_depth) {
+  ModelConfig c;
+  c.model_type = "deepseek_v3";
+  c.hidden_size = 32;
+  c.intermediate_size = 24;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 2;
+  c.num_key_value_heads = 2;
+  c.vocab_size = 40;
+  c.max_position_embeddings = 32;
+  c.rms_norm_eps = 1e-6;
+  c.initializer_range = 0.3;
+  c.q_lora_rank = 12;
+  c.kv_lora_rank = 8;
+  c.qk_nope_head_dim = 4;
+  c.qk_rope_head_dim = 4;
+  c.v_head_dim = 4;
+  c.n_routed_experts = 8;
+  c.n_shared_experts = 1;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = 6;
+  c.first_k_dense_replace = 1;
+  c.routed_scaling_factor = 2.5;
+  c.scoring_func = "sigmoid";
+  c.topk_method = "noaux_tc";
+  c.n_group = 2;
+  c.topk_group = 1;
+  c.norm_topk_prob = true;
+  c.aux_loss_alpha = 0.1;  // large, so the aux gradient is visible next to the CE's
+  c.seq_aux = true;
+  c.num_nextn_predict_layers = mtp_depth;
+  return c;
+}
+
+// Norms away from 1, routers with widely spread logits (small perturbations rarely change
+// a choice) and nonzero routing biases.
+void init_v3(Transformer& m, uint64_t seed) {
+  m.init_weights(seed);
+  perturb_norms(m);
+  ParamRegistry& r = m.params();
+  for (int id = 0; id < r.size(); ++id) {
+    const ParamInfo& p = r.info(id);
+    float* w = r.param(id).data<float>();
+    if (p.kind == ParamKind::RouterBias) {
+      for (int64_t e = 0; e < p.numel(); ++e) w[e] = 0.05f * std::sin(3.0f * float(e) + float(id));
+    } else if (p.name.find("mlp.gate.weight") != std::string::npos) {
+      fill_normal(r.param(id), 1.0, seed, stream_id(p.name));
+    }
+  }
+}
+
+LossScales v3_scales(const Transformer& m, int64_t B, int64_t T, bool with_ce) {
+  LossScales s;
+  s.token = with_ce ? float(1.0 / double(B * T)) : 0.0f;
+  s.sequence = 1.0 / double(B);
+  s.micro_batch = 1.0;
+  for (int k = 0; k < m.mtp_depth(); ++k) s.mtp_token.push_back(float(0.3 / m.mtp_depth() / double(B * (T - k - 1))));
+  return s;
+}
+
+struct V3Loss {
+  double total = 0, aux = 0, mtp = 0;
+  LossSums sums;
+  std::vector<std::vector<int32_t>> routing;  // chosen experts of every MoE layer
+};
+
+// One forward and backward (gradients accumulate; callers zero them): the loss it
+// differentiates, its parts, and the routing it took.
+V3Loss v3_step(Transformer& m, Data& d, const LossScales& s) {
+  for (auto& [l, ffn] : m.moe_layers()) ffn->routing()->reset();
+  V3Loss r;
+  r.sums = m.forward_backward(d.tok(), d.tgt(), s);
+  for (auto& [l, ffn] : m.moe_layers()) {
+    r.aux += ffn->routing()->aux_loss;
+    Tensor ids = dynamic_cast<MoEBlock&>(*ffn).last_ids();
+    r.routing.emplace_back(ids.data<int32_t>(), ids.data<int32_t>() + ids.numel());
+  }
+  for (size_t k = 0; k < r.sums.mtp_sum.size(); ++k) r.mtp += r.sums.mtp_sum[k] * double(s.mtp_token[k]);
+  r.total = r.sums.sum * double(s.token) + r.aux + r.mtp;
+  return r;
+}
+
+// |grad - fd| / max |grad| of the tensor: measured at most 1.0e-3 (fp32 forwards; the
+// smallest gradients, of the MTP + aux loss alone, sit near fp32's resolution of the loss).
+constexpr double kV3GradTol = 3e-3;
+
+// Every trainable tensor of a V3 model at `samples` random elements (all of the small ones),
+// twice: with the full loss, and with the CE term dropped so that the MTP and aux terms,
+// which are small next to it, are checked on their own (the MTP gradient into the main
+// model flows through the final norm output).
+TEST(DeepSeekV3Gradients, WholeModelWithMTPAndAuxLossMatchFiniteDifferences) {
+  // One thread: thousands of tiny forwards, where thread start-up would dominate.
+  const int saved_threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  Transformer m(tiny_v3(1), Device::cpu());
+  init_v3(m, 17);
+  Data d(2, 6, m.config().vocab_size, 8);
+  d.targets[3] = ops::kIgnoreIndex;
+  ParamRegistry& r = m.params();
+  for (bool with_ce : {true, false}) {
+    const LossScales s = v3_scales(m, d.B, d.T, with_ce);
+    r.grads().zero();
+    const V3Loss base = v3_step(m, d, s);
+    ASSERT_GT(base.aux, 0.0);
+    ASSERT_GT(base.mtp, 0.0);
+    const std::vector<float> grads(r.grads().data<float>(), r.grads().data<float>() + r.flat_numel());
+    const double h = 2e-2;
+    double worst = 0, worst_mtp = 0;
+    std::string worst_name;
+    int checked = 0, skipped = 0;
+    std::mt19937 pick(13);
+    for (int id = 0; id < r.size(); ++id) {
+      const ParamInfo& p = r.info(id);
+      if (!p.trainable) continue;
+      float* w = r.param(id).data<float>();
+      const float* g = grads.data() + p.offset;
+      double gmax = 1e-3;
+      for (int64_t i = 0; i < p.numel(); ++i) gmax = std::max(gmax, double(std::fabs(g[i])));
+      const int samples = 8;
+      for (int k = 0; k < std::min<int64_t>(samples, p.numel()); ++k) {
+        const int64_t i = p.numel() <= samples ? k : int64_t(pick() % uint32_t(p.numel()));
+        bool same_routing = true;
+        const double fd = richardson_fd(w, i, h, [&] {
+          const V3Loss l = v3_step(m, d, s);
+          same_routing = same_routing && l.routing == base.routing;
+          return l.total;
+        });
+        if (!same_routing) {
+          ++skipped;
+          continue;
+        }
+        ++checked;
+        const double err = std::fabs(g[i] - fd) / gmax;
+        EXPECT_NEAR(g[i], fd, kV3GradTol * gmax) << p.name << "[" << i << "]" << (with_ce ? "" : " without CE");
+        if (err > worst) {
+          worst = err;
+          worst_name = p.name;
+        }
+        if (p.layer >= m.config().num_hidden_layers) worst_mtp = std::max(worst_mtp, err);
+      }
+    }
+    std::printf("[ V3 FD ] %s: max |grad - fd| / max|grad| %.1e (%s), MTP module %.1e; %d checked, %d skipped "
+                "(routing flipped)\n",
+                with_ce ? "full loss " : "MTP + aux ", worst, worst_name.c_str(), worst_mtp, checked, skipped);
+    EXPECT_LT(skipped * 5, checked) << "too many samples changed the routing";
+  }
+  omp_set_num_threads(saved_threads);
+}
+
+// Copies every parameter of `from` whose name, with `rename` applied, exists in `to`.
+void copy_params(const ParamRegistry& from, ParamRegistry& to, const std::function<std::string(std::string)>& rename) {
+  for (int id = 0; id < from.size(); ++id) {
+    const int dst = to.find(rename(from.info(id).name));
+    if (dst < 0) continue;
+    ASSERT_EQ(to.info(dst).numel(), from.info(id).numel()) << from.info(id).name;
+    std::memcpy(to.param(dst).data<float>(), from.param(id).data<float>(), size_t(from.info(id).numel()) * sizeof(float));
+  }
+}
+
+// (rows, C) -> RMSNorm with weight w, in double.
+std::vector<double> rmsnorm_rows(const std::vector<double>& x, const float* w, int64_t C, double eps) {
+  std::vector<double> y(x.size());
+  for (size_t n = 0; n < x.size() / size_t(C); ++n) {
+    double ss = 0;
+    for (int64_t c = 0; c < C; ++c) ss += x[n * size_t(C) + size_t(c)] * x[n * size_t(C) + size_t(c)];
+    const double rs = 1.0 / std::sqrt(ss / double(C) + eps);
+    for (int64_t c = 0; c < C; ++c) y[n * size_t(C) + size_t(c)] = double(w[c]) * x[n * size_t(C) + size_t(c)] * rs;
+  }
+  return y;
+}
+
+// The MTP module reads the main model's output after model.norm (the final RMSNorm), as
+// vLLM's and Megatron-Core's DeepSeek MTP do. Rebuilt here step by step: the main model's
+// normed output h (a copy of the main model whose head is the identity), then by hand
+// x = eh_proj [enorm(embed(t_{i+1})); hnorm(h_i)], then the MTP decoder layer (a one-layer
+// model holding the MTP layer's weights, whose embedding rows are x and whose final norm is
+// shared_head.norm), then the shared head and the cross-entropy by hand.
+TEST(MultiTokenPrediction, ReadsThePostNormOutputOfTheMainModel) {
+  const ModelConfig c = tiny_v3(1);
+  Transformer m(c, Device::cpu());
+  init_v3(m, 23);
+  Data d(2, 6, c.vocab_size, 9);
+  const int64_t B = d.B, T = d.T, N = B * T, C = c.hidden_size, V = c.vocab_size, L = c.num_hidden_layers;
+  const LossScales s = v3_scales(m, B, T, true);
+  const V3Loss got = v3_step(m, d, s);
+  auto P = [&](const std::string& name) {
+    const int id = m.params().find(name);
+    EXPECT_GE(id, 0) << name;
+    return m.params().param(id).data<float>();
+  };
+
+  // h (N,C): the main model's output after model.norm.
+  ModelConfig main_cfg = c;
+  main_cfg.num_nextn_predict_layers = 0;
+  Transformer main(main_cfg, Device::cpu());
+  copy_params(m.params(), main.params(), [](std::string n) { return n; });
+  float* head = main.params().param(main.params().find("lm_head.weight")).data<float>();
+  std::fill(head, head + V * C, 0.0f);
+  for (int64_t i = 0; i < C; ++i) head[i * C + i] = 1.0f;  // (V,C) = [I; 0]
+  std::vector<float> h_logits(size_t(N * V));
+  main.forward_logits(d.tok(), Tensor(h_logits.data(), DType::F32, Shape{B, T, V}));
+  std::vector<double> h(size_t(N * C)), emb(size_t(N * C));
+  const float* table = P("model.embed_tokens.weight");
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t i = 0; i < C; ++i) h[size_t(n * C + i)] = h_logits[size_t(n * V + i)];
+    // Position t reads token t+1: the main model's target at t.
+    for (int64_t i = 0; i < C; ++i) emb[size_t(n * C + i)] = table[int64_t(d.targets[size_t(n)]) * C + i];
+  }
+  const std::string mtp = fmt::format("model.layers.{}.", L);
+  const std::vector<double> en = rmsnorm_rows(emb, P(mtp + "enorm.weight"), C, c.rms_norm_eps);
+  const std::vector<double> hn = rmsnorm_rows(h, P(mtp + "hnorm.weight"), C, c.rms_norm_eps);
+  const float* eh = P(mtp + "eh_proj.weight");  // (C, 2C)
+
+  // The MTP decoder layer as layer 0 of a one-layer model; embedding row n = x[n].
+  ModelConfig layer_cfg = c;
+  layer_cfg.num_hidden_layers = 1;
+  layer_cfg.first_k_dense_replace = 0;
+  layer_cfg.num_nextn_predict_layers = 0;
+  layer_cfg.vocab_size = std::max(N, C);
+  const int64_t Vq = layer_cfg.vocab_size;
+  Transformer layer(layer_cfg, Device::cpu());
+  copy_params(m.params(), layer.params(), [&](std::string n) {
+    if (n == mtp + "shared_head.norm.weight") return std::string("model.norm.weight");
+    if (n.rfind(mtp, 0) == 0) return "model.layers.0." + n.substr(mtp.size());
+    return std::string("-");
+  });
+  ParamRegistry& lr = layer.params();
+  float* x = lr.param(lr.find("model.embed_tokens.weight")).data<float>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t o = 0; o < C; ++o) {
+      double acc = 0;
+      for (int64_t i = 0; i < C; ++i) acc += double(eh[o * 2 * C + i]) * en[size_t(n * C + i)];
+      for (int64_t i = 0; i < C; ++i) acc += double(eh[o * 2 * C + C + i]) * hn[size_t(n * C + i)];
+      x[n * C + o] = float(acc);
+    }
+  float* id_head = lr.param(lr.find("lm_head.weight")).data<float>();
+  std::fill(id_head, id_head + Vq * C, 0.0f);
+  for (int64_t i = 0; i < C; ++i) id_head[i * C + i] = 1.0f;
+  std::vector<int32_t> rows(static_cast<size_t>(N));
+  for (int64_t n = 0; n < N; ++n) rows[size_t(n)] = int32_t(n);
+  std::vector<float> out(size_t(N * Vq));
+  layer.forward_logits(Tensor(rows.data(), DType::I32, Shape{B, T}), Tensor(out.data(), DType::F32, Shape{B, T, Vq}));
+
+  // Shared head and CE: position t predicts token t+2 (the main target at t+1); the last
+  // position has none.
+  const float* W = P("lm_head.weight");
+  double sum = 0;
+  int64_t count = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t + 1 < T; ++t) {
+      const int64_t n = b * T + t;
+      std::vector<double> logit(static_cast<size_t>(V));
+      double mx = -1e300, z = 0;
+      for (int64_t v = 0; v < V; ++v) {
+        for (int64_t i = 0; i < C; ++i) logit[size_t(v)] += double(W[v * C + i]) * out[size_t(n * Vq + i)];
+        mx = std::max(mx, logit[size_t(v)]);
+      }
+      for (double l : logit) z += std::exp(l - mx);
+      sum += mx + std::log(z) - logit[size_t(d.targets[size_t(n + 1)])];
+      ++count;
+    }
+  ASSERT_EQ(got.sums.mtp_count.size(), 1u);
+  EXPECT_EQ(got.sums.mtp_count[0], count);
+  std::printf("[ MTP ] MTP CE sum %.7f, rebuilt from the post-norm main output %.7f (relative error %.1e)\n",
+              got.sums.mtp_sum[0], sum, std::fabs(got.sums.mtp_sum[0] - sum) / sum);
+  EXPECT_NEAR(got.sums.mtp_sum[0], sum, 2e-6 * sum);
+}
+
+// MTP runs on all T positions. Depth 1 at the last position reads the window's last token
+// and the main model's output there, and has no target (it would predict the token after the
+// window): what it reads does not change the MTP loss (attention is causal, earlier
+// positions do not see it). It still passes through the MTP layer's MoE and so counts in
+// that layer's expert loads and in its balance loss, like every other position.
+TEST(MultiTokenPrediction, TheLastPositionCountsInTheMoELoadsButNotInTheLoss) {
+  const ModelConfig c = tiny_v3(1);
+  Transformer m(c, Device::cpu());
+  init_v3(m, 29);
+  Data d(2, 6, c.vocab_size, 10);
+  const int64_t B = d.B, T = d.T, k = c.num_experts_per_tok;
+  const LossScales s = v3_scales(m, B, T, true);
+  FeedForwardBlock* mtp_moe = nullptr;
+  for (auto& [l, ffn] : m.moe_layers())
+    if (l == c.num_hidden_layers) mtp_moe = ffn;
+  ASSERT_NE(mtp_moe, nullptr);
+  auto run = [&] {
+    const V3Loss r = v3_step(m, d, s);
+    const std::vector<int64_t> load = mtp_moe->routing()->tokens_per_expert;
+    const double aux = mtp_moe->routing()->aux_loss;
+    return std::tuple{r, load, aux};
+  };
+  const auto [r0, load0, aux0] = run();
+  int64_t routed = 0;
+  for (int64_t n : load0) routed += n;
+  EXPECT_EQ(routed, B * T * k) << "every position of every sequence is routed in the MTP layer";
+  EXPECT_EQ(r0.sums.mtp_count[0], B * (T - 1)) << "the last position has no MTP target";
+  // What the last position reads: the main model's output there (through its last token).
+  for (int64_t b = 0; b < B; ++b) {
+    int32_t& t = d.tokens[size_t(b * T + T - 1)];
+    t = int32_t((t + 7) % c.vocab_size);
+  }
+  const auto [r1, load1, aux1] = run();
+  EXPECT_NE(r1.sums.sum, r0.sums.sum) << "the main model's last position changed";
+  EXPECT_EQ(r1.sums.mtp_count[0], r0.sums.mtp_count[0]);
+  EXPECT_NEAR(r1.sums.mtp_sum[0], r0.sums.mtp_sum[0], 1e-6 * r0.sums.mtp_sum[0]) << "the last position has no target";
+  EXPECT_GT(std::fabs(aux1 - aux0), 1e-4 * aux0) << "the last position's scores enter the MTP layer's balance loss";
+  routed = 0;
+  for (int64_t n : load1) routed += n;
+  EXPECT_EQ(routed, B * T * k);
 }
 
 }  // namespace
