@@ -529,6 +529,8 @@ class DeepseekForCausalLM(nn.Module):
         x = self.model.embed_tokens(tokens)
         for layer in self.main_layers():
             x = layer(x, cos, sin, log)
+        # MTP module 1 reads this output after model.norm, as vLLM's and Megatron-Core's
+        # DeepSeek MTP do; module k > 1 reads module k-1's output before its shared_head.norm.
         h = self.model.norm(x)
         logits = self._logits(h)
         mtp_logits = []
