@@ -2,6 +2,7 @@
 // against double-precision evaluations of Hugging Face's formulas, and Multi-head Latent
 // Attention against finite differences and a naive double-precision forward.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <cstdio>
@@ -26,6 +27,14 @@ struct Host {
   }
   explicit Host(Shape s) : v(static_cast<size_t>(s.numel()), 0.0f), shape(s) {}
   Tensor t() { return Tensor(v.data(), DType::F32, shape); }
+};
+
+// Runs the enclosing scope on one thread: finite differences make hundreds of tiny
+// forwards, where thread start-up would dominate. Restores the count on any exit.
+struct OneThread {
+  int saved = omp_get_max_threads();
+  OneThread() { omp_set_num_threads(1); }
+  ~OneThread() { omp_set_num_threads(saved); }
 };
 
 double dot(const std::vector<float>& a, const std::vector<float>& b) {
@@ -436,6 +445,7 @@ class MLAGradients : public ::testing::TestWithParam<MlaCase> {};
 
 TEST_P(MLAGradients, MatchFiniteDifferences) {
   const MlaCase k = GetParam();
+  const OneThread one_thread;
   Block blk(mla_config(k.q_lora, k.yarn), 0, 5);
   const int64_t B = 2, T = 7, C = blk.c.hidden_size;
   std::mt19937 rng(8);

@@ -20,6 +20,14 @@
 namespace dstrain {
 namespace {
 
+// Runs the enclosing scope on one thread: finite differences make hundreds of tiny
+// forwards, where thread start-up would dominate. Restores the count on any exit.
+struct OneThread {
+  int saved = omp_get_max_threads();
+  OneThread() { omp_set_num_threads(1); }
+  ~OneThread() { omp_set_num_threads(saved); }
+};
+
 ModelConfig tiny(bool gqa, bool tied) {
   ModelConfig c;
   c.hidden_size = 16;
@@ -83,9 +91,7 @@ class ModelGradients : public ::testing::TestWithParam<std::tuple<bool, bool>> {
 
 TEST_P(ModelGradients, MatchFiniteDifferences) {
   const auto [gqa, tied] = GetParam();
-  // One thread: thousands of tiny forwards, where thread start-up would dominate.
-  const int saved_threads = omp_get_max_threads();
-  omp_set_num_threads(1);
+  const OneThread one_thread;
   Transformer m(tiny(gqa, tied), Device::cpu());
   m.init_weights(11);
   perturb_norms(m);
@@ -122,7 +128,6 @@ TEST_P(ModelGradients, MatchFiniteDifferences) {
   }
   std::printf("[ model FD ] %s %s: max |grad - fd| / max|grad| %.1e (%s) over %d elements\n", gqa ? "gqa" : "mha",
               tied ? "tied" : "untied", worst, worst_name.c_str(), checked);
-  omp_set_num_threads(saved_threads);
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, ModelGradients,
@@ -341,9 +346,7 @@ constexpr double kV3GradTol = 3e-3;
 // which are small next to it, are checked on their own (the MTP gradient into the main
 // model flows through the final norm output).
 TEST(DeepSeekV3Gradients, WholeModelWithMTPAndAuxLossMatchFiniteDifferences) {
-  // One thread: thousands of tiny forwards, where thread start-up would dominate.
-  const int saved_threads = omp_get_max_threads();
-  omp_set_num_threads(1);
+  const OneThread one_thread;
   Transformer m(tiny_v3(1), Device::cpu());
   init_v3(m, 17);
   Data d(2, 6, m.config().vocab_size, 8);
@@ -396,7 +399,6 @@ TEST(DeepSeekV3Gradients, WholeModelWithMTPAndAuxLossMatchFiniteDifferences) {
                 with_ce ? "full loss " : "MTP + aux ", worst, worst_name.c_str(), worst_mtp, checked, skipped);
     EXPECT_LT(skipped * 5, checked) << "too many samples changed the routing";
   }
-  omp_set_num_threads(saved_threads);
 }
 
 // Copies every parameter of `from` whose name, with `rename` applied, exists in `to`.

@@ -25,6 +25,14 @@ namespace {
 using ops::MoEScoring;
 using ops::MoETopK;
 
+// Runs the enclosing scope on one thread: finite differences make hundreds of tiny
+// forwards, where thread start-up would dominate. Restores the count on any exit.
+struct OneThread {
+  int saved = omp_get_max_threads();
+  OneThread() { omp_set_num_threads(1); }
+  ~OneThread() { omp_set_num_threads(saved); }
+};
+
 Tensor f32(std::vector<float>& v, Shape s) { return Tensor(v.data(), DType::F32, s); }
 Tensor i32(std::vector<int32_t>& v, Shape s) { return Tensor(v.data(), DType::I32, s); }
 
@@ -508,6 +516,7 @@ class MoEBlockGradients : public ::testing::TestWithParam<BlockCase> {};
 
 TEST_P(MoEBlockGradients, MatchFiniteDifferences) {
   const BlockCase bc = GetParam();
+  const OneThread one_thread;
   const int64_t B = 2, T = 5, C = 12, N = B * T;
   Layer L(block_config(bc), 21);
   std::mt19937 rng(4);
