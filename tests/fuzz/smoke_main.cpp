@@ -7,7 +7,6 @@
 // input is then in fuzz_smoke_<target>.crash in the working directory (replay it with the
 // libFuzzer build, or with this driver and 0 seconds).
 #include <fcntl.h>
-#include <sanitizer/common_interface_defs.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -24,6 +23,11 @@
 #include <vector>
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
+
+// Sanitizer reports end in abort(), whose handler below saves the input. (A death callback
+// would not do: gcc links ASan and UBSan as two runtimes, and UBSan's does not call ASan's.)
+extern "C" const char* __asan_default_options() { return "abort_on_error=1"; }
+extern "C" const char* __ubsan_default_options() { return "print_stacktrace=1:abort_on_error=1"; }
 
 namespace {
 
@@ -164,7 +168,6 @@ int main(int argc, char** argv) {
     return 2;
   }
   for (int sig : {SIGSEGV, SIGABRT, SIGFPE, SIGBUS, SIGILL}) std::signal(sig, on_signal);
-  __sanitizer_set_death_callback(save_current);
   std::set_terminate([] {
     save_current();
     std::abort();
