@@ -17,9 +17,10 @@ any mismatch.
     /usr/bin/python3 validation/compare_tokenizers.py [--build build] [--vocab 4000]
     /usr/bin/python3 validation/compare_tokenizers.py --print-unicode-delta
 
-The library comes from PyPI into .venv (created on first use). --print-unicode-delta prints the
-code points that the library's regex engine (Oniguruma, newer Unicode) puts in \\p{L}, \\p{M},
-\\p{N}, \\p{P}, \\p{S} and \\d beyond Unicode 14 (Debian's PCRE2 10.42 and Python 3.11), as the
+The library comes from the venv that validation/peer_venv.sh makes (on first use; ctest runs
+this script in it as `interop.tokenizers`). --print-unicode-delta prints the code points that
+the library's regex engine (Oniguruma, newer Unicode) puts in \\p{L}, \\p{M}, \\p{N}, \\p{P},
+\\p{S} and \\d beyond Unicode 14 (Debian's PCRE2 10.42 and Python 3.11), as the
 C++ table hf_tokenizer.cpp adds to those classes.
 """
 
@@ -35,23 +36,22 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VENV = os.path.join(ROOT, ".venv")
 
 
 def ensure_tokenizers():
-    """Re-runs this script under .venv, with `tokenizers` installed there, unless it has it."""
+    """Re-runs this script under the peer venv (validation/peer_venv.sh: made once per machine,
+    outside the repository, with `tokenizers` among its packages) unless this Python has it."""
     try:
         import tokenizers  # noqa: F401
         return
     except ImportError:
         pass
-    python = os.path.join(VENV, "bin", "python")
+    p = subprocess.run([os.path.join(ROOT, "validation", "peer_venv.sh")], stdout=subprocess.PIPE, text=True)
+    if p.returncode != 0:
+        sys.exit("compare_tokenizers: no Python with `tokenizers` (validation/peer_venv.sh failed, see above)")
+    python = p.stdout.strip().splitlines()[-1]
     if os.path.abspath(sys.executable) == os.path.abspath(python):
-        sys.exit("compare_tokenizers: `tokenizers` is missing from .venv even after installing it")
-    if not os.path.exists(python):
-        subprocess.check_call(["/usr/bin/python3", "-m", "venv", "--system-site-packages", VENV])
-    if subprocess.call([python, "-c", "import tokenizers"], stderr=subprocess.DEVNULL) != 0:
-        subprocess.check_call([python, "-m", "pip", "install", "-q", "tokenizers"])
+        sys.exit(f"compare_tokenizers: {python} cannot import `tokenizers`")
     os.execv(python, [python] + sys.argv)
 
 

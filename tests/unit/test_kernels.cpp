@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels/ops.h"
+#include "optim/adamw.h"
 
 namespace dstrain {
 namespace {
@@ -279,28 +280,103 @@ TEST(Kernels, SumSquaresIsExactAndOrderFixed) {
   EXPECT_EQ(ops::sum_squares(t), ops::sum_squares(t));
 }
 
-TEST(Kernels, AdamWMatchesTheAlgorithm) {
-  // One parameter, two steps, computed by hand from torch.optim.AdamW's definition.
-  float p = 1.0f, g = 0.5f, m = 0, v = 0;
-  Tensor tp(&p, DType::F32, Shape{1}), tg(&g, DType::F32, Shape{1}), tm(&m, DType::F32, Shape{1}),
-      tv(&v, DType::F32, Shape{1});
-  ops::AdamWStep s;
-  s.lr = 0.1f;
-  s.beta1 = 0.9f;
-  s.beta2 = 0.99f;
-  s.eps = 1e-8f;
-  s.weight_decay = 0.01f;
-  double P = 1.0, M = 0, Vv = 0;
-  for (int step = 1; step <= 2; ++step) {
-    s.step = step;
-    ops::adamw_update(tp, tg, tm, tv, s);
-    P *= 1 - 0.1 * 0.01;
-    M = 0.9 * M + 0.1 * 0.5;
-    Vv = 0.99 * Vv + 0.01 * 0.25;
-    const double mhat = M / (1 - std::pow(0.9, step)), vhat = Vv / (1 - std::pow(0.99, step));
-    P -= 0.1 * mhat / (std::sqrt(vhat) + 1e-8);
-    EXPECT_NEAR(p, P, 1e-6);
+// torch.optim.AdamW's documented algorithm (https://pytorch.org/docs/stable/generated/torch.optim.AdamW.html;
+// Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019, Algorithm 2), in double:
+//   theta <- theta - lr * wd * theta;  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
+//   theta <- theta - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+struct AdamWReference {
+  std::vector<double> p, m, v;
+  explicit AdamWReference(const std::vector<float>& p0) : p(p0.begin(), p0.end()), m(p0.size()), v(p0.size()) {}
+  void step(const std::vector<float>& g, double lr, double b1, double b2, double eps, double wd, int t) {
+    for (size_t i = 0; i < p.size(); ++i) {
+      p[i] -= lr * wd * p[i];
+      m[i] = b1 * m[i] + (1 - b1) * g[i];
+      v[i] = b2 * v[i] + (1 - b2) * double(g[i]) * g[i];
+      const double mhat = m[i] / (1 - std::pow(b1, t)), vhat = v[i] / (1 - std::pow(b2, t));
+      p[i] -= lr * mhat / (std::sqrt(vhat) + eps);
+    }
   }
+};
+
+void expect_close(const std::vector<float>& got, const std::vector<double>& want, double rel, const char* what,
+                  int step) {
+  for (size_t i = 0; i < got.size(); ++i)
+    EXPECT_NEAR(got[i], want[i], rel * (1e-3 + std::abs(want[i]))) << what << "[" << i << "] at step " << step;
+}
+
+TEST(Kernels, AdamWMatchesTheAlgorithm) {
+  // Gradients that change sign and size every step, and betas far apart: with a constant
+  // gradient the bias-corrected moments equal g and g^2 whatever the betas, so a swapped or
+  // misplaced beta, or a wrong bias correction, would go unseen.
+  std::mt19937 rng(21);
+  std::normal_distribution<float> nd;
+  const int64_t n = 9;
+  std::vector<float> p(n), g(n), m(n, 0.0f), v(n, 0.0f);
+  for (auto& x : p) x = nd(rng);
+  AdamWReference ref(p);
+  ops::AdamWStep s;
+  s.beta1 = 0.7f;
+  s.beta2 = 0.95f;
+  s.eps = 1e-6f;
+  s.weight_decay = 0.3f;
+  for (int t = 1; t <= 8; ++t) {
+    s.step = t;
+    s.lr = 0.05f / float(t);  // a schedule: each step's own rate goes into the decay and the update
+    for (int64_t i = 0; i < n; ++i) g[size_t(i)] = nd(rng) * float(1 + i % 3) * (t % 2 ? 1.0f : -0.4f);
+    ops::adamw_update(Tensor(p.data(), DType::F32, Shape{n}), Tensor(g.data(), DType::F32, Shape{n}),
+                      Tensor(m.data(), DType::F32, Shape{n}), Tensor(v.data(), DType::F32, Shape{n}), s);
+    ref.step(g, s.lr, s.beta1, s.beta2, s.eps, s.weight_decay, t);
+    expect_close(m, ref.m, 1e-5, "exp_avg", t);
+    expect_close(v, ref.v, 1e-5, "exp_avg_sq", t);
+    expect_close(p, ref.p, 1e-5, "param", t);
+  }
+}
+
+TEST(Kernels, AdamWOptimizerPassesItsConfigurationToEachParameter) {
+  // The optimizer over a registry: betas, eps and the step count from its configuration,
+  // weight decay on linear weights only (norms are in no_decay), and routing biases (not
+  // trainable) left alone.
+  ParamRegistry reg;
+  const int w = reg.add("w", Shape{3, 4}, ParamKind::Linear, 0);
+  const int norm = reg.add("norm", Shape{4}, ParamKind::Norm, 0);
+  const int bias = reg.add("bias", Shape{2}, ParamKind::RouterBias, 0, false, /*trainable=*/false);
+  reg.allocate(Device::cpu());
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  float* values = reg.values().tensor().data<float>();
+  float* grads = reg.grads().tensor().data<float>();
+  const int64_t total = reg.values().numel();
+  for (int64_t i = 0; i < total; ++i) values[i] = nd(rng);
+  const std::vector<float> start(values, values + total);
+  AdamWConfig c;
+  c.beta1 = 0.6;
+  c.beta2 = 0.9;
+  c.eps = 1e-7;
+  c.weight_decay = 0.2;
+  AdamW opt(c, reg);
+  std::vector<AdamWReference> refs;
+  for (int id : {w, norm}) {
+    const Tensor t = reg.param(id);
+    refs.emplace_back(std::vector<float>(t.data<float>(), t.data<float>() + t.numel()));
+  }
+  for (int t = 1; t <= 5; ++t) {
+    for (int64_t i = 0; i < total; ++i) grads[i] = nd(rng) * (t % 2 ? 1.0f : -2.0f);
+    const double lr = 0.02 * t;
+    opt.step(lr);
+    int k = 0;
+    for (int id : {w, norm}) {
+      const Tensor g = reg.grad(id), p = reg.param(id);
+      refs[size_t(k)].step(std::vector<float>(g.data<float>(), g.data<float>() + g.numel()), float(lr), float(c.beta1),
+                           float(c.beta2), float(c.eps), id == w ? float(c.weight_decay) : 0.0, t);
+      expect_close(std::vector<float>(p.data<float>(), p.data<float>() + p.numel()), refs[size_t(k)].p, 1e-5,
+                   reg.info(id).name.c_str(), t);
+      ++k;
+    }
+  }
+  EXPECT_EQ(opt.steps_taken(), 5);
+  const Tensor b = reg.param(bias);
+  const int64_t off = reg.info(bias).offset;
+  for (int64_t i = 0; i < b.numel(); ++i) EXPECT_EQ(b.data<float>()[i], start[size_t(off + i)]);
 }
 
 }  // namespace
