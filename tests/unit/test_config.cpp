@@ -143,6 +143,35 @@ TEST(Config, DatasetsToBlendAndTheirSchedule) {
   EXPECT_THAT(msg, HasSubstr("arrow"));
 }
 
+TEST(Config, DuplicateKeysAreErrorsNamingKeyAndLines) {
+  TempDir d;
+  std::string msg = error_of([&] {
+    RunConfig::load(d.write("dup_top.json", "{\"output\": {\"dir\": \"a\"},\n" + run_json().substr(1, run_json().size() - 2) +
+                                                ",\n\"output\": {\"dir\": \"b\"}}"),
+                    {});
+  });
+  EXPECT_THAT(msg, HasSubstr("dup_top.json"));
+  EXPECT_THAT(msg, HasSubstr("key 'output' is given twice, on lines 1 and 12"));  // run_json() has 10 lines
+  // Nested, inside an array element, with comments and look-alike strings in between.
+  msg = error_of([&] {
+    RunConfig::load(d.write("dup_nested.json", std::string(R"({"model": )") + kModel + R"(,
+      "train": {"train_micro_batch_size_per_gpu": 4, /* "eval_batches": { */ "eval_batches": 2},
+      // "weight": 1}
+      "data": {"seq_len": 64, "train": [{"path": "a", "name": "\"weight\": 3", "weight": 1},
+                                         {"path": "b", "weight": 1,
+                                          "weight": 2}]}})"),
+                    {});
+  });
+  EXPECT_THAT(msg, HasSubstr("key 'data.train[1].weight' is given twice, on lines 10 and 11"));
+  // The same key in sibling objects is no duplicate.
+  RunConfig c = RunConfig::load(d.write("siblings.json", run_json("", R"(, "output": {"dir": "x"}, "checkpoint": {"dir": "y"})")), {});
+  EXPECT_EQ(c.checkpoint.dir, "y");
+  // A model's config.json is read the same way.
+  const std::string model = d.write("config.json", std::string(kModel).insert(1, "\"vocab_size\": 512,\n"));
+  msg = error_of([&] { RunConfig::load(d.write("m.json", run_json()), {"model=\"" + model + "\""}); });
+  EXPECT_THAT(msg, HasSubstr("config.json: key 'vocab_size' is given twice, on lines 1 and 3"));
+}
+
 TEST(Config, ModelFromAnHFConfigFileWithInlineOverrides) {
   TempDir d;
   const std::string hf = d.write("config.json", kModel);
@@ -257,6 +286,23 @@ TEST(Config, BatchArithmeticFollowsDeepSpeed) {
   v.micro_batch = 4;
   v.grad_accum = 2;
   EXPECT_THAT(error_of([&] { v.resolve_batch(1, "x"); }), HasSubstr("train_batch_size 16 != 4 x 2 x 1"));
+}
+
+TEST(Config, ZeroOrNegativeBatchKeysAreErrorsNotUnset) {
+  TempDir d;
+  const std::string path = d.write("batch.json", run_json());
+  for (const char* key : {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"}) {
+    for (const char* value : {"0", "-2"}) {
+      const std::string msg =
+          error_of([&] { RunConfig::load(path, {fmt::format("train.{}={}", key, value)}); });
+      EXPECT_THAT(msg, HasSubstr(fmt::format("key 'train.{}' is {}; it must be a positive integer", key, value)));
+      EXPECT_THAT(msg, HasSubstr("batch.json"));
+    }
+  }
+  // null leaves a key to be derived, e.g. to override the accumulation through train_batch_size.
+  RunConfig c = RunConfig::load(path, {"train.gradient_accumulation_steps=null", "train.train_batch_size=24"});
+  c.train.resolve_batch(2, path);
+  EXPECT_EQ(c.train.grad_accum, 3);
 }
 
 TEST(LrSchedule, DeepSpeedFormulas) {
