@@ -1,5 +1,6 @@
 #include "train/run_config.h"
 
+#include <cmath>
 #include <filesystem>
 
 #include "core/error.h"
@@ -150,8 +151,11 @@ GenerateConfig read_generate(const JsonReader& r) {
   g.top_k = r.get<int64_t>("top_k", g.top_k);
   const int64_t seed = r.get<int64_t>("seed", 0);
   g.interval = r.get<int64_t>("interval", g.interval);
-  if (g.max_new_tokens < 0) r.error("max_new_tokens", "must be >= 0");
-  if (g.temperature < 0) r.error("temperature", "must be >= 0 (0 is greedy)");
+  if (g.max_new_tokens <= 0) r.error("max_new_tokens", fmt::format("is {}; it must be positive", g.max_new_tokens));
+  // !(x >= 0) also catches nan, and a literal like 1e999 parses to inf.
+  if (!(g.temperature >= 0) || !std::isfinite(g.temperature)) {
+    r.error("temperature", fmt::format("is {}; it must be a finite number >= 0 (0 is greedy)", g.temperature));
+  }
   if (g.top_k < 0) r.error("top_k", "must be >= 0 (0 is the whole vocabulary)");
   if (seed < 0) r.error("seed", "must be >= 0");
   if (g.interval < 0) r.error("interval", "must be >= 0");

@@ -143,6 +143,17 @@ TEST(Config, DatasetsToBlendAndTheirSchedule) {
   EXPECT_THAT(msg, HasSubstr("arrow"));
 }
 
+TEST(Config, GenerateKeysOutsideTheirRangeAreErrors) {
+  TempDir d;
+  const std::string path = d.write("gen.json", run_json());
+  EXPECT_THAT(error_of([&] { RunConfig::load(path, {"generate.max_new_tokens=0"}); }),
+              HasSubstr("key 'generate.max_new_tokens' is 0; it must be positive"));
+  EXPECT_THAT(error_of([&] { RunConfig::load(path, {"generate.temperature=-1"}); }),
+              HasSubstr("key 'generate.temperature' is -1; it must be a finite number >= 0"));
+  EXPECT_THAT(error_of([&] { RunConfig::load(path, {"generate.top_k=-1"}); }), HasSubstr("'generate.top_k'"));
+  EXPECT_EQ(RunConfig::load(path, {"generate.max_new_tokens=1"}).generate.max_new_tokens, 1);
+}
+
 TEST(Config, DuplicateKeysAreErrorsNamingKeyAndLines) {
   TempDir d;
   std::string msg = error_of([&] {

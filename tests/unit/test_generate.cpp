@@ -2,8 +2,10 @@
 // the tokenizer's vocabulary (padded embedding rows) never being chosen.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 
+#include "core/error.h"
 #include "model/transformer.h"
 #include "train/generate.h"
 
@@ -20,6 +22,19 @@ TEST(Sampling, GreedyTemperatureAndTopK) {
   // softmax([2, 1.9]): p(1) = 0.525; 2000 draws lie well within 0.45..0.60.
   EXPECT_NEAR(seen[1] / 2000.0, 0.525, 0.075);
   EXPECT_EQ(sample_token(logits.data(), 5, 1.0, 0, 3, 17), sample_token(logits.data(), 5, 1.0, 0, 3, 17));
+}
+
+TEST(Sampling, TemperatureAndTopKOutsideTheirRangeAreErrors) {
+  const std::vector<float> logits = {0.0f, 2.0f, 1.0f};
+  for (double t : {std::nan(""), double(INFINITY), -0.5}) {
+    try {
+      sample_token(logits.data(), 3, t, 0, 1, 0);
+      ADD_FAILURE() << "temperature " << t << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("is not a finite number >= 0"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_THROW(sample_token(logits.data(), 3, 1.0, -1, 1, 0), Error);
 }
 
 TEST(Sampling, IdsBeyondTheTokenizerAreNeverChosen) {
