@@ -170,43 +170,13 @@ void JsonReader::done() const {
   }
 }
 
-void apply_override(json& root, const std::string& assignment) {
-  const size_t eq = assignment.find('=');
-  if (eq == std::string::npos || eq == 0) {
-    throw Error(fmt::format("command line: --set expects KEY=VALUE (for example train.optimizer.params.lr=3e-4), got '{}'",
-                            assignment));
-  }
-  const std::string key = assignment.substr(0, eq);
-  const std::string text = assignment.substr(eq + 1);
-  json value = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (value.is_discarded()) value = text;
-
-  json* node = &root;
-  size_t start = 0;
-  while (true) {
-    size_t dot = key.find('.', start);
-    std::string part = key.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
-    if (part.empty()) throw Error(fmt::format("command line: --set key '{}' has an empty component", key));
-    if (!node->is_object()) {
-      throw Error(fmt::format("command line: --set {}: '{}' is not an object in the configuration", key,
-                              key.substr(0, start ? start - 1 : 0)));
-    }
-    if (dot == std::string::npos) {
-      (*node)[part] = value;
-      return;
-    }
-    if (!node->contains(part)) (*node)[part] = json::object();
-    node = &(*node)[part];
-    start = dot + 1;
-  }
-}
-
 namespace {
 
 // nlohmann::json keeps the last of two equal keys without a word, and its parser reports no
 // positions, so a second pass over the (already valid) text finds them with their lines.
 // A duplicate usually means an edit that did not take effect: the first value is silently lost.
-void check_unique_keys(const std::string& text, const std::string& source) {
+// `root` is the dotted path of the text's top level ("" for a file).
+void check_unique_keys(const std::string& text, const std::string& source, const std::string& root = "") {
   struct Container {
     bool object = false;
     std::string path;                          // dotted path of this container ("" at the top)
@@ -218,7 +188,7 @@ void check_unique_keys(const std::string& text, const std::string& source) {
   bool expect_key = false;
   int64_t line = 1;
   auto child_path = [&]() -> std::string {
-    if (stack.empty()) return "";
+    if (stack.empty()) return root;
     const Container& c = stack.back();
     if (!c.object) return fmt::format("{}[{}]", c.path, c.index);
     return c.path.empty() ? c.key : c.path + "." + c.key;
@@ -276,6 +246,41 @@ void check_unique_keys(const std::string& text, const std::string& source) {
 }
 
 }  // namespace
+
+void apply_override(json& root, const std::string& assignment) {
+  const size_t eq = assignment.find('=');
+  if (eq == std::string::npos || eq == 0) {
+    throw Error(fmt::format("command line: --set expects KEY=VALUE (for example train.optimizer.params.lr=3e-4), got '{}'",
+                            assignment));
+  }
+  const std::string key = assignment.substr(0, eq);
+  const std::string text = assignment.substr(eq + 1);
+  json value = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (value.is_discarded()) {
+    value = text;
+  } else {
+    check_unique_keys(text, "command line --set " + key, key);
+  }
+
+  json* node = &root;
+  size_t start = 0;
+  while (true) {
+    size_t dot = key.find('.', start);
+    std::string part = key.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+    if (part.empty()) throw Error(fmt::format("command line: --set key '{}' has an empty component", key));
+    if (!node->is_object()) {
+      throw Error(fmt::format("command line: --set {}: '{}' is not an object in the configuration", key,
+                              key.substr(0, start ? start - 1 : 0)));
+    }
+    if (dot == std::string::npos) {
+      (*node)[part] = value;
+      return;
+    }
+    if (!node->contains(part)) (*node)[part] = json::object();
+    node = &(*node)[part];
+    start = dot + 1;
+  }
+}
 
 json read_json_file(const std::string& path) {
   std::ifstream in(path);

@@ -181,6 +181,9 @@ TEST(Config, DuplicateKeysAreErrorsNamingKeyAndLines) {
   const std::string model = d.write("config.json", std::string(kModel).insert(1, "\"vocab_size\": 512,\n"));
   msg = error_of([&] { RunConfig::load(d.write("m.json", run_json()), {"model=\"" + model + "\""}); });
   EXPECT_THAT(msg, HasSubstr("config.json: key 'vocab_size' is given twice, on lines 1 and 3"));
+  // And a JSON value given with --set.
+  msg = error_of([&] { RunConfig::load(d.write("s.json", run_json()), {R"(data.train=[{"path": "a", "path": "b"}])"}); });
+  EXPECT_THAT(msg, HasSubstr("--set data.train: key 'data.train[0].path' is given twice"));
 }
 
 TEST(Config, ModelFromAnHFConfigFileWithInlineOverrides) {
