@@ -3,8 +3,8 @@
 //                    [--set key=value]...
 //   dstrain eval     --config F --init-from HF_DIR [--batches N]
 //   dstrain generate --config F --init-from HF_DIR --prompt TEXT
-// Exit status: 0 done, 1 error, 2 bad command line, 75 stopped on SIGUSR1/SIGTERM after a checkpoint (requeue
-// the job), 76 a collective passed its deadline (the watchdog ended the job).
+// Exit status: 0 done, 1 error, 2 bad command line, 75 stopped on SIGUSR1/SIGTERM after a
+// checkpoint (requeue the job), 76 a collective passed its deadline (the watchdog ended the job).
 #include <CLI/CLI.hpp>
 #include <Kokkos_Core.hpp>
 #include <mpi.h>
@@ -195,8 +195,9 @@ int run(int argc, char** argv) {
       return cli::report("dstrain", "no command given; the commands are train, eval and generate", "dstrain", quiet);
     }
     if (argv[1][0] == '-' || e.get_exit_code() == 0) return cli::report(app, e, "dstrain", "dstrain", quiet);
-    return cli::report("dstrain", fmt::format("unknown command '{}'; the commands are train, eval and generate", argv[1]),
-                       "dstrain", quiet);
+    return cli::report(
+        "dstrain", fmt::format("unknown command '{}'; the commands are train, eval and generate", argv[1]), "dstrain",
+        quiet);
   }
   if (train->parsed()) return cmd_train(o);
   if (eval->parsed()) return cmd_eval(o);

@@ -157,9 +157,9 @@ TEST(Config, GenerateKeysOutsideTheirRangeAreErrors) {
 TEST(Config, DuplicateKeysAreErrorsNamingKeyAndLines) {
   TempDir d;
   std::string msg = error_of([&] {
-    RunConfig::load(d.write("dup_top.json", "{\"output\": {\"dir\": \"a\"},\n" + run_json().substr(1, run_json().size() - 2) +
-                                                ",\n\"output\": {\"dir\": \"b\"}}"),
-                    {});
+    const std::string body = run_json().substr(1, run_json().size() - 2);
+    const std::string text = R"({"output": {"dir": "a"},)" "\n" + body + ",\n" R"("output": {"dir": "b"}})";
+    RunConfig::load(d.write("dup_top.json", text), {});
   });
   EXPECT_THAT(msg, HasSubstr("dup_top.json"));
   EXPECT_THAT(msg, HasSubstr("key 'output' is given twice, on lines 1 and 12"));  // run_json() has 10 lines
@@ -175,14 +175,16 @@ TEST(Config, DuplicateKeysAreErrorsNamingKeyAndLines) {
   });
   EXPECT_THAT(msg, HasSubstr("key 'data.train[1].weight' is given twice, on lines 10 and 11"));
   // The same key in sibling objects is no duplicate.
-  RunConfig c = RunConfig::load(d.write("siblings.json", run_json("", R"(, "output": {"dir": "x"}, "checkpoint": {"dir": "y"})")), {});
+  const std::string siblings = run_json("", R"(, "output": {"dir": "x"}, "checkpoint": {"dir": "y"})");
+  RunConfig c = RunConfig::load(d.write("siblings.json", siblings), {});
   EXPECT_EQ(c.checkpoint.dir, "y");
   // A model's config.json is read the same way.
   const std::string model = d.write("config.json", std::string(kModel).insert(1, "\"vocab_size\": 512,\n"));
   msg = error_of([&] { RunConfig::load(d.write("m.json", run_json()), {"model=\"" + model + "\""}); });
   EXPECT_THAT(msg, HasSubstr("config.json: key 'vocab_size' is given twice, on lines 1 and 3"));
   // And a JSON value given with --set.
-  msg = error_of([&] { RunConfig::load(d.write("s.json", run_json()), {R"(data.train=[{"path": "a", "path": "b"}])"}); });
+  msg = error_of(
+      [&] { RunConfig::load(d.write("s.json", run_json()), {R"(data.train=[{"path": "a", "path": "b"}])"}); });
   EXPECT_THAT(msg, HasSubstr("--set data.train: key 'data.train[0].path' is given twice"));
 }
 
