@@ -3,8 +3,8 @@
 //                    [--set key=value]...
 //   dstrain eval     --config F --init-from HF_DIR [--batches N]
 //   dstrain generate --config F --init-from HF_DIR --prompt TEXT
-// Exit status: 0 done, 1 error, 75 stopped on SIGUSR1/SIGTERM after a checkpoint (requeue
-// the job), 76 a collective passed its deadline (the watchdog ended the job).
+// Exit status: 0 done, 1 error, 2 bad command line, 75 stopped on SIGUSR1/SIGTERM after a
+// checkpoint (requeue the job), 76 a collective passed its deadline (the watchdog ended the job).
 #include <CLI/CLI.hpp>
 #include <Kokkos_Core.hpp>
 #include <mpi.h>
@@ -15,6 +15,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "cli.h"
 #include "core/log.h"
 #include "core/version.h"
 #include "io/hf_weights.h"
@@ -23,6 +24,24 @@
 #include "train/trainer.h"
 
 namespace {
+
+namespace cli = dstrain::cli;
+
+// --set KEY=VALUE, checked when parsing so a malformed one is a bad command line (status 2).
+CLI::Validator set_assignment() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        const size_t eq = text.find('=');
+        const std::string key = text.substr(0, eq);
+        if (eq == std::string::npos || key.empty() || key.front() == '.' || key.back() == '.' ||
+            key.find("..") != std::string::npos) {
+          return fmt::format("expects KEY=VALUE with a dotted KEY (for example train.optimizer.params.lr=3e-4), "
+                             "got '{}'", text);
+        }
+        return {};
+      },
+      "KEY=VALUE");
+}
 
 struct Options {
   std::string config;
@@ -140,13 +159,14 @@ int run(int argc, char** argv) {
                                  "initial weights: a Hugging Face directory (safetensors) or a .safetensors file");
     if (need_init) init->required();
     sub->add_option("--set", o.overrides, "override a configuration key, e.g. train.optimizer.params.lr=3e-4")
-        ->take_all();
+        ->take_all()
+        ->check(set_assignment());
   };
   CLI::App* train = app.add_subcommand("train", "train a model");
   common(train, false);
   train->add_option("--save-hf", o.save_hf, "write Hugging Face weights (safetensors + config.json) here at the end");
   train->add_option("--max-steps", o.max_steps, "optimizer steps to run (overrides train.max_steps)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(cli::integer_in(0));
   train->add_option("--status-file", o.status_file,
                     "rank 0 writes 'completed STEP' or 'stopped STEP' here when training ends (for batch scripts)");
   train->add_option("--resume", o.resume,
@@ -154,21 +174,30 @@ int run(int argc, char** argv) {
   CLI::App* eval = app.add_subcommand("eval", "mean loss over the first windows of the evaluation data");
   common(eval, true);
   eval->add_option("--batches", o.eval_batches, "micro-batches to evaluate (overrides train.eval_batches)")
-      ->check(CLI::PositiveNumber);
+      ->check(cli::integer_in(1));
   CLI::App* gen = app.add_subcommand("generate", "continue a prompt");
   common(gen, true);
   gen->add_option("--prompt", o.prompt, "text to continue")->required();
-  gen->add_option("--max-new-tokens", o.max_new_tokens, "tokens to generate")->check(CLI::NonNegativeNumber);
-  gen->add_option("--temperature", o.temperature, "0 for greedy decoding")->check(CLI::NonNegativeNumber);
-  gen->add_option("--top-k", o.top_k, "sample among the k most likely tokens (0: all)")->check(CLI::NonNegativeNumber);
-  gen->add_option("--seed", o.seed, "sampling seed")->check(CLI::NonNegativeNumber);
+  gen->add_option("--max-new-tokens", o.max_new_tokens, "tokens to generate")->check(cli::integer_in(1));
+  gen->add_option("--temperature", o.temperature, "0 for greedy decoding")->check(cli::finite_at_least(0));
+  gen->add_option("--top-k", o.top_k, "sample among the k most likely tokens (0: all)")->check(cli::integer_in(0));
+  gen->add_option("--seed", o.seed, "sampling seed")->check(cli::integer_in(0));
 
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    // Usage messages once per job, not once per rank.
-    std::ostringstream quiet;
-    return dstrain::log::rank() == 0 ? app.exit(e) : app.exit(e, quiet, quiet);
+    // Usage messages once per job, not once per rank; every rank ends with the same status.
+    const bool quiet = dstrain::log::rank() != 0;
+    for (const CLI::App* sub : {train, eval, gen}) {
+      if (sub->parsed()) return cli::report(app, e, "dstrain", "dstrain " + sub->get_name(), quiet);
+    }
+    if (argc < 2) {
+      return cli::report("dstrain", "no command given; the commands are train, eval and generate", "dstrain", quiet);
+    }
+    if (argv[1][0] == '-' || e.get_exit_code() == 0) return cli::report(app, e, "dstrain", "dstrain", quiet);
+    return cli::report(
+        "dstrain", fmt::format("unknown command '{}'; the commands are train, eval and generate", argv[1]), "dstrain",
+        quiet);
   }
   if (train->parsed()) return cmd_train(o);
   if (eval->parsed()) return cmd_eval(o);

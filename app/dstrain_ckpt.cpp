@@ -1,12 +1,14 @@
 // dstrain-ckpt: inspect and convert dstrain checkpoints.
 //   dstrain-ckpt info FILE                 step, layout, tensors, sizes, checksums verified
 //   dstrain-ckpt export FILE --to-hf DIR   Hugging Face safetensors + config.json
+// Exit status: 0 done, 1 error (or a checksum mismatch), 2 bad command line.
 #include <CLI/CLI.hpp>
 #include <Kokkos_Core.hpp>
 #include <mpi.h>
 
 #include <cstdio>
 
+#include "cli.h"
 #include "core/log.h"
 #include "io/checkpoint.h"
 #include "io/hf_weights.h"
@@ -79,7 +81,16 @@ int main(int argc, char** argv) {
       app.parse(argc, argv);
       rc = info->parsed() ? cmd_info(file, !no_verify) : cmd_export(file, to_hf);
     } catch (const CLI::ParseError& e) {
-      rc = app.exit(e);
+      const CLI::App* sub = info->parsed() ? info : exp->parsed() ? exp : nullptr;
+      const std::string usage = sub ? "dstrain-ckpt " + sub->get_name() : "dstrain-ckpt";
+      if (sub || e.get_exit_code() == 0 || (argc >= 2 && argv[1][0] == '-')) {
+        rc = dstrain::cli::report(app, e, "dstrain-ckpt", usage);
+      } else if (argc < 2) {
+        rc = dstrain::cli::report("dstrain-ckpt", "no command given; the commands are info and export", usage);
+      } else {
+        rc = dstrain::cli::report(
+            "dstrain-ckpt", fmt::format("unknown command '{}'; the commands are info and export", argv[1]), usage);
+      }
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dstrain-ckpt: error: %s\n", e.what());

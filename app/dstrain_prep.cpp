@@ -1,5 +1,6 @@
 // dstrain-prep: text or JSONL files -> llm.c token shards (PREFIX_val_000000.bin, PREFIX_train_000000.bin,
 // ...) or Megatron indexed datasets (PREFIX_text_document.idx/.bin). Every document ends with the eos id.
+// Exit status: 0 done, 1 error, 2 bad command line (including inputs that are missing or not text).
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <unistd.h>
@@ -21,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "cli.h"
 #include "core/error.h"
 #include "data/indexed_dataset.h"
 #include "data/token_shard.h"
@@ -48,8 +50,60 @@ struct PrepOptions {
   int threads = int(std::max(1u, std::thread::hardware_concurrency()));
 };
 
+// How much of each input is checked to be text before any work.
+constexpr size_t kTextCheckBytes = size_t(64) << 10;
+
+// Fails when the first bytes of an input are not text: the byte tokenizer takes any bytes, so
+// a compressed or binary file would otherwise become plausible-looking tokens. A few invalid
+// UTF-8 sequences (a stray Latin-1 character) are tolerated; binary data has many.
+void check_is_text(const std::string& path, std::string_view head) {
+  struct Magic {
+    std::string_view bytes, name, decompress;
+  };
+  static constexpr Magic kCompressed[] = {{"\x1f\x8b", "gzip", "gunzip -k"},
+                                          {"\x28\xb5\x2f\xfd", "zstd", "zstd -d"},
+                                          {"\xfd\x37\x7a\x58\x5a\x00", "xz", "xz -dk"},
+                                          {"BZh", "bzip2", "bunzip2 -k"}};
+  for (const Magic& m : kCompressed) {
+    DS_CHECK(!head.starts_with(m.bytes),
+             "input {} is {}-compressed (its first bytes, at offset 0, are the {} magic number); decompress it "
+             "first ({} {}) and pass the text",
+             path, m.name, m.name, m.decompress, path);
+  }
+  DS_CHECK(!head.starts_with("\xff\xfe") && !head.starts_with("\xfe\xff"),
+           "input {} is UTF-16 text (it starts with a UTF-16 byte-order mark at offset 0); convert it to UTF-8 first "
+           "(iconv -f utf-16 -t utf-8)",
+           path);
+  const size_t nul = head.find('\0');
+  DS_CHECK(nul == std::string_view::npos,
+           "input {} holds a NUL byte at offset {}: it is a binary file, not text; pass text or JSONL files (token "
+           "shards and .bin/.idx datasets are already prepared: give them to data.train directly)",
+           path, nul);
+  size_t invalid = 0, first_invalid = 0;
+  for (size_t i = 0; i < head.size();) {
+    const auto c = uint8_t(head[i]);
+    const size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
+    bool ok = len > 0;
+    if (ok && i + len > head.size()) break;  // a character cut by the end of the checked bytes
+    for (size_t k = 1; ok && k < len; ++k) ok = (uint8_t(head[i + k]) & 0xc0) == 0x80;
+    if (ok) {
+      i += len;
+    } else {
+      if (invalid++ == 0) first_invalid = i;
+      ++i;
+    }
+  }
+  // At most 1 in 100 bytes: Latin-1 prose stays below that, binary data is far above.
+  DS_CHECK(invalid <= std::max<size_t>(4, head.size() / 100),
+           "input {} is not UTF-8 text: {} invalid byte sequences in its first {} bytes, the first at offset {}; "
+           "convert it to UTF-8 first (for example iconv -f latin1 -t utf-8), or, if it is binary, pass the text it "
+           "was made from",
+           path, invalid, head.size(), first_invalid);
+}
+
 // Before any work: a typo in the last of many inputs should not cost a run over the others.
-// Returns the inputs' total size in bytes, or nullopt when one is not a regular file (a pipe).
+// Returns the inputs' total size in bytes, or nullopt when one is not a regular file (a pipe,
+// checked to be text when it is read).
 std::optional<int64_t> check_inputs(const std::vector<std::string>& inputs) {
   namespace fs = std::filesystem;
   int64_t total = 0;
@@ -61,11 +115,26 @@ std::optional<int64_t> check_inputs(const std::vector<std::string>& inputs) {
     DS_CHECK(!fs::is_directory(st), "input {} is a directory; pass the files inside it (e.g. {}/*)", path, path);
     if (fs::is_regular_file(st)) {
       total += int64_t(fs::file_size(path, ec));
+      std::FILE* f = std::fopen(path.c_str(), "rb");
+      DS_CHECK(f != nullptr, "cannot open input {}: {}", path, std::strerror(errno));
+      std::string head(kTextCheckBytes, '\0');
+      head.resize(std::fread(head.data(), 1, head.size(), f));
+      std::fclose(f);
+      check_is_text(path, head);
     } else {
       known = false;
     }
   }
   return known ? std::optional<int64_t>(total) : std::nullopt;
+}
+
+// Options that exclude each other: a bad command line, found before any work.
+void check_option_combinations(const PrepOptions& opt) {
+  const bool megatron = opt.format == "megatron";
+  DS_CHECK(megatron || opt.dtype == "auto", "--dtype applies to --format megatron; llm.c shards take --version");
+  DS_CHECK(!megatron || !opt.version, "--version applies to --format llmc; Megatron datasets take --dtype");
+  DS_CHECK(!megatron || !opt.shard_tokens_given,
+           "--shard-tokens applies to --format llmc; a Megatron dataset is one .bin of any size");
 }
 
 bool is_jsonl(const std::string& path, const PrepOptions& opt) {
@@ -434,10 +503,6 @@ class Progress {
 int run(const PrepOptions& opt) {
   const auto start = Clock::now();
   const bool megatron = opt.format == "megatron";
-  DS_CHECK(megatron || opt.dtype == "auto", "--dtype applies to --format megatron; llm.c shards take --version");
-  DS_CHECK(!megatron || !opt.version, "--version applies to --format llmc; Megatron datasets take --dtype");
-  DS_CHECK(!megatron || !opt.shard_tokens_given,
-           "--shard-tokens applies to --format llmc; a Megatron dataset is one .bin of any size");
   const std::optional<int64_t> total_bytes = check_inputs(opt.inputs);
   const std::unique_ptr<Tokenizer> tok = make_tokenizer(opt.tokenizer);
   const std::filesystem::path out_dir = std::filesystem::path(opt.output_prefix).parent_path();
@@ -484,6 +549,7 @@ int run(const PrepOptions& opt) {
     const Source src{opt.inputs[f], is_jsonl(opt.inputs[f], opt), opt.json_key};
     progress.update(f, src.path, text_bytes, docs_seen, /*force=*/true);
     const std::string text = read_input(src.path);
+    if (!total_bytes) check_is_text(src.path, std::string_view(text).substr(0, kTextCheckBytes));
     const std::vector<RawDocument> docs = src.jsonl ? split_jsonl(text) : split_documents(text, opt.split_on_line);
     int64_t file_tokens = 0, file_docs = 0, file_bytes_done = 0;
     for (size_t begin = 0; begin < docs.size();) {
@@ -553,7 +619,7 @@ int main(int argc, char** argv) {
         ->required();
     app.add_option("--format", opt.format, "Output format: llmc (token shards) or megatron (indexed dataset)")
         ->capture_default_str()
-        ->check(CLI::IsMember({"llmc", "megatron"}));
+        ->check(cli::one_of({"llmc", "megatron"}));
     app.add_option("--tokenizer", opt.tokenizer,
                    "Tokenizer: byte, or a Hugging Face tokenizer.json (or a model directory holding one)")
         ->capture_default_str();
@@ -563,28 +629,37 @@ int main(int argc, char** argv) {
     app.add_option("--json-key", opt.json_key, "The JSONL field that holds the document text")->capture_default_str();
     app.add_option("--val-docs", opt.val_docs, "The first N documents go to the validation output")
         ->capture_default_str()
-        ->check(CLI::NonNegativeNumber);
+        ->check(cli::integer_in(0));
     CLI::Option* shard_tokens =
         app.add_option("--shard-tokens", opt.shard_tokens, "llmc: at most this many tokens per shard")
         ->capture_default_str()
-        ->check(CLI::Range(int64_t(1), int64_t(2147483647)));
+        ->check(cli::integer_in(1, 2147483647));
     app.add_option("--version", opt.version,
                    "llmc shard version: 1 (uint16 tokens) or 7 (uint32); default by vocabulary")
-        ->check(CLI::IsMember({1, 7}));
+        ->check(cli::one_of({"1", "7"}));
     app.add_option("--dtype", opt.dtype,
                    "megatron token type: uint16, int32, or auto (uint16 when the vocabulary has fewer than 65500 ids, "
                    "as Megatron does)")
         ->capture_default_str()
-        ->check(CLI::IsMember({"auto", "uint16", "int32"}));
-    app.add_option("--threads", opt.threads, "Tokenization threads")->capture_default_str()->check(CLI::PositiveNumber);
+        ->check(cli::one_of({"auto", "uint16", "int32"}));
+    app.add_option("--threads", opt.threads, "Tokenization threads")->capture_default_str()->check(cli::integer_in(1));
     try {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
-      if (e.get_exit_code() == 0) return app.exit(e);  // --help
-      fmt::print(stderr, "dstrain-prep: error: {}; run dstrain-prep --help for the options\n", e.what());
-      return 1;
+      return cli::report(app, e, "dstrain-prep", "dstrain-prep");
     }
     opt.shard_tokens_given = shard_tokens->count() > 0;
+    try {
+      check_option_combinations(opt);
+    } catch (const Error& e) {
+      return cli::report("dstrain-prep", e.what(), "dstrain-prep");
+    }
+    try {
+      check_inputs(opt.inputs);
+    } catch (const Error& e) {
+      fmt::print(stderr, "dstrain-prep: error: {}\n", e.what());
+      return cli::kExitBadCommandLine;
+    }
     return run(opt);
   } catch (const std::exception& e) {
     fmt::print(stderr, "dstrain-prep: error: {}\n", e.what());

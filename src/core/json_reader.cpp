@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include "core/error.h"
@@ -169,6 +170,83 @@ void JsonReader::done() const {
   }
 }
 
+namespace {
+
+// nlohmann::json keeps the last of two equal keys without a word, and its parser reports no
+// positions, so a second pass over the (already valid) text finds them with their lines.
+// A duplicate usually means an edit that did not take effect: the first value is silently lost.
+// `root` is the dotted path of the text's top level ("" for a file).
+void check_unique_keys(const std::string& text, const std::string& source, const std::string& root = "") {
+  struct Container {
+    bool object = false;
+    std::string path;                          // dotted path of this container ("" at the top)
+    std::map<std::string, int64_t> key_lines;  // object: key -> line it was given on
+    std::string key;                           // object: the key whose value comes next
+    int64_t index = 0;                         // array: index of the element being read
+  };
+  std::vector<Container> stack;
+  bool expect_key = false;
+  int64_t line = 1;
+  auto child_path = [&]() -> std::string {
+    if (stack.empty()) return root;
+    const Container& c = stack.back();
+    if (!c.object) return fmt::format("{}[{}]", c.path, c.index);
+    return c.path.empty() ? c.key : c.path + "." + c.key;
+  };
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char ch = text[i];
+    if (ch == '\n') {
+      ++line;
+    } else if (ch == '/' && i + 1 < text.size() && (text[i + 1] == '/' || text[i + 1] == '*')) {
+      const bool block = text[i + 1] == '*';
+      for (i += 2; i < text.size(); ++i) {
+        if (text[i] == '\n') {
+          ++line;
+          if (!block) break;
+        }
+        if (block && text[i] == '*' && i + 1 < text.size() && text[i + 1] == '/') {
+          ++i;
+          break;
+        }
+      }
+    } else if (ch == '"') {
+      const size_t begin = i;
+      for (++i; i < text.size() && text[i] != '"'; ++i) {
+        if (text[i] == '\\') ++i;
+      }
+      if (expect_key && !stack.empty() && stack.back().object) {
+        Container& c = stack.back();
+        // Decoded, so that a key spelled with escapes matches its plain spelling, as in the parser.
+        c.key = json::parse(text.substr(begin, i + 1 - begin)).get<std::string>();
+        const auto [it, inserted] = c.key_lines.emplace(c.key, line);
+        if (!inserted) {
+          throw Error(fmt::format("config error in {}: key '{}' is given twice, on lines {} and {}; only one value "
+                                  "can apply, so remove the other",
+                                  source, child_path(), it->second, line));
+        }
+        expect_key = false;
+      }
+    } else if (ch == '{' || ch == '[') {
+      Container c;
+      c.object = ch == '{';
+      c.path = child_path();
+      stack.push_back(std::move(c));
+      expect_key = ch == '{';
+    } else if (ch == '}' || ch == ']') {
+      if (!stack.empty()) stack.pop_back();
+      expect_key = false;
+    } else if (ch == ',' && !stack.empty()) {
+      if (stack.back().object) {
+        expect_key = true;
+      } else {
+        ++stack.back().index;
+      }
+    }
+  }
+}
+
+}  // namespace
+
 void apply_override(json& root, const std::string& assignment) {
   const size_t eq = assignment.find('=');
   if (eq == std::string::npos || eq == 0) {
@@ -178,7 +256,11 @@ void apply_override(json& root, const std::string& assignment) {
   const std::string key = assignment.substr(0, eq);
   const std::string text = assignment.substr(eq + 1);
   json value = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (value.is_discarded()) value = text;
+  if (value.is_discarded()) {
+    value = text;
+  } else {
+    check_unique_keys(text, "command line --set " + key, key);
+  }
 
   json* node = &root;
   size_t start = 0;
@@ -205,11 +287,14 @@ json read_json_file(const std::string& path) {
   if (!in) throw Error(fmt::format("cannot open '{}': {}; check the path", path, std::strerror(errno)));
   std::stringstream ss;
   ss << in.rdbuf();
+  json parsed;
   try {
-    return json::parse(ss.str(), nullptr, true, /*ignore_comments=*/true);
+    parsed = json::parse(ss.str(), nullptr, true, /*ignore_comments=*/true);
   } catch (const json::parse_error& e) {
     throw Error(fmt::format("'{}' is not valid JSON: {}", path, e.what()));
   }
+  check_unique_keys(ss.str(), path);
+  return parsed;
 }
 
 }  // namespace dstrain

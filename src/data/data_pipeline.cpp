@@ -23,25 +23,43 @@ json DataSource::to_json() const {
 
 namespace {
 
+// The format of a dataset whose configuration names none: a path P with P.bin and P.idx is a
+// Megatron prefix; anything else is read as llm.c shard patterns. Without this, a Megatron
+// prefix would be globbed as a shard pattern and fail with "no file matches".
+std::string detect_format(const JsonReader& r, const std::string& key, const std::vector<std::string>& paths) {
+  namespace fs = std::filesystem;
+  if (paths.size() != 1 || paths[0].find_first_of("*?[") != std::string::npos) return "llmc";
+  const std::string& p = paths[0];
+  const bool idx = fs::exists(p + ".idx"), bin = fs::exists(p + ".bin");
+  if (idx && bin) return "megatron";
+  if (idx != bin) {
+    r.error(key, fmt::format("names {}, which has {} but no {}; a Megatron dataset needs both files (copy the "
+                             "missing one, or run dstrain-prep --format megatron again)",
+                             p, idx ? p + ".idx" : p + ".bin", idx ? p + ".bin" : p + ".idx"));
+  }
+  return "llmc";
+}
+
+// default_format "" means: detect each dataset's format from its files.
 std::vector<DataSource> read_sources(const JsonReader& r, const std::string& key, const std::string& default_format) {
   std::vector<DataSource> out;
   const json& v = r.raw(key);
-  auto from_paths = [&](std::vector<std::string> paths) {
+  auto from_paths = [&](std::vector<std::string> paths, const std::string& format) {
     DataSource s;
-    s.format = default_format;
+    s.format = format.empty() ? detect_format(r, key, paths) : format;
     s.paths = std::move(paths);
     s.name = s.paths.empty() ? key : std::filesystem::path(s.paths[0]).filename().string();
     return s;
   };
   if (v.is_string()) {
-    out.push_back(from_paths({v.get<std::string>()}));
+    out.push_back(from_paths({v.get<std::string>()}, default_format));
   } else if (v.is_array() && !v.empty() && v[0].is_string()) {
-    out.push_back(from_paths(r.get<std::vector<std::string>>(key)));  // one dataset of several files
+    out.push_back(from_paths(r.get<std::vector<std::string>>(key), default_format));  // one dataset of several files
   } else if (v.is_array()) {
     for (size_t i = 0; i < v.size(); ++i) {
       JsonReader e(v[i], fmt::format("{}[{}]", r.key_path(key), i), r.source());
-      DataSource s = from_paths(e.get<std::vector<std::string>>("path"));
-      s.format = e.get<std::string>("format", default_format);
+      const std::string format = e.has("format") ? e.get<std::string>("format") : default_format;
+      DataSource s = from_paths(e.get<std::vector<std::string>>("path"), format);
       s.weight = e.get<double>("weight", 1.0);
       s.name = e.get<std::string>("name", s.name);
       if (s.weight < 0) e.error("weight", "must be >= 0");
@@ -71,7 +89,13 @@ std::vector<DataSource> read_sources(const JsonReader& r, const std::string& key
 
 DataConfig DataConfig::from_json(const JsonReader& r) {
   DataConfig d;
-  const std::string format = r.get<std::string>("format", "llmc");
+  // Without data.format, each dataset's format is detected from its files.
+  const std::string format = r.get<std::string>("format", "");
+  if (r.has("format") && format != "llmc" && format != "megatron") {
+    r.error("format", fmt::format("is \"{}\"; supported: \"llmc\" (llm.c token shards), \"megatron\" (Megatron "
+                                  "indexed dataset prefix), or leave it out to detect the format from the files",
+                                  format));
+  }
   d.train = read_sources(r, "train", format);
   if (r.has("val")) d.val = read_sources(r, "val", format);
   d.split = r.get<std::vector<double>>("split", {});

@@ -11,6 +11,10 @@ namespace dstrain {
 
 int32_t sample_token(const float* logits, int64_t V, double temperature, int64_t top_k, uint64_t seed,
                      uint64_t draw) {
+  // nan would make every probability nan and the draw fall through to the last candidate.
+  DS_CHECK(std::isfinite(temperature) && temperature >= 0,
+           "sampling temperature {} is not a finite number >= 0; use 0 for greedy decoding", temperature);
+  DS_CHECK(top_k >= 0, "top_k {} is negative; use 0 to sample from the whole vocabulary", top_k);
   if (temperature == 0.0) return int32_t(std::max_element(logits, logits + V) - logits);
   std::vector<int32_t> ids(static_cast<size_t>(V));
   std::iota(ids.begin(), ids.end(), 0);
@@ -37,6 +41,7 @@ std::vector<int32_t> generate_tokens(Transformer& model, const std::vector<int32
   DS_CHECK(!prompt.empty(), "generation needs at least one prompt token");
   const int64_t V = model.config().vocab_size;
   DS_CHECK(vocab > 0 && vocab <= V, "generation over {} ids from a model of {}", vocab, V);
+  DS_CHECK(g.max_new_tokens > 0, "generate.max_new_tokens is {}; it must be positive", g.max_new_tokens);
   context = std::min(context, model.config().max_position_embeddings);
   std::vector<int32_t> seq = prompt;
   std::vector<int32_t> out;

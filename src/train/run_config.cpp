@@ -1,5 +1,6 @@
 #include "train/run_config.h"
 
+#include <cmath>
 #include <filesystem>
 
 #include "core/error.h"
@@ -52,9 +53,21 @@ std::set<ParamKind> read_no_decay(const JsonReader& r, const std::string& key) {
 
 TrainConfig read_train(const JsonReader& r) {
   TrainConfig t;
-  t.micro_batch = r.get<int64_t>("train_micro_batch_size_per_gpu", 0);
-  t.grad_accum = r.get<int64_t>("gradient_accumulation_steps", 0);
-  t.train_batch_size = r.get<int64_t>("train_batch_size", 0);
+  // 0 stands for "derive from the other two" inside TrainConfig only: a 0 or a negative number
+  // written in the file is a mistake, and taking it as unset would train with another batch.
+  auto batch_key = [&](const char* key) -> int64_t {
+    if (r.is_null(key)) return 0;
+    const int64_t v = r.get<int64_t>(key);
+    if (v <= 0) {
+      r.error(key, fmt::format("is {}; it must be a positive integer (leave it out, or set it to null, to derive it "
+                               "from the other batch keys)",
+                               v));
+    }
+    return v;
+  };
+  t.micro_batch = batch_key("train_micro_batch_size_per_gpu");
+  t.grad_accum = batch_key("gradient_accumulation_steps");
+  t.train_batch_size = batch_key("train_batch_size");
   if (t.micro_batch <= 0 && t.train_batch_size <= 0) {
     r.error("train_micro_batch_size_per_gpu", "or train_batch_size must be set to a positive number");
   }
@@ -138,8 +151,11 @@ GenerateConfig read_generate(const JsonReader& r) {
   g.top_k = r.get<int64_t>("top_k", g.top_k);
   const int64_t seed = r.get<int64_t>("seed", 0);
   g.interval = r.get<int64_t>("interval", g.interval);
-  if (g.max_new_tokens < 0) r.error("max_new_tokens", "must be >= 0");
-  if (g.temperature < 0) r.error("temperature", "must be >= 0 (0 is greedy)");
+  if (g.max_new_tokens <= 0) r.error("max_new_tokens", fmt::format("is {}; it must be positive", g.max_new_tokens));
+  // !(x >= 0) also catches nan, and a literal like 1e999 parses to inf.
+  if (!(g.temperature >= 0) || !std::isfinite(g.temperature)) {
+    r.error("temperature", fmt::format("is {}; it must be a finite number >= 0 (0 is greedy)", g.temperature));
+  }
   if (g.top_k < 0) r.error("top_k", "must be >= 0 (0 is the whole vocabulary)");
   if (seed < 0) r.error("seed", "must be >= 0");
   if (g.interval < 0) r.error("interval", "must be >= 0");

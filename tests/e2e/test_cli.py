@@ -6,8 +6,10 @@ with a clear error.
     /usr/bin/python3 tests/e2e/test_cli.py BUILD_DIR
 """
 
+import gzip
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -165,6 +167,108 @@ class CommandLine(unittest.TestCase):
         self.assertNotEqual(p.returncode, 0)
         self.assertRegex(p.stderr, r"the model has 68\d\.\d\dB parameters, whose weights, gradients and AdamW "
                                    r"moments .* need 1\d{4}\.\d GB, more than the")
+
+
+class BadCommandLine(unittest.TestCase):
+    """Every bad command line of the three programs ends with status 2 and one message naming the
+    option, the value and what it accepts; inputs that are not text are refused before any work."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.mkdtemp(prefix="dstrain_e2e_cli_")
+        cls.config = os.path.join(cls.dir, "run.json")
+        with open(cls.config, "w") as f:
+            f.write("{}")
+        cls.text = os.path.join(cls.dir, "text.txt")
+        with open(cls.text, "w") as f:
+            f.write(TEXT)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.dir)
+
+    def assert_usage_error(self, program, args, *expected):
+        p = run([os.path.join(BUILD, "app", program), *args], check=False)
+        self.assertEqual(p.returncode, 2, f"{program} {args}: {p.stderr}")
+        self.assertTrue(p.stderr.startswith(f"{program}: error: "), p.stderr)
+        for e in expected:
+            self.assertIn(e, p.stderr, f"{program} {args}")
+        return p
+
+    def test_dstrain(self):
+        c = ["--config", self.config]
+        gen = ["generate", *c, "--init-from", self.dir, "--prompt", "The "]
+        cases = [
+            (["train", *c, "--max-steps", "-1"], "--max-steps: expects an integer >= 0, got '-1'"),
+            (["train", *c, "--max-steps", "2.5"], "--max-steps: expects an integer >= 0, got '2.5'"),
+            (["train", *c, "--set", "novalue"], "--set: expects KEY=VALUE", "got 'novalue'"),
+            (["train", *c, "--bogus"], "--bogus"),
+            (["train"], "--config is required"),
+            (["train", "--config", os.path.join(self.dir, "missing.json")], "--config", "missing.json"),
+            (["eval", *c, "--init-from", self.dir, "--batches", "0"], "--batches: expects an integer >= 1, got '0'"),
+            ([*gen, "--temperature", "nan"], "--temperature: expects a finite number >= 0, got 'nan'"),
+            ([*gen, "--temperature", "inf"], "--temperature: expects a finite number >= 0, got 'inf'"),
+            ([*gen, "--temperature", "-0.5"], "--temperature: expects a finite number >= 0, got '-0.5'"),
+            ([*gen, "--top-k", "-3"], "--top-k: expects an integer >= 0, got '-3'"),
+            ([*gen, "--max-new-tokens", "0"], "--max-new-tokens: expects an integer >= 1, got '0'"),
+            ([*gen, "--max-new-tokens", "-5"], "--max-new-tokens: expects an integer >= 1, got '-5'"),
+            (["bogus"], "unknown command 'bogus'; the commands are train, eval and generate"),
+            ([], "no command given"),
+        ]
+        for args, *expected in cases:
+            with self.subTest(args=args):
+                p = self.assert_usage_error("dstrain", args, *expected)
+                self.assertNotIn("not in range 0.000000", p.stderr)
+
+    def test_dstrain_ckpt(self):
+        self.assert_usage_error("dstrain-ckpt", [], "no command given; the commands are info and export")
+        self.assert_usage_error("dstrain-ckpt", ["bogus"], "unknown command 'bogus'")
+        self.assert_usage_error("dstrain-ckpt", ["info", os.path.join(self.dir, "missing.h5")], "missing.h5")
+        self.assert_usage_error("dstrain-ckpt", ["export", self.config], "--to-hf is required")
+
+    def test_dstrain_prep_options(self):
+        out = ["--input", self.text, "--output-prefix", os.path.join(self.dir, "o")]
+        cases = [
+            (["--threads", "0"], "--threads: expects an integer >= 1, got '0'"),
+            (["--val-docs", "-1"], "--val-docs: expects an integer >= 0, got '-1'"),
+            (["--shard-tokens", "0"], "--shard-tokens: expects an integer from 1 to 2147483647, got '0'"),
+            (["--format", "arrow"], "--format: expects one of llmc, megatron, got 'arrow'"),
+            (["--version", "3"], "--version: expects one of 1, 7, got '3'"),
+            (["--dtype", "int8"], "--dtype: expects one of auto, uint16, int32, got 'int8'"),
+            (["--format", "megatron", "--version", "1"], "--version applies to --format llmc"),
+        ]
+        for extra, expected in cases:
+            with self.subTest(args=extra):
+                self.assert_usage_error("dstrain-prep", out + extra, expected)
+        self.assert_usage_error("dstrain-prep", ["--input", self.text], "--output-prefix is required")
+        self.assertEqual(os.listdir(self.dir), ["run.json", "text.txt"], "nothing written")
+
+    def test_dstrain_prep_refuses_inputs_that_are_not_text(self):
+        gz = os.path.join(self.dir, "text.txt.gz")
+        with gzip.open(gz, "wb") as f:
+            f.write(TEXT.encode())
+        shard = os.path.join(self.dir, "shard.bin")
+        with open(shard, "wb") as f:
+            f.write(b"\x20\x05\x35\x01" + b"\x00" * 100)
+        noise = os.path.join(self.dir, "noise.dat")
+        with open(noise, "wb") as f:
+            rng = random.Random(1)
+            f.write(bytes(rng.randrange(1, 256) for _ in range(4096)))
+        prefix = os.path.join(self.dir, "refused")
+        # Listed after a good input: refused before that one is tokenised.
+        for path, expected in [(gz, f"input {gz} is gzip-compressed"), (gz, "decompress it first"),
+                               (shard, f"input {shard} holds a NUL byte at offset 4"),
+                               (noise, f"input {noise} is not UTF-8 text"), (noise, "the first at offset")]:
+            with self.subTest(path=path):
+                self.assert_usage_error("dstrain-prep", ["--input", self.text, path, "--output-prefix", prefix],
+                                        expected)
+        self.assertFalse([f for f in os.listdir(self.dir) if f.startswith("refused")], "nothing written")
+        # A stray Latin-1 byte in UTF-8 text is tolerated.
+        stray = os.path.join(self.dir, "stray.txt")
+        with open(stray, "wb") as f:
+            f.write(TEXT.encode() + b"caf\xe9\n" + "naïve\n".encode())
+        run([os.path.join(BUILD, "app", "dstrain-prep"), "--input", stray, "--output-prefix", prefix])
+        self.assertTrue(os.path.exists(prefix + "_train_000000.bin"))
 
 
 if __name__ == "__main__":

@@ -143,6 +143,51 @@ TEST(Config, DatasetsToBlendAndTheirSchedule) {
   EXPECT_THAT(msg, HasSubstr("arrow"));
 }
 
+TEST(Config, GenerateKeysOutsideTheirRangeAreErrors) {
+  TempDir d;
+  const std::string path = d.write("gen.json", run_json());
+  EXPECT_THAT(error_of([&] { RunConfig::load(path, {"generate.max_new_tokens=0"}); }),
+              HasSubstr("key 'generate.max_new_tokens' is 0; it must be positive"));
+  EXPECT_THAT(error_of([&] { RunConfig::load(path, {"generate.temperature=-1"}); }),
+              HasSubstr("key 'generate.temperature' is -1; it must be a finite number >= 0"));
+  EXPECT_THAT(error_of([&] { RunConfig::load(path, {"generate.top_k=-1"}); }), HasSubstr("'generate.top_k'"));
+  EXPECT_EQ(RunConfig::load(path, {"generate.max_new_tokens=1"}).generate.max_new_tokens, 1);
+}
+
+TEST(Config, DuplicateKeysAreErrorsNamingKeyAndLines) {
+  TempDir d;
+  std::string msg = error_of([&] {
+    const std::string body = run_json().substr(1, run_json().size() - 2);
+    const std::string text = R"({"output": {"dir": "a"},)" "\n" + body + ",\n" R"("output": {"dir": "b"}})";
+    RunConfig::load(d.write("dup_top.json", text), {});
+  });
+  EXPECT_THAT(msg, HasSubstr("dup_top.json"));
+  EXPECT_THAT(msg, HasSubstr("key 'output' is given twice, on lines 1 and 12"));  // run_json() has 10 lines
+  // Nested, inside an array element, with comments and look-alike strings in between.
+  msg = error_of([&] {
+    RunConfig::load(d.write("dup_nested.json", std::string(R"({"model": )") + kModel + R"(,
+      "train": {"train_micro_batch_size_per_gpu": 4, /* "eval_batches": { */ "eval_batches": 2},
+      // "weight": 1}
+      "data": {"seq_len": 64, "train": [{"path": "a", "name": "\"weight\": 3", "weight": 1},
+                                         {"path": "b", "weight": 1,
+                                          "weight": 2}]}})"),
+                    {});
+  });
+  EXPECT_THAT(msg, HasSubstr("key 'data.train[1].weight' is given twice, on lines 10 and 11"));
+  // The same key in sibling objects is no duplicate.
+  const std::string siblings = run_json("", R"(, "output": {"dir": "x"}, "checkpoint": {"dir": "y"})");
+  RunConfig c = RunConfig::load(d.write("siblings.json", siblings), {});
+  EXPECT_EQ(c.checkpoint.dir, "y");
+  // A model's config.json is read the same way.
+  const std::string model = d.write("config.json", std::string(kModel).insert(1, "\"vocab_size\": 512,\n"));
+  msg = error_of([&] { RunConfig::load(d.write("m.json", run_json()), {"model=\"" + model + "\""}); });
+  EXPECT_THAT(msg, HasSubstr("config.json: key 'vocab_size' is given twice, on lines 1 and 3"));
+  // And a JSON value given with --set.
+  msg = error_of(
+      [&] { RunConfig::load(d.write("s.json", run_json()), {R"(data.train=[{"path": "a", "path": "b"}])"}); });
+  EXPECT_THAT(msg, HasSubstr("--set data.train: key 'data.train[0].path' is given twice"));
+}
+
 TEST(Config, ModelFromAnHFConfigFileWithInlineOverrides) {
   TempDir d;
   const std::string hf = d.write("config.json", kModel);
@@ -257,6 +302,23 @@ TEST(Config, BatchArithmeticFollowsDeepSpeed) {
   v.micro_batch = 4;
   v.grad_accum = 2;
   EXPECT_THAT(error_of([&] { v.resolve_batch(1, "x"); }), HasSubstr("train_batch_size 16 != 4 x 2 x 1"));
+}
+
+TEST(Config, ZeroOrNegativeBatchKeysAreErrorsNotUnset) {
+  TempDir d;
+  const std::string path = d.write("batch.json", run_json());
+  for (const char* key : {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"}) {
+    for (const char* value : {"0", "-2"}) {
+      const std::string msg =
+          error_of([&] { RunConfig::load(path, {fmt::format("train.{}={}", key, value)}); });
+      EXPECT_THAT(msg, HasSubstr(fmt::format("key 'train.{}' is {}; it must be a positive integer", key, value)));
+      EXPECT_THAT(msg, HasSubstr("batch.json"));
+    }
+  }
+  // null leaves a key to be derived, e.g. to override the accumulation through train_batch_size.
+  RunConfig c = RunConfig::load(path, {"train.gradient_accumulation_steps=null", "train.train_batch_size=24"});
+  c.train.resolve_batch(2, path);
+  EXPECT_EQ(c.train.grad_accum, 3);
 }
 
 TEST(LrSchedule, DeepSpeedFormulas) {

@@ -1,5 +1,6 @@
 // Unit tests of the data pipeline: llm.c token shards, the byte tokenizer, training windows,
 // the shuffled sampler and batch filling.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -14,6 +15,8 @@
 #include <vector>
 
 #include "core/error.h"
+#include "data/data_pipeline.h"
+#include "data/indexed_dataset.h"
 #include "data/token_shard.h"
 #include "data/tokenizer.h"
 #include "data/window_dataset.h"
@@ -481,4 +484,42 @@ TEST(WindowSampler, SameSeedGivesSameOrderInAnyAccessOrder) {
   EXPECT_EQ(epoch_order(a, 1), b1);
   EXPECT_EQ(epoch_order(a, 2), b2);
   for (int64_t p = 0; p < 3 * n; p += 17) EXPECT_EQ(WindowSampler(n, true, 7).window_at(p), a.window_at(p));
+}
+
+// ---- data configuration --------------------------------------------------------------------
+
+TEST(DataConfig, FormatIsDetectedFromTheFilesWhenNotGiven) {
+  TempDir d;
+  IndexedDatasetWriter web(d.file("web_text_document"), IndexedDtype::kUint16);
+  web.add_document(iota_tokens(40));
+  web.add_document(iota_tokens(30, 5));
+  web.finalize();
+  write_token_shard(d.file("code_train_000000.bin"), iota_tokens(50), 1);
+  const json j = {{"train", d.file("web_text_document")},
+                  {"val", {{{"path", d.file("code_train_*.bin")}}, {{"path", d.file("web_text_document")}}}},
+                  {"seq_len", 8}};
+  const DataConfig c = DataConfig::from_json(JsonReader(j, "data", "run.json"));
+  ASSERT_EQ(c.train.size(), 1u);
+  EXPECT_EQ(c.train[0].format, "megatron");
+  ASSERT_EQ(c.val.size(), 2u);
+  EXPECT_EQ(c.val[0].format, "llmc");
+  EXPECT_EQ(c.val[1].format, "megatron");
+  // The detected Megatron prefix opens, instead of failing as a shard pattern that matches nothing.
+  const auto sets = open_datasets(c.train, c, 258, 1, /*validation=*/false);
+  ASSERT_EQ(sets.size(), 1u);
+  EXPECT_EQ(sets[0]->num_tokens(), 70);
+
+  // A format given in the configuration is kept.
+  json k = j;
+  k["format"] = "llmc";
+  EXPECT_EQ(DataConfig::from_json(JsonReader(k, "data", "run.json")).train[0].format, "llmc");
+  k["format"] = "arrow";
+  EXPECT_THAT(error_of([&] { DataConfig::from_json(JsonReader(k, "data", "run.json")); }),
+              ::testing::HasSubstr("key 'data.format' is \"arrow\""));
+
+  // Half a Megatron dataset is named as such, not reported as a pattern without matches.
+  std::filesystem::remove(d.file("web_text_document.bin"));
+  const std::string msg = error_of([&] { DataConfig::from_json(JsonReader(j, "data", "run.json")); });
+  EXPECT_THAT(msg, ::testing::HasSubstr("web_text_document.idx but no " + d.file("web_text_document.bin")));
+  EXPECT_THAT(msg, ::testing::HasSubstr("data.train"));
 }

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/error.h"
 #include "model/transformer.h"
 #include "train/generate.h"
 
@@ -136,6 +137,19 @@ TEST(Sampling, TheSeedDeterminesTheSequence) {
   EXPECT_EQ(generate_tokens(m, {1, 2, 3}, g, 16, 40, {}), first);
   g.seed = 9;
   EXPECT_NE(generate_tokens(m, {1, 2, 3}, g, 16, 40, {}), first);
+}
+
+TEST(Sampling, TemperatureAndTopKOutsideTheirRangeAreErrors) {
+  const std::vector<float> logits = {0.0f, 2.0f, 1.0f};
+  for (double t : {std::nan(""), double(INFINITY), -0.5}) {
+    try {
+      sample_token(logits.data(), 3, t, 0, 1, 0);
+      ADD_FAILURE() << "temperature " << t << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("is not a finite number >= 0"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_THROW(sample_token(logits.data(), 3, 1.0, -1, 1, 0), Error);
 }
 
 TEST(Sampling, IdsBeyondTheTokenizerAreNeverChosen) {
