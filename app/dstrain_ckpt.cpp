@@ -39,7 +39,10 @@ int cmd_info(const std::string& path, bool verify) {
                 (long long)e.value("omp_threads", int64_t(0)));
     std::printf("              CPU: %s (%s), OpenBLAS kernels %s\n", text("cpu_model").c_str(),
                 text("cpu_features").c_str(), text("blas_kernels").c_str());
-    if (!text("differences").empty()) std::printf("              differences: %s\n", text("differences").c_str());
+    // Warnings span lines: each line keeps the column.
+    std::string warnings = text("warnings");
+    for (size_t at = 0; (at = warnings.find('\n', at)) != std::string::npos; at += 15) warnings.insert(at + 1, 14, ' ');
+    if (!warnings.empty()) std::printf("              warnings: %s\n", warnings.c_str());
   } else {
     std::printf("environment   not recorded (written by a dstrain that did not record it)\n");
   }

@@ -269,7 +269,7 @@ JobEnvironment check_same_environment(Communicator& world, const Environment& mi
   job.record.erase("host");
   job.record["world_size"] = n;
   job.record["hosts"] = joined(hosts);
-  job.record["differences"] = joined(job.warnings, "\n");
+  job.record["warnings"] = joined(job.warnings, "\n");
   return job;
 }
 

@@ -35,8 +35,8 @@ Environment local_environment();
 
 // The outcome of the comparison over the job.
 struct JobEnvironment {
-  json record;                        // rank 0's environment, the world size, the hosts and the differences
-  std::vector<std::string> warnings;  // CPU model, features or thread counts that differ
+  json record;                        // rank 0's environment, the world size, the hosts and the warnings
+  std::vector<std::string> warnings;  // CPUs or thread counts that differ, BLAS kernels below the CPU
 };
 
 // Gathers every rank's environment over `world` (collective). A different dstrain build or

@@ -276,7 +276,8 @@ void Metrics::check_peak(const StepMetrics& m) {
   const double before = peak_flops_;
   if (p.flops > peak_flops_) {
     peak_flops_ = p.flops;
-    peak_source_ = fmt::format("re-measured at step {}: {}", m.step, p.source.substr(p.source.find(':') + 2));
+    const std::string how = p.source.rfind("measured: ", 0) == 0 ? p.source.substr(10) : p.source;
+    peak_source_ = fmt::format("re-measured at step {}: {}", m.step, how);
   }
   log::info("metrics: step {} ran {:.1f} GFLOP/s per rank, above the peak of {:.1f} GFLOP/s measured before; the peak "
             "is now {:.1f} GFLOP/s ({})",

@@ -166,6 +166,27 @@ class Observability(unittest.TestCase):
             with open(os.path.join(plots, name), "rb") as f:
                 self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n", name)
 
+    def test_a_peak_below_what_steps_reach_is_a_warning_never_ok(self):
+        out = os.path.join(self.dir, "low_peak")
+        p = subprocess.run([os.path.join(BUILD, "app", "dstrain"), "train", "--config", self.config, "--max-steps", "6",
+                            "--set", f'output.dir="{out}"', "metrics.peak_tflops=1e-6", "metrics.progress=lines"],
+                           capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("peak 0.0 GFLOP/s per rank (from config metrics.peak_tflops)", p.stdout)
+        self.assertRegex(p.stdout, r"MFU [0-9.]+% \(above 100%: peak too low\)")
+        self.assertIn("is too low and MFU means nothing until it is right; correct metrics.peak_tflops", p.stderr)
+        self.assertRegex(p.stdout, r"MFU \(model FLOP/s over the peak\) .* CHECK: 6 step\(s\) above 100%, the peak is "
+                                   r"too low\n")
+        records = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
+        self.assertTrue(all(r["mfu_above_peak"] for r in records if r["type"] == "train"))
+        self.assertIn("warning", [r["type"] for r in records])
+        self.assertNotIn("peak", [r["type"] for r in records], "a configured peak is not measured again")
+        # A peak that is not a positive number is an error naming the key.
+        bad = subprocess.run([os.path.join(BUILD, "app", "dstrain"), "train", "--config", self.config, "--set",
+                              f'output.dir="{out}_bad"', 'metrics.peak_tflops="fast"'], capture_output=True, text=True)
+        self.assertNotEqual(bad.returncode, 0)
+        self.assertIn("'metrics.peak_tflops' must be a number", bad.stderr)
+
     def test_a_port_in_use_is_a_clear_error(self):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -44,7 +44,7 @@ TEST_F(SameEnvironment, LocalEnvironmentNamesTheBuildAndLibraries) {
   EXPECT_EQ(job.record["mpi"], mine.mpi);
   EXPECT_EQ(job.record["hdf5"], mine.hdf5);
   EXPECT_EQ(job.record["blas"], mine.blas);
-  EXPECT_EQ(job.record["differences"], "");
+  EXPECT_EQ(job.record["warnings"], "");
 }
 
 TEST_F(SameEnvironment, ALibraryVersionOnOneRankIsAnErrorOnEveryRank) {
@@ -97,7 +97,7 @@ TEST_F(SameEnvironment, ACpuFeatureOrThreadCountDifferenceIsOnlyAWarning) {
   EXPECT_THAT(job.warnings[0], HasSubstr("different CPUs or CPU features"));
   EXPECT_THAT(job.warnings[0], HasSubstr("amx_bf16; OpenBLAS kernels SapphireRapids)\" on rank " + std::to_string(odd)));
   EXPECT_THAT(job.warnings[1], HasSubstr("OpenMP thread counts"));
-  EXPECT_THAT(job.record["differences"].get<std::string>(), HasSubstr("amx_bf16"));
+  EXPECT_THAT(job.record["warnings"].get<std::string>(), HasSubstr("amx_bf16"));
 }
 
 // OpenBLAS falling back to SSE kernels on an AVX2 CPU (an unrecognised CPU model) is named,
