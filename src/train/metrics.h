@@ -60,8 +60,9 @@ struct Peak {
   double flops = 0;    // FLOP/s per rank
   std::string source;  // "measured: best of 5 trials of sgemm 1024x1024x1024 on 2 threads", ...
 };
-// sgemm FLOP/s on this rank's threads: the best of `trials` trials of at least `trial_seconds`
-// each. The best, not the median: another process on the cores can only slow a trial down.
+// sgemm FLOP/s on this rank's threads: the best of up to `trials` trials of at least
+// `trial_seconds` each (at least 3 trials; no new one after half a second). The best, not the
+// median: another process on the cores can only slow a trial down.
 Peak measure_peak_flops(int trials = 5, double trial_seconds = 0.05);
 // What Metrics calls to measure the peak (tests inject their own values).
 using PeakMeasure = std::function<Peak()>;
