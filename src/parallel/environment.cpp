@@ -268,7 +268,11 @@ JobEnvironment check_same_environment(Communicator& world, const Environment& mi
   job.record = all[0].to_json();
   job.record.erase("host");
   job.record["world_size"] = n;
-  job.record["hosts"] = joined(hosts);
+  // A few names say where the job ran; thousands would not fit an HDF5 attribute.
+  constexpr size_t kHostsNamed = 16;
+  const size_t more = hosts.size() > kHostsNamed ? hosts.size() - kHostsNamed : 0;
+  hosts.resize(hosts.size() - more);
+  job.record["hosts"] = joined(hosts) + (more ? fmt::format(" and {} more", more) : std::string());
   job.record["warnings"] = joined(job.warnings, "\n");
   return job;
 }
