@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cctype>
 #include <fstream>
-#include <map>
 #include <set>
 #include <sstream>
 
@@ -30,9 +29,9 @@ constexpr const char* kCompilerName = "unknown compiler";
 // The CPU flags that decide which kernels BLAS and the compiler's vector code can use.
 const std::set<std::string>& kernel_features() {
   static const std::set<std::string> f = {
-      "sse4_2",      "avx",         "avx2",        "fma",      "f16c",     "avx512f",  "avx512dq", "avx512bw",
-      "avx512vl",    "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8",
-      "asimd",       "asimdhp",     "sve",         "sve2",     "bf16",     "i8mm"};
+      "sse4_2",   "avx",         "avx2",        "fma",         "f16c",     "avx512f",  "avx512dq", "avx512bw",
+      "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8",
+      "asimd",    "asimdhp",     "sve",         "sve2",        "bf16",     "i8mm"};
   return f;
 }
 
@@ -119,8 +118,8 @@ std::string differences(const std::vector<Environment>& all, Value value) {
 }
 
 std::string cpu_description(const Environment& e) {
-  return fmt::format("{} ({}; OpenBLAS kernels {})", e.cpu_model, e.cpu_features.empty() ? "no vector extensions seen" : joined(e.cpu_features),
-                     e.blas_kernels);
+  return fmt::format("{} ({}; OpenBLAS kernels {})", e.cpu_model,
+                     e.cpu_features.empty() ? "no vector extensions seen" : joined(e.cpu_features), e.blas_kernels);
 }
 
 }  // namespace
@@ -240,23 +239,24 @@ JobEnvironment check_same_environment(Communicator& world, const Environment& mi
   }
   const std::string threads = differences(all, [](const Environment& e) { return std::to_string(e.omp_threads); });
   if (!threads.empty()) {
-    job.warnings.push_back(fmt::format(
-        "ranks run different OpenMP thread counts, and the rank with the fewest sets the pace:{}\nset "
-        "OMP_NUM_THREADS (or Slurm's --cpus-per-task) the same for every rank",
-        threads));
+    job.warnings.push_back(
+        fmt::format("ranks run different OpenMP thread counts, and the rank with the fewest sets the pace:{}\nset "
+                    "OMP_NUM_THREADS (or Slurm's --cpus-per-task) the same for every rank",
+                    threads));
   }
   std::vector<int> slow;
   for (size_t r = 0; r < all.size(); ++r) {
     const Environment& e = all[r];
-    if (has(e.cpu_features, "avx2") && has(e.cpu_features, "fma") && !avx2_kernels(e.blas_kernels)) slow.push_back(int(r));
+    const bool avx2 = has(e.cpu_features, "avx2") && has(e.cpu_features, "fma");
+    if (avx2 && !avx2_kernels(e.blas_kernels)) slow.push_back(int(r));
   }
   if (!slow.empty()) {
     const Environment& e = all[size_t(slow[0])];
     const bool avx512 = has(e.cpu_features, "avx512f");
     job.warnings.push_back(fmt::format(
-        "OpenBLAS runs {} kernels, without AVX2, on a CPU with avx2 and fma{} ({}): it did not recognise the CPU "
-        "model \"{}\" and its sgemm runs several times slower than the CPU allows; set OPENBLAS_CORETYPE={} in the "
-        "job's environment",
+        "OpenBLAS runs {} kernels, without AVX2, on a CPU with avx2 and fma{} ({}), so its sgemm runs several "
+        "times slower than the CPU allows: it does not recognise the CPU model \"{}\" (or OPENBLAS_CORETYPE asked "
+        "for them); set OPENBLAS_CORETYPE={} in the job's environment",
         e.blas_kernels, avx512 ? " and avx512f" : "",
         slow.size() == all.size() ? std::string("every rank") : ranks_on_hosts(slow, all), e.cpu_model,
         avx512 ? "SkylakeX (or Haswell)" : "Haswell"));

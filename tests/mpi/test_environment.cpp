@@ -95,7 +95,8 @@ TEST_F(SameEnvironment, ACpuFeatureOrThreadCountDifferenceIsOnlyAWarning) {
   }
   ASSERT_EQ(job.warnings.size(), 2u);
   EXPECT_THAT(job.warnings[0], HasSubstr("different CPUs or CPU features"));
-  EXPECT_THAT(job.warnings[0], HasSubstr("amx_bf16; OpenBLAS kernels SapphireRapids)\" on rank " + std::to_string(odd)));
+  EXPECT_THAT(job.warnings[0],
+              HasSubstr("amx_bf16; OpenBLAS kernels SapphireRapids)\" on rank " + std::to_string(odd)));
   EXPECT_THAT(job.warnings[1], HasSubstr("OpenMP thread counts"));
   EXPECT_THAT(job.record["warnings"].get<std::string>(), HasSubstr("amx_bf16"));
 }
