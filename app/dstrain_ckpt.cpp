@@ -28,6 +28,26 @@ int cmd_info(const std::string& path, bool verify) {
   std::printf("layout        %s\n", s.layout.dump().c_str());
   std::printf("scheduler     %s\n", s.scheduler.dump().c_str());
   std::printf("data          %s\n", s.data.dump().c_str());
+  // The job that wrote it: what to match (or expect differences from) when resuming elsewhere.
+  if (s.environment.is_object()) {
+    const json& e = s.environment;
+    auto text = [&](const char* key) { return e.value(key, std::string("?")); };
+    std::printf("environment   dstrain %s (%s), %s\n", text("dstrain_version").c_str(), text("commit").c_str(),
+                text("compiler").c_str());
+    std::printf("              MPI: %s\n", text("mpi").c_str());
+    std::printf("              HDF5 %s, BLAS: %s\n", text("hdf5").c_str(), text("blas").c_str());
+    std::printf("              %lld rank(s) on %s, %lld OpenMP threads each\n",
+                (long long)e.value("world_size", int64_t(0)), text("hosts").c_str(),
+                (long long)e.value("omp_threads", int64_t(0)));
+    std::printf("              CPU: %s (%s), OpenBLAS kernels %s\n", text("cpu_model").c_str(),
+                text("cpu_features").c_str(), text("blas_kernels").c_str());
+    // Warnings span lines: each line keeps the column.
+    std::string warnings = text("warnings");
+    for (size_t at = 0; (at = warnings.find('\n', at)) != std::string::npos; at += 15) warnings.insert(at + 1, 14, ' ');
+    if (!warnings.empty()) std::printf("              warnings: %s\n", warnings.c_str());
+  } else {
+    std::printf("environment   not recorded (written by a dstrain that did not record it)\n");
+  }
   int64_t bytes = 0, bad = 0;
   std::printf("%-22s %-60s %-16s %12s  %-10s %s\n", "group", "tensor", "shape", "bytes", "crc32", "verified");
   for (const CheckpointTensorInfo& t : info.tensors) {

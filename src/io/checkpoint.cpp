@@ -245,6 +245,7 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
   write_json_group(file, "rng", state.rng);
   write_json_group(file, "data", state.data);
   write_json_group(file, "layout", state.layout);
+  if (state.environment.is_object()) write_json_group(file, "environment", state.environment);
   h5::write_string_dataset(file, "config", state.config.dump(2));
   file.close();  // flushes; collective
   if (rank == 0) fsync_path(path);
@@ -381,6 +382,7 @@ CheckpointInfo inspect_checkpoint(const std::string& path, bool verify) {
   st.data = read_json_group(file, "data");
   st.layout = read_json_group(file, "layout");
   st.config = json::parse(h5::read_string_dataset(file, "config"));
+  if (h5::exists(file, "environment")) st.environment = read_json_group(file, "environment");
   std::vector<float> buf;
   for (const char* gname : kGroups) {
     if (!h5::exists(file, gname)) continue;

@@ -29,6 +29,7 @@ struct TrainState {
   json data;                     // the data position and what it refers to
   json config;                   // the resolved run configuration
   json layout;                   // the parallel layout that wrote the file
+  json environment;              // the build, libraries and CPUs of the job (null: not recorded)
 };
 
 // The flat buffers to write (laid out as the registry says); exp_avg/exp_avg_sq may be null

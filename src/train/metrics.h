@@ -6,6 +6,7 @@
 // with a bottleneck table.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -19,7 +20,7 @@ struct MetricsConfig {
   std::string progress = "auto";   // "auto" (a live bar when stdout is a terminal), "bar", "lines"
   int64_t prometheus_port = 0;     // 0: no endpoint
   std::string prometheus_host = "0.0.0.0";
-  double peak_tflops = 0;          // per rank; 0: measured at start with sgemm
+  double peak_tflops = 0;          // per rank; 0 (key absent): measured at start with sgemm
   double memory_budget_gb = 0;     // per rank; 0: the node's memory over its ranks
   static MetricsConfig from_json(const JsonReader& r);
   json to_json() const;
@@ -54,22 +55,37 @@ struct Utilisation {
 };
 Utilisation utilisation(double global_tokens_per_s, double flops_per_token, int world_size, double peak_flops);
 
-// Measured sgemm FLOP/s on this rank's threads (the per-rank peak MFU is measured against).
-double measure_peak_flops();
+// The per-rank peak MFU is measured against, and where it came from.
+struct Peak {
+  double flops = 0;    // FLOP/s per rank
+  std::string source;  // "measured: best of 5 trials of sgemm 1024x1024x1024 on 2 threads", ...
+};
+// sgemm FLOP/s on this rank's threads: the best of up to `trials` trials of at least
+// `trial_seconds` each (at least 3 trials; no new one after half a second). The best, not the
+// median: another process on the cores can only slow a trial down.
+Peak measure_peak_flops(int trials = 5, double trial_seconds = 0.05);
+// What Metrics calls to measure the peak (tests inject their own values).
+using PeakMeasure = std::function<Peak()>;
 // Physical memory of this node (MemTotal of /proc/meminfo); 0 when unknown.
 double node_memory_bytes();
 
 class Metrics {
  public:
-  // Rank 0 writes and serves; every rank constructs it (the peak is measured on each).
+  // Rank 0 writes and serves; every rank constructs it (the peak is measured on each, with
+  // `measure`, measure_peak_flops when empty, unless metrics.peak_tflops gives it). When a
+  // step's model FLOP/s exceed a measured peak, rank 0 measures again and keeps the higher;
+  // an MFU still above 100% is reported as a wrong peak, never as a reading.
   Metrics(const MetricsConfig& config, const ModelConfig& model, int64_t seq_len, int rank, int world_size,
-          int local_size, const std::string& output_dir, int64_t steps_per_print);
+          int local_size, const std::string& output_dir, int64_t steps_per_print, PeakMeasure measure = {});
   ~Metrics();
 
   double peak_flops() const { return peak_flops_; }
+  const std::string& peak_source() const { return peak_source_; }
   double flops_per_token() const { return flops_per_token_; }
   double memory_budget_bytes() const { return budget_bytes_; }
 
+  // The head of metrics.jsonl: the job's environment and the peak (rank 0).
+  void on_run_start(const json& environment);
   void on_step(const StepMetrics& m);
   void on_eval(int64_t step, double loss, int64_t tokens, const json& per_dataset);
   void on_checkpoint(int64_t step, double stall_s, bool async);
@@ -86,11 +102,16 @@ class Metrics {
   void write(const json& record);
   void print_progress(const StepMetrics& m);
   void warn_if_abnormal(const StepMetrics& m);
+  void check_peak(const StepMetrics& m);
 
   MetricsConfig config_;
   int rank_, world_;
   double peak_flops_ = 0, flops_per_token_ = 0, budget_bytes_ = 0;
+  std::string peak_source_;
   int64_t steps_per_print_;
+  PeakMeasure measure_;
+  int remeasured_ = 0;
+  int64_t last_remeasure_step_ = 0;
   bool bar_ = false;
   std::string jsonl_path_;
   struct Impl;

@@ -57,6 +57,15 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
     : config_(std::move(config)), grid_(grid), dp_(grid.comm(Axis::Data)) {
   config_.train.resolve_batch(dp_.size(), config_.source);
   check_same_config(grid_.world(), config_);
+  environment_ = check_same_environment(grid_.world(), local_environment());
+  const json& env = environment_.record;
+  log::info("environment: {}; {}; HDF5 {}; {} ({} kernels); {} ({}); {} rank(s) on {}", env["compiler"].get<std::string>(),
+            env["mpi"].get<std::string>(), env["hdf5"].get<std::string>(), env["blas"].get<std::string>(),
+            env["blas_kernels"].get<std::string>(), env["cpu_model"].get<std::string>(),
+            env["cpu_features"].get<std::string>(), grid_.world_size(), env["hosts"].get<std::string>());
+  for (const std::string& w : environment_.warnings) {
+    if (grid_.world_rank() == 0) log::warn("{}", w);
+  }
   check_model_state_fits(config_, grid_);
   model_ = std::make_unique<Transformer>(config_.model, device);
   optimizer_ = std::make_unique<AdamW>(config_.train.adamw, model_->params());
@@ -409,6 +418,7 @@ Trainer::Outcome Trainer::train() {
     metrics_ = std::make_unique<Metrics>(config_.metrics, config_.model, config_.data.seq_len, grid_.world_rank(),
                                          grid_.world_size(), grid_.local_size(), config_.output.dir,
                                          tc.steps_per_print);
+    metrics_->on_run_start(environment_.record);
   }
   if (!pipeline_started_) {
     pipeline().reconfigure(tc.micro_batch, tc.grad_accum, step_, resume_blend_);
@@ -517,6 +527,7 @@ TrainState Trainer::state() {
              {"blend", data.blend_state()},
              {"datasets", sets}};
   st.config = config_.to_json();
+  st.environment = environment_.record;
   st.layout = {{"world_size", grid_.world_size()},
                {"data", grid_.size(Axis::Data)},
                {"tensor", grid_.size(Axis::Tensor)},

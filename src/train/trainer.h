@@ -15,6 +15,7 @@
 #include "data/tokenizer.h"
 #include "model/transformer.h"
 #include "optim/adamw.h"
+#include "parallel/environment.h"
 #include "parallel/grad_reducer.h"
 #include "parallel/grid.h"
 #include "train/checkpointing.h"
@@ -99,6 +100,8 @@ class Trainer {
   AdamW& optimizer() { return *optimizer_; }
   const RunConfig& config() const { return config_; }
   const std::vector<StepRecord>& history() const { return history_; }
+  // The job's build, libraries and CPUs, as recorded in checkpoints and metrics.jsonl.
+  const json& environment() const { return environment_.record; }
   int64_t step() const { return step_; }
   // Called after every optimizer step (tests check cross-rank agreement here).
   std::function<void(const StepRecord&)> on_step;
@@ -119,6 +122,7 @@ class Trainer {
   RunConfig config_;
   ProcessGrid& grid_;
   Communicator& dp_;
+  JobEnvironment environment_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<AdamW> optimizer_;

@@ -77,6 +77,40 @@ class CheckpointCommandLine(unittest.TestCase):
         self.assertIn("MISMATCH", p.stdout)
         self.assertIn("corrupt", p.stderr)
 
+    def test_the_environment_is_recorded_and_shown(self):
+        """Checkpoint metadata, the head of metrics.jsonl and dstrain-ckpt info carry the job's
+        build and library versions, checked against what the tools of this machine report."""
+        import h5py
+        import json
+        import subprocess
+        path = os.path.join(self.ckdir, "step_00000012.h5")
+        with h5py.File(path, "r") as f:
+            env = json.loads(f["environment"].attrs["json"])
+            self.assertEqual(env["dstrain_version"], f.attrs["dstrain_version"])
+            self.assertEqual(env["commit"], f.attrs["build_id"])
+            self.assertEqual(f["environment"].attrs["hdf5"], env["hdf5"])  # readable at a glance
+        mpirun = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout
+        mpi_release = re.search(r"(\d+\.\d+\.\d+)", mpirun).group(1)
+        self.assertIn(mpi_release, env["mpi"])
+        self.assertEqual(env["hdf5"], h5py.version.hdf5_version)
+        self.assertRegex(env["blas"], r"^OpenBLAS \d+\.\d+")
+        self.assertRegex(env["compiler"], r"^(GCC|Clang) ")
+        self.assertEqual(env["world_size"], 1)
+        self.assertGreater(env["omp_threads"], 0)
+        self.assertTrue(env["cpu_model"])
+        self.assertNotIn("ranks run", env["warnings"], "one rank differs from none")
+        head = json.loads(open(os.path.join(self.out, "metrics.jsonl")).readline())
+        self.assertEqual(head["type"], "environment")
+        self.assertEqual(head["environment"], env)
+        self.assertIn("measured: best of", head["peak_source"])
+        info = run([self.ckpt_tool, "info", "--no-verify", path]).stdout
+        self.assertIn(f"environment   dstrain {env['dstrain_version']} ({env['commit']}), {env['compiler']}", info)
+        self.assertIn(f"MPI: {env['mpi']}", info)
+        self.assertIn(f"HDF5 {env['hdf5']}, BLAS: {env['blas']}", info)
+        self.assertIn(f"CPU: {env['cpu_model']}", info)
+        if env["warnings"]:  # e.g. OpenBLAS's SSE kernels on an AVX2 CPU it does not recognise
+            self.assertIn("warnings: " + env["warnings"].splitlines()[0], info)
+
     def test_a_new_run_does_not_mix_with_existing_checkpoints(self):
         p = run([self.dstrain, "train", "--config", self.config, "--set", f'output.dir="{self.out}"'], check=False)
         self.assertNotEqual(p.returncode, 0)

@@ -102,7 +102,7 @@ class Observability(unittest.TestCase):
         for name in ("dstrain_loss", "dstrain_learning_rate", "dstrain_grad_norm", "dstrain_tokens_per_second",
                      "dstrain_model_flops_per_second", "dstrain_mfu_ratio", "dstrain_step_duration_seconds",
                      "dstrain_memory_bytes", "dstrain_peak_rss_bytes", "dstrain_tokens_total",
-                     "dstrain_skipped_steps_total", "dstrain_rank_step_duration_seconds"):
+                     "dstrain_skipped_steps_total", "dstrain_rank_step_duration_seconds", "dstrain_mfu_above_peak"):
             self.assertIn(name, second, name)
             self.assertIn(name, helps)
         self.assertEqual(types["dstrain_tokens_total"], "counter")
@@ -117,6 +117,12 @@ class Observability(unittest.TestCase):
         # metrics.jsonl: every record has its schema.
         records = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
         kinds = [r["type"] for r in records]
+        # The head: the job's build and libraries, and where the peak came from.
+        self.assertEqual(kinds[0], "environment")
+        for key in ("dstrain_version", "commit", "compiler", "mpi", "hdf5", "blas", "omp_threads", "cpu_model",
+                    "cpu_features", "blas_kernels", "world_size", "hosts"):
+            self.assertIn(key, records[0]["environment"])
+        self.assertRegex(records[0]["peak_source"], r"^measured: best of \d+ trials of sgemm \d+x\d+x\d+ on 1 threads$")
         self.assertEqual(kinds.count("train"), 400)
         self.assertEqual(kinds.count("eval"), 2)
         self.assertEqual(kinds.count("checkpoint"), 2)
@@ -125,7 +131,8 @@ class Observability(unittest.TestCase):
                   "model_flops_per_s": float, "mfu": float, "tokens": int, "elapsed_s": float, "step_time_s": float,
                   "time_s": dict, "memory_bytes": dict, "peak_rss_bytes": float, "rank_step_time_s": list,
                   "step_time_max_s": float, "step_time_min_s": float, "step_time_mean_s": float, "slowest_rank": int,
-                  "skipped": bool, "skipped_total": int, "data_wait_s": float, "exposed_comm_time_s": float}
+                  "skipped": bool, "skipped_total": int, "data_wait_s": float, "exposed_comm_time_s": float,
+                  "mfu_above_peak": bool, "peak_flops": float}
         for r in (r for r in records if r["type"] == "train"):
             for key, kind in schema.items():
                 self.assertIn(key, r)
@@ -134,6 +141,8 @@ class Observability(unittest.TestCase):
             self.assertAlmostEqual(parts, r["step_time_s"], delta=1e-6 + 1e-9 * r["step_time_s"])
             self.assertTrue(all(v >= 0 for v in r["time_s"].values()))
             self.assertTrue(math.isfinite(r["loss"]))
+            # No step runs above the peak: a reading over 100% is flagged as a wrong peak.
+            self.assertEqual(r["mfu_above_peak"], r["mfu"] > 1, r)
         steps = [r["step"] for r in records if r["type"] == "train"]
         self.assertEqual(steps, list(range(1, 401)))
         for r in (r for r in records if r["type"] == "checkpoint"):
@@ -142,6 +151,12 @@ class Observability(unittest.TestCase):
         self.assertIn("run summary", stdout)
         for row in ("MFU", "data wait", "exposed communication", "peak memory / budget", "load imbalance"):
             self.assertIn(row, stdout)
+        mfu_row = re.search(r"^MFU .* ([0-9.]+)% .*$", records[-1]["table"], re.M)
+        above = sum(r["mfu_above_peak"] for r in records if r["type"] == "train")
+        self.assertEqual("above 100%" in mfu_row.group(0), above > 0, mfu_row.group(0))
+        if above:
+            self.assertFalse(mfu_row.group(0).endswith(" ok"), mfu_row.group(0))
+        self.assertRegex(records[-1]["table"], r"peak: [0-9.]+ GFLOP/s per rank, (re-)?measured")
         self.assertRegex(stdout, r"step +400/400 \| loss [0-9.]+ .* \| MFU [0-9.]+% \| elapsed .* \| eta 00:00:00")
         # Plots from the JSONL.
         plots = os.path.join(self.dir, "plots")
@@ -150,6 +165,27 @@ class Observability(unittest.TestCase):
         for name in ("loss.png", "throughput.png", "time_split.png"):
             with open(os.path.join(plots, name), "rb") as f:
                 self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n", name)
+
+    def test_a_peak_below_what_steps_reach_is_a_warning_never_ok(self):
+        out = os.path.join(self.dir, "low_peak")
+        p = subprocess.run([os.path.join(BUILD, "app", "dstrain"), "train", "--config", self.config, "--max-steps", "6",
+                            "--set", f'output.dir="{out}"', "metrics.peak_tflops=1e-6", "metrics.progress=lines"],
+                           capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("peak 0.0 GFLOP/s per rank (from config metrics.peak_tflops)", p.stdout)
+        self.assertRegex(p.stdout, r"MFU [0-9.]+% \(above 100%: peak too low\)")
+        self.assertIn("is too low and MFU means nothing until it is right; correct metrics.peak_tflops", p.stderr)
+        self.assertRegex(p.stdout, r"MFU \(model FLOP/s over the peak\) .* CHECK: 6 step\(s\) above 100%, the peak is "
+                                   r"too low\n")
+        records = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
+        self.assertTrue(all(r["mfu_above_peak"] for r in records if r["type"] == "train"))
+        self.assertIn("warning", [r["type"] for r in records])
+        self.assertNotIn("peak", [r["type"] for r in records], "a configured peak is not measured again")
+        # A peak that is not a positive number is an error naming the key.
+        bad = subprocess.run([os.path.join(BUILD, "app", "dstrain"), "train", "--config", self.config, "--set",
+                              f'output.dir="{out}_bad"', 'metrics.peak_tflops="fast"'], capture_output=True, text=True)
+        self.assertNotEqual(bad.returncode, 0)
+        self.assertIn("'metrics.peak_tflops' must be a number", bad.stderr)
 
     def test_a_port_in_use_is_a_clear_error(self):
         with socket.socket() as s:
