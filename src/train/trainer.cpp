@@ -532,7 +532,7 @@ double Trainer::save_checkpoint() {
                          optimizer_->exp_avg_sq().data<float>()};
   const double stall = ckpt_->save(reg, live, state());
   last_saved_step_ = step_;
-  last_save_time_ = Clock::now();
+  last_save_time_ = clock();
   return stall;
 }
 
@@ -541,7 +541,8 @@ bool Trainer::checkpoint_due(int64_t step) {
   bool due = c.interval_steps > 0 && step % c.interval_steps == 0;
   if (c.interval_minutes > 0) {
     // Clocks differ between ranks: rank 0 decides for everyone.
-    int by_time = seconds_since(last_save_time_) >= c.interval_minutes * 60.0 ? 1 : 0;
+    const double since = std::chrono::duration<double>(clock() - last_save_time_).count();
+    int by_time = since >= c.interval_minutes * 60.0 ? 1 : 0;
     grid_.world().broadcast(Tensor(&by_time, DType::I32, Shape{1}), 0);
     due = due || by_time;
   }

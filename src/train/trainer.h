@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "optim/adamw.h"
 #include "parallel/grad_reducer.h"
 #include "parallel/grid.h"
+#include "core/clock.h"
 #include "train/checkpointing.h"
 #include "train/metrics.h"
 #include "train/run_config.h"
@@ -102,6 +104,12 @@ class Trainer {
   int64_t step() const { return step_; }
   // Called after every optimizer step (tests check cross-rank agreement here).
   std::function<void(const StepRecord&)> on_step;
+  // The clock of checkpoint.interval_minutes. Clocks of different nodes disagree; tests give
+  // each rank its own to check that rank 0's alone decides.
+  std::function<Clock::time_point()> clock = [] { return Clock::now(); };
+  // Whether a checkpoint is due after `step` (by steps, or by rank 0's clock); the same on
+  // every rank. Collective over the world.
+  bool checkpoint_due(int64_t step);
 
  private:
   // One optimizer step; returns false (and nothing happened) when the micro-batch did not fit
@@ -114,7 +122,6 @@ class Trainer {
   DataPipeline& pipeline();
   Tokenizer& tokenizer();
   TrainState state();
-  bool checkpoint_due(int64_t step);
 
   RunConfig config_;
   ProcessGrid& grid_;

@@ -115,13 +115,29 @@ TEST(Checkpoint, RotationKeepsTheNewestAndTheMilestones) {
 }
 
 TEST(Checkpoint, TimeIntervalIsDecidedForEveryRankAlike) {
-  // A tiny interval: every step is due by time, on every rank at once (rank 0's clock).
-  RunFiles files(3, {{"checkpoint", {{"interval_minutes", 1e-9}, {"keep_last", 5}, {"async", false}}}});
+  // The ranks' clocks disagree: only rank 0's decision, shared, makes them save together (a
+  // rank deciding alone would enter the collective write while another trains on).
+  RunFiles files(3, {{"checkpoint", {{"interval_minutes", 30.0}, {"keep_last", 5}, {"async", false}}}});
   ProcessGrid grid(MPI_COMM_WORLD, {});
-  Trainer t(files.config(), grid);
-  t.init_weights("");
-  t.train();
-  EXPECT_EQ(t.checkpoints().list().size(), 3u);
+  for (const bool rank0_ahead : {true, false}) {
+    SCOPED_TRACE(rank0_ahead ? "rank 0's clock runs ahead" : "rank 0's clock stands still");
+    Trainer t(files.config({"checkpoint.dir=" + quoted(files.dir() / (rank0_ahead ? "ahead" : "still"))}), grid);
+    // An hour passes at every reading of a clock that runs; a standing clock never reaches
+    // the interval.
+    const bool runs = (world_rank() == 0) == rank0_ahead;
+    const Clock::time_point start = Clock::now();
+    int64_t readings = 0;
+    t.clock = [&] { return runs ? start + std::chrono::hours(++readings) : start; };
+    // Asked directly, every rank answers as rank 0's clock says.
+    const int due = t.checkpoint_due(1) ? 1 : 0;
+    std::vector<int> all(static_cast<size_t>(world_size()));
+    MPI_Allgather(&due, 1, MPI_INT, all.data(), 1, MPI_INT, MPI_COMM_WORLD);
+    const auto agree = std::count(all.begin(), all.end(), rank0_ahead ? 1 : 0);
+    ASSERT_EQ(agree, world_size()) << "ranks decided by their own clocks";
+    t.init_weights("");
+    t.train();
+    EXPECT_EQ(t.checkpoints().list().size(), rank0_ahead ? 3u : 0u);
+  }
 }
 
 // Flips a byte in the middle of a tensor's data, found through HDF5 (rank 0 only).
