@@ -122,6 +122,9 @@ class Trainer {
   DataPipeline& pipeline();
   Tokenizer& tokenizer();
   TrainState state();
+  // Why the current state must not become a checkpoint ("" when it may): saving it would
+  // rotate away the good ones written before training went wrong. Collective.
+  std::string unsafe_to_save();
 
   RunConfig config_;
   ProcessGrid& grid_;
@@ -143,6 +146,10 @@ class Trainer {
   bool resumed_ = false;          // injected faults fire only in runs that started from scratch
   bool oom_fault_fired_ = false;
   int64_t skipped_in_a_row_ = 0, skipped_total_ = 0;
+  std::string last_skip_reason_;
+  // A checkpoint was due while the state was not worth saving (a skipped step, non-finite
+  // weights): it is written at the next good step instead.
+  bool save_deferred_ = false;
   std::unique_ptr<class SpikeDetector> spikes_;
   int64_t consumed_samples_ = 0;  // windows consumed by those steps (global)
   std::vector<StepRecord> history_;
