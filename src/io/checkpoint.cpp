@@ -474,6 +474,8 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
   h5::Handle manifest_dset = h5::create_string_dataset(file, kManifest, manifest.size());
   h5::write_attr(file, kManifestCrc, int64_t(crc32_of(manifest.data(), manifest.size(), 1)));
   WriteFailure failed;
+  // HDF5 may fail this collective flush on some ranks only and then wait forever on the
+  // others: the watchdog ends that, naming the full disk.
   errno = 0;
   record(failed, H5Fflush(file, H5F_SCOPE_GLOBAL), "H5Fflush(metadata)", path);
 
@@ -508,6 +510,7 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
       // Already failing: the file is removed below.
     }
     if (rank == 0) ::unlink(path.c_str());
+    MPI_Barrier(comm);  // gone before any rank reports (and may end the job)
     raise_write_failure(path, failed);
   }
   try {
@@ -529,6 +532,7 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
   failed = agree_on_failure(comm, failed);
   if (!failed.error.empty()) {
     if (rank == 0) ::unlink(path.c_str());
+    MPI_Barrier(comm);
     raise_write_failure(path, failed);
   }
 }
