@@ -1,7 +1,8 @@
 // Checkpoints under MPI at 1, 2 and 4 ranks: stopping and resuming is bitwise exact (sync and
 // async saves), a file written at one rank count continues at another with the same loss
-// sequence, rotation keeps what it promises, and a corrupt or truncated newest checkpoint is
-// reported and the previous one used.
+// sequence, rotation keeps what it promises, a corrupt or truncated newest checkpoint is
+// reported and the previous one used, a save with no room is refused alike on every rank, and
+// altered metadata is an error naming the field.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -137,6 +138,102 @@ TEST(Checkpoint, TimeIntervalIsDecidedForEveryRankAlike) {
     t.init_weights("");
     t.train();
     EXPECT_EQ(t.checkpoints().list().size(), rank0_ahead ? 3u : 0u);
+  }
+}
+
+TEST(Checkpoint, NoRoomRefusesTheSaveOnEveryRankAndKeepsTheOlderOnes) {
+  for (const bool async : {false, true}) {
+    SCOPED_TRACE(async ? "async" : "sync");
+    RunFiles files(6, {{"checkpoint", {{"interval_steps", 2}, {"keep_last", 1}, {"async", async}}}});
+    ProcessGrid grid(MPI_COMM_WORLD, {});
+    Trainer t(files.config(), grid);
+    // Only rank 0's view counts: it sees room for one checkpoint, the others see plenty.
+    int64_t probes = 0;
+    t.checkpoints().free_bytes = [&](const std::string&) -> int64_t {
+      return world_rank() == 0 && ++probes > 1 ? 1000 : int64_t(1) << 40;
+    };
+    t.init_weights("");
+    try {
+      t.train();
+      ADD_FAILURE() << "a save with no room went ahead";
+    } catch (const Error& e) {
+      const std::string want = fmt::format("no space left on {}: checkpoint step 4 not written; step 2 is the newest "
+                                           "valid one",
+                                           t.config().checkpoint.dir);
+      EXPECT_EQ(std::string(e.what()).rfind(want, 0), 0u) << e.what();
+    }
+    const auto kept = t.checkpoints().list();
+    ASSERT_EQ(kept.size(), 1u);
+    EXPECT_EQ(fs::path(kept[0]).filename(), "step_00000002.h5");
+  }
+}
+
+// Rewrites one attribute of a closed file (rank 0 only), as a bit flip or a hand edit would.
+void set_attr(const std::string& path, const std::string& object, const std::string& name, const json& value) {
+  std::lock_guard lock(h5::hdf5_lock());
+  h5::Handle f(H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT), "H5Fopen");
+  h5::Handle o(H5Oopen(f, object.c_str(), H5P_DEFAULT), "H5Oopen");
+  DS_H5_CHECK(H5Adelete(o, name.c_str()));
+  if (value.is_string()) {
+    h5::write_attr(o, name, value.get<std::string>());
+  } else {
+    h5::write_attr(o, name, value.get<int64_t>());
+  }
+}
+
+TEST(Checkpoint, AlteredMetadataIsAnErrorNamingTheFieldAndAnUnsealedFileStillLoads) {
+  RunFiles files(4, {{"checkpoint", {{"interval_steps", 4}, {"async", false}}}});
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  {
+    Trainer t(files.config(), grid);
+    t.init_weights("");
+    t.train();
+  }
+  const fs::path dir = files.dir() / "out" / "checkpoints";
+  const std::string good = (dir / "step_00000004.h5").string();
+  const std::string flipped = (files.dir() / "flipped.h5").string(), edited = (files.dir() / "edited.h5").string(),
+                    unsealed = (files.dir() / "unsealed.h5").string();
+  if (world_rank() == 0) {
+    for (const auto& p : {flipped, edited, unsealed}) fs::copy_file(good, p);
+    set_attr(flipped, "/optimizer", "step", 5);  // 4 with its lowest bit flipped
+    json data;
+    {
+      std::lock_guard lock(h5::hdf5_lock());
+      h5::Handle f = h5::open_file(edited, MPI_COMM_NULL);
+      data = json::parse(h5::read_attr_string(h5::open_group(f, "data"), "json"));
+    }
+    data["datasets"][0]["samples_drawn"] = 8;
+    set_attr(edited, "/data", "json", data.dump());
+    // As the previous dstrain wrote it: no metadata checksums.
+    std::lock_guard lock(h5::hdf5_lock());
+    h5::Handle f(H5Fopen(unsealed.c_str(), H5F_ACC_RDWR, H5P_DEFAULT), "H5Fopen");
+    DS_H5_CHECK(H5Adelete(f, "metadata_crc32"));
+    DS_H5_CHECK(H5Ldelete(f, "metadata_checksums", H5P_DEFAULT));
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  Trainer t(files.config({"checkpoint.dir=" + quoted(files.dir() / "unused")}), grid);
+  for (const auto& [path, field] : {std::pair{flipped, "/optimizer@step"}, std::pair{edited, "/data@json"}}) {
+    try {
+      t.resume(path);
+      ADD_FAILURE() << path << " was resumed from";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(std::string(field) + " fails its checksum"), std::string::npos)
+          << e.what();
+    }
+    if (world_rank() == 0) {
+      const CheckpointInfo info = inspect_checkpoint(path, /*verify=*/false);
+      ASSERT_FALSE(info.metadata_problems.empty());
+      EXPECT_EQ(info.metadata_problems[0].rfind(field, 0), 0u) << info.metadata_problems[0];
+    }
+  }
+  ASSERT_TRUE(t.resume(unsealed));
+  EXPECT_EQ(t.step(), 4);
+  if (world_rank() == 0) {
+    const CheckpointInfo info = inspect_checkpoint(unsealed, /*verify=*/false);
+    EXPECT_FALSE(info.metadata_sealed);
+    EXPECT_TRUE(info.metadata_problems.empty());
+    EXPECT_TRUE(inspect_checkpoint(good, false).metadata_sealed);
   }
 }
 
