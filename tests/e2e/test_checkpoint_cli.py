@@ -80,6 +80,18 @@ class CheckpointCommandLine(unittest.TestCase):
         self.assertEqual(p.returncode, 1)
         self.assertIn("MISMATCH", p.stdout)
         self.assertIn("corrupt", p.stderr)
+        self.assertIn("checksums verified: ok", info)
+        # An edited data position: the field is named, by dstrain-ckpt and by the h5py check.
+        edited = os.path.join(self.dir, "edited.h5")
+        shutil.copy(path, edited)
+        with h5py.File(edited, "r+") as f:
+            f["data"].attrs["consumed_samples"] = 16
+        p = run([self.ckpt_tool, "info", edited], check=False)
+        self.assertEqual(p.returncode, 1)
+        self.assertIn(f"{edited}: /data@consumed_samples fails its checksum", p.stderr)
+        p = run(["/usr/bin/python3", os.path.join(ROOT, "validation", "check_checkpoint.py"), edited], check=False)
+        self.assertEqual(p.returncode, 1)
+        self.assertIn("/data@consumed_samples", p.stdout)
 
     def test_a_new_run_does_not_mix_with_existing_checkpoints(self):
         p = run([self.dstrain, "train", "--config", self.config, "--set", f'output.dir="{self.out}"'], check=False)
