@@ -39,7 +39,10 @@ int64_t file_size_limit() {
   return int64_t(l.rlim_cur);
 }
 
-std::string mb(int64_t bytes) { return fmt::format("{:.1f} MB", double(bytes) / 1e6); }
+std::string mb(int64_t bytes) {
+  return bytes >= 1'000'000'000 ? fmt::format("{:.2f} GB", double(bytes) / 1e9)
+                                : fmt::format("{:.2f} MB", double(bytes) / 1e6);
+}
 
 }  // namespace
 
