@@ -385,6 +385,15 @@ void throw_if_any_rank_failed(MPI_Comm comm, const std::string& error) {
 }
 
 
+int64_t checkpoint_size_bound(const ParamRegistry& reg, const CheckpointBuffers& bufs, const TrainState& state) {
+  const int64_t groups = bufs.exp_avg ? 3 : 1;
+  const int64_t datasets = groups * int64_t(reg.all().size());
+  // Per dataset: its object header, attributes and line in the metadata checksums (under
+  // 1 KB measured); then the configuration text and the fixed groups.
+  return groups * reg.values().numel() * int64_t(sizeof(float)) + datasets * 2048 +
+         2 * int64_t(state.config.dump(2).size()) + (int64_t(64) << 10);
+}
+
 void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistry& reg, const CheckpointBuffers& bufs,
                       const TrainState& state, int threads) {
   std::lock_guard lock(h5::hdf5_lock());
@@ -419,6 +428,38 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
   // Metadata: collective, held in HDF5's cache, written by the flush below while the file
   // is still small.
   h5::Handle file = h5::create_file(path, comm);
+  WriteFailure failed;
+  // Once HDF5 fails inside a collective flush, the ranks no longer agree (some wait forever):
+  // so the whole file is reserved first, where the file system can, and a full disk or file
+  // size limit is found here, by one rank, while HDF5 has next to nothing to write.
+  const int64_t reserved = checkpoint_size_bound(reg, bufs, state);
+  if (rank == 0) {
+    const int fd = ::open(path.c_str(), O_WRONLY);
+    if (fd < 0 || ::fallocate(fd, 0, 0, off_t(reserved)) != 0) {
+      if (errno == ENOSPC || errno == EDQUOT || errno == EFBIG) {
+        failed = {fmt::format("reserving {} bytes: {}", reserved, std::strerror(errno)), errno};
+      }
+    }
+    if (fd >= 0) ::close(fd);
+  }
+  failed = agree_on_failure(comm, failed);
+  auto abandon = [&] {
+    // The partial file is worthless; emptying it first gives the collective close the room
+    // it needs to finish on every rank.
+    if (rank == 0 && ::truncate(path.c_str(), 0) != 0) {
+      failed.error += fmt::format(" (and emptying it: {})", std::strerror(errno));
+    }
+    MPI_Barrier(comm);
+    try {
+      file.close();
+    } catch (const Error&) {
+      // Already failing: the file is removed below.
+    }
+    if (rank == 0) ::unlink(path.c_str());
+    MPI_Barrier(comm);  // gone before any rank reports (and may end the job)
+    raise_write_failure(path, failed);
+  };
+  if (!failed.error.empty()) abandon();
   h5::write_attr(file, "format", std::string(kCheckpointFormat));
   h5::write_attr(file, "format_version", kCheckpointFormatVersion);
   h5::write_attr(file, "dstrain_version", std::string(DSTRAIN_VERSION));
@@ -473,9 +514,8 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
   const std::string manifest = manifest_of(metadata_fields(file, {{"/config", config_text}}));
   h5::Handle manifest_dset = h5::create_string_dataset(file, kManifest, manifest.size());
   h5::write_attr(file, kManifestCrc, int64_t(crc32_of(manifest.data(), manifest.size(), 1)));
-  WriteFailure failed;
-  // HDF5 may fail this collective flush on some ranks only and then wait forever on the
-  // others: the watchdog ends that, naming the full disk.
+  // Where nothing could be reserved, HDF5 may fail this collective flush on some ranks only
+  // and wait forever on the others: the watchdog ends that, naming the full disk.
   errno = 0;
   record(failed, H5Fflush(file, H5F_SCOPE_GLOBAL), "H5Fflush(metadata)", path);
 
@@ -499,20 +539,7 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
   config.close();
   manifest_dset.close();
   failed = agree_on_failure(comm, failed);
-  if (!failed.error.empty()) {
-    // The partial file is worthless; emptying it first gives the collective close the room
-    // it needs to finish on every rank.
-    if (rank == 0 && ::truncate(path.c_str(), 0) != 0) failed.error += fmt::format(" (and emptying it: {})", std::strerror(errno));
-    MPI_Barrier(comm);
-    try {
-      file.close();
-    } catch (const Error&) {
-      // Already failing: the file is removed below.
-    }
-    if (rank == 0) ::unlink(path.c_str());
-    MPI_Barrier(comm);  // gone before any rank reports (and may end the job)
-    raise_write_failure(path, failed);
-  }
+  if (!failed.error.empty()) abandon();
   try {
     errno = 0;
     file.close();  // flushes; collective
@@ -525,6 +552,15 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
   // A write-back that fails shows up here on some file systems (NFS): complete on disk, or
   // not a checkpoint.
   if (rank == 0 && failed.error.empty()) {
+    // The reservation beyond the file's end (HDF5 extends files, never shrinks them) is
+    // given back.
+    hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+    haddr_t eoa = 0;
+    if (f >= 0 && H5Fget_eoa(f, &eoa) >= 0 && eoa > 0 && int64_t(eoa) < reserved) {
+      if (::truncate(path.c_str(), off_t(eoa)) != 0) log::warn("could not trim {}: {}", path, std::strerror(errno));
+    }
+    if (f >= 0) H5Fclose(f);
+    H5Eclear2(H5E_DEFAULT);
     const int fd = ::open(path.c_str(), O_RDONLY);
     if (fd < 0 || ::fsync(fd) != 0) failed = {fmt::format("fsync: {}", std::strerror(errno)), errno};
     if (fd >= 0) ::close(fd);

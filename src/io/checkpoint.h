@@ -61,6 +61,9 @@ class StorageFullError : public Error {
 void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistry& reg, const CheckpointBuffers& bufs,
                       const TrainState& state, int threads = 0);
 
+// An upper bound of the bytes a checkpoint of these buffers takes on disk, metadata included.
+int64_t checkpoint_size_bound(const ParamRegistry& reg, const CheckpointBuffers& bufs, const TrainState& state);
+
 // Raises the same Error on every rank of `comm` when any rank's `error` is not empty: the
 // message of the lowest rank that failed.
 void throw_if_any_rank_failed(MPI_Comm comm, const std::string& error);

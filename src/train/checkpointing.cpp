@@ -106,12 +106,7 @@ std::vector<std::string> CheckpointManager::list() const {
 
 int64_t CheckpointManager::size_on_disk(const ParamRegistry& reg, const CheckpointBuffers& bufs,
                                         const TrainState& state) {
-  const int64_t groups = bufs.exp_avg ? 3 : 1;
-  const int64_t datasets = groups * int64_t(reg.all().size());
-  // Per dataset: its object header, attributes and line in the metadata checksums (under
-  // 1 KB measured); then the configuration text and the fixed groups.
-  return groups * reg.values().numel() * int64_t(sizeof(float)) + datasets * 2048 +
-         2 * int64_t(state.config.dump(2).size()) + (int64_t(64) << 10);
+  return checkpoint_size_bound(reg, bufs, state);
 }
 
 std::string CheckpointManager::not_written(const std::string& cause, int64_t step) const {
