@@ -9,8 +9,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
+#include <mutex>
+#include <thread>
 
 #include "io/hdf5_util.h"
+#include "parallel/watchdog.h"
 #include "resume_check.h"
 #include "run_files.h"
 #include "train/trainer.h"
@@ -166,6 +170,47 @@ TEST(Checkpoint, NoRoomRefusesTheSaveOnEveryRankAndKeepsTheOlderOnes) {
     ASSERT_EQ(kept.size(), 1u);
     EXPECT_EQ(fs::path(kept[0]).filename(), "step_00000002.h5");
   }
+}
+
+TEST(Checkpoint, AStalledWriteIsEndedByTheWatchdogNamingTheFullDisk) {
+  RunFiles files(2, {{"checkpoint", {{"interval_steps", 2}, {"async", false}}}});
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  Trainer t(files.config(), grid);
+  // Room for the checkpoint up front, but under a megabyte: a disk that filled meanwhile.
+  t.checkpoints().free_bytes = [](const std::string&) -> int64_t { return 800'000; };
+  std::mutex m;
+  std::string reported;
+  Watchdog& w = Watchdog::instance();
+  w.stop();
+  w.set_on_timeout([&](const std::string& msg) {
+    std::lock_guard lock(m);
+    reported = msg;
+  });
+  w.start(2.0);
+  // The write stalls: another thread holds the HDF5 library for longer than the deadline.
+  std::thread holder;
+  t.on_step = [&](const StepRecord& r) {
+    if (r.step != 2) return;
+    std::promise<void> held;
+    holder = std::thread([&] {
+      std::lock_guard lock(h5::hdf5_lock());
+      held.set_value();
+      std::this_thread::sleep_for(std::chrono::seconds(4));
+    });
+    held.get_future().wait();
+  };
+  t.init_weights("");
+  t.train();
+  holder.join();
+  w.stop();
+  w.set_on_timeout(nullptr);
+  w.start(120);
+  std::lock_guard lock(m);
+  const std::string want = fmt::format("no space left on {}: checkpoint step 2 not written; no checkpoint has been "
+                                       "written yet",
+                                       t.config().checkpoint.dir);
+  EXPECT_EQ(reported.rfind(want, 0), 0u) << reported;
+  EXPECT_NE(reported.find("writing checkpoint step 2"), std::string::npos) << reported;
 }
 
 // Rewrites one attribute of a closed file (rank 0 only), as a bit flip or a hand edit would.
