@@ -154,7 +154,6 @@ std::vector<uint32_t> combine_crcs(MPI_Comm comm, const std::vector<uint64_t>& l
   return out;
 }
 
-
 // ---- Metadata checksums ----------------------------------------------------------------
 // Every attribute ("/path@name") and every dataset ("/path": a string dataset's text, a
 // tensor's type and shape, its data being covered by its crc32 attribute) is a field with a
@@ -425,8 +424,6 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
   MPI_Bcast(created.data(), 20, MPI_CHAR, 0, comm);
   const std::string config_text = state.config.dump(2);
 
-  // Metadata: collective, held in HDF5's cache, written by the flush below while the file
-  // is still small.
   h5::Handle file = h5::create_file(path, comm);
   WriteFailure failed;
   // Once HDF5 fails inside a collective flush, the ranks no longer agree (some wait forever):
@@ -460,6 +457,8 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
     raise_write_failure(path, failed);
   };
   if (!failed.error.empty()) abandon();
+
+  // Metadata: collective, held in HDF5's cache, written by the flush below.
   h5::write_attr(file, "format", std::string(kCheckpointFormat));
   h5::write_attr(file, "format_version", kCheckpointFormatVersion);
   h5::write_attr(file, "dstrain_version", std::string(DSTRAIN_VERSION));
@@ -621,7 +620,8 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
     st.data = read_json_group(file, "data");
     st.layout = read_json_group(file, "layout");
     st.config = json::parse(h5::read_string_dataset(file, "config"));
-    const MetadataReport meta = verify_metadata(file);
+    // One rank reads every attribute back; its verdict reaches all below.
+    const MetadataReport meta = rank == 0 ? verify_metadata(file) : MetadataReport{};
     std::vector<std::string> problems = meta.problems;
     for (std::string& c : consistency_problems(st)) problems.push_back(std::move(c));
     if (!problems.empty()) {
@@ -629,7 +629,7 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
                               "written; resume from another checkpoint",
                               list_problems(problems)));
     }
-    unsealed = !meta.sealed;
+    unsealed = rank == 0 && !meta.sealed;
     h5::Handle xfer = h5::transfer_plist(/*collective=*/false);
     for (int g = 0; g < 3; ++g) {
       float* base = buffers[size_t(g)];
