@@ -1,5 +1,5 @@
 // dstrain-ckpt: inspect and convert dstrain checkpoints.
-//   dstrain-ckpt info FILE                 step, layout, tensors, sizes, checksums verified
+//   dstrain-ckpt info FILE                 step, layout, tensors, sizes; tensor and metadata checksums verified
 //   dstrain-ckpt export FILE --to-hf DIR   Hugging Face safetensors + config.json
 // Exit status: 0 done, 1 error (or a checksum mismatch), 2 bad command line.
 #include <CLI/CLI.hpp>
@@ -60,12 +60,26 @@ int cmd_info(const std::string& path, bool verify) {
   std::printf("%zu tensors, %.1f MB", info.tensors.size(), double(bytes) / 1e6);
   if (verify) std::printf(", %lld checksum mismatch(es)", (long long)bad);
   std::printf("\n");
+  if (info.metadata_sealed) {
+    std::printf("metadata      %zu fields (attributes, config, data position, counters), checksums verified: %s\n",
+                info.metadata_fields, info.metadata_problems.empty() ? "ok" : "MISMATCH");
+  } else {
+    std::printf("metadata      unverified: written before dstrain sealed checkpoint metadata with checksums\n");
+  }
+  for (const std::string& p : info.metadata_problems) {
+    std::fprintf(stderr, "dstrain-ckpt: error: %s: %s\n", path.c_str(), p.c_str());
+  }
   if (bad) {
     std::fprintf(stderr, "dstrain-ckpt: error: %lld tensor(s) of %s fail their checksum: the file is corrupt\n",
                  (long long)bad, path.c_str());
-    return 1;
   }
-  return 0;
+  if (!info.metadata_problems.empty()) {
+    std::fprintf(stderr,
+                 "dstrain-ckpt: error: the metadata of %s was altered or damaged after it was written: do not resume "
+                 "from it\n",
+                 path.c_str());
+  }
+  return bad || !info.metadata_problems.empty() ? 1 : 0;
 }
 
 int cmd_export(const std::string& path, const std::string& dir) {

@@ -1,14 +1,19 @@
 #include "io/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 #include <omp.h>
 #include <zlib.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <ctime>
+#include <map>
 
 #include "core/error.h"
+#include "core/log.h"
 #include "core/version.h"
 #include "io/hdf5_util.h"
 
@@ -126,13 +131,6 @@ std::string utc_now() {
   return buf;
 }
 
-void fsync_path(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) return;
-  ::fsync(fd);
-  ::close(fd);
-}
-
 std::vector<const float*> group_buffers(const CheckpointBuffers& b) { return {b.values, b.exp_avg, b.exp_avg_sq}; }
 
 // The combined CRC of every tensor piece over all ranks: rank order is flattened order.
@@ -156,8 +154,221 @@ std::vector<uint32_t> combine_crcs(MPI_Comm comm, const std::vector<uint64_t>& l
   return out;
 }
 
+// ---- Metadata checksums ----------------------------------------------------------------
+// Every attribute ("/path@name") and every dataset ("/path": a string dataset's text, a
+// tensor's type and shape, its data being covered by its crc32 attribute) is a field with a
+// canonical text value. /metadata_checksums lists "crc32 name" per field, sorted by name;
+// the root attribute metadata_crc32 is the CRC-32 of that list. validation/
+// check_checkpoint.py recomputes both with h5py.
+constexpr const char* kManifest = "metadata_checksums";
+constexpr const char* kManifestCrc = "metadata_crc32";
+
+using Fields = std::map<std::string, std::string>;
+
+void collect_fields(hid_t obj, const std::string& path, const Fields& texts, Fields& out) {
+  const std::string at = path == "/" ? "/@" : path + "@";
+  for (const std::string& a : h5::list_attrs(obj)) {
+    if (path == "/" && a == kManifestCrc) continue;
+    out[at + a] = h5::read_attr_text(obj, a);
+  }
+  for (const std::string& m : h5::list_members(obj)) {
+    const std::string child = (path == "/" ? "/" : path + "/") + m;
+    if (child == std::string("/") + kManifest) continue;
+    if (h5::is_group(obj, m)) {
+      h5::Handle g = h5::open_group(obj, m);
+      collect_fields(g, child, texts, out);
+      continue;
+    }
+    h5::Handle d(H5Dopen2(obj, m.c_str(), H5P_DEFAULT), "H5Dopen2");
+    const auto given = texts.find(child);
+    if (given != texts.end()) {
+      out[child] = given->second;
+    } else {
+      out[child] = h5::is_string_dataset(d) ? h5::read_string_dataset(obj, m) : h5::describe_dataset(d);
+    }
+    for (const std::string& a : h5::list_attrs(d)) out[child + "@" + a] = h5::read_attr_text(d, a);
+  }
+}
+
+// `texts`: the contents of string datasets created but not written yet.
+Fields metadata_fields(hid_t file, const Fields& texts = {}) {
+  Fields f;
+  collect_fields(file, "/", texts, f);
+  return f;
+}
+
+std::string manifest_of(const Fields& fields) {
+  std::string m;
+  for (const auto& [name, value] : fields) m += fmt::format("{:08x} {}\n", crc32_of(value.data(), value.size(), 1), name);
+  return m;
+}
+
+std::string shortened(const std::string& v) {
+  return v.size() <= 48 ? v : v.substr(0, 45) + "...";
+}
+
+struct MetadataReport {
+  bool sealed = false;
+  size_t fields = 0;
+  std::vector<std::string> problems;
+};
+
+MetadataReport verify_metadata(hid_t file) {
+  MetadataReport r;
+  if (!h5::has_attr(file, kManifestCrc)) return r;
+  r.sealed = true;
+  if (!h5::exists(file, kManifest)) {
+    r.problems.push_back(fmt::format("/{} is missing (the metadata checksums that /@{} seals)", kManifest, kManifestCrc));
+    return r;
+  }
+  const std::string manifest = h5::read_string_dataset(file, kManifest);
+  const uint32_t sealed = uint32_t(h5::read_attr_int(file, kManifestCrc));
+  if (crc32_of(manifest.data(), manifest.size(), 1) != sealed) {
+    r.problems.push_back(fmt::format("/{} (the list of metadata checksums) does not match /@{}", kManifest, kManifestCrc));
+    return r;
+  }
+  std::map<std::string, uint32_t> want;
+  size_t start = 0;
+  while (start < manifest.size()) {
+    size_t end = manifest.find('\n', start);
+    if (end == std::string::npos) end = manifest.size();
+    const std::string line = manifest.substr(start, end - start);
+    start = end + 1;
+    if (line.size() > 9) want[line.substr(9)] = uint32_t(std::stoul(line.substr(0, 8), nullptr, 16));
+  }
+  const Fields have = metadata_fields(file);
+  r.fields = have.size();
+  for (const auto& [name, crc] : want) {
+    const auto it = have.find(name);
+    if (it == have.end()) {
+      r.problems.push_back(fmt::format("{} is missing", name));
+    } else if (crc32_of(it->second.data(), it->second.size(), 1) != crc) {
+      r.problems.push_back(fmt::format("{} fails its checksum (it now reads \"{}\")", name, shortened(it->second)));
+    }
+  }
+  for (const auto& [name, value] : have) {
+    if (!want.count(name)) r.problems.push_back(fmt::format("{} was added after the file was written", name));
+  }
+  return r;
+}
+
+// The counters of a checkpoint restate each other; a mismatch names both fields.
+std::vector<std::string> consistency_problems(const TrainState& st) {
+  std::vector<std::string> p;
+  if (st.step < 0) p.push_back(fmt::format("/@step is {}, below 0", st.step));
+  if (st.optimizer_steps < 0 || st.optimizer_steps > st.step) {
+    p.push_back(fmt::format("/optimizer@step (AdamW's step count) is {} but /@step is {}: AdamW cannot have taken "
+                            "more steps than the trainer (skipped steps take none)",
+                            st.optimizer_steps, st.step));
+  }
+  if (st.consumed_samples < st.step) {
+    p.push_back(fmt::format("/@consumed_samples is {} but /@step is {}: every step consumes at least one sample",
+                            st.consumed_samples, st.step));
+  }
+  const json& d = st.data;
+  if (d.is_object()) {
+    if (d.contains("consumed_samples") && d["consumed_samples"] != st.consumed_samples) {
+      p.push_back(fmt::format("/data@json consumed_samples is {} but /@consumed_samples is {}",
+                              d["consumed_samples"].dump(), st.consumed_samples));
+    }
+    if (d.contains("seq_len") && d["seq_len"].is_number_integer() &&
+        st.consumed_tokens != st.consumed_samples * d["seq_len"].get<int64_t>()) {
+      p.push_back(fmt::format("/@consumed_tokens is {} but /@consumed_samples {} x /data seq_len {} is {}",
+                              st.consumed_tokens, st.consumed_samples, d["seq_len"].get<int64_t>(),
+                              st.consumed_samples * d["seq_len"].get<int64_t>()));
+    }
+    const json& b = d.value("blend", json());
+    if (b.is_object() && b.contains("steps_done") && b["steps_done"] != st.step) {
+      p.push_back(fmt::format("/data@json blend.steps_done (the data position's step) is {} but /@step is {}",
+                              b["steps_done"].dump(), st.step));
+    }
+    if (b.is_object() && b.contains("drawn") && b["drawn"].is_array()) {
+      int64_t drawn = 0;
+      for (const json& x : b["drawn"]) drawn += x.is_number_integer() ? x.get<int64_t>() : 0;
+      if (drawn != st.consumed_samples) {
+        p.push_back(fmt::format("/data@json blend.drawn sums to {} samples but /@consumed_samples is {}", drawn,
+                                st.consumed_samples));
+      }
+    }
+  }
+  if (st.scheduler.is_object() && st.scheduler.contains("last_batch_iteration") &&
+      st.scheduler["last_batch_iteration"] != st.step - 1) {
+    p.push_back(fmt::format("/scheduler@json last_batch_iteration is {} but /@step is {} (it must be step - 1)",
+                            st.scheduler["last_batch_iteration"].dump(), st.step));
+  }
+  return p;
+}
+
+std::string list_problems(const std::vector<std::string>& problems) {
+  std::string out;
+  for (size_t i = 0; i < std::min<size_t>(problems.size(), 8); ++i) out += "\n    " + problems[i];
+  if (problems.size() > 8) out += fmt::format("\n    and {} more", problems.size() - 8);
+  return out;
+}
+
+// ---- Agreeing on a failed write ---------------------------------------------------------
+struct WriteFailure {
+  std::string error;  // "" = none
+  int err_no = 0;
+};
+
+// The failure of the lowest failing rank, known to every rank.
+WriteFailure agree_on_failure(MPI_Comm comm, const WriteFailure& mine) {
+  int rank = 0, n = 1;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &n);
+  int me = mine.error.empty() ? n : rank, first = n;
+  MPI_Allreduce(&me, &first, 1, MPI_INT, MPI_MIN, comm);
+  if (first == n) return {};
+  int head[2] = {int(mine.error.size()), mine.err_no};
+  MPI_Bcast(head, 2, MPI_INT, first, comm);
+  WriteFailure out;
+  out.error = rank == first ? mine.error : std::string(size_t(head[0]), '\0');
+  MPI_Bcast(out.error.data(), head[0], MPI_CHAR, first, comm);
+  out.err_no = head[1];
+  if (n > 1) out.error += fmt::format(" (on rank {})", first);
+  return out;
+}
+
+// Whether the file system of `path` has (almost) nothing left: HDF5 does not always keep the
+// errno of the write that failed.
+bool nearly_full(const std::string& path) {
+  const std::string dir = path.substr(0, path.find_last_of('/') == std::string::npos ? 0 : path.find_last_of('/'));
+  struct statvfs v {};
+  if (::statvfs(dir.empty() ? "." : dir.c_str(), &v) != 0) return false;
+  const double free = double(v.f_bavail) * double(v.f_frsize), total = double(v.f_blocks) * double(v.f_frsize);
+  return free < std::max(1e6, 0.001 * total);
+}
+
+// An HDF5 call that may fail for lack of storage: its errno is kept before anything else
+// can change it, and a full file system is recognised while the partial file still fills it.
+void record(WriteFailure& f, herr_t rc, const char* call, const std::string& path) {
+  if (rc >= 0 || !f.error.empty()) return;
+  f.err_no = errno;
+  if (f.err_no != ENOSPC && f.err_no != EDQUOT && f.err_no != EFBIG && nearly_full(path)) f.err_no = ENOSPC;
+  if (f.err_no == 0) f.err_no = EIO;
+  try {
+    h5::check(rc, call, __FILE__, __LINE__);
+  } catch (const Error& e) {
+    f.error = e.what();
+  }
+}
+
+[[noreturn]] void raise_write_failure(const std::string& path, const WriteFailure& f) {
+  const bool full = f.err_no == ENOSPC || f.err_no == EDQUOT || f.error.find("No space left") != std::string::npos;
+  const bool too_big = f.err_no == EFBIG || f.error.find("File too large") != std::string::npos;
+  if (full || too_big) {
+    throw StorageFullError(full ? "no space left" : "the file size limit (ulimit -f) was reached",
+                           fmt::format("writing '{}' failed: {}{}", path, std::strerror(full ? ENOSPC : EFBIG),
+                                       "\n  " + f.error));
+  }
+  throw Error(fmt::format("writing checkpoint '{}' failed: {}", path, f.error));
+}
+
+}  // namespace
+
 // The same exception on every rank: the message of the lowest rank that failed.
-void throw_if_any_failed(MPI_Comm comm, const std::string& error) {
+void throw_if_any_rank_failed(MPI_Comm comm, const std::string& error) {
   int rank = 0, n = 1;
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &n);
@@ -172,7 +383,15 @@ void throw_if_any_failed(MPI_Comm comm, const std::string& error) {
   throw Error(n > 1 ? fmt::format("{} (reported by rank {})", msg, first) : msg);
 }
 
-}  // namespace
+
+int64_t checkpoint_size_bound(const ParamRegistry& reg, const CheckpointBuffers& bufs, const TrainState& state) {
+  const int64_t groups = bufs.exp_avg ? 3 : 1;
+  const int64_t datasets = groups * int64_t(reg.all().size());
+  // Per dataset: its object header, attributes and line in the metadata checksums (under
+  // 1 KB measured); then the configuration text and the fixed groups.
+  return groups * reg.values().numel() * int64_t(sizeof(float)) + datasets * 2048 +
+         2 * int64_t(state.config.dump(2).size()) + (int64_t(64) << 10);
+}
 
 void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistry& reg, const CheckpointBuffers& bufs,
                       const TrainState& state, int threads) {
@@ -199,13 +418,52 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
     local.push_back(ranges[i].second);
   }
   const std::vector<uint32_t> crcs = combine_crcs(comm, local);
+  // Attribute values must be the same on every rank: rank 0's clock says when.
+  std::string created = utc_now();
+  created.resize(20, ' ');
+  MPI_Bcast(created.data(), 20, MPI_CHAR, 0, comm);
+  const std::string config_text = state.config.dump(2);
 
   h5::Handle file = h5::create_file(path, comm);
+  WriteFailure failed;
+  // Once HDF5 fails inside a collective flush, the ranks no longer agree (some wait forever):
+  // so the whole file is reserved first, where the file system can, and a full disk or file
+  // size limit is found here, by one rank, while HDF5 has next to nothing to write.
+  const int64_t reserved = checkpoint_size_bound(reg, bufs, state);
+  if (rank == 0) {
+    const int fd = ::open(path.c_str(), O_WRONLY);
+    if (fd < 0 || ::fallocate(fd, 0, 0, off_t(reserved)) != 0) {
+      if (errno == ENOSPC || errno == EDQUOT || errno == EFBIG) {
+        failed = {fmt::format("reserving {} bytes: {}", reserved, std::strerror(errno)), errno};
+      }
+    }
+    if (fd >= 0) ::close(fd);
+  }
+  failed = agree_on_failure(comm, failed);
+  auto abandon = [&] {
+    // The partial file is worthless; emptying it first gives the collective close the room
+    // it needs to finish on every rank.
+    if (rank == 0 && ::truncate(path.c_str(), 0) != 0) {
+      failed.error += fmt::format(" (and emptying it: {})", std::strerror(errno));
+    }
+    MPI_Barrier(comm);
+    try {
+      file.close();
+    } catch (const Error&) {
+      // Already failing: the file is removed below.
+    }
+    if (rank == 0) ::unlink(path.c_str());
+    MPI_Barrier(comm);  // gone before any rank reports (and may end the job)
+    raise_write_failure(path, failed);
+  };
+  if (!failed.error.empty()) abandon();
+
+  // Metadata: collective, held in HDF5's cache, written by the flush below.
   h5::write_attr(file, "format", std::string(kCheckpointFormat));
   h5::write_attr(file, "format_version", kCheckpointFormatVersion);
   h5::write_attr(file, "dstrain_version", std::string(DSTRAIN_VERSION));
   h5::write_attr(file, "build_id", std::string(DSTRAIN_GIT_COMMIT));
-  h5::write_attr(file, "created", utc_now());
+  h5::write_attr(file, "created", created);
   h5::write_attr(file, "step", state.step);
   h5::write_attr(file, "consumed_samples", state.consumed_samples);
   h5::write_attr(file, "consumed_tokens", state.consumed_tokens);
@@ -213,7 +471,6 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
 
   h5::Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), "H5Pcreate(H5P_DATASET_CREATE)");
   DS_H5_CHECK(H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER));
-  h5::Handle xfer = h5::transfer_plist(/*collective=*/true);
   {
     h5::Handle model = h5::create_group(file, "model");
     h5::Handle opt = h5::create_group(file, "optimizer");
@@ -224,6 +481,13 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
       h5::Handle b = h5::create_group(opt, "exp_avg_sq");
     }
   }
+  struct Write {
+    h5::Handle dset;
+    const float* src;
+    Piece piece;
+    Shape shape;
+  };
+  std::vector<Write> writes;
   size_t t = 0;
   for (int g = 0; g < 3; ++g) {
     const float* base = buffers[size_t(g)];
@@ -235,10 +499,9 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
       h5::Handle space(H5Screate_simple(int(dims.size()), dims.data(), nullptr), "H5Screate_simple");
       h5::Handle dset(H5Dcreate2(group, p.name.c_str(), H5T_IEEE_F32LE, space, H5P_DEFAULT, dcpl, H5P_DEFAULT),
                       "H5Dcreate2");
-      auto [fsel, msel] = selections(space, p.global_shape, pc);
-      DS_H5_CHECK(H5Dwrite(dset, H5T_NATIVE_FLOAT, msel, fsel, xfer, base + p.offset + pc.elem_begin()));
       h5::write_attr(dset, "crc32", int64_t(crcs[t++]));
       h5::write_attr(dset, "kind", std::string(param_kind_name(p.kind)));
+      writes.push_back({std::move(dset), base + p.offset + pc.elem_begin(), pc, p.global_shape});
     }
   }
   write_json_group(file, "scheduler", state.scheduler);
@@ -246,9 +509,68 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
   write_json_group(file, "data", state.data);
   write_json_group(file, "layout", state.layout);
   if (state.environment.is_object()) write_json_group(file, "environment", state.environment);
-  h5::write_string_dataset(file, "config", state.config.dump(2));
-  file.close();  // flushes; collective
-  if (rank == 0) fsync_path(path);
+  h5::Handle config = h5::create_string_dataset(file, "config", config_text.size());
+  // Every attribute is written above: the seal covers all of them.
+  const std::string manifest = manifest_of(metadata_fields(file, {{"/config", config_text}}));
+  h5::Handle manifest_dset = h5::create_string_dataset(file, kManifest, manifest.size());
+  h5::write_attr(file, kManifestCrc, int64_t(crc32_of(manifest.data(), manifest.size(), 1)));
+  // Where nothing could be reserved, HDF5 may fail this collective flush on some ranks only
+  // and wait forever on the others: the watchdog ends that, naming the full disk.
+  errno = 0;
+  record(failed, H5Fflush(file, H5F_SCOPE_GLOBAL), "H5Fflush(metadata)", path);
+
+  // Raw data: each rank its own rows, independently, so that a failure (a full disk) stays
+  // on its rank until all agree on it below.
+  h5::Handle xfer = h5::transfer_plist(/*collective=*/false);
+  for (Write& w : writes) {
+    if (w.piece.rows == 0 || !failed.error.empty()) continue;
+    h5::Handle space(H5Dget_space(w.dset), "H5Dget_space");
+    auto [fsel, msel] = selections(space, w.shape, w.piece);
+    errno = 0;
+    record(failed, H5Dwrite(w.dset, H5T_NATIVE_FLOAT, msel, fsel, xfer, w.src), "H5Dwrite(tensor rows)", path);
+  }
+  if (rank == 0) {
+    errno = 0;
+    record(failed, h5::write_string(config, config_text), "H5Dwrite(/config)", path);
+    errno = 0;
+    record(failed, h5::write_string(manifest_dset, manifest), "H5Dwrite(/metadata_checksums)", path);
+  }
+  writes.clear();
+  config.close();
+  manifest_dset.close();
+  failed = agree_on_failure(comm, failed);
+  if (!failed.error.empty()) abandon();
+  try {
+    errno = 0;
+    file.close();  // flushes; collective
+  } catch (const Error& e) {
+    failed = {e.what(), errno};
+    if (failed.err_no != ENOSPC && failed.err_no != EDQUOT && failed.err_no != EFBIG && nearly_full(path)) {
+      failed.err_no = ENOSPC;
+    }
+  }
+  // A write-back that fails shows up here on some file systems (NFS): complete on disk, or
+  // not a checkpoint.
+  if (rank == 0 && failed.error.empty()) {
+    // The reservation beyond the file's end (HDF5 extends files, never shrinks them) is
+    // given back.
+    hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+    haddr_t eoa = 0;
+    if (f >= 0 && H5Fget_eoa(f, &eoa) >= 0 && eoa > 0 && int64_t(eoa) < reserved) {
+      if (::truncate(path.c_str(), off_t(eoa)) != 0) log::warn("could not trim {}: {}", path, std::strerror(errno));
+    }
+    if (f >= 0) H5Fclose(f);
+    H5Eclear2(H5E_DEFAULT);
+    const int fd = ::open(path.c_str(), O_RDONLY);
+    if (fd < 0 || ::fsync(fd) != 0) failed = {fmt::format("fsync: {}", std::strerror(errno)), errno};
+    if (fd >= 0) ::close(fd);
+  }
+  failed = agree_on_failure(comm, failed);
+  if (!failed.error.empty()) {
+    if (rank == 0) ::unlink(path.c_str());
+    MPI_Barrier(comm);
+    raise_write_failure(path, failed);
+  }
 }
 
 TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry& reg, float* exp_avg,
@@ -268,9 +590,11 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
   } catch (const Error& e) {
     error = e.what();
   }
-  throw_if_any_failed(comm, error);
+  throw_if_any_rank_failed(comm, error);
 
   TrainState st;
+  bool unsealed = false;
+  std::string written_by;
   std::vector<std::pair<const void*, size_t>> ranges;
   std::vector<uint32_t> stored;
   std::vector<std::string> names;
@@ -284,6 +608,7 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
     DS_CHECK(version == kCheckpointFormatVersion,
              "'{}' has checkpoint format version {}; this dstrain reads version {}", path, version,
              kCheckpointFormatVersion);
+    written_by = h5::has_attr(file, "dstrain_version") ? h5::read_attr_string(file, "dstrain_version") : "?";
     st.step = h5::read_attr_int(file, "step");
     st.consumed_samples = h5::read_attr_int(file, "consumed_samples");
     st.consumed_tokens = h5::read_attr_int(file, "consumed_tokens");
@@ -296,6 +621,16 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
     st.data = read_json_group(file, "data");
     st.layout = read_json_group(file, "layout");
     st.config = json::parse(h5::read_string_dataset(file, "config"));
+    // One rank reads every attribute back; its verdict reaches all below.
+    const MetadataReport meta = rank == 0 ? verify_metadata(file) : MetadataReport{};
+    std::vector<std::string> problems = meta.problems;
+    for (std::string& c : consistency_problems(st)) problems.push_back(std::move(c));
+    if (!problems.empty()) {
+      throw Error(fmt::format("its metadata fails verification:{}\n  the file was altered or damaged after it was "
+                              "written; resume from another checkpoint",
+                              list_problems(problems)));
+    }
+    unsealed = rank == 0 && !meta.sealed;
     h5::Handle xfer = h5::transfer_plist(/*collective=*/false);
     for (int g = 0; g < 3; ++g) {
       float* base = buffers[size_t(g)];
@@ -323,8 +658,13 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
   } catch (const Error& e) {
     error = fmt::format("checkpoint '{}' cannot be read: {}", path, e.what());
   }
-  throw_if_any_failed(comm, error);
+  throw_if_any_rank_failed(comm, error);
   file.close();
+  if (unsealed && rank == 0) {
+    log::info("note: '{}' was written by dstrain {}, before checkpoints sealed their metadata: its step, data "
+              "position and optimizer state counters are unverified (the tensors are verified)",
+              path, written_by);
+  }
 
   std::vector<uint64_t> local;
   const std::vector<uint32_t> piece_crcs = crc32_many(ranges);
@@ -383,6 +723,11 @@ CheckpointInfo inspect_checkpoint(const std::string& path, bool verify) {
   st.layout = read_json_group(file, "layout");
   st.config = json::parse(h5::read_string_dataset(file, "config"));
   if (h5::exists(file, "environment")) st.environment = read_json_group(file, "environment");
+  const MetadataReport meta = verify_metadata(file);
+  info.metadata_sealed = meta.sealed;
+  info.metadata_fields = meta.fields;
+  info.metadata_problems = meta.problems;
+  for (std::string& c : consistency_problems(st)) info.metadata_problems.push_back(std::move(c));
   std::vector<float> buf;
   for (const char* gname : kGroups) {
     if (!h5::exists(file, gname)) continue;

@@ -40,11 +40,34 @@ struct CheckpointBuffers {
   const float* exp_avg_sq = nullptr;
 };
 
+// A write that failed for lack of storage: the disk or quota is full (ENOSPC, EDQUOT), or
+// the file outgrew the process's file size limit (EFBIG, `ulimit -f`). Raised alike on every
+// rank; the partial file is removed.
+class StorageFullError : public Error {
+ public:
+  StorageFullError(std::string cause, const std::string& what) : Error(what), cause_(std::move(cause)) {}
+  // What ran out, for a message that names the directory: "no space left" or "the file
+  // size limit (ulimit -f) was reached".
+  const std::string& cause() const { return cause_; }
+
+ private:
+  std::string cause_;
+};
+
 // Writes `path` collectively over `comm` (every rank calls it with the same state).
 // `threads` bounds the OpenMP threads used for checksums (1 for a background writer, which
-// must not compete with training).
+// must not compete with training). The metadata goes first; then each rank writes its rows
+// on its own, and the ranks agree on the outcome before the file is closed, so a write that
+// fails on one rank (a full disk) fails on every rank instead of leaving the others blocked.
 void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistry& reg, const CheckpointBuffers& bufs,
                       const TrainState& state, int threads = 0);
+
+// An upper bound of the bytes a checkpoint of these buffers takes on disk, metadata included.
+int64_t checkpoint_size_bound(const ParamRegistry& reg, const CheckpointBuffers& bufs, const TrainState& state);
+
+// Raises the same Error on every rank of `comm` when any rank's `error` is not empty: the
+// message of the lowest rank that failed.
+void throw_if_any_rank_failed(MPI_Comm comm, const std::string& error);
 
 // Reads `path` collectively over `comm` into the registry's values and, when given, the
 // moments. Every tensor's checksum is verified; any failure (missing tensor, wrong shape,
@@ -64,6 +87,12 @@ struct CheckpointInfo {
   TrainState state;
   std::string version, build, created;
   std::vector<CheckpointTensorInfo> tensors;
+  // Every attribute and non-tensor dataset has a checksum in files written since dstrain
+  // sealed its metadata; older files have none (`metadata_sealed` false).
+  bool metadata_sealed = false;
+  size_t metadata_fields = 0;
+  // Fields that fail their checksum or contradict each other, each naming the field.
+  std::vector<std::string> metadata_problems;
 };
 CheckpointInfo inspect_checkpoint(const std::string& path, bool verify = true);
 

@@ -2,6 +2,9 @@
 
 #include <cstring>
 
+#include <fmt/printf.h>
+#include <fmt/ranges.h>
+
 #include "core/error.h"
 
 namespace dstrain::h5 {
@@ -236,6 +239,91 @@ std::string read_string_dataset(hid_t parent, const std::string& name) {
   DS_H5_CHECK(H5Dread(h, t, H5S_ALL, H5S_ALL, H5P_DEFAULT, text.data()));
   text.resize(std::strlen(text.c_str()));
   return text;
+}
+
+Handle create_string_dataset(hid_t parent, const std::string& name, size_t bytes) {
+  Handle t(H5Tcopy(H5T_C_S1), "H5Tcopy");
+  DS_H5_CHECK(H5Tset_size(t, bytes + 1));
+  DS_H5_CHECK(H5Tset_cset(t, H5T_CSET_UTF8));
+  Handle space(H5Screate(H5S_SCALAR), "H5Screate");
+  Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), "H5Pcreate(H5P_DATASET_CREATE)");
+  DS_H5_CHECK(H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER));  // no raw data written at creation
+  return Handle(H5Dcreate2(parent, name.c_str(), t, space, H5P_DEFAULT, dcpl, H5P_DEFAULT), "H5Dcreate2");
+}
+
+herr_t write_string(hid_t dataset, const std::string& text) {
+  Handle t(H5Dget_type(dataset), "H5Dget_type");
+  std::string padded = text;
+  padded.resize(H5Tget_size(t), '\0');
+  return H5Dwrite(dataset, t, H5S_ALL, H5S_ALL, H5P_DEFAULT, padded.data());
+}
+
+std::vector<std::string> list_attrs(hid_t obj) {
+  std::vector<std::string> names;
+  auto add = [](hid_t, const char* name, const H5A_info_t*, void* out) -> herr_t {
+    static_cast<std::vector<std::string>*>(out)->push_back(name);
+    return 0;
+  };
+  hsize_t idx = 0;
+  DS_H5_CHECK(H5Aiterate2(obj, H5_INDEX_NAME, H5_ITER_INC, &idx, add, &names));
+  return names;
+}
+
+std::string read_attr_text(hid_t obj, const std::string& name) {
+  Handle a = open_attr(obj, name);
+  Handle t(H5Aget_type(a), "H5Aget_type");
+  switch (H5Tget_class(t)) {
+    case H5T_INTEGER:
+      if (H5Tget_sign(t) == H5T_SGN_NONE) {
+        uint64_t v = 0;
+        DS_H5_CHECK(H5Aread(a, H5T_NATIVE_UINT64, &v));
+        return std::to_string(v);
+      } else {
+        int64_t v = 0;
+        DS_H5_CHECK(H5Aread(a, H5T_NATIVE_INT64, &v));
+        return std::to_string(v);
+      }
+    case H5T_FLOAT: {
+      double v = 0;
+      DS_H5_CHECK(H5Aread(a, H5T_NATIVE_DOUBLE, &v));
+      return fmt::sprintf("%.17g", v);
+    }
+    case H5T_STRING: {
+      if (H5Tis_variable_str(t) > 0) return read_vlen_string(a, true);
+      std::string text(H5Tget_size(t), '\0');
+      DS_H5_CHECK(H5Aread(a, t, text.data()));
+      text.resize(std::strlen(text.c_str()));
+      return text;
+    }
+    default:
+      return fmt::format("(an attribute of HDF5 type class {})", int(H5Tget_class(t)));
+  }
+}
+
+std::string describe_dataset(hid_t dataset) {
+  Handle t(H5Dget_type(dataset), "H5Dget_type");
+  const size_t bits = H5Tget_size(t) * 8;
+  std::string type;
+  switch (H5Tget_class(t)) {
+    case H5T_FLOAT: type = fmt::format("float{}", bits); break;
+    case H5T_INTEGER: type = fmt::format("{}int{}", H5Tget_sign(t) == H5T_SGN_NONE ? "u" : "", bits); break;
+    case H5T_STRING: type = "string"; break;
+    default: type = fmt::format("class{}", int(H5Tget_class(t))); break;
+  }
+  const Shape shape = dataset_shape(dataset);
+  std::vector<int64_t> dims;
+  for (int i = 0; i < shape.ndim(); ++i) dims.push_back(shape[i]);
+  return fmt::format("{} [{}]", type, fmt::join(dims, ","));
+}
+
+bool is_string_dataset(hid_t dataset) {
+  Handle t(H5Dget_type(dataset), "H5Dget_type");
+  return H5Tget_class(t) == H5T_STRING;
+}
+
+bool is_group(hid_t parent, const std::string& name) {
+  Handle o(H5Oopen(parent, name.c_str(), H5P_DEFAULT), "H5Oopen");
+  return H5Iget_type(o) == H5I_GROUP;
 }
 
 std::vector<std::string> list_members(hid_t group) {

@@ -64,6 +64,20 @@ bool has_attr(hid_t obj, const std::string& name);
 // A scalar UTF-8 string dataset (for texts too large for an attribute, e.g. the config).
 void write_string_dataset(hid_t parent, const std::string& name, const std::string& text);
 std::string read_string_dataset(hid_t parent, const std::string& name);
+// The same in two steps, for parallel files: creating is collective (metadata), writing the
+// text is raw data that one rank may do alone.
+Handle create_string_dataset(hid_t parent, const std::string& name, size_t bytes);
+herr_t write_string(hid_t dataset, const std::string& text);
+
+// Attribute names of an object, in name order, and an attribute's value as canonical text:
+// integers in decimal, floating point as %.17g, strings as they are.
+std::vector<std::string> list_attrs(hid_t obj);
+std::string read_attr_text(hid_t obj, const std::string& name);
+// A dataset's element type and shape as text, e.g. "float32 [32,64]".
+std::string describe_dataset(hid_t dataset);
+bool is_string_dataset(hid_t dataset);
+// Whether `name` in `parent` is a group (else a dataset or another object).
+bool is_group(hid_t parent, const std::string& name);
 
 // Names of the members of a group, in HDF5's name order.
 std::vector<std::string> list_members(hid_t group);

@@ -32,7 +32,11 @@ class Watchdog {
   // What happens at a missed deadline (default: the message on stderr, then MPI_Abort).
   void set_on_timeout(std::function<void(const std::string&)> f);
 
-  uint64_t begin(const std::string& comm, const std::string& op, uint64_t seq);
+  // An operation that may take longer than a collective (checkpoint I/O) gives its own
+  // deadline (0: the watchdog's); `explain`, called at a missed deadline, says what is
+  // likely wrong (e.g. a full disk) in the terms of the operation.
+  uint64_t begin(const std::string& comm, const std::string& op, uint64_t seq, double deadline_seconds = 0,
+                 std::function<std::string()> explain = nullptr);
   void end(uint64_t token);
 
  private:
@@ -42,6 +46,8 @@ class Watchdog {
     std::string comm, op;
     uint64_t seq;
     std::chrono::steady_clock::time_point started;
+    double deadline;  // seconds; 0: the watchdog's
+    std::function<std::string()> explain;
   };
   std::mutex mutex_;
   std::condition_variable cv_;
@@ -56,8 +62,9 @@ class Watchdog {
 // Registers an operation for the lifetime of the scope.
 class WatchScope {
  public:
-  WatchScope(const std::string& comm, const std::string& op, uint64_t seq)
-      : token_(Watchdog::instance().begin(comm, op, seq)) {}
+  WatchScope(const std::string& comm, const std::string& op, uint64_t seq, double deadline_seconds = 0,
+             std::function<std::string()> explain = nullptr)
+      : token_(Watchdog::instance().begin(comm, op, seq, deadline_seconds, std::move(explain))) {}
   ~WatchScope() { Watchdog::instance().end(token_); }
   WatchScope(const WatchScope&) = delete;
   WatchScope& operator=(const WatchScope&) = delete;

@@ -1,7 +1,11 @@
 #include "train/checkpointing.h"
 
+#include <sys/resource.h>
+#include <sys/statvfs.h>
+
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -9,6 +13,7 @@
 
 #include "core/clock.h"
 #include "core/log.h"
+#include "parallel/watchdog.h"
 
 namespace dstrain {
 namespace fs = std::filesystem;
@@ -20,6 +25,25 @@ int64_t step_of(const std::string& filename) {
   std::smatch m;
   return std::regex_match(filename, m, re) ? std::stoll(m[1]) : -1;
 }
+
+int64_t statvfs_free_bytes(const std::string& dir) {
+  struct statvfs v {};
+  if (::statvfs(dir.c_str(), &v) != 0) return -1;  // unknown: not refused
+  return int64_t(v.f_bavail) * int64_t(v.f_frsize);
+}
+
+// The process's file size limit (ulimit -f) in bytes, or -1 when there is none.
+int64_t file_size_limit() {
+  rlimit l{};
+  if (::getrlimit(RLIMIT_FSIZE, &l) != 0 || l.rlim_cur == RLIM_INFINITY) return -1;
+  return int64_t(l.rlim_cur);
+}
+
+std::string mb(int64_t bytes) {
+  return bytes >= 1'000'000'000 ? fmt::format("{:.2f} GB", double(bytes) / 1e9)
+                                : fmt::format("{:.2f} MB", double(bytes) / 1e6);
+}
+
 }  // namespace
 
 CheckpointConfig CheckpointConfig::from_json(const JsonReader& r) {
@@ -31,6 +55,7 @@ CheckpointConfig CheckpointConfig::from_json(const JsonReader& r) {
   c.keep_every = r.get<int64_t>("keep_every", c.keep_every);
   c.async = r.get<bool>("async", c.async);
   c.save_final = r.get<bool>("save_final", c.save_final);
+  c.check_free_space = r.get<bool>("check_free_space", c.check_free_space);
   if (c.interval_steps < 0) r.error("interval_steps", "must be >= 0 (0: not by steps)");
   if (c.interval_minutes < 0) r.error("interval_minutes", "must be >= 0 (0: not by time)");
   if (c.keep_last < 1) r.error("keep_last", "must be >= 1: the newest checkpoint is always kept");
@@ -42,14 +67,20 @@ CheckpointConfig CheckpointConfig::from_json(const JsonReader& r) {
 json CheckpointConfig::to_json() const {
   return {{"dir", dir},           {"interval_steps", interval_steps}, {"interval_minutes", interval_minutes},
           {"keep_last", keep_last}, {"keep_every", keep_every},     {"async", async},
-          {"save_final", save_final}};
+          {"save_final", save_final}, {"check_free_space", check_free_space}};
 }
 
 CheckpointManager::CheckpointManager(CheckpointConfig config, ProcessGrid& grid)
-    : config_(std::move(config)), grid_(grid) {
+    : free_bytes(statvfs_free_bytes), config_(std::move(config)), grid_(grid) {
   io_comm_ = MpiCommHandle(grid.mpi_world());
   if (grid_.world_rank() == 0) fs::create_directories(config_.dir);
+  // A file outgrowing `ulimit -f` must fail its write (EFBIG), to be reported like a full
+  // disk, rather than kill the rank with SIGXFSZ mid-checkpoint.
+  std::signal(SIGXFSZ, SIG_IGN);
+  const std::vector<std::string> found = list();
+  if (!found.empty()) newest_step_ = step_of(fs::path(found.front()).filename().string());
 }
+
 
 CheckpointManager::~CheckpointManager() {
   if (writer_.joinable()) writer_.join();
@@ -73,9 +104,65 @@ std::vector<std::string> CheckpointManager::list() const {
   return out;
 }
 
+int64_t CheckpointManager::size_on_disk(const ParamRegistry& reg, const CheckpointBuffers& bufs,
+                                        const TrainState& state) {
+  return checkpoint_size_bound(reg, bufs, state);
+}
+
+std::string CheckpointManager::not_written(const std::string& cause, int64_t step) const {
+  return fmt::format("{} on {}: checkpoint step {} not written; {}", cause, config_.dir, step,
+                     newest_step_ >= 0 ? fmt::format("step {} is the newest valid one", newest_step_)
+                                       : std::string("no checkpoint has been written yet"));
+}
+
+void CheckpointManager::check_room(int64_t step, int64_t need) {
+  int64_t verdict[3] = {0, -1, -1};  // 0 fits, 1 no space, 2 over the file size limit; free bytes; limit
+  if (grid_.world_rank() == 0) {
+    // No save is in flight: a temporary file is what a failed or killed write left.
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(config_.dir, ec)) {
+      if (e.path().filename().string().ends_with(".h5.tmp")) fs::remove(e.path(), ec);
+    }
+    if (config_.check_free_space) {
+      verdict[1] = free_bytes(config_.dir);
+      verdict[2] = file_size_limit();
+      if (verdict[1] >= 0 && verdict[1] < need) {
+        verdict[0] = 1;
+      } else if (verdict[2] >= 0 && verdict[2] < need) {
+        verdict[0] = 2;
+      }
+    }
+  }
+  // Rank 0's view decides for every rank: they must all write, or all refuse.
+  DS_CHECK(MPI_Bcast(verdict, 3, MPI_INT64_T, 0, io_comm_.get()) == MPI_SUCCESS, "checkpoint: broadcast failed");
+  if (verdict[0] == 1) {
+    throw Error(not_written("no space left", step) +
+                fmt::format("\n  it needs about {} and {} is free there; free some space, lower checkpoint.keep_last "
+                            "or choose another checkpoint.dir, then resume (checkpoint.check_free_space=false skips "
+                            "this check where the free space reported is wrong)",
+                            mb(need), mb(verdict[1])));
+  }
+  if (verdict[0] == 2) {
+    throw Error(not_written("the file size limit (ulimit -f) is too small", step) +
+                fmt::format("\n  a checkpoint needs about {} but files may not grow beyond {}; raise `ulimit -f` in "
+                            "the job script, then resume",
+                            mb(need), mb(verdict[2])));
+  }
+}
+
+std::string CheckpointManager::explain_stall(int64_t step, int64_t need) const {
+  const int64_t free = free_bytes(config_.dir), limit = file_size_limit();
+  if (free >= 0 && free < std::max<int64_t>(need / 100, int64_t(1) << 20)) {
+    return not_written("no space left", step) + fmt::format(" ({} free)", mb(free));
+  }
+  if (limit >= 0 && limit < need) return not_written("the file size limit (ulimit -f) is too small", step);
+  return not_written("writing stalled", step);
+}
+
 double CheckpointManager::save(const ParamRegistry& reg, const CheckpointBuffers& live, const TrainState& state) {
   const auto t0 = Clock::now();
   wait();  // one save in flight at a time
+  check_room(state.step, size_on_disk(reg, live, state));
   if (!config_.async) {
     write_and_publish(reg, live, state, /*threads=*/0);
     return seconds_since(t0);
@@ -116,12 +203,13 @@ double CheckpointManager::save(const ParamRegistry& reg, const CheckpointBuffers
 void CheckpointManager::wait() {
   if (!writer_.joinable()) return;
   writer_.join();
-  // Every rank learns whether any rank's writer failed.
+  // Every rank learns whether any rank's writer failed (they fail together: the write agrees
+  // on its outcome).
   int failed = writer_error_.empty() ? 0 : 1, any = 0;
   MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, io_comm_.get());
   if (any) {
     throw Error(writer_error_.empty() ? "writing a checkpoint failed on another rank; the previous checkpoint is kept"
-                                      : writer_error_ + "\n  (the previous checkpoint is kept)");
+                                      : writer_error_);
   }
 }
 
@@ -131,26 +219,39 @@ void CheckpointManager::write_and_publish(const ParamRegistry& reg, CheckpointBu
   const std::string final_path = path_for(state.step);
   const std::string tmp = final_path + ".tmp";
   MPI_Comm comm = io_comm_.get();
-  write_checkpoint(tmp, comm, reg, bufs, state, threads);
+  const int64_t need = size_on_disk(reg, bufs, state);
+  // The write is collective: under the watchdog, with the time to write the file at a slow
+  // 20 MB/s on top of the collective deadline, and a diagnosis (a full disk) if it stalls.
+  WatchScope watch("checkpoint", fmt::format("writing checkpoint step {} to {}", state.step, config_.dir),
+                   uint64_t(state.step), Watchdog::instance().deadline() + double(need) / 20e6,
+                   [this, step = state.step, need] { return explain_stall(step, need); });
+  try {
+    write_checkpoint(tmp, comm, reg, bufs, state, threads);
+  } catch (const StorageFullError& e) {
+    throw Error(not_written(e.cause(), state.step) + "\n  " + e.what());
+  } catch (const Error& e) {
+    throw Error(not_written("writing failed", state.step) + "\n  " + e.what());
+  }
+  std::string error;
   if (grid_.world_rank() == 0) {
-    // Complete on disk before it carries its final name and before `latest` points to it.
-    fs::rename(tmp, final_path);
-    const fs::path marker = fs::path(config_.dir) / "latest";
-    {
-      std::ofstream out(marker.string() + ".tmp");
-      out << fs::path(final_path).filename().string() << "\n";
-      out.flush();
-      DS_CHECK(out.good(), "cannot write {}.tmp", marker.string());
-    }
-    fs::rename(marker.string() + ".tmp", marker);
-    rotate(state.step);
-    // Leftovers of writes that failed earlier.
-    for (const auto& e : fs::directory_iterator(config_.dir)) {
-      const std::string name = e.path().filename().string();
-      if (name.size() > 7 && name.ends_with(".h5.tmp")) fs::remove(e.path());
+    try {
+      // Complete on disk before it carries its final name and before `latest` points to it.
+      fs::rename(tmp, final_path);
+      const fs::path marker = fs::path(config_.dir) / "latest";
+      {
+        std::ofstream out(marker.string() + ".tmp");
+        out << fs::path(final_path).filename().string() << "\n";
+        out.flush();
+        DS_CHECK(out.good(), "cannot write {}.tmp", marker.string());
+      }
+      fs::rename(marker.string() + ".tmp", marker);
+      rotate(state.step);
+    } catch (const std::exception& e) {
+      error = fmt::format("publishing checkpoint {} failed: {}", final_path, e.what());
     }
   }
-  MPI_Barrier(comm);
+  throw_if_any_rank_failed(comm, error);
+  newest_step_ = state.step;
   const double secs = seconds_since(t0);
   const double bytes = double(reg.values().numel()) * 4.0 * (bufs.exp_avg ? 3.0 : 1.0);
   log::info("checkpoint {} written in {:.2f} s ({:.0f} MB, {:.0f} MB/s)", final_path, secs, bytes / 1e6,

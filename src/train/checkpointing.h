@@ -5,6 +5,7 @@
 // a snapshot taken at a step boundary; only the snapshot stalls the step.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -24,6 +25,7 @@ struct CheckpointConfig {
   int64_t keep_every = 0;       // also keep steps that are multiples of this (0 = none)
   bool async = true;
   bool save_final = true;       // a checkpoint after the last step
+  bool check_free_space = true;  // refuse a save the directory has no room for (statvfs, ulimit -f)
 
   static CheckpointConfig from_json(const JsonReader& r);
   json to_json() const;
@@ -49,9 +51,20 @@ class CheckpointManager {
   // Checkpoint files of the directory, newest step first (names step_NNNNNNNN.h5).
   std::vector<std::string> list() const;
 
+  // Bytes free for a new file in a directory (statvfs); tests replace it to fake a full disk.
+  std::function<int64_t(const std::string& dir)> free_bytes;
+  // Bytes a checkpoint of these buffers takes on disk, metadata included (an upper bound).
+  static int64_t size_on_disk(const ParamRegistry& reg, const CheckpointBuffers& bufs, const TrainState& state);
+
  private:
   void write_and_publish(const ParamRegistry& reg, CheckpointBuffers bufs, TrainState state, int threads);
   void rotate(int64_t newest_step) const;
+  // Refuses, on every rank alike (rank 0 decides), a save that cannot fit.
+  void check_room(int64_t step, int64_t need);
+  // "CAUSE on DIR: checkpoint step N not written; step M is the newest valid one".
+  std::string not_written(const std::string& cause, int64_t step) const;
+  // At a missed watchdog deadline during a write: whether storage ran out, said as above.
+  std::string explain_stall(int64_t step, int64_t need) const;
 
   CheckpointConfig config_;
   ProcessGrid& grid_;
@@ -59,6 +72,7 @@ class CheckpointManager {
   Buffer snap_values_, snap_m_, snap_v_;
   std::thread writer_;
   std::string writer_error_;
+  int64_t newest_step_ = -1;  // of the newest complete checkpoint in the directory (-1: none)
 };
 
 }  // namespace dstrain

@@ -277,12 +277,17 @@ bool Trainer::train_step(StepRecord& r) {
   if (r.skipped) {
     ++skipped_in_a_row_;
     ++skipped_total_;
+    last_skip_reason_ = r.skip_reason;
     log::warn("step {} skipped: {} ({} in a row, {} in all)", r.step, r.skip_reason, skipped_in_a_row_,
               skipped_total_);
     if (skipped_in_a_row_ >= config_.resilience.max_skipped_steps) {
+      // No checkpoint was written during the streak, so the newest one predates it.
+      const std::vector<std::string> kept = ckpt_->list();
       throw Error(fmt::format("training stopped: {} consecutive steps skipped (last: {}); resume from the last "
-                              "checkpoint with a lower learning rate or check the data",
-                              skipped_in_a_row_, r.skip_reason));
+                              "checkpoint{} with a lower learning rate or check the data",
+                              skipped_in_a_row_, r.skip_reason,
+                              kept.empty() ? std::string(" (none was written yet)")
+                                           : fmt::format(" ({}, written before the skipped steps)", kept.front())));
     }
   } else {
     skipped_in_a_row_ = 0;
@@ -432,12 +437,13 @@ Trainer::Outcome Trainer::train() {
     if (!train_step(r)) continue;  // the micro-batch was halved: the same step again
     history_.push_back(r);
     if (on_step) on_step(r);
-    // A checkpoint due at this step belongs to its time split.
-    const bool ckpt_due = checkpoint_due(r.step);
+    // A checkpoint due at this step belongs to its time split. One deferred by a skipped
+    // step is written as soon as a step succeeds again.
+    const bool ckpt_due = checkpoint_due(r.step) || (save_deferred_ && !r.skipped);
     if (ckpt_due) {
       r.checkpoint_seconds = history_.back().checkpoint_seconds = save_checkpoint();
       r.step_seconds += r.checkpoint_seconds;
-      metrics_->on_checkpoint(r.step, r.checkpoint_seconds, config_.checkpoint.async);
+      if (last_saved_step_ == r.step) metrics_->on_checkpoint(r.step, r.checkpoint_seconds, config_.checkpoint.async);
     }
     const double elapsed = seconds_since(t0);
     metrics_->on_step(step_metrics(r, elapsed, r.step - first_step + 1));
@@ -537,13 +543,45 @@ TrainState Trainer::state() {
   return st;
 }
 
+std::string Trainer::unsafe_to_save() {
+  if (skipped_in_a_row_ > 0) {
+    return fmt::format("step {} was skipped ({}, {} in a row)", step_, last_skip_reason_, skipped_in_a_row_);
+  }
+  // Every rank holds the whole state; each looks at it, and all agree.
+  const float* bufs[3] = {model_->params().values().data<float>(), optimizer_->exp_avg().data<float>(),
+                          optimizer_->exp_avg_sq().data<float>()};
+  const int64_t n = model_->params().values().numel();
+  int32_t bad[3] = {0, 0, 0};
+  for (int b = 0; b < 3; ++b) {
+    const float* p = bufs[b];
+    int32_t found = 0;
+#pragma omp parallel for schedule(static) reduction(max : found)
+    for (int64_t i = 0; i < n; ++i) found = std::max(found, int32_t(!std::isfinite(p[i])));
+    bad[b] = found;
+  }
+  grid_.world().all_reduce(Tensor(bad, DType::I32, Shape{3}), ReduceOp::Max);
+  if (bad[0]) return fmt::format("the weights after step {} hold non-finite values", step_);
+  if (bad[1] || bad[2]) return fmt::format("AdamW's moments after step {} hold non-finite values", step_);
+  return "";
+}
+
 double Trainer::save_checkpoint() {
+  const std::string unsafe = unsafe_to_save();
+  if (!unsafe.empty()) {
+    save_deferred_ = true;
+    const std::vector<std::string> kept = ckpt_->list();
+    log::warn("checkpoint of step {} deferred until a step succeeds: {}; {}", step_, unsafe,
+              kept.empty() ? std::string("no checkpoint exists yet")
+                           : "the newest checkpoint, " + kept.front() + ", stays and is not rotated away");
+    return 0;
+  }
+  save_deferred_ = false;
   ParamRegistry& reg = model_->params();
   CheckpointBuffers live{reg.values().data<float>(), optimizer_->exp_avg().data<float>(),
                          optimizer_->exp_avg_sq().data<float>()};
   const double stall = ckpt_->save(reg, live, state());
   last_saved_step_ = step_;
-  last_save_time_ = Clock::now();
+  last_save_time_ = clock();
   return stall;
 }
 
@@ -552,7 +590,8 @@ bool Trainer::checkpoint_due(int64_t step) {
   bool due = c.interval_steps > 0 && step % c.interval_steps == 0;
   if (c.interval_minutes > 0) {
     // Clocks differ between ranks: rank 0 decides for everyone.
-    int by_time = seconds_since(last_save_time_) >= c.interval_minutes * 60.0 ? 1 : 0;
+    const double since = std::chrono::duration<double>(clock() - last_save_time_).count();
+    int by_time = since >= c.interval_minutes * 60.0 ? 1 : 0;
     grid_.world().broadcast(Tensor(&by_time, DType::I32, Shape{1}), 0);
     due = due || by_time;
   }

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,6 +19,7 @@
 #include "parallel/environment.h"
 #include "parallel/grad_reducer.h"
 #include "parallel/grid.h"
+#include "core/clock.h"
 #include "train/checkpointing.h"
 #include "train/metrics.h"
 #include "train/run_config.h"
@@ -105,6 +107,12 @@ class Trainer {
   int64_t step() const { return step_; }
   // Called after every optimizer step (tests check cross-rank agreement here).
   std::function<void(const StepRecord&)> on_step;
+  // The clock of checkpoint.interval_minutes. Clocks of different nodes disagree; tests give
+  // each rank its own to check that rank 0's alone decides.
+  std::function<Clock::time_point()> clock = [] { return Clock::now(); };
+  // Whether a checkpoint is due after `step` (by steps, or by rank 0's clock); the same on
+  // every rank. Collective over the world.
+  bool checkpoint_due(int64_t step);
 
  private:
   // One optimizer step; returns false (and nothing happened) when the micro-batch did not fit
@@ -117,7 +125,9 @@ class Trainer {
   DataPipeline& pipeline();
   Tokenizer& tokenizer();
   TrainState state();
-  bool checkpoint_due(int64_t step);
+  // Why the current state must not become a checkpoint ("" when it may): saving it would
+  // rotate away the good ones written before training went wrong. Collective.
+  std::string unsafe_to_save();
 
   RunConfig config_;
   ProcessGrid& grid_;
@@ -140,6 +150,10 @@ class Trainer {
   bool resumed_ = false;          // injected faults fire only in runs that started from scratch
   bool oom_fault_fired_ = false;
   int64_t skipped_in_a_row_ = 0, skipped_total_ = 0;
+  std::string last_skip_reason_;
+  // A checkpoint was due while the state was not worth saving (a skipped step, non-finite
+  // weights): it is written at the next good step instead.
+  bool save_deferred_ = false;
   std::unique_ptr<class SpikeDetector> spikes_;
   int64_t consumed_samples_ = 0;  // windows consumed by those steps (global)
   std::vector<StepRecord> history_;

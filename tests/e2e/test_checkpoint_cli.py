@@ -1,6 +1,7 @@
 """Checkpoints from the command line: files any HDF5 tool reads (h5ls, h5dump, h5py), the
 dstrain-ckpt tool (info with verified checksums, export to Hugging Face), --init-from a
-checkpoint, the guard against mixing runs, and a corrupt file being reported.
+checkpoint, the guard against mixing runs, a corrupt file or altered metadata being reported,
+and a full disk (or file size limit) ending every rank of 1 and 2 with a message, never a hang.
 
     /usr/bin/python3 tests/e2e/test_checkpoint_cli.py BUILD_DIR
 """
@@ -8,7 +9,10 @@ checkpoint, the guard against mixing runs, and a corrupt file being reported.
 import os
 import re
 import shutil
+import subprocess
 import sys
+import tempfile
+import time
 import unittest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -76,6 +80,18 @@ class CheckpointCommandLine(unittest.TestCase):
         self.assertEqual(p.returncode, 1)
         self.assertIn("MISMATCH", p.stdout)
         self.assertIn("corrupt", p.stderr)
+        self.assertIn("checksums verified: ok", info)
+        # An edited data position: the field is named, by dstrain-ckpt and by the h5py check.
+        edited = os.path.join(self.dir, "edited.h5")
+        shutil.copy(path, edited)
+        with h5py.File(edited, "r+") as f:
+            f["data"].attrs["consumed_samples"] = 16
+        p = run([self.ckpt_tool, "info", edited], check=False)
+        self.assertEqual(p.returncode, 1)
+        self.assertIn(f"{edited}: /data@consumed_samples fails its checksum", p.stderr)
+        p = run(["/usr/bin/python3", os.path.join(ROOT, "validation", "check_checkpoint.py"), edited], check=False)
+        self.assertEqual(p.returncode, 1)
+        self.assertIn("/data@consumed_samples", p.stdout)
 
     def test_the_environment_is_recorded_and_shown(self):
         """Checkpoint metadata, the head of metrics.jsonl and dstrain-ckpt info carry the job's
@@ -122,6 +138,102 @@ class CheckpointCommandLine(unittest.TestCase):
         self.assertIn("resumed from", p.stdout)
         self.assertIn("at step 12", p.stdout)
         self.assertNotIn("step     13", p.stdout)
+
+
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_rmaps_base_oversubscribe": "1", "OMPI_MCA_pml": "ob1", "OMP_NUM_THREADS": "1"}
+HANG = 90  # seconds: far beyond these runs (a few seconds, or the 10 s watchdog), far below a hang
+
+
+class FullDisk(unittest.TestCase):
+    """A checkpoint that does not fit: refused up front (free space or `ulimit -f` below its
+    size), or failing in the middle of the write (the check off). Every rank ends with
+    "<cause> on <dir>: checkpoint step N not written; step M is the newest valid one", and the
+    older checkpoints stay valid."""
+
+    @classmethod
+    def setUpClass(cls):
+        test_cli.BUILD = BUILD
+        test_cli.CommandLine.setUpClass.__func__(cls)
+        cls.dstrain = os.path.join(BUILD, "app", "dstrain")
+        cls.ckpt_tool = os.path.join(BUILD, "app", "dstrain-ckpt")
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.dir)
+
+    def launch(self, np, ckdir, *sets, limit_kb=None, resume=False):
+        """mpirun -np NP dstrain train, each rank under `ulimit -f` when limit_kb is given."""
+        args = [self.dstrain, "train", "--config", self.config, "--set", f'output.dir="{ckdir}_out"',
+                f'checkpoint.dir="{ckdir}"', "checkpoint.interval_steps=2", "checkpoint.keep_last=5",
+                "resilience.collective_timeout_s=10", *sets] + (["--resume", "auto"] if resume else [])
+        env = dict(os.environ, **MPI_ENV)
+        if limit_kb is None:
+            cmd = ["mpirun", "-np", str(np), *args]
+        else:
+            # The shared-memory transport's segments outgrow the limit: TCP over loopback. SIGXFSZ
+            # ignored as a batch script would, so that the write fails instead of the process.
+            env["OMPI_MCA_btl"] = "self,tcp"
+            quoted = " ".join("'" + a.replace("'", "'\\''") + "'" for a in args)
+            cmd = ["mpirun", "-np", str(np), "sh", "-c", f"trap '' XFSZ; ulimit -f {limit_kb}; exec {quoted}"]
+        env.setdefault("OMPI_MCA_btl", "self,vader")
+        t0 = time.monotonic()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=HANG)
+        except subprocess.TimeoutExpired:
+            self.fail(f"{np} rank(s): the job hung (no end within {HANG} s)")
+        return p, time.monotonic() - t0
+
+    def expect_not_written(self, p, np, cause, ckdir, step, newest):
+        self.assertNotEqual(p.returncode, 0, p.stdout + p.stderr)
+        want = f"{cause} on {ckdir}: checkpoint step {step} not written; step {newest} is the newest valid one"
+        for r in range(np):
+            prefix = f"[rank {r}] error: " if r else "error: "
+            self.assertTrue(any(l.startswith(prefix + want) for l in p.stderr.splitlines()),
+                            f"rank {r} of {np} does not say {want!r}:\n{p.stderr}")
+        names = sorted(os.listdir(ckdir))
+        self.assertNotIn(f"step_{step:08d}.h5", names)
+        if "watchdog" not in p.stderr:
+            self.assertFalse([n for n in names if n.endswith(".tmp")], f"a partial file is left: {names}")
+        with open(os.path.join(ckdir, "latest")) as f:
+            self.assertEqual(f.read().strip(), f"step_{newest:08d}.h5")
+        info = run([self.ckpt_tool, "info", os.path.join(ckdir, f"step_{newest:08d}.h5")]).stdout
+        self.assertIn("0 checksum mismatch(es)", info)
+
+    def test_file_size_limit(self):
+        """No mount needed: `ulimit -f` below a checkpoint's size, from the second run on."""
+        for np in (1, 2):
+            for check in ("true", "false"):
+                with self.subTest(ranks=np, check_free_space=check):
+                    ckdir = tempfile.mkdtemp(prefix="limit_", dir=self.dir)
+                    p, _ = self.launch(np, ckdir, "train.max_steps=4")
+                    self.assertEqual(p.returncode, 0, p.stderr)
+                    p, secs = self.launch(np, ckdir, "train.max_steps=8", f"checkpoint.check_free_space={check}",
+                                          limit_kb=200, resume=True)
+                    cause = ("the file size limit (ulimit -f) is too small" if check == "true"
+                             else "the file size limit (ulimit -f) was reached")
+                    self.expect_not_written(p, np, cause, ckdir, 6, 4)
+                    print(f"{np} rank(s), check {check}: ended in {secs:.1f} s")
+
+    def test_full_tmpfs(self):
+        """A real full file system where mounting is allowed (root outside a container)."""
+        mnt = tempfile.mkdtemp(prefix="tmpfs_", dir=self.dir)
+        # One checkpoint (~0.5 MB) fits in 1 MB; the check wants ~0.6 MB free for the second.
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", mnt], capture_output=True).returncode:
+            self.skipTest("mount is not allowed here; test_file_size_limit covers the failure without it")
+        try:
+            for np in (1, 2):
+                for check in ("true", "false"):
+                    with self.subTest(ranks=np, check_free_space=check):
+                        for n in os.listdir(mnt):
+                            os.remove(os.path.join(mnt, n))
+                        p, secs = self.launch(np, mnt, "train.max_steps=8", f"checkpoint.check_free_space={check}")
+                        # Checked, the second save is refused; unchecked, reserving its space fails.
+                        self.expect_not_written(p, np, "no space left", mnt, 4, 2)
+                        self.assertNotIn("watchdog", p.stderr, "the ranks agreed on the failure")
+                        print(f"{np} rank(s), tmpfs, check {check}: ended in {secs:.1f} s")
+        finally:
+            subprocess.run(["umount", mnt])
 
 
 if __name__ == "__main__":

@@ -1,15 +1,20 @@
 // Checkpoints under MPI at 1, 2 and 4 ranks: stopping and resuming is bitwise exact (sync and
 // async saves), a file written at one rank count continues at another with the same loss
-// sequence, rotation keeps what it promises, and a corrupt or truncated newest checkpoint is
-// reported and the previous one used.
+// sequence, rotation keeps what it promises, a corrupt or truncated newest checkpoint is
+// reported and the previous one used, a save with no room is refused alike on every rank, and
+// altered metadata is an error naming the field.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
+#include <mutex>
+#include <thread>
 
 #include "io/hdf5_util.h"
+#include "parallel/watchdog.h"
 #include "resume_check.h"
 #include "run_files.h"
 #include "train/trainer.h"
@@ -115,13 +120,166 @@ TEST(Checkpoint, RotationKeepsTheNewestAndTheMilestones) {
 }
 
 TEST(Checkpoint, TimeIntervalIsDecidedForEveryRankAlike) {
-  // A tiny interval: every step is due by time, on every rank at once (rank 0's clock).
-  RunFiles files(3, {{"checkpoint", {{"interval_minutes", 1e-9}, {"keep_last", 5}, {"async", false}}}});
+  // The ranks' clocks disagree: only rank 0's decision, shared, makes them save together (a
+  // rank deciding alone would enter the collective write while another trains on).
+  RunFiles files(3, {{"checkpoint", {{"interval_minutes", 30.0}, {"keep_last", 5}, {"async", false}}}});
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  for (const bool rank0_ahead : {true, false}) {
+    SCOPED_TRACE(rank0_ahead ? "rank 0's clock runs ahead" : "rank 0's clock stands still");
+    Trainer t(files.config({"checkpoint.dir=" + quoted(files.dir() / (rank0_ahead ? "ahead" : "still"))}), grid);
+    // An hour passes at every reading of a clock that runs; a standing clock never reaches
+    // the interval.
+    const bool runs = (world_rank() == 0) == rank0_ahead;
+    const Clock::time_point start = Clock::now();
+    int64_t readings = 0;
+    t.clock = [&] { return runs ? start + std::chrono::hours(++readings) : start; };
+    // Asked directly, every rank answers as rank 0's clock says.
+    const int due = t.checkpoint_due(1) ? 1 : 0;
+    std::vector<int> all(static_cast<size_t>(world_size()));
+    MPI_Allgather(&due, 1, MPI_INT, all.data(), 1, MPI_INT, MPI_COMM_WORLD);
+    const auto agree = std::count(all.begin(), all.end(), rank0_ahead ? 1 : 0);
+    ASSERT_EQ(agree, world_size()) << "ranks decided by their own clocks";
+    t.init_weights("");
+    t.train();
+    EXPECT_EQ(t.checkpoints().list().size(), rank0_ahead ? 3u : 0u);
+  }
+}
+
+TEST(Checkpoint, NoRoomRefusesTheSaveOnEveryRankAndKeepsTheOlderOnes) {
+  for (const bool async : {false, true}) {
+    SCOPED_TRACE(async ? "async" : "sync");
+    RunFiles files(6, {{"checkpoint", {{"interval_steps", 2}, {"keep_last", 1}, {"async", async}}}});
+    ProcessGrid grid(MPI_COMM_WORLD, {});
+    Trainer t(files.config(), grid);
+    // Only rank 0's view counts: it sees room for one checkpoint, the others see plenty.
+    int64_t probes = 0;
+    t.checkpoints().free_bytes = [&](const std::string&) -> int64_t {
+      return world_rank() == 0 && ++probes > 1 ? 1000 : int64_t(1) << 40;
+    };
+    t.init_weights("");
+    try {
+      t.train();
+      ADD_FAILURE() << "a save with no room went ahead";
+    } catch (const Error& e) {
+      const std::string want = fmt::format("no space left on {}: checkpoint step 4 not written; step 2 is the newest "
+                                           "valid one",
+                                           t.config().checkpoint.dir);
+      EXPECT_EQ(std::string(e.what()).rfind(want, 0), 0u) << e.what();
+    }
+    const auto kept = t.checkpoints().list();
+    ASSERT_EQ(kept.size(), 1u);
+    EXPECT_EQ(fs::path(kept[0]).filename(), "step_00000002.h5");
+  }
+}
+
+TEST(Checkpoint, AStalledWriteIsEndedByTheWatchdogNamingTheFullDisk) {
+  RunFiles files(2, {{"checkpoint", {{"interval_steps", 2}, {"async", false}}}});
   ProcessGrid grid(MPI_COMM_WORLD, {});
   Trainer t(files.config(), grid);
+  // Room for the checkpoint up front, but under a megabyte: a disk that filled meanwhile.
+  t.checkpoints().free_bytes = [](const std::string&) -> int64_t { return 800'000; };
+  std::mutex m;
+  std::string reported;
+  Watchdog& w = Watchdog::instance();
+  w.stop();
+  w.set_on_timeout([&](const std::string& msg) {
+    std::lock_guard lock(m);
+    reported = msg;
+  });
+  w.start(2.0);
+  // The write stalls: another thread holds the HDF5 library for longer than the deadline.
+  std::thread holder;
+  t.on_step = [&](const StepRecord& r) {
+    if (r.step != 2) return;
+    std::promise<void> held;
+    holder = std::thread([&] {
+      std::lock_guard lock(h5::hdf5_lock());
+      held.set_value();
+      std::this_thread::sleep_for(std::chrono::seconds(4));
+    });
+    held.get_future().wait();
+  };
   t.init_weights("");
   t.train();
-  EXPECT_EQ(t.checkpoints().list().size(), 3u);
+  holder.join();
+  w.stop();
+  w.set_on_timeout(nullptr);
+  w.start(120);
+  std::lock_guard lock(m);
+  const std::string want = fmt::format("no space left on {}: checkpoint step 2 not written; no checkpoint has been "
+                                       "written yet",
+                                       t.config().checkpoint.dir);
+  EXPECT_EQ(reported.rfind(want, 0), 0u) << reported;
+  EXPECT_NE(reported.find("writing checkpoint step 2"), std::string::npos) << reported;
+}
+
+// Rewrites one attribute of a closed file (rank 0 only), as a bit flip or a hand edit would.
+void set_attr(const std::string& path, const std::string& object, const std::string& name, const json& value) {
+  std::lock_guard lock(h5::hdf5_lock());
+  h5::Handle f(H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT), "H5Fopen");
+  h5::Handle o(H5Oopen(f, object.c_str(), H5P_DEFAULT), "H5Oopen");
+  DS_H5_CHECK(H5Adelete(o, name.c_str()));
+  if (value.is_string()) {
+    h5::write_attr(o, name, value.get<std::string>());
+  } else {
+    h5::write_attr(o, name, value.get<int64_t>());
+  }
+}
+
+TEST(Checkpoint, AlteredMetadataIsAnErrorNamingTheFieldAndAnUnsealedFileStillLoads) {
+  RunFiles files(4, {{"checkpoint", {{"interval_steps", 4}, {"async", false}}}});
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  {
+    Trainer t(files.config(), grid);
+    t.init_weights("");
+    t.train();
+  }
+  const fs::path dir = files.dir() / "out" / "checkpoints";
+  const std::string good = (dir / "step_00000004.h5").string();
+  const std::string flipped = (files.dir() / "flipped.h5").string(), edited = (files.dir() / "edited.h5").string(),
+                    unsealed = (files.dir() / "unsealed.h5").string();
+  if (world_rank() == 0) {
+    for (const auto& p : {flipped, edited, unsealed}) fs::copy_file(good, p);
+    set_attr(flipped, "/optimizer", "step", 5);  // 4 with its lowest bit flipped
+    json data;
+    {
+      std::lock_guard lock(h5::hdf5_lock());
+      h5::Handle f = h5::open_file(edited, MPI_COMM_NULL);
+      data = json::parse(h5::read_attr_string(h5::open_group(f, "data"), "json"));
+    }
+    data["datasets"][0]["samples_drawn"] = 8;
+    set_attr(edited, "/data", "json", data.dump());
+    // As the previous dstrain wrote it: no metadata checksums.
+    std::lock_guard lock(h5::hdf5_lock());
+    h5::Handle f(H5Fopen(unsealed.c_str(), H5F_ACC_RDWR, H5P_DEFAULT), "H5Fopen");
+    DS_H5_CHECK(H5Adelete(f, "metadata_crc32"));
+    DS_H5_CHECK(H5Ldelete(f, "metadata_checksums", H5P_DEFAULT));
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  Trainer t(files.config({"checkpoint.dir=" + quoted(files.dir() / "unused")}), grid);
+  for (const auto& [path, field] : {std::pair{flipped, "/optimizer@step"}, std::pair{edited, "/data@json"}}) {
+    try {
+      t.resume(path);
+      ADD_FAILURE() << path << " was resumed from";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(std::string(field) + " fails its checksum"), std::string::npos)
+          << e.what();
+    }
+    if (world_rank() == 0) {
+      const CheckpointInfo info = inspect_checkpoint(path, /*verify=*/false);
+      ASSERT_FALSE(info.metadata_problems.empty());
+      EXPECT_EQ(info.metadata_problems[0].rfind(field, 0), 0u) << info.metadata_problems[0];
+    }
+  }
+  ASSERT_TRUE(t.resume(unsealed));
+  EXPECT_EQ(t.step(), 4);
+  if (world_rank() == 0) {
+    const CheckpointInfo info = inspect_checkpoint(unsealed, /*verify=*/false);
+    EXPECT_FALSE(info.metadata_sealed);
+    EXPECT_TRUE(info.metadata_problems.empty());
+    EXPECT_TRUE(inspect_checkpoint(good, false).metadata_sealed);
+  }
 }
 
 // Flips a byte in the middle of a tensor's data, found through HDF5 (rank 0 only).

@@ -1,12 +1,15 @@
 // Resilience under MPI at 1, 2 and 4 ranks: non-finite steps are skipped by every rank alike,
 // a micro-batch over the memory budget or failing to allocate is halved (global batch kept)
 // with the results of a run started that way, and a stop signal on one rank stops every rank
-// at the same step after a checkpoint from which the run continues bit for bit.
+// at the same step after a checkpoint from which the run continues bit for bit, and a diverged
+// run never saves (or rotates) over the checkpoints written before it went wrong.
 #include <gtest/gtest.h>
 
 #include <csignal>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <limits>
 
 #include "run_files.h"
 #include "train/trainer.h"
@@ -123,6 +126,55 @@ TEST(Resilience, StopSignalOnOneRankStopsAllAtTheSameStepAfterACheckpoint) {
   for (size_t i = 0; i < losses.size(); ++i) EXPECT_EQ(losses[i], full.history()[i].loss);
   const Buffer& x = full.model().params().values();
   EXPECT_EQ(0, std::memcmp(x.data(), b.model().params().values().data(), x.nbytes()));
+}
+
+// The steps of a checkpoint directory, newest first.
+std::vector<int64_t> saved_steps(Trainer& t) {
+  std::vector<int64_t> steps;
+  for (const std::string& p : t.checkpoints().list()) {
+    steps.push_back(std::stoll(std::filesystem::path(p).stem().string().substr(5)));
+  }
+  return steps;
+}
+
+TEST(Resilience, DivergenceNeverRotatesAwayTheLastGoodCheckpoint) {
+  // Every step is due; after step 3 the weights become NaN (a diverged update), so every later
+  // step is skipped until the run stops. Saving then would leave only poisoned checkpoints.
+  RunFiles files(8, {{"checkpoint", {{"interval_steps", 1}, {"keep_last", 2}, {"async", false}}}});
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  Trainer t(files.config({"resilience.max_skipped_steps=3"}), grid);
+  t.on_step = [&](const StepRecord& r) {
+    if (r.step != 3) return;
+    Buffer& w = t.model().params().values();
+    std::fill_n(w.data<float>(), w.numel(), std::numeric_limits<float>::quiet_NaN());
+  };
+  t.init_weights("");
+  try {
+    t.train();
+    ADD_FAILURE() << "the diverged run went on";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("step_00000002.h5, written before the skipped steps"), std::string::npos)
+        << e.what();
+  }
+  ASSERT_EQ(t.history().size(), 5u);  // step 6, the third skipped in a row, ends the run
+  EXPECT_TRUE(t.history()[3].skipped && t.history()[4].skipped);
+  EXPECT_EQ(saved_steps(t), (std::vector<int64_t>{2, 1})) << "steps 3 (NaN weights) to 5 (skipped) were saved";
+  // What is kept resumes with finite weights.
+  Trainer u(files.config({"checkpoint.dir=" + json((files.dir() / "unused").string()).dump()}), grid);
+  ASSERT_TRUE(u.resume(t.checkpoints().path_for(2)));
+  const Buffer& w = u.model().params().values();
+  EXPECT_TRUE(std::all_of(w.data<float>(), w.data<float>() + w.numel(), [](float x) { return std::isfinite(x); }));
+}
+
+TEST(Resilience, ACheckpointDueAtASkippedStepIsWrittenAtTheNextGoodOne) {
+  RunFiles files(6, {{"checkpoint", {{"interval_steps", 3}, {"keep_last", 5}, {"async", true}}}});
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  const std::string fault = fmt::format("resilience.fault={{\"rank\": {}, \"nan_at_step\": 3}}", world_size() - 1);
+  Trainer t(files.config({fault}), grid);
+  t.init_weights("");
+  t.train();
+  ASSERT_TRUE(t.history()[2].skipped);
+  EXPECT_EQ(saved_steps(t), (std::vector<int64_t>{6, 4}));
 }
 
 }  // namespace
