@@ -73,6 +73,13 @@ std::vector<std::string> CheckpointManager::list() const {
   return out;
 }
 
+std::string CheckpointManager::latest() const {
+  std::ifstream in(fs::path(config_.dir) / "latest");
+  std::string name;
+  in >> name;
+  return name;
+}
+
 double CheckpointManager::save(const ParamRegistry& reg, const CheckpointBuffers& live, const TrainState& state) {
   const auto t0 = Clock::now();
   wait();  // one save in flight at a time

@@ -48,6 +48,9 @@ class CheckpointManager {
 
   // Checkpoint files of the directory, newest step first (names step_NNNNNNNN.h5).
   std::vector<std::string> list() const;
+  // The checkpoint file name the `latest` marker holds ("" when there is no marker): the
+  // newest checkpoint the run completed, whether or not its file is still there.
+  std::string latest() const;
 
  private:
   void write_and_publish(const ParamRegistry& reg, CheckpointBuffers bufs, TrainState state, int threads);
