@@ -197,6 +197,23 @@ std::string file_fingerprint(const std::string& path) {
   return fmt::format("{} bytes, xxh64 of its ends {:016x}", size, digest);
 }
 
+// Ranks that read one checkpoint collectively must name the same file, and that name must be
+// the same file everywhere (not differing copies on node-local disks): otherwise each rank
+// reads its rows from another file and the checksums, combined over the ranks, fail.
+void check_same_file_on_every_rank(Communicator& world, const std::string& option, const std::string& path) {
+  const std::vector<std::string> all =
+      all_gather_strings(world, fmt::format("{} {} ({})", option, path, file_fingerprint(path)));
+  if (std::all_of(all.begin(), all.end(), [&](const std::string& a) { return a == all[0]; })) return;
+  const std::vector<std::string> hosts = all_gather_strings(world, host_name());
+  std::string lines;
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (r == 0 || all[r] != all[0]) lines += fmt::format("\n  rank {} (host {}): {}", r, hosts[r], all[r]);
+  }
+  throw Error(fmt::format("ranks were given different checkpoint files:{}\n  every rank must read the same file: pass "
+                          "the same {} to every rank, on a filesystem every rank shares",
+                          lines, option));
+}
+
 // "" when the checkpoint holds the model's tensors with the model's shapes; otherwise what
 // differs, in terms of the model configuration. A file that cannot be read is left to the
 // load, which says why.
@@ -296,21 +313,26 @@ Tokenizer& Trainer::tokenizer() {
 }
 
 void Trainer::init_weights(const std::string& init_from) {
-  load_weights(init_from);
+  const bool checkpoint = !init_from.empty() && std::filesystem::is_regular_file(init_from) && is_hdf5_file(init_from);
+  // A checkpoint is read collectively: no rank may take another way.
+  if (grid_.world().all_reduce_value<int32_t>(checkpoint ? 1 : 0, ReduceOp::Max) > 0) {
+    check_same_file_on_every_rank(grid_.world(), "--init-from", init_from);
+  }
+  load_weights(init_from, checkpoint);
   ParamRegistry& reg = model_->params();
-  if (!init_from.empty() && is_hdf5_file(init_from)) check_finite_weights(reg, "checkpoint '" + init_from + "'");
+  if (checkpoint) check_finite_weights(reg, "checkpoint '" + init_from + "'");
   check_same_weights(grid_.world(), reg,
                      init_from.empty() ? fmt::format("initialised from train.seed {}", config_.train.seed)
                                        : "--init-from " + init_from);
 }
 
-void Trainer::load_weights(const std::string& init_from) {
+void Trainer::load_weights(const std::string& init_from, bool checkpoint) {
   if (init_from.empty()) {
     model_->init_weights(config_.train.seed);
     log::info("initialised {} parameters (seed {})", model_->config().num_parameters(), config_.train.seed);
     return;
   }
-  if (std::filesystem::is_regular_file(init_from) && is_hdf5_file(init_from)) {
+  if (checkpoint) {
     const TrainState st = read_checkpoint(init_from, ckpt_->io_comm(), model_->params(), nullptr, nullptr);
     log::info("loaded the model of checkpoint {} (step {}); optimizer state and position start afresh", init_from,
               st.step);
@@ -761,21 +783,19 @@ bool Trainer::resume(const std::string& spec) {
   std::vector<std::string> candidates = automatic ? ckpt_->list() : std::vector<std::string>{spec};
   const std::string latest = automatic ? ckpt_->latest() : "";
   const std::string& dir = config_.checkpoint.dir;
-  {
-    // Every rank must read the same file; otherwise each would load its own rows from another
-    // file and the checksums, combined over the ranks, would call good files corrupt.
-    std::string view = automatic ? "checkpoint.dir " + dir + " holds" : "--resume";
-    for (const std::string& c : candidates) view += " " + c;
-    if (automatic && candidates.empty()) view += " no checkpoint";
+  if (automatic) {
+    // Every rank must take the same way: a checkpoint.dir on node-local disks may differ.
+    std::string view = "checkpoint.dir " + dir + " holds";
+    for (const std::string& c : candidates) view += " " + std::filesystem::path(c).filename().string();
+    if (candidates.empty()) view += " no checkpoint" + (latest.empty() ? "" : " (latest: " + latest + ")");
     const std::vector<std::string> views = all_gather_strings(grid_.world(), view);
     if (std::any_of(views.begin(), views.end(), [&](const std::string& v) { return v != views[0]; })) {
       const std::vector<std::string> hosts = all_gather_strings(grid_.world(), host_name());
       std::string lines;
       for (size_t r = 0; r < views.size(); ++r) lines += fmt::format("\n  rank {} (host {}): {}", r, hosts[r], views[r]);
-      throw Error(fmt::format(
-          "ranks were given different checkpoints to resume from:{}\n  every rank must resume from the same file: "
-          "pass the same --resume to every rank, with checkpoint.dir on a filesystem every rank shares",
-          lines));
+      throw Error(fmt::format("--resume auto: ranks see different checkpoints:{}\n  checkpoint.dir must be on a "
+                              "filesystem every rank shares",
+                              lines));
     }
   }
   if (candidates.empty()) {
@@ -798,20 +818,7 @@ bool Trainer::resume(const std::string& spec) {
   for (const std::string& path : candidates) {
     TrainState st;
     const auto t0 = Clock::now();
-    {
-      // The same name may still be different files: copies on node-local disks.
-      const std::vector<std::string> prints = all_gather_strings(grid_.world(), file_fingerprint(path));
-      if (std::any_of(prints.begin(), prints.end(), [&](const std::string& p) { return p != prints[0]; })) {
-        const std::vector<std::string> hosts = all_gather_strings(grid_.world(), host_name());
-        std::string all = fmt::format("\n  rank 0 (host {}): {}", hosts[0], prints[0]);
-        for (size_t r = 1; r < prints.size(); ++r) {
-          if (prints[r] != prints[0]) all += fmt::format("\n  rank {} (host {}): {}", r, hosts[r], prints[r]);
-        }
-        throw Error(fmt::format("ranks were given different checkpoint files at the same path '{}':{}\n  every rank "
-                                "must read the same file: put checkpoint.dir on a filesystem every rank shares",
-                                path, all));
-      }
-    }
+    check_same_file_on_every_rank(grid_.world(), "--resume", path);
     throw_if_root_failed(grid_.world(), grid_.world_rank() == 0 ? model_mismatch(path, reg, config_.model) : "");
     try {
       st = read_checkpoint(path, ckpt_->io_comm(), reg, optimizer_->exp_avg().data<float>(),

@@ -115,7 +115,7 @@ class Trainer {
   // One optimizer step; returns false (and nothing happened) when the micro-batch did not fit
   // and the step must be run again with the smaller one.
   bool train_step(StepRecord& r);
-  void load_weights(const std::string& init_from);
+  void load_weights(const std::string& init_from, bool checkpoint);
   void shrink_micro_batch(const std::string& why, int64_t step, const json& blend_before);
   void apply_activation_budget();
   StepMetrics step_metrics(const StepRecord& r, double elapsed, int64_t steps_this_run);

@@ -142,7 +142,7 @@ TEST(RunStart, RanksGivenDifferentResumeFilesAreToldSo) {
     return;
   }
   expect_error([&] { t.resume(world_rank() == n - 1 ? b : a); },
-               {"ranks were given different checkpoints to resume from",
+               {"ranks were given different checkpoint files",
                 fmt::format("rank 0 (host {}): --resume {}", host_name(), a),
                 fmt::format("rank {} (host {}): --resume {}", n - 1, host_name(), b)});
 }
