@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <csignal>
 #include <cstring>
 #include <ctime>
@@ -49,7 +50,19 @@ RunLock::RunLock(const std::string& dir) {
   char started[32] = {};
   const std::time_t now = std::time(nullptr);
   std::strftime(started, sizeof(started), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  content_ = json{{"host", host}, {"pid", pid}, {"started", started}}.dump() + "\n";
+  // A requeued Slurm job keeps its id but may run on another node: its earlier run, killed
+  // without a chance to remove the lock, is recognised by the id.
+  // Steps of one incarnation share the restart count, so two of them are still refused.
+  const char* job_env = std::getenv("SLURM_JOB_ID");
+  const char* restart_env = std::getenv("SLURM_RESTART_COUNT");
+  const std::string job = job_env ? job_env : "";
+  const int64_t restart = restart_env ? std::atoll(restart_env) : 0;
+  json me = {{"host", host}, {"pid", pid}, {"started", started}};
+  if (!job.empty()) {
+    me["slurm_job_id"] = job;
+    me["slurm_restart_count"] = restart;
+  }
+  content_ = me.dump() + "\n";
 
   // Written whole under a private name, then linked to the lock's name: link() fails when the
   // lock exists, so exactly one of two runs started at once gets it, and never a partial file.
@@ -76,15 +89,19 @@ RunLock::RunLock(const std::string& dir) {
     if (!owner.is_object()) owner = json::object();
     const std::string their_host = owner.value("host", std::string("?"));
     const int64_t their_pid = owner.value("pid", int64_t(-1));
-    if (their_host == host && their_pid > 0 && !alive_here(their_pid)) {
+    const std::string their_job = owner.value("slurm_job_id", std::string());
+    const bool same_job =
+        !job.empty() && their_job == job && owner.value("slurm_restart_count", int64_t(0)) < restart;
+    if (same_job || (their_host == host && their_pid > 0 && !alive_here(their_pid))) {
       // The owner was killed without removing its lock. Moved aside first and checked, so that
       // a lock another run has just taken is not removed in its place.
       const fs::path aside = mine.string() + ".stale";
       fs::rename(lock, aside, ec);
       if (!ec && read_text(aside) == theirs) {
         fs::remove(aside, ec);
-        log::warn("'{}' was left by dstrain pid {} on {}, which is no longer running (started {}): taking it over",
-                  path_, their_pid, their_host, owner.value("started", std::string("?")));
+        log::warn("'{}' was left by dstrain pid {} on {}, which is no longer running (started {}{}): taking it over",
+                  path_, their_pid, their_host, owner.value("started", std::string("?")),
+                  same_job ? ", before Slurm job " + job + " was requeued" : "");
         continue;
       }
       if (!ec) {

@@ -10,7 +10,8 @@ class RunLock {
  public:
   // Takes `dir`/dstrain.lock, creating `dir`. Throws Error naming the owner (host, pid, start
   // time) when another run holds it. A lock whose owner is gone from this host (a run that
-  // was killed) is taken over with a note in the log.
+  // was killed), or was an earlier run of this Slurm job (a requeue, perhaps on another node),
+  // is taken over with a note in the log.
   explicit RunLock(const std::string& dir);
   ~RunLock();
   RunLock(const RunLock&) = delete;

@@ -207,6 +207,38 @@ TEST(RunStart, OneRunPerDirectory) {
   }
 }
 
+TEST(RunStart, ARequeuedSlurmJobTakesOverItsEarlierRunsLockFromAnotherNode) {
+  RunFiles files(2);
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  const fs::path lock = files.dir() / "out" / "dstrain.lock";
+  ::setenv("SLURM_JOB_ID", "4242", 1);
+  ::setenv("SLURM_RESTART_COUNT", "1", 1);
+  auto left_by = [&](int64_t restart_count) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (world_rank() == 0) {
+      fs::create_directories(lock.parent_path());
+      std::ofstream(lock) << json{{"host", "another-node"}, {"pid", 1}, {"started", "then"},
+                                  {"slurm_job_id", "4242"}, {"slurm_restart_count", restart_count}}
+                                 .dump();
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+  };
+  left_by(1);  // another step of this same incarnation of the job: still running
+  {
+    Trainer t(files.config(), grid);
+    expect_error([&] { t.claim_output_dirs(); }, {"is in use by another dstrain run (host another-node, pid 1"});
+  }
+  left_by(0);  // the job before it was requeued
+  {
+    Trainer t(files.config(), grid);
+    t.claim_output_dirs();
+  }
+  ::unsetenv("SLURM_JOB_ID");
+  ::unsetenv("SLURM_RESTART_COUNT");
+  MPI_Barrier(MPI_COMM_WORLD);
+  EXPECT_FALSE(fs::exists(lock));
+}
+
 TEST(RunStart, AnUnwritableSaveHfDirectoryIsAnErrorBeforeTraining) {
   RunFiles files(2);
   ProcessGrid grid(MPI_COMM_WORLD, {});
