@@ -117,6 +117,24 @@ std::vector<std::string> all_gather_strings(Communicator& world, const std::stri
   return out;
 }
 
+// "rank r (host h): value" for rank 0 and the ranks whose value differs from rank 0's, the
+// first few of them: a job of a thousand ranks must not bury the message.
+std::string differing_ranks(const std::vector<std::string>& values, const std::vector<std::string>& hosts) {
+  constexpr int kShown = 8;
+  std::string lines;
+  int shown = 0, more = 0;
+  for (size_t r = 0; r < values.size(); ++r) {
+    if (r > 0 && values[r] == values[0]) continue;
+    if (shown++ < kShown) {
+      lines += fmt::format("\n  rank {} (host {}): {}", r, hosts[r], values[r]);
+    } else {
+      ++more;
+    }
+  }
+  if (more > 0) lines += fmt::format("\n  and {} more rank(s) that differ from rank 0", more);
+  return lines;
+}
+
 // Rank 0's `message` on every rank; thrown everywhere when not empty.
 void throw_if_root_failed(Communicator& world, const std::string& message) {
   int64_t len = world.rank() == 0 ? int64_t(message.size()) : 0;
@@ -153,6 +171,7 @@ void check_finite_weights(const ParamRegistry& reg, const std::string& source) {
 void check_same_weights(Communicator& world, const ParamRegistry& reg, const std::string& source) {
   const int P = reg.size(), n = world.size();
   std::vector<int64_t> mine(static_cast<size_t>(P)), all(static_cast<size_t>(P) * size_t(n));
+#pragma omp parallel for schedule(dynamic)
   for (int id = 0; id < P; ++id) {
     const Tensor p = reg.param(id);
     mine[size_t(id)] = int64_t(XXH3_64bits(p.data<float>(), p.nbytes()));
@@ -165,12 +184,13 @@ void check_same_weights(Communicator& world, const ParamRegistry& reg, const std
     }
   }
   if (first < 0) return;  // the same on every rank, so every rank returns here
-  const std::vector<std::string> who = all_gather_strings(world, fmt::format("host {}: {}", host_name(), source));
-  std::string lines;
+  const std::vector<std::string> sources = all_gather_strings(world, source);
+  std::vector<std::string> values;
   for (int r = 0; r < n; ++r) {
-    lines += fmt::format("\n  rank {} ({}), {} has xxh3 {:016x}", r, who[size_t(r)], reg.info(first).name,
-                         uint64_t(all[size_t(r * P + first)]));
+    values.push_back(fmt::format("{}, xxh3 of {} {:016x}", sources[size_t(r)], reg.info(first).name,
+                                 uint64_t(all[size_t(r * P + first)])));
   }
+  const std::string lines = differing_ranks(values, all_gather_strings(world, host_name()));
   throw Error(fmt::format("ranks start from different weights (first differing tensor '{}'):{}\n  every rank must "
                           "load identical weights: give every rank the same --init-from, on a filesystem they share "
                           "(or identical copies)",
@@ -204,11 +224,7 @@ void check_same_file_on_every_rank(Communicator& world, const std::string& optio
   const std::vector<std::string> all =
       all_gather_strings(world, fmt::format("{} {} ({})", option, path, file_fingerprint(path)));
   if (std::all_of(all.begin(), all.end(), [&](const std::string& a) { return a == all[0]; })) return;
-  const std::vector<std::string> hosts = all_gather_strings(world, host_name());
-  std::string lines;
-  for (size_t r = 0; r < all.size(); ++r) {
-    if (r == 0 || all[r] != all[0]) lines += fmt::format("\n  rank {} (host {}): {}", r, hosts[r], all[r]);
-  }
+  const std::string lines = differing_ranks(all, all_gather_strings(world, host_name()));
   throw Error(fmt::format("ranks were given different checkpoint files:{}\n  every rank must read the same file: pass "
                           "the same {} to every rank, on a filesystem every rank shares",
                           lines, option));
@@ -790,9 +806,7 @@ bool Trainer::resume(const std::string& spec) {
     if (candidates.empty()) view += " no checkpoint" + (latest.empty() ? "" : " (latest: " + latest + ")");
     const std::vector<std::string> views = all_gather_strings(grid_.world(), view);
     if (std::any_of(views.begin(), views.end(), [&](const std::string& v) { return v != views[0]; })) {
-      const std::vector<std::string> hosts = all_gather_strings(grid_.world(), host_name());
-      std::string lines;
-      for (size_t r = 0; r < views.size(); ++r) lines += fmt::format("\n  rank {} (host {}): {}", r, hosts[r], views[r]);
+      const std::string lines = differing_ranks(views, all_gather_strings(grid_.world(), host_name()));
       throw Error(fmt::format("--resume auto: ranks see different checkpoints:{}\n  checkpoint.dir must be on a "
                               "filesystem every rank shares",
                               lines));

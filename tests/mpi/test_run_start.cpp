@@ -68,8 +68,8 @@ TEST(RunStart, RanksThatLoadDifferentWeightsAreAnErrorOnEveryRank) {
   }
   expect_error([&] { t.init_weights(mine.string()); },
                {"ranks start from different weights", "first differing tensor",
-                fmt::format("rank 0 (host {}: --init-from {})", host_name(), a.string()),
-                fmt::format("rank {} (host {}: --init-from {})", n - 1, host_name(), b.string())});
+                fmt::format("rank 0 (host {}): --init-from {},", host_name(), a.string()),
+                fmt::format("rank {} (host {}): --init-from {},", n - 1, host_name(), b.string())});
 }
 
 TEST(RunStart, NonFiniteInitFromWeightsAreAnErrorNamingFileAndTensor) {
