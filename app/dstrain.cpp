@@ -88,6 +88,7 @@ int cmd_train(const Options& o) {
   ProcessGrid grid(MPI_COMM_WORLD, c.parallel);
   Trainer trainer(c, grid);
   print_header(trainer.config(), "train", grid);
+  trainer.claim_output_dirs();
   if (grid.world_rank() == 0) {
     std::filesystem::create_directories(trainer.config().output.dir);
     std::ofstream(std::filesystem::path(trainer.config().output.dir) / "resolved_config.json")

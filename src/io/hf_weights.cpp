@@ -3,6 +3,7 @@
 #include "io/hf_weights.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <numeric>
@@ -229,9 +230,29 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg) {
              "intermediate_size, vocab_size, num_attention_heads, num_key_value_heads) matches the checkpoint",
              p.name, w.file_of(p.name), file_shape.str(), p.global_shape.str());
   }
+  // A NaN or Inf would make every training step non-finite; caught here, it names its file.
+  std::vector<std::string> non_finite;
   for (int id = 0; id < reg.size(); ++id) {
-    w.read_f32(reg.info(id).name, reg.param(id));
+    const std::string& name = reg.info(id).name;
+    const Tensor t = reg.param(id);
+    w.read_f32(name, t);
     ++stats.loaded;
+    const float* v = t.data<float>();
+    int64_t n = 0;
+#pragma omp parallel for reduction(+ : n) schedule(static)
+    for (int64_t i = 0; i < t.numel(); ++i) n += std::isfinite(v[i]) ? 0 : 1;
+    if (n > 0) {
+      non_finite.push_back(fmt::format("'{}' in '{}': {} of {} values are NaN or Inf", name, w.file_of(name), n,
+                                       t.numel()));
+    }
+  }
+  if (!non_finite.empty()) {
+    std::string list;
+    for (size_t i = 0; i < non_finite.size() && i < kMaxListed; ++i) list += "\n  " + non_finite[i];
+    if (non_finite.size() > kMaxListed) list += fmt::format("\n  and {} more", non_finite.size() - kMaxListed);
+    DS_FAIL("the Hugging Face weights at '{}' hold non-finite values in {} tensor(s):{}\n  training or evaluating "
+            "them gives NaN losses; use weights saved before the model diverged",
+            w.path(), non_finite.size(), list);
   }
   return stats;
 }

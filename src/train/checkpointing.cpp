@@ -159,6 +159,13 @@ std::string CheckpointManager::explain_stall(int64_t step, int64_t need) const {
   return not_written("writing stalled", step);
 }
 
+std::string CheckpointManager::latest() const {
+  std::ifstream in(fs::path(config_.dir) / "latest");
+  std::string name;
+  in >> name;
+  return name;
+}
+
 double CheckpointManager::save(const ParamRegistry& reg, const CheckpointBuffers& live, const TrainState& state) {
   const auto t0 = Clock::now();
   wait();  // one save in flight at a time

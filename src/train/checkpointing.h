@@ -50,6 +50,9 @@ class CheckpointManager {
 
   // Checkpoint files of the directory, newest step first (names step_NNNNNNNN.h5).
   std::vector<std::string> list() const;
+  // The checkpoint file name the `latest` marker holds ("" when there is no marker): the
+  // newest checkpoint the run completed, whether or not its file is still there.
+  std::string latest() const;
 
   // Bytes free for a new file in a directory (statvfs); tests replace it to fake a full disk.
   std::function<int64_t(const std::string& dir)> free_bytes;

@@ -1,17 +1,23 @@
 #include "train/trainer.h"
 
 #include <chrono>
+#include <fcntl.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
 
 #include <cmath>
 #include <csignal>
 #include <cstring>
 #include <thread>
 #include <filesystem>
+#include <map>
 #include <set>
 
 #include "core/clock.h"
 #include "core/log.h"
+#include "io/checkpoint.h"
 #include "io/hf_weights.h"
 #include "train/generate.h"
 
@@ -102,7 +108,222 @@ void json_diff(const json& a, const json& b, const std::string& prefix, std::vec
   }
 }
 
+// Every rank's string, in rank order (collective over `world`).
+std::vector<std::string> all_gather_strings(Communicator& world, const std::string& mine) {
+  const int n = world.size();
+  int64_t len = int64_t(mine.size());
+  std::vector<int64_t> lens(static_cast<size_t>(n));
+  world.all_gather(Tensor(lens.data(), DType::I64, Shape{n}), Tensor(&len, DType::I64, Shape{1}));
+  const int64_t width = std::max<int64_t>(1, *std::max_element(lens.begin(), lens.end()));
+  std::vector<uint8_t> padded(static_cast<size_t>(width), 0), all(static_cast<size_t>(width * n));
+  std::copy(mine.begin(), mine.end(), padded.begin());
+  world.all_gather(Tensor(all.data(), DType::U8, Shape{width * n}), Tensor(padded.data(), DType::U8, Shape{width}));
+  std::vector<std::string> out;
+  for (int r = 0; r < n; ++r) {
+    const auto* p = reinterpret_cast<const char*>(all.data() + r * width);
+    out.emplace_back(p, size_t(lens[size_t(r)]));
+  }
+  return out;
+}
+
+// "rank r (host h): value" for rank 0 and the ranks whose value differs from rank 0's, the
+// first few of them: a job of a thousand ranks must not bury the message.
+std::string differing_ranks(const std::vector<std::string>& values, const std::vector<std::string>& hosts) {
+  constexpr int kShown = 8;
+  std::string lines;
+  int shown = 0, more = 0;
+  for (size_t r = 0; r < values.size(); ++r) {
+    if (r > 0 && values[r] == values[0]) continue;
+    if (shown++ < kShown) {
+      lines += fmt::format("\n  rank {} (host {}): {}", r, hosts[r], values[r]);
+    } else {
+      ++more;
+    }
+  }
+  if (more > 0) lines += fmt::format("\n  and {} more rank(s) that differ from rank 0", more);
+  return lines;
+}
+
+// Rank 0's `message` on every rank; thrown everywhere when not empty.
+void throw_if_root_failed(Communicator& world, const std::string& message) {
+  int64_t len = world.rank() == 0 ? int64_t(message.size()) : 0;
+  world.broadcast(Tensor(&len, DType::I64, Shape{1}), 0);
+  if (len == 0) return;
+  std::vector<uint8_t> buf(message.begin(), message.end());
+  buf.resize(size_t(len));
+  world.broadcast(Tensor(buf.data(), DType::U8, Shape{len}), 0);
+  throw Error(std::string(buf.begin(), buf.end()));
+}
+
+// Weights with a NaN or Inf cannot be trained from: every step would be skipped.
+void check_finite_weights(const ParamRegistry& reg, const std::string& source) {
+  std::string report;
+  int bad = 0;
+  for (int id = 0; id < reg.size(); ++id) {
+    const Tensor p = reg.param(id);
+    const float* v = p.data<float>();
+    int64_t n = 0;
+#pragma omp parallel for reduction(+ : n) schedule(static)
+    for (int64_t i = 0; i < p.numel(); ++i) n += std::isfinite(v[i]) ? 0 : 1;
+    if (n > 0 && ++bad <= 5) {
+      report += fmt::format("\n  '{}': {} of {} values are NaN or Inf", reg.info(id).name, n, p.numel());
+    }
+  }
+  if (bad > 5) report += fmt::format("\n  and {} more tensor(s)", bad - 5);
+  DS_CHECK(bad == 0, "{} holds non-finite weights in {} tensor(s):{}\n  training from them would skip every step; "
+           "use weights saved before the run diverged", source, bad, report);
+}
+
+// Every rank must start from the same weights: ranks that loaded different files (another
+// directory, a stale copy on a node-local disk) would train a model spliced from both, since
+// each checkpoint writes the rows of its own rank.
+void check_same_weights(Communicator& world, const ParamRegistry& reg, const std::string& source) {
+  const int P = reg.size(), n = world.size();
+  std::vector<int64_t> mine(static_cast<size_t>(P)), all(static_cast<size_t>(P) * size_t(n));
+#pragma omp parallel for schedule(dynamic)
+  for (int id = 0; id < P; ++id) {
+    const Tensor p = reg.param(id);
+    mine[size_t(id)] = int64_t(XXH3_64bits(p.data<float>(), p.nbytes()));
+  }
+  world.all_gather(Tensor(all.data(), DType::I64, Shape{int64_t(all.size())}), Tensor(mine.data(), DType::I64, Shape{P}));
+  int first = -1;
+  for (int id = 0; id < P && first < 0; ++id) {
+    for (int r = 1; r < n; ++r) {
+      if (all[size_t(r * P + id)] != all[size_t(id)]) first = id;
+    }
+  }
+  if (first < 0) return;  // the same on every rank, so every rank returns here
+  const std::vector<std::string> sources = all_gather_strings(world, source);
+  std::vector<std::string> values;
+  for (int r = 0; r < n; ++r) {
+    values.push_back(fmt::format("{}, xxh3 of {} {:016x}", sources[size_t(r)], reg.info(first).name,
+                                 uint64_t(all[size_t(r * P + first)])));
+  }
+  const std::string lines = differing_ranks(values, all_gather_strings(world, host_name()));
+  throw Error(fmt::format("ranks start from different weights (first differing tensor '{}'):{}\n  every rank must "
+                          "load identical weights: give every rank the same --init-from, on a filesystem they share "
+                          "(or identical copies)",
+                          reg.info(first).name, lines));
+}
+
+// What identifies a checkpoint file cheaply: its size and the hash of its first and last MiB.
+std::string file_fingerprint(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) return fmt::format("cannot be opened ({})", std::strerror(errno));
+  struct stat st {};
+  ::fstat(fd, &st);
+  const int64_t size = st.st_size, span = int64_t(1) << 20;
+  std::vector<char> buf(static_cast<size_t>(span));
+  XXH64_state_t* h = XXH64_createState();
+  XXH64_reset(h, 0);
+  for (const int64_t off : {int64_t(0), std::max<int64_t>(0, size - span)}) {
+    const ssize_t got = ::pread(fd, buf.data(), buf.size(), off_t(off));
+    if (got > 0) XXH64_update(h, buf.data(), size_t(got));
+  }
+  const uint64_t digest = XXH64_digest(h);
+  XXH64_freeState(h);
+  ::close(fd);
+  return fmt::format("{} bytes, xxh64 of its ends {:016x}", size, digest);
+}
+
+// Ranks that read one checkpoint collectively must name the same file, and that name must be
+// the same file everywhere (not differing copies on node-local disks): otherwise each rank
+// reads its rows from another file and the checksums, combined over the ranks, fail.
+void check_same_file_on_every_rank(Communicator& world, const std::string& option, const std::string& path) {
+  const std::vector<std::string> all =
+      all_gather_strings(world, fmt::format("{} {} ({})", option, path, file_fingerprint(path)));
+  if (std::all_of(all.begin(), all.end(), [&](const std::string& a) { return a == all[0]; })) return;
+  const std::string lines = differing_ranks(all, all_gather_strings(world, host_name()));
+  throw Error(fmt::format("ranks were given different checkpoint files:{}\n  every rank must read the same file: pass "
+                          "the same {} to every rank, on a filesystem every rank shares",
+                          lines, option));
+}
+
+// "" when the checkpoint holds the model's tensors with the model's shapes; otherwise what
+// differs, in terms of the model configuration. A file that cannot be read is left to the
+// load, which says why.
+std::string model_mismatch(const std::string& path, const ParamRegistry& reg, const ModelConfig& model) {
+  CheckpointInfo info;
+  try {
+    info = inspect_checkpoint(path, /*verify=*/false);
+  } catch (const Error&) {
+    return "";
+  }
+  std::map<std::string, Shape> stored;
+  for (const CheckpointTensorInfo& t : info.tensors) {
+    if (t.group == "model") stored.emplace(t.name, t.shape);
+  }
+  std::string tensor;
+  for (const ParamInfo& p : reg.all()) {
+    auto it = stored.find(p.name);
+    if (it == stored.end()) {
+      tensor = fmt::format("the checkpoint has no tensor {}", p.name);
+      break;
+    }
+    if (!(it->second == p.global_shape)) {
+      tensor = fmt::format("{} is {} in the checkpoint vs {} in the model", p.name, it->second.str(),
+                           p.global_shape.str());
+      break;
+    }
+    stored.erase(it);
+  }
+  if (tensor.empty() && !stored.empty()) {
+    tensor = fmt::format("the checkpoint holds {} tensor(s) the model does not have, such as {}", stored.size(),
+                         stored.begin()->first);
+  }
+  if (tensor.empty()) return "";
+  std::string fields;
+  const json ours = model.to_hf_json(), theirs = info.state.config.value("model", json::object());
+  for (const auto& [key, value] : ours.items()) {
+    if (theirs.contains(key) && theirs.at(key) != value) {
+      fields += fmt::format("{}{} {} in the checkpoint vs {} in the config", fields.empty() ? "" : ", ", key,
+                            theirs.at(key).dump(), value.dump());
+    }
+  }
+  return fmt::format("checkpoint '{}' was written for a different model: {}{}\n  resume with the model configuration "
+                     "it was written for (`dstrain-ckpt info {}` shows it), or start the new model in another "
+                     "checkpoint.dir",
+                     path, fields.empty() ? tensor : fields, fields.empty() ? "" : " (" + tensor + ")", path);
+}
+
+// Hugging Face weights are written after the last step: a directory that cannot take them
+// must stop the run before it trains, not after.
+void check_writable_dir(const std::string& dir, const char* what) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  DS_CHECK(!ec && std::filesystem::is_directory(dir),
+           "{} '{}' cannot be created ({}); Hugging Face weights are written there when training ends: choose a "
+           "writable directory",
+           what, dir, ec ? ec.message() : "a file of that name exists");
+  const std::string probe = (std::filesystem::path(dir) / fmt::format(".dstrain_write_test.{}", ::getpid())).string();
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
+  DS_CHECK(fd >= 0,
+           "{} '{}' is not writable ({}); Hugging Face weights are written there when training ends: choose a "
+           "writable directory",
+           what, dir, std::strerror(errno));
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
 }  // namespace
+
+void Trainer::claim_output_dirs() {
+  std::string error;
+  if (grid_.world_rank() == 0) {
+    try {
+      namespace fs = std::filesystem;
+      locks_.push_back(std::make_unique<RunLock>(config_.output.dir));
+      // A checkpoint.dir outside output.dir may be shared with another run's output.dir.
+      const fs::path out = fs::weakly_canonical(config_.output.dir), ck = fs::weakly_canonical(config_.checkpoint.dir);
+      if (ck != out) locks_.push_back(std::make_unique<RunLock>(config_.checkpoint.dir));
+      if (!config_.output.save_hf.empty()) check_writable_dir(config_.output.save_hf, "output.save_hf (--save-hf)");
+    } catch (const std::exception& e) {
+      locks_.clear();
+      error = e.what();
+    }
+  }
+  throw_if_root_failed(grid_.world(), error);
+}
 
 Tokenizer& Trainer::tokenizer() {
   // Training reads token ids only; text needs the tokenizer, made on first use.
@@ -117,12 +338,26 @@ Tokenizer& Trainer::tokenizer() {
 }
 
 void Trainer::init_weights(const std::string& init_from) {
+  const bool checkpoint = !init_from.empty() && std::filesystem::is_regular_file(init_from) && is_hdf5_file(init_from);
+  // A checkpoint is read collectively: no rank may take another way.
+  if (grid_.world().all_reduce_value<int32_t>(checkpoint ? 1 : 0, ReduceOp::Max) > 0) {
+    check_same_file_on_every_rank(grid_.world(), "--init-from", init_from);
+  }
+  load_weights(init_from, checkpoint);
+  ParamRegistry& reg = model_->params();
+  if (checkpoint) check_finite_weights(reg, "checkpoint '" + init_from + "'");
+  check_same_weights(grid_.world(), reg,
+                     init_from.empty() ? fmt::format("initialised from train.seed {}", config_.train.seed)
+                                       : "--init-from " + init_from);
+}
+
+void Trainer::load_weights(const std::string& init_from, bool checkpoint) {
   if (init_from.empty()) {
     model_->init_weights(config_.train.seed);
     log::info("initialised {} parameters (seed {})", model_->config().num_parameters(), config_.train.seed);
     return;
   }
-  if (std::filesystem::is_regular_file(init_from) && is_hdf5_file(init_from)) {
+  if (checkpoint) {
     const TrainState st = read_checkpoint(init_from, ckpt_->io_comm(), model_->params(), nullptr, nullptr);
     log::info("loaded the model of checkpoint {} (step {}); optimizer state and position start afresh", init_from,
               st.step);
@@ -410,9 +645,20 @@ Trainer::Outcome Trainer::train() {
     spikes_ = std::make_unique<SpikeDetector>(config_.resilience.spike_window, config_.resilience.spike_zscore);
   }
   const TrainConfig& tc = config_.train;
-  log::info("training {} steps: global batch {} windows x {} tokens = micro-batch {} x {} accumulation steps x {} "
-            "data-parallel ranks",
-            tc.max_steps, tc.train_batch_size, config_.data.seq_len, tc.micro_batch, tc.grad_accum, dp_.size());
+  // train.max_steps counts from the run's first step: a resumed run below it has nothing to
+  // train, and ending "successfully" would hide that --max-steps was meant as a total.
+  DS_CHECK(step_ <= tc.max_steps,
+           "resumed at step {} but train.max_steps (--max-steps) is {}: there is nothing to train; max_steps counts "
+           "optimizer steps from the start of the run, not from the resume: set it above {} to train further",
+           step_, tc.max_steps, step_);
+  if (step_ == tc.max_steps) {
+    log::info("nothing to train: resumed at step {}, which is train.max_steps", step_);
+  } else {
+    log::info("training {} steps ({} to {}): global batch {} windows x {} tokens = micro-batch {} x {} accumulation "
+              "steps x {} data-parallel ranks",
+              tc.max_steps - step_, step_ + 1, tc.max_steps, tc.train_batch_size, config_.data.seq_len, tc.micro_batch,
+              tc.grad_accum, dp_.size());
+  }
   if (dp_.size() > 1) {
     log::info("gradients: {} bucket(s) of up to {} elements, all-reduce {}", reducer_->num_buckets(),
               tc.reduce_bucket_size, tc.overlap_comm ? "overlapped with the backward" : "after the backward");
@@ -599,15 +845,45 @@ bool Trainer::checkpoint_due(int64_t step) {
 }
 
 bool Trainer::resume(const std::string& spec) {
-  std::vector<std::string> candidates = spec == "auto" ? ckpt_->list() : std::vector<std::string>{spec};
+  const bool automatic = spec == "auto";
+  std::vector<std::string> candidates = automatic ? ckpt_->list() : std::vector<std::string>{spec};
+  const std::string latest = automatic ? ckpt_->latest() : "";
+  const std::string& dir = config_.checkpoint.dir;
+  if (automatic) {
+    // Every rank must take the same way: a checkpoint.dir on node-local disks may differ.
+    std::string view = "checkpoint.dir " + dir + " holds";
+    for (const std::string& c : candidates) view += " " + std::filesystem::path(c).filename().string();
+    if (candidates.empty()) view += " no checkpoint" + (latest.empty() ? "" : " (latest: " + latest + ")");
+    const std::vector<std::string> views = all_gather_strings(grid_.world(), view);
+    if (std::any_of(views.begin(), views.end(), [&](const std::string& v) { return v != views[0]; })) {
+      const std::string lines = differing_ranks(views, all_gather_strings(grid_.world(), host_name()));
+      throw Error(fmt::format("--resume auto: ranks see different checkpoints:{}\n  checkpoint.dir must be on a "
+                              "filesystem every rank shares",
+                              lines));
+    }
+  }
   if (candidates.empty()) {
-    log::info("no checkpoint in {}: starting a new run", config_.checkpoint.dir);
+    // `latest` moves only after a checkpoint is complete: the run reached that step, and
+    // starting again from scratch would silently throw its training away.
+    DS_CHECK(latest.empty(),
+             "--resume auto: {}/latest says this run completed checkpoint {}, but {} holds no checkpoint (were they "
+             "deleted or moved?); restore the checkpoint files to continue the run, or remove {}/latest to start a "
+             "new run in this directory",
+             dir, latest, dir, dir);
+    log::info("no checkpoint in {}: starting a new run", dir);
     return false;
+  }
+  if (automatic && !latest.empty() && latest > std::filesystem::path(candidates.front()).filename().string() &&
+      grid_.world_rank() == 0) {
+    log::warn("{}/latest names {}, which is missing: resuming from the newest checkpoint present, {}", dir, latest,
+              candidates.front());
   }
   ParamRegistry& reg = model_->params();
   for (const std::string& path : candidates) {
     TrainState st;
     const auto t0 = Clock::now();
+    check_same_file_on_every_rank(grid_.world(), "--resume", path);
+    throw_if_root_failed(grid_.world(), grid_.world_rank() == 0 ? model_mismatch(path, reg, config_.model) : "");
     try {
       st = read_checkpoint(path, ckpt_->io_comm(), reg, optimizer_->exp_avg().data<float>(),
                            optimizer_->exp_avg_sq().data<float>());
@@ -616,6 +892,7 @@ bool Trainer::resume(const std::string& spec) {
       if (grid_.world_rank() == 0) log::warn("skipping invalid checkpoint: {}", e.what());
       continue;
     }
+    check_finite_weights(reg, "checkpoint '" + path + "'");
     step_ = st.step;
     resumed_ = true;
     consumed_samples_ = st.consumed_samples;

@@ -23,6 +23,7 @@
 #include "train/checkpointing.h"
 #include "train/metrics.h"
 #include "train/run_config.h"
+#include "train/run_lock.h"
 
 namespace dstrain {
 
@@ -72,13 +73,20 @@ class Trainer {
 
   // Initial weights: from a Hugging Face directory, a safetensors file or a dstrain
   // checkpoint (its model tensors) when given, otherwise Hugging Face's initialisation from
-  // train.seed.
+  // train.seed. Weights with a NaN or Inf are an error; so are ranks whose weights differ
+  // (another --init-from, a stale copy of the files): every rank names its path and host.
   void init_weights(const std::string& init_from);
   // Continues a run: "auto" takes the newest valid checkpoint of checkpoint.dir (an invalid
   // one is reported and the next older one tried); otherwise `spec` is a checkpoint file.
   // Weights, optimizer state, step, schedule and data position are restored. Returns false
-  // when "auto" found no checkpoint at all.
+  // when "auto" found no checkpoint and no `latest` marker (a run whose checkpoints were all
+  // removed is an error). Ranks given different files, and a checkpoint of another model
+  // architecture, are errors that say so.
   bool resume(const std::string& spec);
+  // Takes output.dir and checkpoint.dir for this run (a lock file naming host and pid, held
+  // until the trainer is destroyed) and checks that output.save_hf can be written, before any
+  // training; a failure is an error on every rank.
+  void claim_output_dirs();
   // Writes a checkpoint of the current state (in the background when checkpoint.async);
   // returns the seconds training was held up.
   double save_checkpoint();
@@ -118,6 +126,7 @@ class Trainer {
   // One optimizer step; returns false (and nothing happened) when the micro-batch did not fit
   // and the step must be run again with the smaller one.
   bool train_step(StepRecord& r);
+  void load_weights(const std::string& init_from, bool checkpoint);
   void shrink_micro_batch(const std::string& why, int64_t step, const json& blend_before);
   void apply_activation_budget();
   StepMetrics step_metrics(const StepRecord& r, double elapsed, int64_t steps_this_run);
@@ -133,6 +142,7 @@ class Trainer {
   ProcessGrid& grid_;
   Communicator& dp_;
   JobEnvironment environment_;
+  std::vector<std::unique_ptr<RunLock>> locks_;  // released after the checkpoint writer below
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<AdamW> optimizer_;

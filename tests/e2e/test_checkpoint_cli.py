@@ -6,9 +6,11 @@ and a full disk (or file size limit) ending every rank of 1 and 2 with a message
     /usr/bin/python3 tests/e2e/test_checkpoint_cli.py BUILD_DIR
 """
 
+import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -97,7 +99,6 @@ class CheckpointCommandLine(unittest.TestCase):
         """Checkpoint metadata, the head of metrics.jsonl and dstrain-ckpt info carry the job's
         build and library versions, checked against what the tools of this machine report."""
         import h5py
-        import json
         import subprocess
         path = os.path.join(self.ckdir, "step_00000012.h5")
         with h5py.File(path, "r") as f:
@@ -234,6 +235,146 @@ class FullDisk(unittest.TestCase):
                         print(f"{np} rank(s), tmpfs, check {check}: ended in {secs:.1f} s")
         finally:
             subprocess.run(["umount", mnt])
+
+
+class RunStartCommandLine(unittest.TestCase):
+    """What a train command checks before it trains: resuming a run whose checkpoints are gone,
+    max_steps below the resumed step, a checkpoint of another model, ranks given different
+    weights or checkpoint files, a second run in the same directory, an unwritable --save-hf."""
+
+    MPI_ENV = dict(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                   OMPI_MCA_rmaps_base_oversubscribe="1", OMPI_MCA_pml="ob1", OMPI_MCA_btl="self,vader",
+                   OMPI_MCA_mpi_yield_when_idle="1", OMP_NUM_THREADS="1")
+
+    @classmethod
+    def setUpClass(cls):
+        test_cli.BUILD = BUILD
+        test_cli.CommandLine.setUpClass.__func__(cls)
+        cls.dstrain = os.path.join(BUILD, "app", "dstrain")
+        cls.run_dir = os.path.join(cls.dir, "run8")
+        run([cls.dstrain, "train", "--config", cls.config, "--max-steps", "8", "--set",
+             f'output.dir="{cls.run_dir}"', "checkpoint.interval_steps=4"])
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.dir)
+
+    def copy_of_run(self, name):
+        out = os.path.join(self.dir, name)
+        shutil.copytree(self.run_dir, out)
+        return out
+
+    def train(self, out, *extra, check=False):
+        # errors="replace": the tiny model's sample at the end is arbitrary bytes.
+        return run([self.dstrain, "train", "--config", self.config, "--set", f'output.dir="{out}"', *extra],
+                   check=check, errors="replace")
+
+    def test_resume_auto_with_every_checkpoint_gone_is_an_error(self):
+        out = self.copy_of_run("gone")
+        ck = os.path.join(out, "checkpoints")
+        for f in os.listdir(ck):
+            if f.endswith(".h5"):
+                os.remove(os.path.join(ck, f))
+        p = self.train(out, "--resume", "auto")
+        self.assertEqual(p.returncode, 1, p.stdout)
+        self.assertIn("latest says this run completed checkpoint step_00000008.h5", p.stderr)
+        self.assertIn(f"remove {ck}/latest to start a new run", p.stderr)
+        self.assertNotIn("starting a new run", p.stdout)
+
+    def test_max_steps_below_the_resumed_step_is_an_error(self):
+        out = self.copy_of_run("below")
+        p = self.train(out, "--resume", "auto", "--max-steps", "3")
+        self.assertEqual(p.returncode, 1, p.stdout)
+        self.assertIn("resumed at step 8 but train.max_steps (--max-steps) is 3", p.stderr)
+        self.assertNotIn("training 3 steps", p.stdout)
+
+    def test_a_checkpoint_of_another_model_says_so(self):
+        with open(os.path.join(self.dir, "model.json")) as f:
+            model = json.load(f)
+        model["hidden_size"] = 64
+        wider = os.path.join(self.dir, "model_wider.json")
+        with open(wider, "w") as f:
+            json.dump(model, f)
+        for spec in ("auto", os.path.join(self.run_dir, "checkpoints", "step_00000008.h5")):
+            p = self.train(self.run_dir, "--resume", spec, "--set", f'model="{wider}"')
+            self.assertEqual(p.returncode, 1, p.stdout)
+            self.assertIn("step_00000008.h5' was written for a different model: hidden_size 32 in the checkpoint vs "
+                          "64 in the config", p.stderr)
+            self.assertNotIn("corrupt", p.stderr + p.stdout)
+            self.assertNotIn("invalid", p.stderr + p.stdout)
+
+    def test_ranks_given_different_weights_or_checkpoints_are_told_so(self):
+        ck = os.path.join(self.run_dir, "checkpoints")
+        a, b = os.path.join(ck, "step_00000004.h5"), os.path.join(ck, "step_00000008.h5")
+        env = dict(os.environ, **self.MPI_ENV)
+
+        def mpmd(out, option, first, second):
+            common = ["train", "--config", self.config, "--max-steps", "9", "--set", f'output.dir="{out}"']
+            return subprocess.run(["mpirun", "-np", "1", self.dstrain, *common, option, first, ":",
+                                   "-np", "1", self.dstrain, *common, option, second],
+                                  capture_output=True, text=True, env=env, timeout=120)
+
+        hf_a, hf_b = os.path.join(self.dir, "hf_4"), os.path.join(self.dir, "hf_8")
+        for src, dst in ((a, hf_a), (b, hf_b)):
+            run([os.path.join(BUILD, "app", "dstrain-ckpt"), "export", src, "--to-hf", dst])
+        p = mpmd(os.path.join(self.dir, "spliced"), "--init-from", hf_a, hf_b)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("ranks start from different weights (first differing tensor", p.stderr)
+        self.assertIn(f"--init-from {hf_a}", p.stderr)
+        self.assertIn(f"--init-from {hf_b}", p.stderr)
+        self.assertNotIn("step      1", p.stdout)
+        p = mpmd(os.path.join(self.dir, "spliced_h5"), "--init-from", a, b)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("ranks were given different checkpoint files", p.stderr)
+        self.assertIn(f"--init-from {a}", p.stderr)
+        self.assertNotIn("corrupt", p.stderr)
+        out = self.copy_of_run("two_files")
+        p = mpmd(out, "--resume", a, b)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("ranks were given different checkpoint files", p.stderr)
+        self.assertIn(f"--resume {a}", p.stderr)
+        self.assertIn(f"--resume {b}", p.stderr)
+        self.assertNotIn("corrupt", p.stderr)
+
+    def test_one_run_per_directory(self):
+        out = os.path.join(self.dir, "locked")
+        lock = os.path.join(out, "dstrain.lock")
+        first = subprocess.Popen([self.dstrain, "train", "--config", self.config, "--max-steps", "100000", "--set",
+                                  f'output.dir="{out}"', "checkpoint.save_final=false"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.time() + 60
+            while not os.path.exists(lock) and time.time() < deadline and first.poll() is None:
+                time.sleep(0.05)
+            self.assertTrue(os.path.exists(lock), "the first run takes the lock")
+            p = self.train(out, "--max-steps", "2")
+            self.assertEqual(p.returncode, 1, p.stdout)
+            self.assertIn(f"is in use by another dstrain run (host {socket.gethostname()}, pid {first.pid}",
+                          p.stderr)
+            self.assertIn(lock, p.stderr)
+        finally:
+            first.kill()  # as a crash would: the lock stays behind
+            first.wait()
+        self.assertTrue(os.path.exists(lock))
+        p = self.train(out, "--max-steps", "2", "--resume", "auto")
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn(f"left by dstrain pid {first.pid} on {socket.gethostname()}, which is no longer running",
+                      p.stdout + p.stderr)
+        self.assertFalse(os.path.exists(lock), "released at exit")
+        # Released after an error too.
+        p = self.train(out, "--max-steps", "1", "--resume", "auto")
+        self.assertEqual(p.returncode, 1)
+        self.assertFalse(os.path.exists(lock), "released after an error")
+
+    def test_an_unwritable_save_hf_is_an_error_before_training(self):
+        not_a_dir = os.path.join(self.dir, "a_file")
+        with open(not_a_dir, "w") as f:
+            f.write("x\n")
+        for option in (["--save-hf", f"{not_a_dir}/hf"], ["--set", f'output.save_hf="{not_a_dir}/hf"']):
+            p = self.train(os.path.join(self.dir, "save_hf_run"), *option)
+            self.assertEqual(p.returncode, 1, p.stdout)
+            self.assertIn(f"output.save_hf (--save-hf) '{not_a_dir}/hf' cannot be created", p.stderr)
+            self.assertNotIn("step      1", p.stdout)
 
 
 if __name__ == "__main__":
