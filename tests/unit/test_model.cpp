@@ -155,9 +155,13 @@ TEST(Model, ForwardPathsAgree) {
   const LossSums s = m.forward_loss(d.tok(), d.tgt());
   EXPECT_EQ(s.count, d.B * d.T);
   EXPECT_NEAR(s.sum, loss, 1e-4 * std::fabs(loss));
+  // The last-position path multiplies B rows by the head where the full path multiplies B*T:
+  // the BLAS may block the two differently, so they agree to GEMM rounding, not bitwise.
+  float scale = 0;
+  for (float l : logits) scale = std::max(scale, std::fabs(l));
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t v = 0; v < V; ++v)
-      EXPECT_FLOAT_EQ(last[size_t(b * V + v)], logits[size_t(((b * d.T) + d.T - 1) * V + v)]);
+      EXPECT_NEAR(last[size_t(b * V + v)], logits[size_t(((b * d.T) + d.T - 1) * V + v)], 2e-6f * scale);
   // A prefix of a sequence sees the same logits (causality).
   std::vector<float> prefix(size_t(4 * V));
   Data p = d;

@@ -746,7 +746,41 @@ TEST(MoEBlock, RoutingBiasUpdate) {
   EXPECT_EQ(0, std::memcmp(values.data(), G.reg.values().data(), values.size() * sizeof(float)));
 }
 
-// Forward and backward of a larger layer under 1 and 2 (and 3) threads: the same bits.
+// Whether this BLAS gives the same bits for the layer's GEMM shapes (row counts 1..N, as the
+// expert groups have, forward and both backward products) at 1, 2 and 3 threads. OpenBLAS does
+// on most cores; with some kernels (seen: its Prescott fallback on an unrecognised CPU) the
+// tails of a thread's block round differently, and then no layer built on it can be bitwise.
+bool blas_is_thread_count_invariant(int64_t n_max, int64_t K, int64_t M) {
+  std::mt19937 rng(7);
+  const std::vector<float> x = normal(size_t(n_max * K), rng), w = normal(size_t(M * K), rng),
+                           dy = normal(size_t(n_max * M), rng);
+  auto products = [&](int threads) {
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    std::vector<float> all;
+    for (int64_t n = 1; n <= n_max; n += (n < 40 ? 1 : 37)) {
+      std::vector<float> out(size_t(n * M)), dx(size_t(n * K)), dw(size_t(M * K), 0.0f);
+      std::vector<float> xs(x.begin(), x.begin() + n * K), dys(dy.begin(), dy.begin() + n * M), ws = w;
+      ops::linear_forward(f32(out, {n, M}), f32(xs, {n, K}), f32(ws, {M, K}));
+      ops::linear_backward(f32(dx, {n, K}), f32(dw, {M, K}), f32(dys, {n, M}), f32(xs, {n, K}), f32(ws, {M, K}));
+      all.insert(all.end(), out.begin(), out.end());
+      all.insert(all.end(), dx.begin(), dx.end());
+      all.insert(all.end(), dw.begin(), dw.end());
+    }
+    omp_set_num_threads(saved);
+    return all;
+  };
+  const std::vector<float> one = products(1);
+  for (int threads : {2, 3}) {
+    const std::vector<float> other = products(threads);
+    if (std::memcmp(one.data(), other.data(), one.size() * sizeof(float)) != 0) return false;
+  }
+  return true;
+}
+
+// Forward and backward of a larger layer under 1 and 2 (and 3) threads: the same bits, where the
+// BLAS itself is thread-count invariant; otherwise the same up to that BLAS's rounding (and the
+// routing, which is dstrain's own, still identical).
 TEST(MoEBlock, BitwiseIndependentOfThreadCount) {
   BlockCase bc{"det", "sigmoid", "noaux_tc", 16, 4, 2, 1, true, true, 2.5};
   const int64_t B = 4, T = 64, C = 64, N = B * T;
@@ -761,19 +795,37 @@ TEST(MoEBlock, BitwiseIndependentOfThreadCount) {
     out.assign(size_t(N * C), 0.0f);
     dx.assign(size_t(N * C), 0.0f);
     L.reg.grads().zero();
+    L.block->routing()->reset();
     L.block->forward(f32(x, {B, T, C}), f32(out, {B, T, C}));
     L.block->backward(f32(r, {B, T, C}), f32(dx, {B, T, C}), L.scratch);
     grads.assign(L.reg.grads().data<float>(), L.reg.grads().data<float>() + L.reg.flat_numel());
     omp_set_num_threads(saved);
   };
+  const bool bitwise = blas_is_thread_count_invariant(N, C, 2 * 32);
+  if (!bitwise) std::printf("note: this BLAS rounds differently by thread count; comparing within 1e-5\n");
+  // Relative to the tensor's largest magnitude: GEMM rounding, nothing more.
+  auto same = [&](const std::vector<float>& a, const std::vector<float>& b, const char* what, int threads) {
+    if (bitwise) {
+      EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << threads << " threads: " << what;
+      return;
+    }
+    double worst = 0, scale = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      worst = std::max(worst, std::fabs(double(a[i]) - double(b[i])));
+      scale = std::max(scale, std::fabs(double(b[i])));
+    }
+    EXPECT_LE(worst, 1e-5 * scale) << threads << " threads: " << what;
+  };
   std::vector<float> o1, d1, g1;
   run(1, o1, d1, g1);
+  const std::vector<int64_t> loads1 = L.block->routing()->tokens_per_expert;
   for (int threads : {2, 3}) {
     std::vector<float> o, d, g;
     run(threads, o, d, g);
-    EXPECT_EQ(0, std::memcmp(o.data(), o1.data(), o.size() * sizeof(float))) << threads << " threads: out";
-    EXPECT_EQ(0, std::memcmp(d.data(), d1.data(), d.size() * sizeof(float))) << threads << " threads: dx";
-    EXPECT_EQ(0, std::memcmp(g.data(), g1.data(), g.size() * sizeof(float))) << threads << " threads: grads";
+    EXPECT_EQ(L.block->routing()->tokens_per_expert, loads1) << threads << " threads: expert loads";
+    same(o, o1, "out", threads);
+    same(d, d1, "dx", threads);
+    same(g, g1, "grads", threads);
   }
   EXPECT_THROW(L.block->backward(f32(R, {B, T, C}), f32(d1, {B, T, C}), L.scratch),
                Error);  // a second backward of one forward
