@@ -8,6 +8,7 @@
 #include <random>
 #include <vector>
 
+#include "finite_difference.h"
 #include "kernels/ops.h"
 #include "optim/adamw.h"
 
@@ -49,17 +50,7 @@ void expect_gradient(const char* what, std::vector<float>& x, const std::vector<
   const int n = int(x.size());
   for (int s = 0; s < std::min(samples, n); ++s) {
     const size_t i = n <= samples ? size_t(s) : size_t(pick() % unsigned(n));
-    const float orig = x[i];
-    auto central = [&](double step) {
-      const float up = float(orig + step), down = float(orig - step);
-      x[i] = up;
-      const double lp = loss();
-      x[i] = down;
-      const double lm = loss();
-      x[i] = orig;
-      return (lp - lm) / (double(up) - double(down));
-    };
-    const double coarse = central(h), fine = central(h / 2), fd = (4 * fine - coarse) / 3;
+    const double fd = richardson_fd(x.data(), int64_t(i), h, loss);
     worst = std::max(worst, std::fabs(grad[i] - fd) / gmax);
     EXPECT_NEAR(grad[i], fd, tol * gmax) << what << " element " << i;
   }

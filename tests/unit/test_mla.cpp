@@ -12,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "finite_difference.h"
 #include "kernels/ops.h"
 #include "model/mla.h"
 
@@ -54,17 +55,7 @@ double expect_gradient(const std::string& what, float* x, const float* grad, int
   for (int64_t i = 0; i < n; ++i) gmax = std::max(gmax, double(std::fabs(grad[i])));
   for (int s = 0; s < std::min<int64_t>(samples, n); ++s) {
     const int64_t i = n <= samples ? s : int64_t(pick() % uint32_t(n));
-    const float orig = x[i];
-    auto central = [&](double step) {
-      const float up = float(orig + step), down = float(orig - step);
-      x[i] = up;
-      const double lp = loss();
-      x[i] = down;
-      const double lm = loss();
-      x[i] = orig;
-      return (lp - lm) / (double(up) - double(down));
-    };
-    const double coarse = central(h), fine = central(h / 2), fd = (4 * fine - coarse) / 3;
+    const double fd = richardson_fd(x, i, h, loss);
     worst = std::max(worst, std::fabs(grad[i] - fd) / gmax);
     EXPECT_NEAR(grad[i], fd, tol * gmax) << what << "[" << i << "]";
   }

@@ -12,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "finite_difference.h"
 #include "core/buffer.h"
 #include "model/init.h"
 #include "model/moe.h"
@@ -63,25 +64,6 @@ void perturb_norms(Transformer& m) {
     float* p = m.params().param(id).data<float>();
     for (int64_t i = 0; i < m.params().info(id).numel(); ++i) p[i] = 1.0f + 0.2f * std::sin(float(i + id));
   }
-}
-
-// d loss / d w[i] from central differences at steps h and h/2 combined by Richardson
-// extrapolation, so that the O(h^2) truncation error of a single difference (large next to
-// fp32 rounding where the loss curves sharply, as in attention) drops to O(h^4). Divides by
-// the steps fp32 really took.
-double richardson_fd(float* w, int64_t i, double h, const std::function<double()>& loss) {
-  const float orig = w[i];
-  auto central = [&](double step) {
-    const float up = float(orig + step), down = float(orig - step);
-    w[i] = up;
-    const double lp = loss();
-    w[i] = down;
-    const double lm = loss();
-    w[i] = orig;
-    return (lp - lm) / (double(up) - double(down));
-  };
-  const double coarse = central(h), fine = central(h / 2);
-  return (4 * fine - coarse) / 3;
 }
 
 // |grad - fd| / max |grad| of the tensor: measured at most 2.9e-4.

@@ -16,6 +16,7 @@
 #include <set>
 #include <vector>
 
+#include "finite_difference.h"
 #include "model/init.h"
 #include "model/moe.h"
 
@@ -210,18 +211,7 @@ double max_fd_error(std::vector<float>& x, const std::vector<float>& grad, const
   double gmax = 1e-6, err = 0;
   for (float g : grad) gmax = std::max(gmax, double(std::fabs(g)));
   for (size_t i = 0; i < x.size(); ++i) {
-    const float orig = x[i];
-    auto central = [&](double step) {
-      const float up = float(orig + step), down = float(orig - step);
-      x[i] = up;
-      const double lp = loss();
-      x[i] = down;
-      const double lm = loss();
-      x[i] = orig;
-      return (lp - lm) / (double(up) - double(down));
-    };
-    const double coarse = central(h), fine = central(h / 2);
-    err = std::max(err, std::fabs(grad[i] - (4 * fine - coarse) / 3) / gmax);
+    err = std::max(err, std::fabs(grad[i] - richardson_fd(x.data(), int64_t(i), h, loss)) / gmax);
   }
   return err;
 }
@@ -536,21 +526,12 @@ TEST_P(MoEBlockGradients, MatchFiniteDifferences) {
     // extrapolation (truncation O(h^4)), over the steps fp32 really took; false when the
     // routing changed.
     auto fd = [&](float* v, int64_t i, double* out) {
-      const float orig = v[i];
       bool same = true;
-      auto central = [&](double step) {
-        const float up = float(orig + step), down = float(orig - step);
-        v[i] = up;
-        const double lp = L.loss(x, R, B, T);
+      *out = richardson_fd(v, i, h, [&] {
+        const double l = L.loss(x, R, B, T);
         same = same && L.chosen() == routing0;
-        v[i] = down;
-        const double lm = L.loss(x, R, B, T);
-        same = same && L.chosen() == routing0;
-        v[i] = orig;
-        return (lp - lm) / (double(up) - double(down));
-      };
-      const double coarse = central(h), fine = central(h / 2);
-      *out = (4 * fine - coarse) / 3;
+        return l;
+      });
       return same;
     };
     auto check = [&](const std::string& what, float* v, const float* g, int64_t n, int samples) {
