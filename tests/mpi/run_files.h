@@ -72,6 +72,19 @@ class RunFiles {
   std::filesystem::path dir_;
 };
 
+inline int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+inline int world_size() {
+  int n = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+// A path as a JSON string, for --set style overrides.
+inline std::string quoted(const std::filesystem::path& p) { return json(p.string()).dump(); }
+
 // The first k ranks of the world, or MPI_COMM_NULL on the others (collective over the world).
 inline MPI_Comm first_ranks(int k) {
   int rank = 0;

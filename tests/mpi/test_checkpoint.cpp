@@ -24,19 +24,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
-// A path as a JSON string, for --set style overrides.
-std::string quoted(const fs::path& p) { return json(p.string()).dump(); }
-
 std::vector<double> losses_of(const Trainer& t) {
   std::vector<double> out;
   for (const StepRecord& r : t.history()) out.push_back(r.loss);

@@ -17,17 +17,6 @@
 namespace dstrain {
 namespace {
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
-
 TEST(Resilience, NonFiniteGradientsSkipTheStepOnEveryRank) {
   RunFiles files(5);
   ProcessGrid grid(MPI_COMM_WORLD, {});

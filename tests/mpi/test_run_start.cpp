@@ -19,19 +19,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
-
-std::string quoted(const fs::path& p) { return json(p.string()).dump(); }
-
 // `f` must throw dstrain::Error on this rank with every one of `parts` in its message.
 void expect_error(const std::function<void()>& f, const std::vector<std::string>& parts) {
   try {
