@@ -7,7 +7,7 @@
 #include <numeric>
 
 #include "core/error.h"
-#include "model/init.h"
+#include "core/philox.h"
 
 namespace dstrain {
 
