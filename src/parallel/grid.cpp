@@ -38,46 +38,46 @@ json ParallelConfig::to_json() const {
 ProcessGrid::ProcessGrid(MPI_Comm world, const ParallelConfig& config) {
   world_ = std::make_unique<MpiCommunicator>(world, "world");
   const int W = world_->size();
-  const int64_t fixed = config.tensor * config.pipeline * config.expert;
+  const int64_t fixed = config.tensor * config.pipeline;
   int64_t data = config.data;
   if (data == 0) {
     if (W % fixed != 0) {
-      throw Error(fmt::format("parallel layout: tensor {} x pipeline {} x expert {} = {} does not divide the {} ranks "
-                              "of this job; change the layout or the number of ranks",
-                              config.tensor, config.pipeline, config.expert, fixed, W));
+      throw Error(fmt::format("parallel layout: tensor {} x pipeline {} = {} does not divide the {} ranks of this job; "
+                              "change the layout or the number of ranks",
+                              config.tensor, config.pipeline, fixed, W));
     }
     data = W / fixed;
   }
   if (data * fixed != W) {
-    throw Error(fmt::format("parallel layout: data {} x tensor {} x pipeline {} x expert {} = {} but the job has {} "
-                            "ranks; make the product equal the number of ranks (or set data to \"auto\")",
-                            data, config.tensor, config.pipeline, config.expert, data * fixed, W));
+    throw Error(fmt::format("parallel layout: data {} x tensor {} x pipeline {} = {} but the job has {} ranks; make "
+                            "the product equal the number of ranks (or set data to \"auto\")",
+                            data, config.tensor, config.pipeline, data * fixed, W));
   }
-  // Axes whose parallelism this build does not implement yet are refused on every rank.
-  for (auto [axis, v] : {std::pair{"tensor", config.tensor}, {"pipeline", config.pipeline}, {"expert", config.expert}}) {
-    if (v != 1) {
-      throw Error(fmt::format("parallel.{} = {}: {} parallelism is not implemented in this build of dstrain; set "
-                              "parallel.{} to 1 and use data parallelism",
-                              axis, v, axis, axis));
-    }
+  if (data % config.expert != 0) {
+    throw Error(fmt::format("parallel layout: expert {} does not divide the {} data-parallel ranks (expert-parallel "
+                            "ranks are carved out of the data-parallel ones); choose an expert size that divides {}",
+                            config.expert, data, data));
   }
   sizes_ = {int(data), int(config.tensor), int(config.pipeline), int(config.expert)};
   const int r = world_->rank();
-  const int tp = sizes_[1], ep = sizes_[3], dp = sizes_[0];
+  const int tp = sizes_[size_t(Axis::Tensor)], dp = sizes_[size_t(Axis::Data)], ep = sizes_[size_t(Axis::Expert)];
   coords_[size_t(Axis::Tensor)] = r % tp;
-  coords_[size_t(Axis::Expert)] = (r / tp) % ep;
-  coords_[size_t(Axis::Data)] = (r / (tp * ep)) % dp;
-  coords_[size_t(Axis::Pipeline)] = r / (tp * ep * dp);
-  // One communicator per axis: ranks that share every other coordinate.
-  for (int a = 0; a < kNumAxes; ++a) {
-    int color = 0;
-    for (int b = 0; b < kNumAxes; ++b) {
-      if (b != a) color = color * sizes_[size_t(b)] + coords_[size_t(b)];
-    }
-    MPI_Comm split;
-    DS_MPI_CHECK(MPI_Comm_split(world_->mpi_comm(), color, coords_[size_t(a)], &split));
-    axes_[size_t(a)] = MpiCommunicator::adopt(MpiCommHandle::adopt(split), std::string(axis_name(Axis(a))));
-  }
+  coords_[size_t(Axis::Data)] = (r / tp) % dp;
+  coords_[size_t(Axis::Pipeline)] = r / (tp * dp);
+  coords_[size_t(Axis::Expert)] = coords_[size_t(Axis::Data)] % ep;
+  const int tensor = coords_[size_t(Axis::Tensor)], pipeline = coords_[size_t(Axis::Pipeline)];
+  const int d = coords_[size_t(Axis::Data)], expert_group = d / ep, expert = d % ep;
+  // Each communicator: the ranks that agree on `color`, ordered by `key`.
+  auto split = [&](int color, int key, std::string_view name) {
+    MPI_Comm c;
+    DS_MPI_CHECK(MPI_Comm_split(world_->mpi_comm(), color, key, &c));
+    return MpiCommunicator::adopt(MpiCommHandle::adopt(c), std::string(name));
+  };
+  axes_[size_t(Axis::Data)] = split(pipeline * tp + tensor, d, "data");
+  axes_[size_t(Axis::Tensor)] = split(pipeline * dp + d, tensor, "tensor");
+  axes_[size_t(Axis::Pipeline)] = split(d * tp + tensor, pipeline, "pipeline");
+  axes_[size_t(Axis::Expert)] = split((pipeline * tp + tensor) * (dp / ep) + expert_group, expert, "expert");
+  expert_data_ = split((pipeline * tp + tensor) * ep + expert, expert_group, "expert_data");
   MPI_Comm node;
   DS_MPI_CHECK(MPI_Comm_split_type(world_->mpi_comm(), MPI_COMM_TYPE_SHARED, r, MPI_INFO_NULL, &node));
   MpiCommHandle node_comm = MpiCommHandle::adopt(node);
@@ -87,8 +87,19 @@ ProcessGrid::ProcessGrid(MPI_Comm world, const ParallelConfig& config) {
   DS_MPI_CHECK(MPI_Allreduce(&leader, &num_nodes_, 1, MPI_INT, MPI_SUM, world_->mpi_comm()));
 }
 
+void require_implemented_axes(const ProcessGrid& grid) {
+  for (Axis a : {Axis::Tensor, Axis::Pipeline, Axis::Expert}) {
+    const std::string_view axis = axis_name(a);
+    if (grid.size(a) != 1) {
+      throw Error(fmt::format("parallel.{} = {}: {} parallelism is not implemented in this build of dstrain; set "
+                              "parallel.{} to 1 and use data parallelism",
+                              axis, grid.size(a), axis, axis));
+    }
+  }
+}
+
 std::string ProcessGrid::describe() const {
-  return fmt::format("{} rank{} on {} node{} ({} per node): data {} x tensor {} x pipeline {} x expert {}",
+  return fmt::format("{} rank{} on {} node{} ({} per node): data {} x tensor {} x pipeline {}, expert {} within data",
                      world_size(), world_size() == 1 ? "" : "s", num_nodes_, num_nodes_ == 1 ? "" : "s", local_size_,
                      sizes_[0], sizes_[1], sizes_[2], sizes_[3]);
 }

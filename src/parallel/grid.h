@@ -1,7 +1,12 @@
-// The process grid: MPI_COMM_WORLD arranged along named axes (data, tensor, pipeline,
-// expert), one communicator per axis, created once, passed to whoever needs them, freed by
-// RAII. World rank r has coordinates with tensor fastest:
-//   r = ((pipeline * data_size + data) * expert_size + expert) * tensor_size + tensor.
+// The process grid: MPI_COMM_WORLD arranged along named axes (data, tensor, pipeline), one
+// communicator per axis, created once, passed to whoever needs them, freed by RAII. World rank
+// r has coordinates with tensor fastest:
+//   r = (pipeline * data_size + data) * tensor_size + tensor.
+// Expert-parallel ranks are carved out of the data-parallel ones, as in Megatron-Core and
+// DeepSeek-V3: the expert axis does not multiply the world. Consecutive data coordinates form
+// one expert group, expert = data % expert_size; the ranks of a group hold different experts
+// but read different tokens, like any data-parallel ranks. Dense gradients are reduced over the
+// data axis; expert gradients over the ranks that hold the same experts (expert_data()).
 #pragma once
 
 #include <array>
@@ -24,6 +29,11 @@ struct ParallelConfig {
   json to_json() const;
 };
 
+// Axes whose parallelism this build does not implement yet (tensor, pipeline, expert > 1) are
+// an error, raised alike on every rank: the trainer calls it, so that the grid itself can
+// describe every layout.
+void require_implemented_axes(const class ProcessGrid& grid);
+
 class ProcessGrid {
  public:
   // Validates the layout against the world size (errors are raised on every rank alike).
@@ -36,17 +46,21 @@ class ProcessGrid {
   Communicator& world() { return *world_; }
   MPI_Comm mpi_world() const { return world_->mpi_comm(); }  // for libraries that take a communicator (MPI-IO)
   Communicator& comm(Axis a) { return *axes_[size_t(a)]; }
+  // The data-parallel ranks that hold the same experts (same expert coordinate): size
+  // data / expert. With expert = 1 it spans the data axis.
+  Communicator& expert_data() { return *expert_data_; }
 
   // Placement on nodes, from MPI_COMM_TYPE_SHARED: for choosing a GPU per rank.
   int local_rank() const { return local_rank_; }
   int local_size() const { return local_size_; }
   int num_nodes() const { return num_nodes_; }
 
-  std::string describe() const;  // "4 ranks on 1 node: data 4 x tensor 1 x pipeline 1 x expert 1"
+  std::string describe() const;  // "4 ranks on 1 node (4 per node): data 4 x tensor 1 x pipeline 1, expert 1 within data"
 
  private:
   std::unique_ptr<MpiCommunicator> world_;
   std::array<std::unique_ptr<MpiCommunicator>, kNumAxes> axes_;
+  std::unique_ptr<MpiCommunicator> expert_data_;
   std::array<int, kNumAxes> sizes_{}, coords_{};
   int local_rank_ = 0, local_size_ = 1, num_nodes_ = 1;
 };

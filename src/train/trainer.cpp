@@ -61,6 +61,7 @@ void check_same_config(Communicator& world, const RunConfig& c) {
 
 Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
     : config_(std::move(config)), grid_(grid), dp_(grid.comm(Axis::Data)) {
+  require_implemented_axes(grid_);
   config_.train.resolve_batch(dp_.size(), config_.source);
   check_same_config(grid_.world(), config_);
   environment_ = check_same_environment(grid_.world(), local_environment());

@@ -2,7 +2,9 @@
 // asynchronous handles, issue order, and the errors of malformed calls.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <numeric>
+#include <vector>
 
 #include "parallel/grid.h"
 #include "parallel/mpi_comm.h"
@@ -139,16 +141,60 @@ TEST(ProcessGrid, LayoutErrorsAreRaisedOnEveryRank) {
     EXPECT_NE(std::string(e.what()).find("but the job has " + std::to_string(n) + " ranks"), std::string::npos)
         << e.what();
   }
+  // Tensor parallelism: a valid layout where the sizes divide, refused by this build for training.
   ParallelConfig tp;
   tp.tensor = 2;
   tp.data = 0;
   try {
     ProcessGrid g(MPI_COMM_WORLD, tp);
-    ADD_FAILURE() << "tensor parallelism was accepted";
+    EXPECT_EQ(n % 2, 0) << "tensor 2 was accepted on " << n << " ranks";
+    EXPECT_THROW(require_implemented_axes(g), Error);
   } catch (const Error& e) {
-    const std::string msg = e.what();
-    EXPECT_TRUE(msg.find("not implemented") != std::string::npos || msg.find("does not divide") != std::string::npos)
-        << msg;
+    EXPECT_EQ(n % 2, 1) << e.what();
+    EXPECT_NE(std::string(e.what()).find("does not divide"), std::string::npos) << e.what();
+  }
+  ProcessGrid plain(MPI_COMM_WORLD, ParallelConfig{});
+  EXPECT_NO_THROW(require_implemented_axes(plain));
+  // An expert size that does not divide the data-parallel ranks.
+  ParallelConfig ep;
+  ep.expert = n + 1;
+  try {
+    ProcessGrid g(MPI_COMM_WORLD, ep);
+    ADD_FAILURE() << "expert " << n + 1 << " was accepted for " << n << " data-parallel ranks";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("carved out of the data-parallel ones"), std::string::npos) << e.what();
+  }
+}
+
+// Expert-parallel ranks are carved out of the data-parallel ones: the world is data x tensor x
+// pipeline, every data rank has its own data coordinate (its own tokens), consecutive data ranks
+// form an expert group, and expert gradients are reduced over the ranks of one expert coordinate.
+TEST(ProcessGrid, ExpertRanksAreCarvedOutOfTheDataRanks) {
+  int n = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  for (int ep = 1; ep <= n; ++ep) {
+    if (n % ep != 0) continue;
+    ParallelConfig c;
+    c.expert = ep;
+    ProcessGrid g(MPI_COMM_WORLD, c);
+    EXPECT_EQ(g.size(Axis::Data), n) << "expert " << ep << " must not shrink the data axis";
+    EXPECT_EQ(g.coord(Axis::Data), g.world_rank());
+    EXPECT_EQ(g.coord(Axis::Expert), g.world_rank() % ep);
+    EXPECT_EQ(g.comm(Axis::Data).size(), n);
+    EXPECT_EQ(g.comm(Axis::Expert).size(), ep);
+    EXPECT_EQ(g.comm(Axis::Expert).rank(), g.coord(Axis::Expert));
+    EXPECT_EQ(g.expert_data().size(), n / ep);
+    // Every data coordinate appears once over the world: no two ranks read the same tokens.
+    int coord = g.coord(Axis::Data);
+    std::vector<int> coords(size_t(n), -1);
+    MPI_Allgather(&coord, 1, MPI_INT, coords.data(), 1, MPI_INT, MPI_COMM_WORLD);
+    std::sort(coords.begin(), coords.end());
+    for (int r = 0; r < n; ++r) EXPECT_EQ(coords[size_t(r)], r);
+    // The expert group holds each expert coordinate once; the expert-data group holds one.
+    const int e = g.coord(Axis::Expert);
+    EXPECT_EQ(g.comm(Axis::Expert).all_reduce_value(e), ep * (ep - 1) / 2);
+    EXPECT_EQ(g.expert_data().all_reduce_value(e), e * (n / ep));
+    EXPECT_NE(g.describe().find("expert " + std::to_string(ep) + " within data"), std::string::npos) << g.describe();
   }
 }
 
