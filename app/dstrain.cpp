@@ -16,10 +16,10 @@
 #include <sstream>
 
 #include "cli.h"
+#include "comm/watchdog.h"
 #include "core/log.h"
 #include "core/version.h"
 #include "io/hf_weights.h"
-#include "parallel/watchdog.h"
 #include "train/resilience.h"
 #include "train/trainer.h"
 

@@ -16,10 +16,10 @@
 #include <thread>
 #include <vector>
 
+#include "comm/comm.h"
 #include "data/blend.h"
 #include "data/sample_dataset.h"
 #include "data/window_dataset.h"
-#include "parallel/comm.h"
 
 namespace dstrain {
 

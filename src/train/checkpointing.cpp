@@ -11,9 +11,9 @@
 #include <fstream>
 #include <regex>
 
+#include "comm/watchdog.h"
 #include "core/clock.h"
 #include "core/log.h"
-#include "parallel/watchdog.h"
 
 namespace dstrain {
 namespace fs = std::filesystem;

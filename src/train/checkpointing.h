@@ -11,9 +11,9 @@
 #include <thread>
 #include <vector>
 
+#include "comm/grid.h"
 #include "core/buffer.h"
 #include "io/checkpoint.h"
-#include "parallel/grid.h"
 
 namespace dstrain {
 

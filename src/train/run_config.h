@@ -7,12 +7,12 @@
 #include <string>
 #include <vector>
 
+#include "comm/grid.h"
 #include "core/json_reader.h"
 #include "data/data_pipeline.h"
 #include "model/model_config.h"
 #include "optim/adamw.h"
 #include "optim/lr_schedule.h"
-#include "parallel/grid.h"
 #include "train/checkpointing.h"
 #include "train/metrics.h"
 #include "train/resilience.h"

@@ -12,14 +12,14 @@
 #include <string>
 #include <vector>
 
+#include "comm/environment.h"
+#include "comm/grid.h"
+#include "core/clock.h"
 #include "data/data_pipeline.h"
 #include "data/tokenizer.h"
+#include "distributed/grad_reducer.h"
 #include "model/transformer.h"
 #include "optim/adamw.h"
-#include "parallel/environment.h"
-#include "parallel/grad_reducer.h"
-#include "parallel/grid.h"
-#include "core/clock.h"
 #include "train/checkpointing.h"
 #include "train/metrics.h"
 #include "train/run_config.h"

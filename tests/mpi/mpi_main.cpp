@@ -7,7 +7,7 @@
 
 #include <cstdio>
 
-#include "parallel/watchdog.h"
+#include "comm/watchdog.h"
 
 namespace {
 

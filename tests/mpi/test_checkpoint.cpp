@@ -13,8 +13,8 @@
 #include <mutex>
 #include <thread>
 
+#include "comm/watchdog.h"
 #include "io/hdf5_util.h"
-#include "parallel/watchdog.h"
 #include "resume_check.h"
 #include "run_files.h"
 #include "train/trainer.h"

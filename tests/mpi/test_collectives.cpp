@@ -6,8 +6,8 @@
 #include <numeric>
 #include <vector>
 
-#include "parallel/grid.h"
-#include "parallel/mpi_comm.h"
+#include "comm/grid.h"
+#include "comm/mpi_comm.h"
 
 namespace dstrain {
 namespace {

@@ -10,9 +10,9 @@
 #include <fstream>
 #include <random>
 
+#include "comm/grid.h"
 #include "data/data_pipeline.h"
 #include "data/token_shard.h"
-#include "parallel/grid.h"
 #include "resume_check.h"
 #include "run_files.h"
 #include "train/trainer.h"

@@ -4,9 +4,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "comm/environment.h"
+#include "comm/mpi_comm.h"
 #include "core/error.h"
-#include "parallel/environment.h"
-#include "parallel/mpi_comm.h"
 
 namespace dstrain {
 namespace {

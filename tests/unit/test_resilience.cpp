@@ -3,8 +3,8 @@
 
 #include <thread>
 
+#include "comm/watchdog.h"
 #include "core/error.h"
-#include "parallel/watchdog.h"
 #include "train/resilience.h"
 
 namespace dstrain {

@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "comm/comm.h"
 #include "core/json_reader.h"
-#include "parallel/comm.h"
 
 namespace dstrain {
 

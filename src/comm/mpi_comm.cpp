@@ -1,9 +1,9 @@
-#include "parallel/mpi_comm.h"
+#include "comm/mpi_comm.h"
 
 #include <climits>
 
+#include "comm/watchdog.h"
 #include "core/log.h"
-#include "parallel/watchdog.h"
 
 namespace dstrain {
 

@@ -12,9 +12,9 @@
 
 #include <vector>
 
+#include "comm/comm.h"
 #include "model/params.h"
 #include "model/transformer.h"
-#include "parallel/comm.h"
 
 namespace dstrain {
 

@@ -13,8 +13,8 @@
 #include <memory>
 #include <string>
 
+#include "comm/mpi_comm.h"
 #include "core/json_reader.h"
-#include "parallel/mpi_comm.h"
 
 namespace dstrain {
 

@@ -1,4 +1,4 @@
-#include "parallel/comm.h"
+#include "comm/comm.h"
 
 namespace dstrain {
 

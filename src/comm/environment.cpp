@@ -1,4 +1,4 @@
-#include "parallel/environment.h"
+#include "comm/environment.h"
 
 #include <cblas.h>
 #include <hdf5.h>

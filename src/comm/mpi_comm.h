@@ -10,7 +10,7 @@
 #include <functional>
 #include <thread>
 
-#include "parallel/comm.h"
+#include "comm/comm.h"
 
 namespace dstrain {
 

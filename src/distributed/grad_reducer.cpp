@@ -1,4 +1,4 @@
-#include "parallel/grad_reducer.h"
+#include "distributed/grad_reducer.h"
 
 #include <chrono>
 

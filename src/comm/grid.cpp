@@ -1,4 +1,4 @@
-#include "parallel/grid.h"
+#include "comm/grid.h"
 
 namespace dstrain {
 

@@ -1,4 +1,4 @@
-#include "parallel/watchdog.h"
+#include "comm/watchdog.h"
 
 #include <mpi.h>
 
