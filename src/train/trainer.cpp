@@ -382,27 +382,28 @@ void Trainer::load_weights(const std::string& init_from, bool checkpoint) {
   log::info("loaded {} tensors from {}", counts.loaded, init_from);
 }
 
-bool Trainer::train_step(StepRecord& r) {
-  const auto t0 = Clock::now();
-  const TrainConfig& tc = config_.train;
+void Trainer::inject_process_faults() {
   const FaultInjection& fault = config_.resilience.fault;
-  const bool faulty = fault.any() && !resumed_ && fault.rank == grid_.world_rank();
-  if (faulty && fault.kill_at_step == step_ + 1) {
+  if (!fault.any() || resumed_ || fault.rank != grid_.world_rank()) return;
+  if (fault.kill_at_step == step_ + 1) {
     log::any("fault injection: rank {} kills itself at step {}", grid_.world_rank(), step_ + 1);
     std::raise(SIGKILL);
   }
-  if (faulty && fault.hang_at_step == step_ + 1) {
+  if (fault.hang_at_step == step_ + 1) {
     log::any("fault injection: rank {} hangs at step {}", grid_.world_rank(), step_ + 1);
     while (true) std::this_thread::sleep_for(std::chrono::hours(1));
   }
-  const int64_t mb = tc.micro_batch, T = config_.data.seq_len;
-  // The whole step's micro-batches come at once (read ahead by the pipeline): the loss is the
-  // mean over every target token of the global batch, so each backward needs the global
-  // token count.
-  StepData data = pipeline().next();
-  const double data_wait = pipeline().take_wait_seconds();
+}
+
+bool Trainer::fault_at_this_step(int64_t FaultInjection::*which) const {
+  const FaultInjection& fault = config_.resilience.fault;
+  return fault.any() && !resumed_ && fault.rank == grid_.world_rank() && fault.*which == step_ + 1;
+}
+
+std::vector<int64_t> Trainer::count_targets(const StepData& data) {
   // Target tokens of the global batch: for the CE, and per multi-token-prediction depth k
   // (position t predicts token t+k+2, so its target is targets column t+k+1).
+  const int64_t T = config_.data.seq_len;
   const int D = model_->mtp_depth();
   std::vector<int64_t> counts(size_t(1 + D), 0);
   for (const Batch& b : data.micro) {
@@ -413,39 +414,36 @@ bool Trainer::train_step(StepRecord& r) {
       for (int k = 0; k < D; ++k) counts[size_t(1 + k)] += t >= k + 1;
     }
   }
-  double waited = 0;  // in blocking collectives of this step
-  auto timed = [&](auto&& f) {
-    const auto w0 = Clock::now();
-    f();
-    waited += seconds_since(w0);
-  };
-  timed([&] { dp_.all_reduce(Tensor(counts.data(), DType::I64, Shape{int64_t(counts.size())})); });
-  const int64_t count = counts[0];
-  DS_CHECK(count > 0, "step {}: the global batch has no target tokens (all are the ignore index)", step_ + 1);
+  timed_collective([&] { dp_.all_reduce(Tensor(counts.data(), DType::I64, Shape{int64_t(counts.size())})); });
+  DS_CHECK(counts[0] > 0, "step {}: the global batch has no target tokens (all are the ignore index)", step_ + 1);
+  return counts;
+}
+
+LossScales Trainer::loss_scales(const std::vector<int64_t>& counts) const {
+  const TrainConfig& tc = config_.train;
   // An injected NaN goes into this rank's gradients before they are reduced, as a real one
   // would, so every rank sees it.
-  const bool inject_nan = faulty && fault.nan_at_step == step_ + 1;
   LossScales scales;
-  scales.token = inject_nan ? NAN : float(1.0 / double(count));
+  scales.token = fault_at_this_step(&FaultInjection::nan_at_step) ? NAN : float(1.0 / double(counts[0]));
   scales.sequence = 1.0 / double(tc.train_batch_size);
   scales.micro_batch = 1.0 / double(tc.grad_accum * dp_.size());
+  const int D = int(counts.size()) - 1;
   for (int k = 0; k < D; ++k) {
     const int64_t ck = counts[size_t(1 + k)];
     scales.mtp_token.push_back(ck > 0 ? float(tc.mtp_loss_weight / double(D) / double(ck)) : 0.0f);
   }
-  const auto moe = model_->moe_layers();
-  for (auto& [l, ffn] : moe) ffn->routing()->reset();
+  return scales;
+}
 
-  ParamRegistry& params = model_->params();
-  params.grads().zero();
-  // loss sum, target count, ranks out of memory, then the MTP loss sum per depth
-  std::vector<double> sums(size_t(3 + D), 0.0);
-  std::string oom;
+std::string Trainer::forward_backward(StepData& data, const LossScales& scales, std::vector<double>& sums) {
+  const TrainConfig& tc = config_.train;
+  const int64_t mb = tc.micro_batch, T = config_.data.seq_len;
+  const int D = model_->mtp_depth();
   try {
     for (int64_t m = 0; m < tc.grad_accum; ++m) {
       Batch& b = data.micro[size_t(m)];
       reducer_->begin_micro_step(/*communicates=*/m == tc.grad_accum - 1);
-      if (faulty && fault.oom_at_step == step_ + 1 && m == 0 && !oom_fault_fired_) {
+      if (m == 0 && fault_at_this_step(&FaultInjection::oom_at_step) && !oom_fault_fired_) {
         oom_fault_fired_ = true;  // once: the retried step gets through
         throw OutOfMemory(fmt::format("fault injection: allocation failure at step {}", step_ + 1));
       }
@@ -458,12 +456,113 @@ bool Trainer::train_step(StepRecord& r) {
   } catch (const OutOfMemory& e) {
     // This rank still takes part in every gradient bucket the others reduce; the step is
     // then discarded everywhere.
-    oom = e.what();
     sums[2] = 1;
     reducer_->begin_micro_step(/*communicates=*/true);
+    return e.what();
   }
+  return "";
+}
+
+void Trainer::reduce_routing_stats(StepRecord& r) {
+  const auto moe = model_->moe_layers();
+  std::vector<double> routing;  // per MoE layer: aux loss, then tokens per expert
+  for (auto& [l, ffn] : moe) {
+    const RoutingStats& st = *ffn->routing();
+    routing.push_back(st.aux_loss);
+    for (int64_t c : st.tokens_per_expert) routing.push_back(double(c));
+  }
+  if (!routing.empty()) {
+    timed_collective([&] { dp_.all_reduce(Tensor(routing.data(), DType::F64, Shape{int64_t(routing.size())})); });
+  }
+  size_t at = 0;
+  for (auto& [l, ffn] : moe) {
+    r.moe_route_seconds += ffn->routing()->route_seconds;
+    r.moe_permute_seconds += ffn->routing()->permute_seconds;
+    MoeLayerStats ms;
+    ms.layer = l;
+    ms.aux_loss = routing[at++];
+    r.aux_loss += ms.aux_loss;
+    for (size_t e = 0; e < ffn->routing()->tokens_per_expert.size(); ++e) ms.tokens.push_back(int64_t(routing[at++]));
+    r.moe.push_back(std::move(ms));
+  }
+}
+
+void Trainer::judge_step(StepRecord& r) {
+  // Every rank sees the same global loss and norm, so every rank decides alike.
+  if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) {
+    r.skipped = true;
+    r.skip_reason = !std::isfinite(r.loss) ? "non-finite loss" : "non-finite gradient norm";
+  } else if (spikes_ && spikes_->is_spike(r.loss)) {
+    r.skipped = true;
+    r.skip_reason = fmt::format("loss spike ({:.4f}, z-score above {})", r.loss, config_.resilience.spike_zscore);
+  }
+  if (!r.skipped) {
+    skipped_in_a_row_ = 0;
+    if (spikes_) spikes_->accept(r.loss);
+    return;
+  }
+  ++skipped_in_a_row_;
+  ++skipped_total_;
+  last_skip_reason_ = r.skip_reason;
+  log::warn("step {} skipped: {} ({} in a row, {} in all)", r.step, r.skip_reason, skipped_in_a_row_, skipped_total_);
+  if (skipped_in_a_row_ >= config_.resilience.max_skipped_steps) {
+    // No checkpoint was written during the streak, so the newest one predates it.
+    const std::vector<std::string> kept = ckpt_->list();
+    throw Error(fmt::format("training stopped: {} consecutive steps skipped (last: {}); resume from the last "
+                            "checkpoint{} with a lower learning rate or check the data",
+                            skipped_in_a_row_, r.skip_reason,
+                            kept.empty() ? std::string(" (none was written yet)")
+                                         : fmt::format(" ({}, written before the skipped steps)", kept.front())));
+  }
+}
+
+void Trainer::update_weights(StepRecord& r) {
+  const TrainConfig& tc = config_.train;
+  const auto o0 = Clock::now();
+  if (tc.gradient_clipping > 0) clip_grad_norm(model_->params(), tc.gradient_clipping, r.grad_norm);
+  optimizer_->step(r.lr);
+  // DeepSeek-V3's auxiliary-loss-free balancing: routing biases follow the global loads.
+  const auto moe = model_->moe_layers();
+  for (size_t i = 0; i < moe.size(); ++i) moe[i].second->update_routing_bias(r.moe[i].tokens, tc.router_bias_update_rate);
+  r.optimizer_seconds = seconds_since(o0);
+}
+
+void Trainer::gather_rank_timings(StepRecord& r) {
+  // Every rank's timing, for the load-balance view (a small gather outside the timed step).
+  const int W = grid_.world_size();
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  double mine[3] = {r.step_seconds, r.step_seconds - r.exposed_comm_seconds, double(usage.ru_maxrss) * 1024.0};
+  std::vector<double> all(static_cast<size_t>(3 * W));
+  grid_.world().all_gather(Tensor(all.data(), DType::F64, Shape{3 * W}), Tensor(mine, DType::F64, Shape{3}));
+  for (int k = 0; k < W; ++k) {
+    r.rank_step_seconds.push_back(all[size_t(3 * k)]);
+    r.rank_compute_seconds.push_back(all[size_t(3 * k + 1)]);
+    r.rank_peak_rss_bytes.push_back(all[size_t(3 * k + 2)]);
+  }
+}
+
+bool Trainer::train_step(StepRecord& r) {
+  const auto t0 = Clock::now();
+  const TrainConfig& tc = config_.train;
+  inject_process_faults();
+  collective_wait_seconds_ = 0;
+  // The whole step's micro-batches come at once (read ahead by the pipeline): the loss is the
+  // mean over every target token of the global batch, so each backward needs the global
+  // token count.
+  StepData data = pipeline().next();
+  const double data_wait = pipeline().take_wait_seconds();
+  const std::vector<int64_t> counts = count_targets(data);
+  const LossScales scales = loss_scales(counts);
+  for (auto& [l, ffn] : model_->moe_layers()) ffn->routing()->reset();
+
+  model_->params().grads().zero();
+  const int D = model_->mtp_depth();
+  // loss sum, target count, ranks out of memory, then the MTP loss sum per depth
+  std::vector<double> sums(size_t(3 + D), 0.0);
+  const std::string oom = forward_backward(data, scales, sums);
   const ReduceTimings rt = reducer_->finish();
-  timed([&] { dp_.all_reduce(Tensor(sums.data(), DType::F64, Shape{int64_t(sums.size())})); });
+  timed_collective([&] { dp_.all_reduce(Tensor(sums.data(), DType::F64, Shape{int64_t(sums.size())})); });
   if (sums[2] > 0) {
     shrink_micro_batch(oom.empty() ? fmt::format("{:.0f} rank(s) ran out of memory", sums[2])
                                    : fmt::format("{} (and {:.0f} rank(s) in all)", oom, sums[2]),
@@ -479,84 +578,21 @@ bool Trainer::train_step(StepRecord& r) {
     const int64_t ck = counts[size_t(1 + k)];
     if (ck > 0) r.mtp_loss += tc.mtp_loss_weight / double(D) * sums[size_t(3 + k)] / double(ck);
   }
-  std::vector<double> routing;  // per MoE layer: aux loss, then tokens per expert
-  for (auto& [l, ffn] : moe) {
-    const RoutingStats& st = *ffn->routing();
-    routing.push_back(st.aux_loss);
-    for (int64_t c : st.tokens_per_expert) routing.push_back(double(c));
-  }
-  if (!routing.empty()) {
-    timed([&] { dp_.all_reduce(Tensor(routing.data(), DType::F64, Shape{int64_t(routing.size())})); });
-  }
-  size_t at = 0;
-  for (auto& [l, ffn] : moe) {
-    r.moe_route_seconds += ffn->routing()->route_seconds;
-    r.moe_permute_seconds += ffn->routing()->permute_seconds;
-    MoeLayerStats ms;
-    ms.layer = l;
-    ms.aux_loss = routing[at++];
-    r.aux_loss += ms.aux_loss;
-    for (size_t e = 0; e < ffn->routing()->tokens_per_expert.size(); ++e) ms.tokens.push_back(int64_t(routing[at++]));
-    r.moe.push_back(std::move(ms));
-  }
+  reduce_routing_stats(r);
   r.loss = r.ce_loss + r.aux_loss + r.mtp_loss;
-  r.grad_norm = grad_norm(params);
+  r.grad_norm = grad_norm(model_->params());
   r.lr = tc.schedule.lr_at(step_, tc.adamw.lr);
-  // Every rank sees the same global loss and norm, so every rank decides alike.
-  if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) {
-    r.skipped = true;
-    r.skip_reason = !std::isfinite(r.loss) ? "non-finite loss" : "non-finite gradient norm";
-  } else if (spikes_ && spikes_->is_spike(r.loss)) {
-    r.skipped = true;
-    r.skip_reason = fmt::format("loss spike ({:.4f}, z-score above {})", r.loss, config_.resilience.spike_zscore);
-  }
-  if (r.skipped) {
-    ++skipped_in_a_row_;
-    ++skipped_total_;
-    last_skip_reason_ = r.skip_reason;
-    log::warn("step {} skipped: {} ({} in a row, {} in all)", r.step, r.skip_reason, skipped_in_a_row_,
-              skipped_total_);
-    if (skipped_in_a_row_ >= config_.resilience.max_skipped_steps) {
-      // No checkpoint was written during the streak, so the newest one predates it.
-      const std::vector<std::string> kept = ckpt_->list();
-      throw Error(fmt::format("training stopped: {} consecutive steps skipped (last: {}); resume from the last "
-                              "checkpoint{} with a lower learning rate or check the data",
-                              skipped_in_a_row_, r.skip_reason,
-                              kept.empty() ? std::string(" (none was written yet)")
-                                           : fmt::format(" ({}, written before the skipped steps)", kept.front())));
-    }
-  } else {
-    skipped_in_a_row_ = 0;
-    if (spikes_) spikes_->accept(r.loss);
-    const auto o0 = Clock::now();
-    if (tc.gradient_clipping > 0) clip_grad_norm(params, tc.gradient_clipping, r.grad_norm);
-    optimizer_->step(r.lr);
-    // DeepSeek-V3's auxiliary-loss-free balancing: routing biases follow the global loads.
-    for (size_t i = 0; i < moe.size(); ++i) {
-      moe[i].second->update_routing_bias(r.moe[i].tokens, tc.router_bias_update_rate);
-    }
-    r.optimizer_seconds = seconds_since(o0);
-  }
+  judge_step(r);
+  if (!r.skipped) update_weights(r);
   std::tie(r.forward_seconds, r.backward_seconds) = model_->take_timings();
   ++step_;
   consumed_samples_ += tc.train_batch_size;
   r.step_seconds = seconds_since(t0);
-  r.tokens_per_s = double(tc.train_batch_size * T) / r.step_seconds;
+  r.tokens_per_s = double(tc.train_batch_size * config_.data.seq_len) / r.step_seconds;
   r.data_wait_seconds = data_wait;
   r.comm_seconds = rt.comm_seconds;
-  r.exposed_comm_seconds = rt.exposed_seconds + waited;
-  // Every rank's timing, for the load-balance view (a small gather outside the timed step).
-  const int W = grid_.world_size();
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  double mine[3] = {r.step_seconds, r.step_seconds - r.exposed_comm_seconds, double(usage.ru_maxrss) * 1024.0};
-  std::vector<double> all(static_cast<size_t>(3 * W));
-  grid_.world().all_gather(Tensor(all.data(), DType::F64, Shape{3 * W}), Tensor(mine, DType::F64, Shape{3}));
-  for (int k = 0; k < W; ++k) {
-    r.rank_step_seconds.push_back(all[size_t(3 * k)]);
-    r.rank_compute_seconds.push_back(all[size_t(3 * k + 1)]);
-    r.rank_peak_rss_bytes.push_back(all[size_t(3 * k + 2)]);
-  }
+  r.exposed_comm_seconds = rt.exposed_seconds + collective_wait_seconds_;
+  gather_rank_timings(r);
   return true;
 }
 

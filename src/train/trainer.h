@@ -126,6 +126,25 @@ class Trainer {
   // One optimizer step; returns false (and nothing happened) when the micro-batch did not fit
   // and the step must be run again with the smaller one.
   bool train_step(StepRecord& r);
+  // The phases of a step, in order.
+  void inject_process_faults();  // resilience.fault: a rank killed or hung at a step
+  bool fault_at_this_step(int64_t FaultInjection::*which) const;
+  std::vector<int64_t> count_targets(const StepData& data);  // global: CE, then per MTP depth
+  LossScales loss_scales(const std::vector<int64_t>& counts) const;
+  // Every micro-batch's forward and backward, gradients handed to the reducer; the error of a
+  // rank that ran out of memory ("" when none did), with sums[2] set.
+  std::string forward_backward(StepData& data, const LossScales& scales, std::vector<double>& sums);
+  void reduce_routing_stats(StepRecord& r);  // MoE aux losses and loads over the data ranks
+  void judge_step(StepRecord& r);            // skipped (non-finite, spike) or not; stops a streak
+  void update_weights(StepRecord& r);        // clipping, AdamW, routing biases
+  void gather_rank_timings(StepRecord& r);
+  // Runs a blocking collective of the step, counting its wait as exposed communication.
+  template <class F>
+  void timed_collective(F&& f) {
+    const auto w0 = Clock::now();
+    f();
+    collective_wait_seconds_ += seconds_since(w0);
+  }
   void load_weights(const std::string& init_from, bool checkpoint);
   void shrink_micro_batch(const std::string& why, int64_t step, const json& blend_before);
   void apply_activation_budget();
@@ -166,6 +185,7 @@ class Trainer {
   bool save_deferred_ = false;
   std::unique_ptr<class SpikeDetector> spikes_;
   int64_t consumed_samples_ = 0;  // windows consumed by those steps (global)
+  double collective_wait_seconds_ = 0;  // in the current step's blocking collectives
   std::vector<StepRecord> history_;
 };
 
