@@ -17,6 +17,19 @@
 namespace dstrain {
 namespace {
 
+// A one-layer model of 40 ids and 16 positions, for generation end to end.
+ModelConfig tiny_model() {
+  ModelConfig c;
+  c.hidden_size = 16;
+  c.intermediate_size = 16;
+  c.num_hidden_layers = 1;
+  c.num_attention_heads = 2;
+  c.num_key_value_heads = 2;
+  c.vocab_size = 40;
+  c.max_position_embeddings = 16;
+  return c;
+}
+
 // softmax(logits / temperature) over the top_k largest logits (0: all), in double.
 std::vector<double> expected_distribution(const std::vector<float>& logits, double temperature, int64_t top_k) {
   const size_t V = logits.size();
@@ -118,15 +131,7 @@ TEST(Sampling, TheSeedDeterminesTheSequence) {
   // Two independent draws from this distribution agree with probability sum p^2 < 0.3.
   EXPECT_GT(differ, 100);
 
-  ModelConfig c;
-  c.hidden_size = 16;
-  c.intermediate_size = 16;
-  c.num_hidden_layers = 1;
-  c.num_attention_heads = 2;
-  c.num_key_value_heads = 2;
-  c.vocab_size = 40;
-  c.max_position_embeddings = 16;
-  Transformer m(c, Device::cpu());
+  Transformer m(tiny_model(), Device::cpu());
   m.init_weights(3);
   GenerateConfig g;
   g.max_new_tokens = 20;
@@ -158,15 +163,7 @@ TEST(Sampling, IdsBeyondTheTokenizerAreNeverChosen) {
   EXPECT_EQ(sample_token(logits.data(), 3, 0.0, 0, 1, 0), 2);
   for (uint64_t d = 0; d < 500; ++d) EXPECT_LT(sample_token(logits.data(), 3, 1.0, 0, 1, d), 3);
 
-  ModelConfig c;
-  c.hidden_size = 16;
-  c.intermediate_size = 16;
-  c.num_hidden_layers = 1;
-  c.num_attention_heads = 2;
-  c.num_key_value_heads = 2;
-  c.vocab_size = 40;
-  c.max_position_embeddings = 16;
-  Transformer m(c, Device::cpu());
+  Transformer m(tiny_model(), Device::cpu());
   m.init_weights(3);
   // Make the last rows of the head dominate.
   float* head = m.params().param(m.params().find("lm_head.weight")).data<float>();
