@@ -102,4 +102,7 @@ class Communicator {
   }
 };
 
+// Every rank's string, in rank order (collective over `comm`: lengths, then the padded texts).
+std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine);
+
 }  // namespace dstrain

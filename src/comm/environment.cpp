@@ -155,10 +155,15 @@ Environment Environment::from_json(const json& j) {
   return e;
 }
 
+std::string host_name() {
+  char buf[256] = {};
+  if (::gethostname(buf, sizeof(buf) - 1) != 0) return "unknown-host";
+  return buf;
+}
+
 Environment local_environment() {
   Environment e;
-  char host[256] = {};
-  e.host = gethostname(host, sizeof(host) - 1) == 0 ? host : "unknown";
+  e.host = host_name();
   e.dstrain_version = DSTRAIN_VERSION;
   e.commit = DSTRAIN_GIT_COMMIT;
   e.compiler = fmt::format("{} {}", kCompilerName, __VERSION__);
@@ -189,21 +194,11 @@ Environment local_environment() {
 }
 
 JobEnvironment check_same_environment(Communicator& world, const Environment& mine) {
-  // Every rank's environment as JSON text, padded to the longest.
-  const std::string text = mine.to_json().dump();
+  // Every rank's environment, as JSON text.
   const int n = world.size();
-  std::vector<int64_t> lengths(static_cast<size_t>(n));
-  int64_t length = int64_t(text.size());
-  world.all_gather(Tensor(lengths.data(), DType::I64, Shape{n}), Tensor(&length, DType::I64, Shape{1}));
-  const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
-  std::vector<uint8_t> padded(static_cast<size_t>(longest), 0), gathered(static_cast<size_t>(longest * n));
-  std::copy(text.begin(), text.end(), padded.begin());
-  world.all_gather(Tensor(gathered.data(), DType::U8, Shape{longest * n}),
-                   Tensor(padded.data(), DType::U8, Shape{longest}));
   std::vector<Environment> all;
-  for (int r = 0; r < n; ++r) {
-    const char* p = reinterpret_cast<const char*>(gathered.data()) + r * longest;
-    all.push_back(Environment::from_json(json::parse(std::string(p, size_t(lengths[size_t(r)])))));
+  for (const std::string& text : all_gather_strings(world, mine.to_json().dump())) {
+    all.push_back(Environment::from_json(json::parse(text)));
   }
 
   // The same build and libraries everywhere: every rank reaches the same verdict from the

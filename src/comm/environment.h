@@ -45,4 +45,7 @@ struct JobEnvironment {
 // local_environment(); tests pass a doctored one.
 JobEnvironment check_same_environment(Communicator& world, const Environment& mine);
 
+// This machine's host name, as ranks name themselves in messages and lock files.
+std::string host_name();
+
 }  // namespace dstrain

@@ -10,6 +10,8 @@
 #include <regex>
 #include <set>
 
+#include "kernels/ops.h"
+
 namespace dstrain {
 
 namespace fs = std::filesystem;
@@ -237,10 +239,7 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg) {
     const Tensor t = reg.param(id);
     w.read_f32(name, t);
     ++stats.loaded;
-    const float* v = t.data<float>();
-    int64_t n = 0;
-#pragma omp parallel for reduction(+ : n) schedule(static)
-    for (int64_t i = 0; i < t.numel(); ++i) n += std::isfinite(v[i]) ? 0 : 1;
+    const int64_t n = ops::count_non_finite(t);
     if (n > 0) {
       non_finite.push_back(fmt::format("'{}' in '{}': {} of {} values are NaN or Inf", name, w.file_of(name), n,
                                        t.numel()));

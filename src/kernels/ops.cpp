@@ -122,6 +122,10 @@ double sum_squares(Tensor x) {
   common_device("sum_squares", x);
   return cpu::sum_squares(x);
 }
+int64_t count_non_finite(Tensor x) {
+  common_device("count_non_finite", x);
+  return cpu::count_non_finite(x);
+}
 void adamw_update(Tensor param, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, const AdamWStep& s) {
   common_device("adamw_update", param, grad, exp_avg, exp_avg_sq);
   cpu::adamw_update(param, grad, exp_avg, exp_avg_sq, s);

@@ -101,6 +101,8 @@ void fill(Tensor x, float value);
 void copy(Tensor dst, Tensor src);
 // Sum of squares in double, summed in a fixed order independent of the thread count.
 double sum_squares(Tensor x);
+// How many elements are NaN or Inf (fp32).
+int64_t count_non_finite(Tensor x);
 
 // ---- optimizer -----------------------------------------------------------------------
 struct AdamWStep {

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "comm/environment.h"
 #include "core/error.h"
 #include "core/json_reader.h"
 #include "core/log.h"
@@ -31,12 +32,6 @@ std::string read_text(const fs::path& p) {
 bool alive_here(int64_t pid) { return pid > 0 && (::kill(pid_t(pid), 0) == 0 || errno != ESRCH); }
 
 }  // namespace
-
-std::string host_name() {
-  char buf[256] = {};
-  if (::gethostname(buf, sizeof(buf) - 1) != 0) return "unknown-host";
-  return buf;
-}
 
 RunLock::RunLock(const std::string& dir) {
   std::error_code ec;

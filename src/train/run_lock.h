@@ -24,7 +24,4 @@ class RunLock {
   std::string content_;  // what this process wrote: removed only while still ours
 };
 
-// This machine's host name.
-std::string host_name();
-
 }  // namespace dstrain

@@ -19,6 +19,7 @@
 #include "core/log.h"
 #include "io/checkpoint.h"
 #include "io/hf_weights.h"
+#include "kernels/ops.h"
 #include "train/generate.h"
 
 namespace dstrain {
@@ -109,24 +110,6 @@ void json_diff(const json& a, const json& b, const std::string& prefix, std::vec
   }
 }
 
-// Every rank's string, in rank order (collective over `world`).
-std::vector<std::string> all_gather_strings(Communicator& world, const std::string& mine) {
-  const int n = world.size();
-  int64_t len = int64_t(mine.size());
-  std::vector<int64_t> lens(static_cast<size_t>(n));
-  world.all_gather(Tensor(lens.data(), DType::I64, Shape{n}), Tensor(&len, DType::I64, Shape{1}));
-  const int64_t width = std::max<int64_t>(1, *std::max_element(lens.begin(), lens.end()));
-  std::vector<uint8_t> padded(static_cast<size_t>(width), 0), all(static_cast<size_t>(width * n));
-  std::copy(mine.begin(), mine.end(), padded.begin());
-  world.all_gather(Tensor(all.data(), DType::U8, Shape{width * n}), Tensor(padded.data(), DType::U8, Shape{width}));
-  std::vector<std::string> out;
-  for (int r = 0; r < n; ++r) {
-    const auto* p = reinterpret_cast<const char*>(all.data() + r * width);
-    out.emplace_back(p, size_t(lens[size_t(r)]));
-  }
-  return out;
-}
-
 // "rank r (host h): value" for rank 0 and the ranks whose value differs from rank 0's, the
 // first few of them: a job of a thousand ranks must not bury the message.
 std::string differing_ranks(const std::vector<std::string>& values, const std::vector<std::string>& hosts) {
@@ -162,10 +145,7 @@ void check_finite_weights(const ParamRegistry& reg, const std::string& source) {
   int bad = 0;
   for (int id = 0; id < reg.size(); ++id) {
     const Tensor p = reg.param(id);
-    const float* v = p.data<float>();
-    int64_t n = 0;
-#pragma omp parallel for reduction(+ : n) schedule(static)
-    for (int64_t i = 0; i < p.numel(); ++i) n += std::isfinite(v[i]) ? 0 : 1;
+    const int64_t n = ops::count_non_finite(p);
     if (n > 0 && ++bad <= 5) {
       report += fmt::format("\n  '{}': {} of {} values are NaN or Inf", reg.info(id).name, n, p.numel());
     }
@@ -831,18 +811,9 @@ std::string Trainer::unsafe_to_save() {
     return fmt::format("step {} was skipped ({}, {} in a row)", step_, last_skip_reason_, skipped_in_a_row_);
   }
   // Every rank holds the whole state; each looks at it, and all agree.
-  const float* bufs[3] = {model_->params().values().data<float>(), optimizer_->exp_avg().data<float>(),
-                          optimizer_->exp_avg_sq().data<float>()};
-  const int64_t n = model_->params().values().numel();
-  int32_t bad[3] = {0, 0, 0};
-  for (int b = 0; b < 3; ++b) {
-    const float* p = bufs[b];
-    int32_t found = 0;
-#pragma omp parallel for schedule(static) reduction(max : found)
-    for (int64_t i = 0; i < n; ++i) found = std::max(found, int32_t(!std::isfinite(p[i])));
-    bad[b] = found;
-  }
-  grid_.world().all_reduce(Tensor(bad, DType::I32, Shape{3}), ReduceOp::Max);
+  int64_t bad[3] = {ops::count_non_finite(model_->params().values().tensor()), ops::count_non_finite(optimizer_->exp_avg().tensor()),
+                    ops::count_non_finite(optimizer_->exp_avg_sq().tensor())};
+  grid_.world().all_reduce(Tensor(bad, DType::I64, Shape{3}), ReduceOp::Max);
   if (bad[0]) return fmt::format("the weights after step {} hold non-finite values", step_);
   if (bad[1] || bad[2]) return fmt::format("AdamW's moments after step {} hold non-finite values", step_);
   return "";

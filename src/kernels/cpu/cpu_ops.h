@@ -29,6 +29,7 @@ void scale_inplace(Tensor x, float s);
 void fill(Tensor x, float value);
 void copy(Tensor dst, Tensor src);
 double sum_squares(Tensor x);
+int64_t count_non_finite(Tensor x);
 void adamw_update(Tensor param, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, const ops::AdamWStep& s);
 
 // ---- mixture of experts ----

@@ -128,6 +128,16 @@ void copy(Tensor dst, Tensor src) {
   std::memcpy(dst.raw(), src.raw(), src.nbytes());
 }
 
+int64_t count_non_finite(Tensor x) {
+  DS_CHECK(x.dtype() == DType::F32, "count_non_finite: {} tensor, expected f32", dtype_name(x.dtype()));
+  const float* p = x.data<float>();
+  const int64_t n = x.numel();
+  int64_t bad = 0;
+#pragma omp parallel for reduction(+ : bad) schedule(static)
+  for (int64_t i = 0; i < n; ++i) bad += std::isfinite(p[i]) ? 0 : 1;
+  return bad;
+}
+
 double sum_squares(Tensor x) {
   // Fixed chunks summed in double, then the chunk sums in order: the same bits for any
   // number of threads.
