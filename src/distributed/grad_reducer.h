@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "comm/comm.h"
-#include "model/params.h"
+#include "state/params.h"
 #include "model/transformer.h"
 
 namespace dstrain {

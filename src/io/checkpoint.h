@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "core/json_reader.h"
-#include "model/params.h"
+#include "state/params.h"
 
 namespace dstrain {
 

@@ -10,7 +10,7 @@
 #include <regex>
 #include <set>
 
-#include "kernels/ops.h"
+#include "backend/ops.h"
 
 namespace dstrain {
 

@@ -11,7 +11,7 @@
 
 #include "core/json_reader.h"
 #include "io/safetensors.h"
-#include "model/params.h"
+#include "state/params.h"
 
 namespace dstrain {
 

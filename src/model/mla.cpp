@@ -8,7 +8,6 @@
 namespace dstrain {
 namespace {
 
-std::string layer_name(int layer, const char* rest) { return fmt::format("model.layers.{}.{}", layer, rest); }
 Tensor rows_of(Tensor t) { return t.view({t.numel() / t.size(-1), t.size(-1)}); }
 
 // For each of `rows` rows, copies `count` blocks of `len` floats: block j of row r from

@@ -12,7 +12,6 @@
 namespace dstrain {
 namespace {
 
-std::string layer_name(int layer, const std::string& rest) { return fmt::format("model.layers.{}.{}", layer, rest); }
 
 // An index buffer viewed at the current size, grown like an Activation.
 Tensor index_view(Buffer& b, const std::string& label, DType dtype, Shape shape) {

@@ -24,7 +24,7 @@
 
 #include <vector>
 
-#include "kernels/ops.h"
+#include "backend/ops.h"
 #include "model/transformer.h"
 
 namespace dstrain {

@@ -2,7 +2,7 @@
 
 #include <cmath>
 
-#include "kernels/ops.h"
+#include "backend/ops.h"
 
 namespace dstrain {
 

@@ -5,7 +5,7 @@
 #include <set>
 
 #include "core/buffer.h"
-#include "model/params.h"
+#include "state/params.h"
 
 namespace dstrain {
 

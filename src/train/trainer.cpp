@@ -19,7 +19,7 @@
 #include "core/log.h"
 #include "io/checkpoint.h"
 #include "io/hf_weights.h"
-#include "kernels/ops.h"
+#include "backend/ops.h"
 #include "train/generate.h"
 
 namespace dstrain {

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "finite_difference.h"
-#include "kernels/ops.h"
+#include "backend/ops.h"
 #include "optim/adamw.h"
 
 namespace dstrain {

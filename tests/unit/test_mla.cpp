@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "finite_difference.h"
-#include "kernels/ops.h"
+#include "backend/ops.h"
 #include "model/mla.h"
 
 namespace dstrain {

@@ -32,6 +32,12 @@ struct Placement {
   int64_t begin = 0, length = 0;
 };
 
+// Which data-parallel communicator reduces a parameter's gradient: dense parameters are
+// replicated over all data-parallel ranks, routed experts only over the ranks that hold the
+// same experts (ProcessGrid::expert_data()).
+enum class ParamGroup { Dense, Expert };
+std::string_view param_group_name(ParamGroup g);
+
 struct ParamInfo {
   std::string name;    // Hugging Face name, e.g. "model.layers.0.self_attn.q_proj.weight"
   Shape shape;         // local shape
@@ -41,11 +47,22 @@ struct ParamInfo {
   int layer = -1;      // decoder layer index, -1 outside the layers
   int64_t offset = 0;  // element offset in the flat buffers
   bool trainable = true;  // false: updated by a rule, not by gradients (e.g. MoE routing biases)
+  ParamGroup group = ParamGroup::Dense;
   int64_t numel() const { return shape.numel(); }
+};
+
+// How a parameter is registered beyond its name, local shape and kind.
+struct ParamOptions {
+  bool follow_previous = false;  // placed right after the previous one (fused matrices)
+  bool trainable = true;
+  ParamGroup group = ParamGroup::Dense;
+  Placement placement;           // Whole by default
+  Shape global_shape;            // empty: the local shape (Whole)
 };
 
 class ParamRegistry {
  public:
+  int add(std::string name, Shape shape, ParamKind kind, int layer, const ParamOptions& options);
   // Registers a whole (replicated) parameter. With `follow_previous` it is placed directly
   // after the previous one with no padding, so the two can be used as one fused matrix.
   int add(std::string name, Shape shape, ParamKind kind, int layer, bool follow_previous = false,

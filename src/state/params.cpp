@@ -1,4 +1,4 @@
-#include "model/params.h"
+#include "state/params.h"
 
 namespace dstrain {
 
@@ -17,18 +17,32 @@ std::string_view param_kind_name(ParamKind k) {
   return "?";
 }
 
+std::string_view param_group_name(ParamGroup g) { return g == ParamGroup::Expert ? "expert" : "dense"; }
+
 int ParamRegistry::add(std::string name, Shape shape, ParamKind kind, int layer, bool follow_previous,
                        bool trainable) {
+  ParamOptions o;
+  o.follow_previous = follow_previous;
+  o.trainable = trainable;
+  return add(std::move(name), shape, kind, layer, o);
+}
+
+int ParamRegistry::add(std::string name, Shape shape, ParamKind kind, int layer, const ParamOptions& options) {
+  const bool follow_previous = options.follow_previous;
   DS_CHECK(!values_.allocated(), "parameter '{}' registered after allocation", name);
   DS_CHECK(!by_name_.count(name), "parameter '{}' registered twice", name);
   DS_CHECK(!follow_previous || !params_.empty(), "parameter '{}' cannot follow: it is the first", name);
   ParamInfo p;
   p.name = std::move(name);
   p.shape = shape;
-  p.global_shape = shape;
+  p.global_shape = options.global_shape.ndim() ? options.global_shape : shape;
+  DS_CHECK(p.global_shape.ndim() == shape.ndim(), "parameter '{}': local shape {} and global shape {} differ in rank",
+           p.name, shape.str(), p.global_shape.str());
+  p.placement = options.placement;
   p.kind = kind;
   p.layer = layer;
-  p.trainable = trainable;
+  p.trainable = options.trainable;
+  p.group = options.group;
   p.offset = follow_previous ? flat_numel_ : (flat_numel_ + kAlign - 1) / kAlign * kAlign;
   flat_numel_ = p.offset + shape.numel();
   by_name_[p.name] = int(params_.size());

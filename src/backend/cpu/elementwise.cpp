@@ -3,7 +3,7 @@
 #include <cstring>
 #include <vector>
 
-#include "kernels/cpu/cpu_ops.h"
+#include "backend/cpu/cpu_ops.h"
 
 namespace dstrain::cpu {
 

@@ -2,7 +2,7 @@
 // Hugging Face checkpoints, so the forward multiplies by the transpose.
 #include <cblas.h>
 
-#include "kernels/cpu/cpu_ops.h"
+#include "backend/cpu/cpu_ops.h"
 
 namespace dstrain::cpu {
 namespace {

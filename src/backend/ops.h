@@ -1,6 +1,6 @@
 // The ops dstrain's models are built from: explicit forward and backward, one signature per
 // op for every device. Each call dispatches on the device of its tensors to the CPU
-// implementation (kernels/cpu/) or the CUDA one (kernels/cuda/). The CPU fp32 versions are
+// implementation (backend/cpu/) or the CUDA one (kernels/cuda/). The CPU fp32 versions are
 // the reference every other path is tested against.
 //
 // Conventions: tensors are contiguous row-major fp32 unless noted; "(+=)" marks outputs

@@ -1,7 +1,7 @@
-// CPU (OpenMP + OpenBLAS) implementations of kernels/ops.h, same signatures.
+// CPU (OpenMP + OpenBLAS) implementations of backend/ops.h, same signatures.
 #pragma once
 
-#include "kernels/ops.h"
+#include "backend/ops.h"
 
 namespace dstrain::cpu {
 

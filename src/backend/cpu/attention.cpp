@@ -9,7 +9,7 @@
 #include <cmath>
 #include <vector>
 
-#include "kernels/cpu/cpu_ops.h"
+#include "backend/cpu/cpu_ops.h"
 
 namespace dstrain::cpu {
 namespace {

@@ -5,7 +5,7 @@
 #include <numbers>
 #include <vector>
 
-#include "kernels/cpu/cpu_ops.h"
+#include "backend/cpu/cpu_ops.h"
 
 namespace dstrain::cpu {
 namespace {

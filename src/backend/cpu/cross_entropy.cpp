@@ -1,7 +1,7 @@
 // Softmax cross-entropy over the vocabulary, one row per token.
 #include <cmath>
 
-#include "kernels/cpu/cpu_ops.h"
+#include "backend/cpu/cpu_ops.h"
 
 namespace dstrain::cpu {
 

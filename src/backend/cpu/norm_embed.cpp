@@ -2,7 +2,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "kernels/cpu/cpu_ops.h"
+#include "backend/cpu/cpu_ops.h"
 
 namespace dstrain::cpu {
 

@@ -1,8 +1,8 @@
-// Device dispatch for kernels/ops.h: every op runs where its tensors live. This build has
+// Device dispatch for backend/ops.h: every op runs where its tensors live. This build has
 // the CPU kernels; the CUDA backend adds its branch here behind the same signatures.
-#include "kernels/ops.h"
+#include "backend/ops.h"
 
-#include "kernels/cpu/cpu_ops.h"
+#include "backend/cpu/cpu_ops.h"
 
 namespace dstrain::ops {
 namespace {

@@ -1,0 +1,167 @@
+#include "model/ctx.h"
+
+#include "backend/ops.h"
+
+namespace dstrain {
+
+// ---- ShardSpec ----------------------------------------------------------------------------
+
+Range ShardSpec::split(int64_t count, int rank, int size, const char* what) {
+  DS_CHECK(size >= 1 && rank >= 0 && rank < size, "shard {} of {} of {} is not a valid piece", rank, size, what);
+  DS_CHECK(count % size == 0,
+           "{} = {} does not split into {} equal pieces: choose a tensor/expert parallel size that divides it",
+           what, count, size);
+  const int64_t piece = count / size;
+  return Range{rank * piece, (rank + 1) * piece};
+}
+
+ShardSpec ShardSpec::whole(const ModelConfig& c) { return tensor_parallel(c, 0, 1, 0, 1); }
+
+ShardSpec ShardSpec::tensor_parallel(const ModelConfig& c, int tp_rank, int tp_size, int ep_rank, int ep_size) {
+  ShardSpec s;
+  s.tp_rank = tp_rank;
+  s.tp_size = tp_size;
+  s.ep_rank = ep_rank;
+  s.ep_size = ep_size;
+  s.heads = split(c.num_attention_heads, tp_rank, tp_size, "num_attention_heads");
+  s.kv_heads = split(c.num_key_value_heads ? c.num_key_value_heads : c.num_attention_heads, tp_rank, tp_size,
+                     "num_key_value_heads");
+  s.ffn = split(c.intermediate_size, tp_rank, tp_size, "intermediate_size");
+  s.moe_ffn = split(c.moe_intermediate_size, tp_rank, tp_size, "moe_intermediate_size");
+  s.shared_ffn = split(c.moe_intermediate_size * c.n_shared_experts, tp_rank, tp_size,
+                       "moe_intermediate_size x n_shared_experts");
+  s.experts = split(c.n_routed_experts, ep_rank, ep_size, "n_routed_experts");
+  s.vocab = split(c.vocab_size, tp_rank, tp_size, "vocab_size");
+  return s;
+}
+
+// ---- ActivationStore ------------------------------------------------------------------------
+
+Tensor ActivationStore::put(int mb, const std::string& key, Shape shape, DType dtype) {
+  Slot& slot = slots_[mb];
+  const size_t need = size_t(shape.numel()) * dtype_size(dtype);
+  auto it = slot.buffers.find(key);
+  if (it == slot.buffers.end() || it->second.nbytes() < need) {
+    if (it != slot.buffers.end()) {
+      pool_.emplace(it->second.nbytes(), std::move(it->second));
+      slot.buffers.erase(it);
+    }
+    auto p = pool_.lower_bound(need);
+    Buffer b;
+    if (p != pool_.end()) {
+      b = std::move(p->second);
+      pool_.erase(p);
+    } else {
+      // Bytes, so one buffer serves any dtype when it comes back from the pool.
+      b = Buffer("activations." + key, MemCategory::Activations, DType::U8, int64_t(std::max<size_t>(need, 1)),
+                 device_);
+    }
+    it = slot.buffers.emplace(key, std::move(b)).first;
+  }
+  const Tensor t(it->second.data(), dtype, shape, device_);
+  slot.views[key] = t;
+  return t;
+}
+
+bool ActivationStore::has(int mb, const std::string& key) const {
+  auto s = slots_.find(mb);
+  return s != slots_.end() && s->second.views.count(key);
+}
+
+Tensor ActivationStore::get(int mb, const std::string& key) const {
+  auto s = slots_.find(mb);
+  DS_CHECK(s != slots_.end(), "no activations are stored for micro-batch {} (backward '{}' before its forward?)", mb,
+           key);
+  auto v = s->second.views.find(key);
+  DS_CHECK(v != s->second.views.end(), "micro-batch {} has no stored activation '{}'", mb, key);
+  return v->second;
+}
+
+void ActivationStore::release(int mb) {
+  auto s = slots_.find(mb);
+  if (s == slots_.end()) return;
+  for (auto& [key, b] : s->second.buffers) pool_.emplace(b.nbytes(), std::move(b));
+  slots_.erase(s);
+}
+
+void ActivationStore::clear() {
+  slots_.clear();
+  pool_.clear();
+}
+
+std::vector<int> ActivationStore::in_flight() const {
+  std::vector<int> out;
+  for (const auto& [mb, s] : slots_) out.push_back(mb);
+  return out;
+}
+
+int64_t ActivationStore::bytes_in_use() const {
+  int64_t n = 0;
+  for (const auto& [mb, s] : slots_)
+    for (const auto& [k, b] : s.buffers) n += int64_t(b.nbytes());
+  return n;
+}
+
+int64_t ActivationStore::bytes_allocated() const {
+  int64_t n = bytes_in_use();
+  for (const auto& [cap, b] : pool_) n += int64_t(b.nbytes());
+  return n;
+}
+
+// ---- WeightGradStore ------------------------------------------------------------------------
+
+void WeightGradStore::begin_deferral(int mb) {
+  DS_CHECK(mb >= 0, "weight gradients are deferred per micro-batch, got {}", mb);
+  deferring_mb_ = mb;
+}
+
+void WeightGradStore::end_deferral() { deferring_mb_ = -1; }
+
+void WeightGradStore::linear(Tensor dx, Tensor dw, Tensor dout, Tensor x, Tensor w, bool accumulate_dx) {
+  if (!deferring() || !dw.defined()) {
+    ops::linear_backward(dx, dw, dout, x, w, accumulate_dx);
+    return;
+  }
+  if (dx.defined()) ops::linear_backward(dx, Tensor(), dout, x, w, accumulate_dx);
+  Deferred d;
+  d.dw = dw;
+  d.w = w;
+  d.dout_shape = dout.shape();
+  d.x_shape = x.shape();
+  d.dout = Buffer("weight_grad_store.dout", MemCategory::Activations, dout.dtype(), dout.numel(), device_);
+  d.x = Buffer("weight_grad_store.x", MemCategory::Activations, x.dtype(), x.numel(), device_);
+  ops::copy(d.dout.tensor(), dout.view(Shape{dout.numel()}));
+  ops::copy(d.x.tensor(), x.view(Shape{x.numel()}));
+  queues_[deferring_mb_].push_back(std::move(d));
+}
+
+void WeightGradStore::run(int mb) {
+  auto q = queues_.find(mb);
+  if (q == queues_.end()) return;
+  for (Deferred& d : q->second) {
+    ops::linear_backward(Tensor(), d.dw, d.dout.tensor(0, d.dout_shape), d.x.tensor(0, d.x_shape), d.w);
+  }
+  queues_.erase(q);
+}
+
+int WeightGradStore::pending(int mb) const {
+  auto q = queues_.find(mb);
+  return q == queues_.end() ? 0 : int(q->second.size());
+}
+
+// ---- Scratch, Ctx -----------------------------------------------------------------------
+
+Tensor Scratch::get(const std::string& slot, Shape shape, DType dtype) {
+  Buffer& b = buffers_[slot];
+  if (b.nbytes() < size_t(shape.numel()) * dtype_size(dtype)) {
+    b = Buffer("scratch." + slot, MemCategory::Workspace, DType::U8, int64_t(shape.numel()) * int64_t(dtype_size(dtype)),
+               device_);
+  }
+  return Tensor(b.data(), dtype, shape, device_);
+}
+
+void Ctx::tp_all_reduce(Tensor t) const {
+  if (ProcessGroups::size_of(groups.tp) > 1) groups.tp->all_reduce(t);
+}
+
+}  // namespace dstrain

@@ -1,0 +1,189 @@
+// The execution context a layer runs in, and the pieces it is made of:
+//   Ctx              device (and so the backend that runs the ops), compute dtype, stream,
+//                    the process groups a layer may call collectives on, the activation store,
+//                    the weight-gradient store, the backward scratch and the parameter hooks.
+//   ShardSpec        which piece of the model this rank's layers hold: heads, FFN columns,
+//                    experts, vocabulary rows. Layers size themselves from it, not the config.
+//   ActivationStore  what a micro-batch's forward keeps for its backward, keyed by micro-batch,
+//                    so several micro-batches can be in flight (1F1B, DualPipe).
+//   WeightGradStore  the weight-gradient half of a backward that was split into an input-
+//                    gradient part and a weight-gradient part (DualPipe's zero-bubble split).
+#pragma once
+
+#include <any>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "comm/comm.h"
+#include "core/buffer.h"
+#include "core/device.h"
+#include "model/model_config.h"
+
+namespace dstrain {
+
+// A half-open range [begin, end) of a global count (heads, columns, experts, rows).
+struct Range {
+  int64_t begin = 0, end = 0;
+  int64_t size() const { return end - begin; }
+  bool operator==(const Range&) const = default;
+};
+
+// This rank's piece of every sharded dimension of the model. whole() is the unsharded model;
+// tensor_parallel() splits heads, FFN columns (dense and shared experts) and the vocabulary
+// evenly over the tensor group and the routed experts over the expert group, as Megatron-Core
+// does (column-parallel q/k/v and gate/up, row-parallel o and down, vocab-parallel embedding
+// and head).
+struct ShardSpec {
+  int tp_rank = 0, tp_size = 1;
+  int ep_rank = 0, ep_size = 1;
+  Range heads, kv_heads;  // attention heads (query, key/value)
+  Range ffn;              // columns of intermediate_size (dense MLP)
+  Range moe_ffn;          // columns of moe_intermediate_size (routed experts)
+  Range shared_ffn;       // columns of the shared experts' fused intermediate size
+  Range experts;          // routed experts held here
+  Range vocab;            // vocabulary rows of the embedding and head
+
+  static ShardSpec whole(const ModelConfig& c);
+  // A piece of `count` split into `size` equal parts; a count that does not divide is an error
+  // naming `what` (e.g. "num_attention_heads").
+  static Range split(int64_t count, int rank, int size, const char* what);
+  static ShardSpec tensor_parallel(const ModelConfig& c, int tp_rank, int tp_size, int ep_rank = 0, int ep_size = 1);
+  bool is_whole() const { return tp_size == 1 && ep_size == 1; }
+};
+
+// The communicators a layer may use. Null means a group of one rank: no collective is issued.
+struct ProcessGroups {
+  Communicator* tp = nullptr;  // tensor parallel: heads, FFN columns, vocabulary
+  Communicator* sp = nullptr;  // sequence parallel (the tensor group's sequence split)
+  Communicator* ep = nullptr;  // expert parallel: token all-to-all between expert owners
+  Communicator* dp = nullptr;  // data parallel of dense parameters
+  Communicator* expert_dp = nullptr;  // data parallel of expert parameters
+  static int size_of(const Communicator* c) { return c ? c->size() : 1; }
+};
+
+// A queue of work on one device. The CPU runs ops synchronously; a CUDA stream handle goes here.
+struct Stream {
+  Device device;
+  void* handle = nullptr;
+};
+
+// What a micro-batch's forward keeps for its backward. Buffers are keyed by (micro-batch,
+// key); keys name the layer and the tensor ("layers.3.attn.qkv"). release() returns a
+// micro-batch's buffers to a pool that later micro-batches reuse, so memory grows only with
+// the number of micro-batches in flight, not with how many ran.
+class ActivationStore {
+ public:
+  explicit ActivationStore(Device device = Device::cpu()) : device_(device) {}
+  ActivationStore(const ActivationStore&) = delete;
+  ActivationStore& operator=(const ActivationStore&) = delete;
+
+  // The buffer for `key` of micro-batch mb, viewed at `shape` (contents unspecified when new).
+  // Reuses the micro-batch's buffer of that key, else a pooled one, else allocates.
+  Tensor put(int mb, const std::string& key, Shape shape, DType dtype = DType::F32);
+  // What put() stored; an error when the micro-batch has no such tensor (a backward without
+  // its forward).
+  Tensor get(int mb, const std::string& key) const;
+  bool has(int mb, const std::string& key) const;
+  // Small host-side values of a micro-batch (sizes, saved views, routing decisions).
+  template <class T>
+  T& meta(int mb, const std::string& key) {
+    std::any& a = slots_[mb].meta[key];
+    if (!a.has_value()) a = T{};
+    return std::any_cast<T&>(a);
+  }
+  // Returns the micro-batch's buffers to the pool.
+  void release(int mb);
+  // Frees every buffer, pooled or in use.
+  void clear();
+
+  std::vector<int> in_flight() const;        // micro-batches with stored activations
+  int64_t bytes_in_use() const;              // held by micro-batches in flight
+  int64_t bytes_allocated() const;           // in use + pooled
+  Device device() const { return device_; }
+
+ private:
+  struct Slot {
+    std::unordered_map<std::string, Buffer> buffers;
+    std::unordered_map<std::string, Tensor> views;
+    std::unordered_map<std::string, std::any> meta;
+  };
+  Device device_;
+  std::map<int, Slot> slots_;
+  std::multimap<size_t, Buffer> pool_;  // by capacity in bytes
+};
+
+// The split backward of zero-bubble schedules: with deferral on, linear() computes the input
+// gradient now and queues the weight gradient (keeping copies of dout and x) for run(mb).
+class WeightGradStore {
+ public:
+  explicit WeightGradStore(Device device = Device::cpu()) : device_(device) {}
+  // While deferring, weight gradients of micro-batch mb are queued instead of computed.
+  void begin_deferral(int mb);
+  void end_deferral();
+  bool deferring() const { return deferring_mb_ >= 0; }
+  // dx (M,K) = dout · w (added when accumulate_dx); dw (N,K) += dout^T · x now or at run().
+  void linear(Tensor dx, Tensor dw, Tensor dout, Tensor x, Tensor w, bool accumulate_dx = false);
+  // Computes the queued weight gradients of mb in the order they were queued.
+  void run(int mb);
+  int pending(int mb) const;
+  void clear() { queues_.clear(); }
+
+ private:
+  struct Deferred {
+    Tensor dw, w;
+    Buffer dout, x;
+    Shape dout_shape, x_shape;
+  };
+  Device device_;
+  int deferring_mb_ = -1;
+  std::map<int, std::vector<Deferred>> queues_;
+};
+
+// Where ZeRO-3 gathers and gradient buckets plug into the model: before_use before a range of
+// parameters is read by a forward or backward, grad_ready once their gradients of this
+// micro-batch are final. Ranges are inclusive parameter ids.
+class ParamHooks {
+ public:
+  virtual ~ParamHooks() = default;
+  virtual void before_use(int first, int last) {}
+  virtual void grad_ready(int first, int last) {}
+};
+
+// Temporaries for the backward pass, grown on demand and shared by every layer (not kept
+// between calls).
+class Scratch {
+ public:
+  explicit Scratch(Device device = Device::cpu()) : device_(device) {}
+  Tensor get(const std::string& slot, Shape shape, DType dtype = DType::F32);
+  void release() { buffers_.clear(); }
+
+ private:
+  Device device_;
+  std::unordered_map<std::string, Buffer> buffers_;
+};
+
+struct Ctx {
+  Device device;                  // ops dispatch to the backend registered for it
+  DType compute_dtype = DType::F32;
+  Stream stream;
+  ProcessGroups groups;
+  ActivationStore* acts = nullptr;
+  WeightGradStore* wgrad = nullptr;
+  Scratch* scratch = nullptr;
+  ParamHooks* hooks = nullptr;    // null: none
+
+  // All-reduce (sum) over the tensor group of a row-parallel output; nothing when the group
+  // has one rank.
+  void tp_all_reduce(Tensor t) const;
+  void before_use(int first, int last) const {
+    if (hooks) hooks->before_use(first, last);
+  }
+  void grad_ready(int first, int last) const {
+    if (hooks) hooks->grad_ready(first, last);
+  }
+};
+
+}  // namespace dstrain
