@@ -1,29 +1,23 @@
 #include "core/buffer.h"
 
-#include <cstring>
 #include <mutex>
 
 namespace dstrain {
 namespace {
 std::mutex g_stats_mutex;
-MemoryStats g_stats;
+MemoryStats g_stats;                                // every device
+std::array<MemoryStats, kDeviceTypes> g_device_stats;  // per device type
 
-void account(MemCategory c, int64_t delta) {
-  std::lock_guard lock(g_stats_mutex);
+void add(MemoryStats& s, MemCategory c, int64_t delta) {
   auto i = size_t(c);
-  g_stats.bytes[i] += delta;
-  if (g_stats.bytes[i] > g_stats.peak[i]) g_stats.peak[i] = g_stats.bytes[i];
+  s.bytes[i] += delta;
+  if (s.bytes[i] > s.peak[i]) s.peak[i] = s.bytes[i];
 }
 
-void parallel_zero(void* p, size_t bytes) {
-  auto* c = static_cast<unsigned char*>(p);
-  const size_t chunk = size_t(1) << 20;
-  const int64_t n = int64_t((bytes + chunk - 1) / chunk);
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    size_t b = size_t(i) * chunk;
-    std::memset(c + b, 0, std::min(chunk, bytes - b));
-  }
+void account(DeviceType d, MemCategory c, int64_t delta) {
+  std::lock_guard lock(g_stats_mutex);
+  add(g_stats, c, delta);
+  add(g_device_stats[size_t(d)], c, delta);
 }
 }  // namespace
 
@@ -52,36 +46,60 @@ MemoryStats memory_stats() {
   return g_stats;
 }
 
+MemoryStats memory_stats(DeviceType device) {
+  std::lock_guard lock(g_stats_mutex);
+  return g_device_stats[size_t(device)];
+}
+
 Buffer::Buffer(std::string label, MemCategory category, DType dtype, int64_t numel, Device device)
-    : dtype_(dtype), numel_(numel), device_(device), category_(category) {
-  DS_CHECK(device.is_cpu(), "buffer '{}': host buffers only; device memory comes from the CUDA backend", label);
-  DS_CHECK(numel >= 0, "buffer '{}': negative size {}", label, numel);
+    : Buffer(std::move(label), category, dtype, numel, device, allocator_for(device)) {}
+
+Buffer Buffer::pinned_host(std::string label, MemCategory category, DType dtype, int64_t numel) {
+  return Buffer(std::move(label), category, dtype, numel, Device::cpu(), pinned_host_allocator());
+}
+
+Buffer::Buffer(std::string label, MemCategory category, DType dtype, int64_t numel, Device device,
+               Allocator& allocator)
+    : label_(std::move(label)), dtype_(dtype), numel_(numel), device_(device), category_(category) {
+  DS_CHECK(numel >= 0, "buffer '{}': negative size {}", label_, numel);
+  DS_CHECK(allocator.device() == device.type, "buffer '{}': the {} allocator hands out {} memory, not memory on {}",
+           label_, allocator.name(), device_type_name(allocator.device()), device.str());
   const size_t bytes = size_t(numel) * dtype_size(dtype);
   try {
-    view_ = HostBytes(Kokkos::view_alloc(Kokkos::WithoutInitializing, label), bytes);
-  } catch (const std::exception& e) {
-    throw OutOfMemory(fmt::format("could not allocate {:.3f} GiB for '{}' ({}): {}", double(bytes) / (1 << 30), label,
-                                  mem_category_name(category), e.what()));
+    data_ = allocator.allocate(device, bytes, label_);
+  } catch (const OutOfMemory& e) {
+    throw OutOfMemory(fmt::format("could not allocate {:.3f} GiB on {} for '{}' ({}): {}", double(bytes) / (1 << 30),
+                                  device.str(), label_, mem_category_name(category), e.what()));
   }
-  parallel_zero(view_.data(), bytes);
-  account(category_, int64_t(bytes));
+  allocator_ = &allocator;
+  account(device_.type, category_, int64_t(bytes));
 }
 
 Buffer::Buffer(Buffer&& o) noexcept
-    : view_(std::move(o.view_)), dtype_(o.dtype_), numel_(o.numel_), device_(o.device_), category_(o.category_) {
-  o.view_ = HostBytes();
+    : data_(o.data_),
+      allocator_(o.allocator_),
+      label_(std::move(o.label_)),
+      dtype_(o.dtype_),
+      numel_(o.numel_),
+      device_(o.device_),
+      category_(o.category_) {
+  o.data_ = nullptr;
+  o.allocator_ = nullptr;
   o.numel_ = 0;
 }
 
 Buffer& Buffer::operator=(Buffer&& o) noexcept {
   if (this != &o) {
     release();
-    view_ = std::move(o.view_);
+    data_ = o.data_;
+    allocator_ = o.allocator_;
+    label_ = std::move(o.label_);
     dtype_ = o.dtype_;
     numel_ = o.numel_;
     device_ = o.device_;
     category_ = o.category_;
-    o.view_ = HostBytes();
+    o.data_ = nullptr;
+    o.allocator_ = nullptr;
     o.numel_ = 0;
   }
   return *this;
@@ -90,18 +108,23 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
 Buffer::~Buffer() { release(); }
 
 void Buffer::release() {
-  if (view_.data() != nullptr || numel_ > 0) account(category_, -int64_t(nbytes()));
-  view_ = HostBytes();
+  if (allocator_) {
+    allocator_->free(device_, data_, nbytes());
+    account(device_.type, category_, -int64_t(nbytes()));
+  }
+  data_ = nullptr;
+  allocator_ = nullptr;
   numel_ = 0;
 }
 
 Tensor Buffer::tensor(int64_t offset, Shape shape) const {
   DS_CHECK(offset >= 0 && offset + shape.numel() <= numel_, "buffer '{}': [{}, {}) is outside its {} elements",
            label(), offset, offset + shape.numel(), numel_);
-  return Tensor(static_cast<unsigned char*>(view_.data()) + size_t(offset) * dtype_size(dtype_), dtype_, shape,
-                device_);
+  return Tensor(static_cast<unsigned char*>(data_) + size_t(offset) * dtype_size(dtype_), dtype_, shape, device_);
 }
 
-void Buffer::zero() { parallel_zero(view_.data(), nbytes()); }
+void Buffer::zero() {
+  if (allocator_) allocator_->zero(device_, data_, nbytes());
+}
 
 }  // namespace dstrain

@@ -1,15 +1,13 @@
-// Owning memory. Host memory is a Kokkos View; each buffer has a label and a category so
-// memory can be accounted (parameters, gradients, optimizer state, activations, ...).
+// Owning memory, on any device: each buffer takes its bytes from the allocator registered for
+// its device (core/allocator.h) and has a label and a category so that memory can be accounted
+// (parameters, gradients, optimizer state, activations, ...) per device.
 #pragma once
 
-#include <Kokkos_Core.hpp>
-
 #include <array>
-#include <atomic>
 #include <cstdint>
-#include <memory>
 #include <string>
 
+#include "core/allocator.h"
 #include "core/tensor.h"
 
 namespace dstrain {
@@ -17,29 +15,31 @@ namespace dstrain {
 enum class MemCategory { Parameters, Gradients, OptimizerState, Activations, Workspace, Data, Checkpoint, kCount };
 std::string_view mem_category_name(MemCategory c);
 
-// Bytes currently held per category by live Buffers of this process.
+// Bytes currently held per category by live Buffers of this process: on every device
+// together, or on one type of device (pinned host memory counts as CPU).
 struct MemoryStats {
   std::array<int64_t, size_t(MemCategory::kCount)> bytes{};
   std::array<int64_t, size_t(MemCategory::kCount)> peak{};
   int64_t total() const;
 };
 MemoryStats memory_stats();
-
-using HostBytes = Kokkos::View<unsigned char*, Kokkos::HostSpace>;
+MemoryStats memory_stats(DeviceType device);
 
 class Buffer {
  public:
   Buffer() = default;
-  // Zero-filled (in parallel, so pages land near the threads that use them).
+  // Zero-filled, from the allocator registered for `device`.
   Buffer(std::string label, MemCategory category, DType dtype, int64_t numel, Device device = Device::cpu());
+  // Zero-filled page-locked host memory (for transfers to and from a device).
+  static Buffer pinned_host(std::string label, MemCategory category, DType dtype, int64_t numel);
   Buffer(Buffer&&) noexcept;
   Buffer& operator=(Buffer&&) noexcept;
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
   ~Buffer();
 
-  bool allocated() const { return numel_ > 0 || view_.data() != nullptr; }
-  void* data() const { return view_.data(); }
+  bool allocated() const { return numel_ > 0 || data_ != nullptr; }
+  void* data() const { return data_; }
   template <class T>
   T* data() const { return tensor().data<T>(); }
   DType dtype() const { return dtype_; }
@@ -47,16 +47,21 @@ class Buffer {
   size_t nbytes() const { return size_t(numel_) * dtype_size(dtype_); }
   Device device() const { return device_; }
   MemCategory category() const { return category_; }
-  std::string label() const { return view_.label(); }
+  const std::string& label() const { return label_; }
+  // The allocator it came from ("host", "pinned_host", "cuda", ...); null when unallocated.
+  const Allocator* allocator() const { return allocator_; }
 
   // The whole buffer as a 1-D tensor, or a piece of it with a shape.
-  Tensor tensor() const { return Tensor(view_.data(), dtype_, Shape{numel_}, device_); }
+  Tensor tensor() const { return Tensor(data_, dtype_, Shape{numel_}, device_); }
   Tensor tensor(int64_t offset, Shape shape) const;
   void zero();
 
  private:
+  Buffer(std::string label, MemCategory category, DType dtype, int64_t numel, Device device, Allocator& allocator);
   void release();
-  HostBytes view_;
+  void* data_ = nullptr;
+  Allocator* allocator_ = nullptr;
+  std::string label_;
   DType dtype_ = DType::F32;
   int64_t numel_ = 0;
   Device device_;

@@ -15,7 +15,18 @@ size_t dtype_size(DType t);
 std::string_view dtype_name(DType t);            // "F32", "BF16", ... (safetensors spelling)
 bool dtype_from_name(std::string_view name, DType* out);
 
+// Storage types of BF16 and F16 elements, for typed access (tensor.data<bf16>()); arithmetic
+// is done in fp32 through the conversions below.
+struct bf16 {
+  uint16_t bits;
+};
+struct f16 {
+  uint16_t bits;
+};
+
 template <class T> constexpr DType dtype_of();
+template <> constexpr DType dtype_of<bf16>() { return DType::BF16; }
+template <> constexpr DType dtype_of<f16>() { return DType::F16; }
 template <> constexpr DType dtype_of<float>() { return DType::F32; }
 template <> constexpr DType dtype_of<double>() { return DType::F64; }
 template <> constexpr DType dtype_of<int64_t>() { return DType::I64; }

@@ -54,9 +54,12 @@ class Tensor {
   int64_t numel() const { return shape_.numel(); }
   size_t nbytes() const { return size_t(numel()) * dtype_size(dtype_); }
 
-  // Typed access; the element type must match the tensor's dtype.
+  // Typed host access: the tensor must be in host memory and the element type must match its
+  // dtype. Device memory is reached only through ops (kernels run where the data is).
   template <class T>
   T* data() const {
+    DS_CHECK(device_.is_cpu(), "a tensor {} on {} was read on the host, but its memory is device memory; copy it "
+             "to host with ops::copy first", shape_.str(), device_.str());
     DS_CHECK(dtype_ == dtype_of<T>(), "tensor holds {} but was read as {}", dtype_name(dtype_),
              dtype_name(dtype_of<T>()));
     return static_cast<T*>(data_);
