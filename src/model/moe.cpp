@@ -172,7 +172,9 @@ void MoEBlock::forward(Tensor x, Tensor out) {
   if (aux_alpha_ > 0) {
     const int64_t G = seq_aux_ ? B : 1;
     const double scale = aux_alpha_ * (seq_aux_ ? scales_.sequence : scales_.micro_batch);
-    const double aux = ops::moe_aux_loss(coef_.view({G, E}), scores, ids, scoring_);
+    Buffer aux_out("moe.aux", MemCategory::Workspace, DType::F64, 1, x.device());
+    ops::moe_aux_loss(aux_out.tensor(), coef_.view({G, E}), scores, ids, scoring_);
+    const double aux = ops::read_scalar<double>(aux_out.tensor());
     stats_.aux_loss += scale * aux;
     aux_scale_ = float(scale);
   }
