@@ -1,6 +1,7 @@
 // The storage formats BF16 and F16: conversions from fp32 round to nearest even, keep NaN a NaN,
 // saturate to infinity and handle denormals, checked against an independent reference (the
-// nearest representable value found by search), and a round trip through BF16 and F16 buffers.
+// nearest representable value found by search), and a round trip through BF16 and F16 buffers
+// with ops::cast on every device.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,8 +12,10 @@
 #include <random>
 #include <vector>
 
+#include "backend/ops.h"
 #include "core/buffer.h"
 #include "core/dtype.h"
+#include "fake_backend.h"
 
 namespace dstrain {
 namespace {
@@ -158,43 +161,48 @@ TEST(DType, EverySixteenBitValueRoundTripsThroughFloat) {
   }
 }
 
-// fp32 values -> a BF16 (F16) buffer -> fp32: what comes back is the reference rounding of what
-// went in, element by element; the buffers' elements are typed (data<bf16>()).
-TEST(DType, BufferRoundTripThroughSixteenBitStorage) {
-  for (DType dt : {DType::BF16, DType::F16}) {
-    const Format f = dt == DType::BF16 ? kBF16 : kF16;
-    const std::vector<float> xs = special_and_random_inputs(f, 5000);
-    const auto n = int64_t(xs.size());
-    Buffer src("test.f32", MemCategory::Workspace, DType::F32, n);
-    Buffer half("test.half", MemCategory::Workspace, dt, n);
-    Buffer back("test.back", MemCategory::Workspace, DType::F32, n);
-    std::copy(xs.begin(), xs.end(), src.data<float>());
-    EXPECT_EQ(half.nbytes(), size_t(n) * 2);
-    for (int64_t i = 0; i < n; ++i) {
-      const float x = src.data<float>()[i];
-      if (dt == DType::BF16) {
-        half.data<bf16>()[i].bits = f32_to_bf16(x);
-      } else {
-        half.data<f16>()[i].bits = f32_to_f16(x);
+// fp32 values -> a BF16 (F16) buffer -> fp32 through ops::cast, on the host and on the emulated
+// device (the fake backend): the 16-bit buffer holds the reference rounding of each value, and
+// what comes back is that rounding's exact value.
+TEST(DType, BufferRoundTripThroughSixteenBitStorageWithCast) {
+  for (Device device : {Device::cpu(), fake::use_fake_backend()}) {
+    for (DType dt : {DType::BF16, DType::F16}) {
+      SCOPED_TRACE(device.str() + " " + std::string(dtype_name(dt)));
+      const Format f = dt == DType::BF16 ? kBF16 : kF16;
+      const std::vector<float> xs = special_and_random_inputs(f, 5000);
+      const auto n = int64_t(xs.size());
+      Buffer host("test.f32", MemCategory::Workspace, DType::F32, n);
+      std::copy(xs.begin(), xs.end(), host.data<float>());
+      Buffer src("test.src", MemCategory::Workspace, DType::F32, n, device);
+      Buffer half("test.half", MemCategory::Workspace, dt, n, device);
+      Buffer back("test.back", MemCategory::Workspace, DType::F32, n, device);
+      EXPECT_EQ(half.nbytes(), size_t(n) * 2);
+      ops::copy(src.tensor(), host.tensor());
+      ops::cast(half.tensor(), src.tensor());
+      ops::cast(back.tensor(), half.tensor());
+      Buffer half_host("test.half_host", MemCategory::Workspace, dt, n), back_host("test.back_host",
+                                                                                   MemCategory::Workspace, DType::F32, n);
+      ops::copy(half_host.tensor(), half.tensor());
+      ops::copy(back_host.tensor(), back.tensor());
+
+      Reference ref(f);
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = xs[size_t(i)], y = back_host.data<float>()[i];
+        const uint16_t stored = dt == DType::BF16 ? half_host.data<bf16>()[i].bits : half_host.data<f16>()[i].bits;
+        const uint16_t want = ref.round(x);
+        if (std::isnan(x)) {
+          ASSERT_TRUE(is_nan(f, stored)) << i;
+          ASSERT_TRUE(std::isnan(y)) << i;
+          continue;
+        }
+        ASSERT_EQ(stored, want) << "element " << i << " = " << x;
+        const uint16_t mag = want & ~f.sign_bit();
+        const double v = mag == f.inf_bits() ? std::numeric_limits<double>::infinity() : f.value(mag);
+        ASSERT_EQ(double(std::fabs(y)), v) << "element " << i << " = " << x;
+        ASSERT_EQ(std::signbit(y), std::signbit(x)) << "element " << i;
       }
+      EXPECT_THROW((void)half_host.data<float>(), Error);  // typed access checks the element type
     }
-    for (int64_t i = 0; i < n; ++i) {
-      back.data<float>()[i] = dt == DType::BF16 ? bf16_to_f32(half.data<bf16>()[i].bits)
-                                                : f16_to_f32(half.data<f16>()[i].bits);
-    }
-    Reference ref(f);
-    for (int64_t i = 0; i < n; ++i) {
-      const float x = xs[size_t(i)], y = back.data<float>()[i];
-      if (std::isnan(x)) {
-        ASSERT_TRUE(std::isnan(y)) << i;
-        continue;
-      }
-      const uint16_t h = ref.round(x), mag = h & ~f.sign_bit();
-      const double want = mag == f.inf_bits() ? std::numeric_limits<double>::infinity() : f.value(mag);
-      ASSERT_EQ(double(std::fabs(y)), want) << dtype_name(dt) << " element " << i << " = " << x;
-      ASSERT_EQ(std::signbit(y), std::signbit(x)) << dtype_name(dt) << " element " << i;
-    }
-    EXPECT_THROW((void)half.data<float>(), Error);  // typed access checks the element type
   }
 }
 
