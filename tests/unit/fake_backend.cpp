@@ -184,6 +184,7 @@ using ops::YarnParams;
   void fake_##name params {                                                        \
     run_on_host(#name, cpu_table().name[K], DS_UNPACK args);                       \
   }                                                                                \
+  template <size_t K>                                                              \
   void fake16_##name params {                                                      \
     run_widened(#name, cpu_table().name[size_t(KernelDType::F32)], DS_UNPACK args); \
   }
@@ -204,9 +205,9 @@ std::unique_ptr<Backend> make_fake_backend() {
 #include "backend/ops.def"
 #undef DS_OP
   // 16-bit kernels the CPU backend does not have, as a GPU backend would add them per op.
-  b->ops.add[size_t(KernelDType::BF16)] = &fake16_add;
-  b->ops.swiglu_forward[size_t(KernelDType::BF16)] = &fake16_swiglu_forward;
-  b->ops.scale_inplace[size_t(KernelDType::F16)] = &fake16_scale_inplace;
+  b->ops.add[size_t(KernelDType::BF16)] = &fake16_add<size_t(KernelDType::BF16)>;
+  b->ops.swiglu_forward[size_t(KernelDType::BF16)] = &fake16_swiglu_forward<size_t(KernelDType::BF16)>;
+  b->ops.scale_inplace[size_t(KernelDType::F16)] = &fake16_scale_inplace<size_t(KernelDType::F16)>;
   return b;
 }
 

@@ -436,7 +436,6 @@ const std::map<std::string, std::vector<Case>>& all_cases() {
 // ---- running and comparing ------------------------------------------------------------------
 
 bool is_float(DType d) { return d == DType::F32 || d == DType::F64 || d == DType::BF16 || d == DType::F16; }
-bool is_kernel_float(DType d) { return d == DType::F32 || d == DType::BF16 || d == DType::F16; }
 
 double element(const HostTensor& h, const Bytes& b, int64_t i) {
   const unsigned char* p = b.data() + size_t(i) * dtype_size(h.dtype);
