@@ -1,0 +1,36 @@
+// Which data-parallel communicator each parameter group's gradients are reduced (and, later,
+// its ZeRO shards spread) over. Dense parameters are replicated on every data-parallel rank;
+// routed experts only on the ranks that hold the same experts (ProcessGrid::expert_data()).
+// The binding is made once, from the grid, and passed to whoever reduces or shards.
+#pragma once
+
+#include <array>
+#include <string>
+#include <vector>
+
+#include "comm/comm.h"
+#include "comm/grid.h"
+#include "state/params.h"
+
+namespace dstrain {
+
+class ParamGroupComms {
+ public:
+  // Every group over one communicator (no expert parallelism, or a test).
+  explicit ParamGroupComms(Communicator& all) : ParamGroupComms(all, all) {}
+  ParamGroupComms(Communicator& dense, Communicator& expert) : comms_{&dense, &expert} {}
+  // Dense over the data axis, expert over the ranks holding the same experts.
+  static ParamGroupComms from_grid(ProcessGrid& grid) { return {grid.comm(Axis::Data), grid.expert_data()}; }
+
+  Communicator& comm(ParamGroup g) const { return *comms_[index(g)]; }
+  // The distinct communicators, each once, in group order.
+  std::vector<Communicator*> distinct() const;
+  // "dense over data (4 ranks), expert over expert_data (2 ranks)"
+  std::string describe() const;
+
+ private:
+  static size_t index(ParamGroup g) { return g == ParamGroup::Expert ? 1 : 0; }
+  std::array<Communicator*, 2> comms_;
+};
+
+}  // namespace dstrain
