@@ -9,22 +9,23 @@ GradReducer::GradReducer(ParamRegistry& params, const ParamGroupComms& comms, in
   DS_CHECK(bucket_elements > 0, "reduce_bucket_size must be positive, got {}", bucket_elements);
   for (Communicator* c : comms_.distinct()) any_remote_ = any_remote_ || c->size() > 1;
   // Parameters finish in reverse registration order, so buckets are filled from the end. A
-  // bucket closes at a group boundary: its elements go over one group's communicator.
+  // bucket closes where the next parameter's group is reduced over another communicator.
+  auto comm_of = [&](int id) { return &comms_.comm(params.info(id).group); };
   for (int id = params.size() - 1; id >= 0;) {
     Bucket b;
-    b.range.group = params.info(id).group;
-    b.range.last = id;
+    b.info.comm = comm_of(id);
+    b.info.last = id;
     int64_t elems = 0;
-    while (id >= 0 && params.info(id).group == b.range.group &&
+    while (id >= 0 && comm_of(id) == b.info.comm &&
            (elems == 0 || elems + params.info(id).numel() <= bucket_elements)) {
       elems += params.info(id).numel();
       bucket_of_[size_t(id)] = int(buckets_.size());
       --id;
     }
-    b.range.first = id + 1;
-    b.range.begin = params.info(b.range.first).offset;
-    b.range.end = params.info(b.range.last).offset + params.info(b.range.last).numel();
-    b.pending = b.range.last - b.range.first + 1;
+    b.info.first = id + 1;
+    b.info.begin = params.info(b.info.first).offset;
+    b.info.end = params.info(b.info.last).offset + params.info(b.info.last).numel();
+    b.pending = b.info.last - b.info.first + 1;
     buckets_.push_back(b);
   }
 }
@@ -38,7 +39,7 @@ void GradReducer::begin_micro_step(bool communicates) {
     for (Communicator* c : comms_.distinct()) stats_before_.push_back(c->stats());
   }
   for (Bucket& b : buckets_) {
-    b.pending = b.range.last - b.range.first + 1;
+    b.pending = b.info.last - b.info.first + 1;
     b.work = Work();
   }
 }
@@ -66,9 +67,9 @@ void GradReducer::grad_ready(int first, int last) {
 }
 
 void GradReducer::launch(Bucket& b) {
-  Communicator& comm = comms_.comm(b.range.group);
-  if (comm.size() == 1) return;  // a group held by this rank alone: nothing to add
-  b.work = comm.all_reduce_async(params_.grad_range(b.range), ReduceOp::Sum);
+  if (b.info.comm->size() == 1) return;  // gradients held by this rank alone: nothing to add
+  b.work = b.info.comm->all_reduce_async(params_.grads().tensor(b.info.begin, Shape{b.info.end - b.info.begin}),
+                                         ReduceOp::Sum);
   ++launched_;
 }
 

@@ -7,8 +7,9 @@
 //
 // Each parameter group is reduced over its own communicator (ParamGroupComms): dense
 // parameters over every data-parallel rank, routed experts over the ranks holding the same
-// experts. A bucket never holds two groups; a group whose communicator has one rank is not
-// communicated at all.
+// experts. A bucket never mixes communicators: with expert parallelism a bucket holds one
+// group; without, both groups share the data communicator and fill its buckets together,
+// exactly as before groups existed. A communicator of one rank is not called at all.
 //
 // Gradients are summed over the group's ranks: each rank's backward is already scaled by
 // 1 / (target tokens of the global batch), so the sum is the gradient of the global mean
@@ -48,15 +49,20 @@ class GradReducer final : public ParamHooks {
   // Completes the reduction of every bucket.
   ReduceTimings finish();
 
+  // A contiguous range of gradients reduced by one collective.
+  struct BucketInfo {
+    int first = 0, last = 0;         // parameter ids, inclusive
+    int64_t begin = 0, end = 0;      // flat element range
+    Communicator* comm = nullptr;    // the communicator of every parameter's group in it
+  };
   int num_buckets() const { return int(buckets_.size()); }
-  // Bucket i (buckets are numbered in the order they are reduced): its group, parameters and
-  // flat elements.
-  const ParamRun& bucket(int i) const { return buckets_[size_t(i)].range; }
+  // Bucket i; buckets are numbered in the order they are reduced (last parameters first).
+  const BucketInfo& bucket(int i) const { return buckets_[size_t(i)].info; }
   const ParamGroupComms& comms() const { return comms_; }
 
  private:
   struct Bucket {
-    ParamRun range;
+    BucketInfo info;
     int pending = 0;
     Work work;
   };

@@ -19,10 +19,19 @@ class ParamGroupComms {
   // Every group over one communicator (no expert parallelism, or a test).
   explicit ParamGroupComms(Communicator& all) : ParamGroupComms(all, all) {}
   ParamGroupComms(Communicator& dense, Communicator& expert) : comms_{&dense, &expert} {}
-  // Dense over the data axis, expert over the ranks holding the same experts.
-  static ParamGroupComms from_grid(ProcessGrid& grid) { return {grid.comm(Axis::Data), grid.expert_data()}; }
+  // Dense over the data axis, expert over the ranks holding the same experts. Without expert
+  // parallelism expert_data() holds the data axis's ranks in the same order, and both groups
+  // share the data communicator: their gradients then go in the buckets of one communicator,
+  // as before groups existed (other bucket boundaries would change the all-reduce sizes, with
+  // them MPI's reduction algorithm, and so the last bits of the sums).
+  static ParamGroupComms from_grid(ProcessGrid& grid) {
+    if (grid.size(Axis::Expert) == 1) return ParamGroupComms(grid.comm(Axis::Data));
+    return {grid.comm(Axis::Data), grid.expert_data()};
+  }
 
   Communicator& comm(ParamGroup g) const { return *comms_[index(g)]; }
+  // Both groups over one communicator.
+  bool shared() const { return comms_[0] == comms_[1]; }
   // The distinct communicators, each once, in group order.
   std::vector<Communicator*> distinct() const;
   // "dense over data (4 ranks), expert over expert_data (2 ranks)"
