@@ -14,6 +14,7 @@
 
 namespace dstrain {
 
+// Holds the communicators, not owns them: the grid's outlive every user of the binding.
 class ParamGroupComms {
  public:
   // Every group over one communicator (no expert parallelism, or a test).
