@@ -52,8 +52,9 @@ struct ParamInfo {
 };
 
 // A run of consecutive parameter ids of one group and the flat elements [begin, end) they
-// span (the alignment padding between them included). Gradient buckets and, later, ZeRO
-// shards are cut inside runs, so that no collective mixes two groups' communicators.
+// span (the alignment padding between them included). Where the groups' communicators differ
+// (expert parallelism), gradient buckets and, later, ZeRO shards are cut inside runs, so that
+// no collective mixes two communicators.
 struct ParamRun {
   ParamGroup group = ParamGroup::Dense;
   int first = 0, last = 0;     // parameter ids, inclusive
