@@ -4,51 +4,73 @@
 
 namespace dstrain {
 
-GradReducer::GradReducer(ParamRegistry& params, Communicator& dp, int64_t bucket_elements, bool overlap)
-    : params_(params), dp_(dp), overlap_(overlap), bucket_of_(size_t(params.size()), -1) {
+GradReducer::GradReducer(ParamRegistry& params, const ParamGroupComms& comms, int64_t bucket_elements, bool overlap)
+    : params_(params), comms_(comms), overlap_(overlap), bucket_of_(size_t(params.size()), -1) {
   DS_CHECK(bucket_elements > 0, "reduce_bucket_size must be positive, got {}", bucket_elements);
-  // Parameters finish in reverse registration order, so buckets are filled from the end.
+  for (Communicator* c : comms_.distinct()) any_remote_ = any_remote_ || c->size() > 1;
+  // Parameters finish in reverse registration order, so buckets are filled from the end. A
+  // bucket closes where the next parameter's group is reduced over another communicator.
+  auto comm_of = [&](int id) { return &comms_.comm(params.info(id).group); };
   for (int id = params.size() - 1; id >= 0;) {
     Bucket b;
-    b.last = id;
+    b.info.comm = comm_of(id);
+    b.info.last = id;
     int64_t elems = 0;
-    while (id >= 0 && (elems == 0 || elems + params.info(id).numel() <= bucket_elements)) {
+    while (id >= 0 && comm_of(id) == b.info.comm &&
+           (elems == 0 || elems + params.info(id).numel() <= bucket_elements)) {
       elems += params.info(id).numel();
       bucket_of_[size_t(id)] = int(buckets_.size());
       --id;
     }
-    b.first = id + 1;
-    b.begin = params.info(b.first).offset;
-    b.end = params.info(b.last).offset + params.info(b.last).numel();
-    b.pending = b.last - b.first + 1;
+    b.info.first = id + 1;
+    b.info.begin = params.info(b.info.first).offset;
+    b.info.end = params.info(b.info.last).offset + params.info(b.info.last).numel();
+    b.pending = b.info.last - b.info.first + 1;
     buckets_.push_back(b);
   }
 }
 
 void GradReducer::begin_micro_step(bool communicates) {
-  communicates_ = communicates && dp_.size() > 1;
+  communicates_ = communicates && any_remote_;
   next_launch_ = 0;
-  if (communicates_) stats_before_ = dp_.stats();
+  launched_ = 0;
+  if (communicates_) {
+    stats_before_.clear();
+    for (Communicator* c : comms_.distinct()) stats_before_.push_back(c->stats());
+  }
   for (Bucket& b : buckets_) {
-    b.pending = b.last - b.first + 1;
+    b.pending = b.info.last - b.info.first + 1;
     b.work = Work();
   }
 }
 
 GradReadyFn GradReducer::hook() {
   if (!communicates_ || !overlap_) return {};
-  return [this](int first, int last) { on_ready(first, last); };
+  return [this](int first, int last) { grad_ready(first, last); };
 }
 
-void GradReducer::on_ready(int first, int last) {
-  for (int id = first; id <= last; ++id) --buckets_[size_t(bucket_of_[size_t(id)])].pending;
+void GradReducer::grad_ready(int first, int last) {
+  if (!communicates_ || !overlap_) return;
+  DS_CHECK(0 <= first && first <= last && last < params_.size(),
+           "gradients reported ready for parameters {}..{}, outside the {} registered", first, last, params_.size());
+  for (int id = first; id <= last; ++id) {
+    Bucket& b = buckets_[size_t(bucket_of_[size_t(id)])];
+    DS_CHECK(b.pending > 0,
+             "the gradient of '{}' was reported ready twice in one micro-step; its bucket would be reduced before "
+             "it is final (a layer calls grad_ready twice, or two hooks forward to the same reducer)",
+             params_.info(id).name);
+    --b.pending;
+  }
   // Collectives must be issued in the same order on every rank, whatever order a layer's
   // gradients complete in and whichever path (hook or finish) issues them.
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) launch(buckets_[next_launch_++]);
 }
 
 void GradReducer::launch(Bucket& b) {
-  b.work = dp_.all_reduce_async(params_.grads().tensor(b.begin, Shape{b.end - b.begin}), ReduceOp::Sum);
+  if (b.info.comm->size() == 1) return;  // gradients held by this rank alone: nothing to add
+  b.work = b.info.comm->all_reduce_async(params_.grads().tensor(b.info.begin, Shape{b.info.end - b.info.begin}),
+                                         ReduceOp::Sum);
+  ++launched_;
 }
 
 ReduceTimings GradReducer::finish() {
@@ -63,8 +85,11 @@ ReduceTimings GradReducer::finish() {
   }
   for (Bucket& b : buckets_) b.work.wait();
   t.exposed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  t.comm_seconds = dp_.stats().busy_seconds - stats_before_.busy_seconds;
-  t.buckets = int(buckets_.size());
+  const std::vector<Communicator*> comms = comms_.distinct();
+  for (size_t i = 0; i < comms.size(); ++i) {
+    t.comm_seconds += comms[i]->stats().busy_seconds - stats_before_[i].busy_seconds;
+  }
+  t.buckets = launched_;
   communicates_ = false;
   return t;
 }

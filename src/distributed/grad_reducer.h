@@ -5,55 +5,77 @@
 // bucket is reduced after the backward (the blocking mode to compare against). With gradient
 // accumulation only the last micro-step communicates.
 //
-// Gradients are summed over the data-parallel ranks: each rank's backward is already scaled
-// by 1 / (target tokens of the global batch), so the sum is the gradient of the global mean
-// loss, the average of the ranks' contributions.
+// Each parameter group is reduced over its own communicator (ParamGroupComms): dense
+// parameters over every data-parallel rank, routed experts over the ranks holding the same
+// experts. A bucket never mixes communicators: with expert parallelism a bucket holds one
+// group; without, both groups share the data communicator and fill its buckets together,
+// exactly as before groups existed. A communicator of one rank is not called at all.
+//
+// Gradients are summed over the group's ranks: each rank's backward is already scaled by
+// 1 / (target tokens of the global batch), so the sum is the gradient of the global mean
+// loss, the average of the ranks' contributions. (An expert's gradient already holds the
+// tokens the expert-parallel all-to-all brought from the other ranks of its expert group.)
 #pragma once
 
 #include <vector>
 
 #include "comm/comm.h"
-#include "state/params.h"
+#include "distributed/param_groups.h"
+#include "model/ctx.h"
 #include "model/transformer.h"
+#include "state/params.h"
 
 namespace dstrain {
 
 struct ReduceTimings {
-  double comm_seconds = 0;     // time the communicator spent in this step's reductions
+  double comm_seconds = 0;     // time the communicators spent in this step's reductions (summed)
   double exposed_seconds = 0;  // time the training thread waited for them
-  int buckets = 0;
+  int buckets = 0;             // buckets reduced
 };
 
-class GradReducer {
+class GradReducer final : public ParamHooks {
  public:
   // bucket_elements: DeepSpeed's reduce_bucket_size (elements per bucket).
-  GradReducer(ParamRegistry& params, Communicator& dp, int64_t bucket_elements, bool overlap);
+  GradReducer(ParamRegistry& params, const ParamGroupComms& comms, int64_t bucket_elements, bool overlap);
 
   // Call before each micro-step's backward; `communicates` is true for the last one.
   void begin_micro_step(bool communicates);
-  // The hook the backward calls (GradReadyFn); empty when nothing needs to be done.
+  // ParamHooks: the gradients of parameters first..last are final for this micro-step. With
+  // overlap, buckets whose gradients are all final start reducing. Each parameter is reported
+  // once per micro-step.
+  void grad_ready(int first, int last) override;
+  // grad_ready as the GradReadyFn the backward takes; empty when nothing needs to be done.
   GradReadyFn hook();
   // Completes the reduction of every bucket.
   ReduceTimings finish();
 
+  // A contiguous range of gradients reduced by one collective.
+  struct BucketInfo {
+    int first = 0, last = 0;         // parameter ids, inclusive
+    int64_t begin = 0, end = 0;      // flat element range
+    Communicator* comm = nullptr;    // the communicator of every parameter's group in it
+  };
   int num_buckets() const { return int(buckets_.size()); }
+  // Bucket i; buckets are numbered in the order they are reduced (last parameters first).
+  const BucketInfo& bucket(int i) const { return buckets_[size_t(i)].info; }
+  const ParamGroupComms& comms() const { return comms_; }
 
  private:
   struct Bucket {
-    int first = 0, last = 0;     // parameter ids
-    int64_t begin = 0, end = 0;  // flat element range
+    BucketInfo info;
     int pending = 0;
     Work work;
   };
-  void on_ready(int first, int last);
   void launch(Bucket& b);
 
   ParamRegistry& params_;
-  Communicator& dp_;
+  ParamGroupComms comms_;
   bool overlap_;
+  bool any_remote_ = false;    // some group's communicator has more than one rank
   bool communicates_ = false;
   size_t next_launch_ = 0;  // buckets start strictly in index order, the same on every rank
-  CommStats stats_before_;
+  int launched_ = 0;        // buckets handed to a communicator this step
+  std::vector<CommStats> stats_before_;  // per comms_.distinct()
   std::vector<Bucket> buckets_;
   std::vector<int> bucket_of_;  // parameter id -> bucket
 };

@@ -32,6 +32,10 @@ int ParamRegistry::add(std::string name, Shape shape, ParamKind kind, int layer,
   DS_CHECK(!values_.allocated(), "parameter '{}' registered after allocation", name);
   DS_CHECK(!by_name_.count(name), "parameter '{}' registered twice", name);
   DS_CHECK(!follow_previous || !params_.empty(), "parameter '{}' cannot follow: it is the first", name);
+  DS_CHECK(!follow_previous || params_.back().group == options.group,
+           "parameter '{}' ({}) cannot follow '{}' ({}) as one fused matrix: fused parameters must be in the same "
+           "group, as each group's gradients are reduced over its own communicator",
+           name, param_group_name(options.group), params_.back().name, param_group_name(params_.back().group));
   ParamInfo p;
   p.name = std::move(name);
   p.shape = shape;
@@ -76,6 +80,42 @@ Tensor ParamRegistry::rows(const Buffer& buf, int first, int last) const {
     total_rows += p.shape[0];
   }
   return buf.tensor(info(first).offset, Shape{total_rows, cols});
+}
+
+std::vector<ParamRun> ParamRegistry::runs() const {
+  std::vector<ParamRun> out;
+  for (int id = 0; id < size(); ++id) {
+    const ParamInfo& p = info(id);
+    if (out.empty() || out.back().group != p.group) {
+      out.push_back(ParamRun{p.group, id, id, p.offset, p.offset + p.numel()});
+    } else {
+      out.back().last = id;
+      out.back().end = p.offset + p.numel();
+    }
+  }
+  return out;
+}
+
+std::vector<ParamRun> ParamRegistry::group_ranges(ParamGroup g) const {
+  std::vector<ParamRun> out;
+  for (const ParamRun& r : runs()) {
+    if (r.group == g) out.push_back(r);
+  }
+  return out;
+}
+
+int64_t ParamRegistry::group_numel(ParamGroup g) const {
+  int64_t n = 0;
+  for (const ParamInfo& p : params_) {
+    if (p.group == g) n += p.numel();
+  }
+  return n;
+}
+
+Tensor ParamRegistry::grad_range(const ParamRun& run) const {
+  DS_CHECK(run.begin >= 0 && run.begin <= run.end && run.end <= flat_numel_,
+           "gradient range [{}, {}) lies outside the {} registered elements", run.begin, run.end, flat_numel_);
+  return grads_.tensor(run.begin, Shape{run.numel()});
 }
 
 Tensor ParamRegistry::param_rows(int first, int last) const { return rows(values_, first, last); }

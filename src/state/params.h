@@ -51,6 +51,17 @@ struct ParamInfo {
   int64_t numel() const { return shape.numel(); }
 };
 
+// A run of consecutive parameter ids of one group and the flat elements [begin, end) they
+// span (the alignment padding between them included). Where the groups' communicators differ
+// (expert parallelism), gradient buckets and, later, ZeRO shards are cut inside runs, so that
+// no collective mixes two communicators.
+struct ParamRun {
+  ParamGroup group = ParamGroup::Dense;
+  int first = 0, last = 0;     // parameter ids, inclusive
+  int64_t begin = 0, end = 0;  // flat element range
+  int64_t numel() const { return end - begin; }
+};
+
 // How a parameter is registered beyond its name, local shape and kind.
 struct ParamOptions {
   bool follow_previous = false;  // placed right after the previous one (fused matrices)
@@ -75,6 +86,16 @@ class ParamRegistry {
   const std::vector<ParamInfo>& all() const { return params_; }
   int find(const std::string& name) const;  // -1 when absent
   int64_t flat_numel() const { return flat_numel_; }
+
+  // Every maximal run of consecutive parameters of the same group, in id order: dense and
+  // expert parameters interleave layer by layer, so a group is in general several runs.
+  std::vector<ParamRun> runs() const;
+  // The runs of group g, in id order.
+  std::vector<ParamRun> group_ranges(ParamGroup g) const;
+  // Elements of group g's parameters (padding not counted).
+  int64_t group_numel(ParamGroup g) const;
+  // The run's elements of the flat gradient buffer, as one 1-D tensor (numel).
+  Tensor grad_range(const ParamRun& run) const;
 
   Tensor param(int id) const;
   Tensor grad(int id) const;

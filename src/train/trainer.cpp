@@ -77,8 +77,9 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
   check_model_state_fits(config_, grid_);
   model_ = std::make_unique<Transformer>(config_.model, device);
   optimizer_ = std::make_unique<AdamW>(config_.train.adamw, model_->params());
-  reducer_ = std::make_unique<GradReducer>(model_->params(), dp_, config_.train.reduce_bucket_size,
-                                           config_.train.overlap_comm);
+  reducer_ = std::make_unique<GradReducer>(model_->params(), ParamGroupComms::from_grid(grid_),
+                                           config_.train.reduce_bucket_size, config_.train.overlap_comm);
+  param_hooks_.add(*reducer_);
   ckpt_ = std::make_unique<CheckpointManager>(config_.checkpoint, grid_);
 }
 

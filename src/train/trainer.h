@@ -18,6 +18,7 @@
 #include "data/data_pipeline.h"
 #include "data/tokenizer.h"
 #include "distributed/grad_reducer.h"
+#include "distributed/param_hooks.h"
 #include "model/transformer.h"
 #include "optim/adamw.h"
 #include "train/checkpointing.h"
@@ -166,6 +167,7 @@ class Trainer {
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<GradReducer> reducer_;
+  ParamHookChain param_hooks_;  // the model's ParamHooks: the reducer's grad_ready (later ZeRO-3's gathers)
   std::unique_ptr<CheckpointManager> ckpt_;
   int64_t last_saved_step_ = -1;
   std::chrono::steady_clock::time_point last_save_time_ = std::chrono::steady_clock::now();
