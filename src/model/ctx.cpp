@@ -52,6 +52,7 @@ Tensor ActivationStore::put(int mb, const std::string& key, Shape shape, DType d
       b = std::move(p->second);
       pool_.erase(p);
     } else {
+      if (p != pool_.begin()) pool_.erase(std::prev(p));
       // Bytes, so one buffer serves any dtype when it comes back from the pool.
       b = Buffer("activations." + key, MemCategory::Activations, DType::U8, int64_t(std::max<size_t>(need, 1)),
                  device_);
@@ -132,6 +133,7 @@ void WeightGradStore::linear(Tensor dx, Tensor dw, Tensor dout, Tensor x, Tensor
   d.x = Buffer("weight_grad_store.x", MemCategory::Activations, x.dtype(), x.numel(), device_);
   ops::copy(d.dout.tensor(), dout.view(Shape{dout.numel()}));
   ops::copy(d.x.tensor(), x.view(Shape{x.numel()}));
+  const std::lock_guard<std::mutex> lock(mutex_);
   queues_[deferring_mb_].push_back(std::move(d));
 }
 

@@ -13,6 +13,7 @@
 #include <any>
 #include <cstdint>
 #include <map>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -23,6 +24,8 @@
 #include "model/model_config.h"
 
 namespace dstrain {
+
+struct RopeCache;  // model/layers.h
 
 // A half-open range [begin, end) of a global count (heads, columns, experts, rows).
 struct Range {
@@ -81,7 +84,9 @@ class ActivationStore {
   ActivationStore& operator=(const ActivationStore&) = delete;
 
   // The buffer for `key` of micro-batch mb, viewed at `shape` (contents unspecified when new).
-  // Reuses the micro-batch's buffer of that key, else a pooled one, else allocates.
+  // Reuses the micro-batch's buffer of that key, else the smallest pooled one that fits, else
+  // allocates, freeing the largest pooled buffer too small for it (what a buffer that grows
+  // with (B, T) was before), so that memory follows the largest shape seen, not every shape.
   Tensor put(int mb, const std::string& key, Shape shape, DType dtype = DType::F32);
   // What put() stored; an error when the micro-batch has no such tensor (a backward without
   // its forward).
@@ -139,6 +144,7 @@ class WeightGradStore {
   };
   Device device_;
   int deferring_mb_ = -1;
+  std::mutex mutex_;  // expert GEMMs queue from several threads
   std::map<int, std::vector<Deferred>> queues_;
 };
 
@@ -174,6 +180,7 @@ struct Ctx {
   WeightGradStore* wgrad = nullptr;
   Scratch* scratch = nullptr;
   ParamHooks* hooks = nullptr;    // null: none
+  RopeCache* rope = nullptr;      // rotary tables for the positions of the current batch
 
   // All-reduce (sum) over the tensor group of a row-parallel output; nothing when the group
   // has one rank.
