@@ -239,7 +239,7 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg) {
     const Tensor t = reg.param(id);
     w.read_f32(name, t);
     ++stats.loaded;
-    const int64_t n = ops::count_non_finite(t);
+    const int64_t n = ops::read_count_non_finite(t);
     if (n > 0) {
       non_finite.push_back(fmt::format("'{}' in '{}': {} of {} values are NaN or Inf", name, w.file_of(name), n,
                                        t.numel()));

@@ -148,8 +148,9 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   if (aux_alpha_ > 0) {
     const int64_t G = seq_aux_ ? B : 1;
     const double scale = aux_alpha_ * (seq_aux_ ? scales_.sequence : scales_.micro_batch);
-    const double aux = ops::moe_aux_loss(acts.put(mb, key_ + "gate.aux_coef", {G, E}), scores, ids, scoring_);
-    stats_.aux_loss += scale * aux;
+    Tensor aux = acts.put(mb, key_ + "gate.aux", {1}, DType::F64);
+    ops::moe_aux_loss(aux, acts.put(mb, key_ + "gate.aux_coef", {G, E}), scores, ids, scoring_);
+    stats_.aux_loss += scale * ops::read_scalar<double>(aux);
     m.aux_scale = float(scale);
   }
   stats_.route_seconds += seconds_since(t);

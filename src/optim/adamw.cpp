@@ -33,7 +33,7 @@ void AdamW::step(double lr) {
   }
 }
 
-double grad_norm(const ParamRegistry& params) { return std::sqrt(ops::sum_squares(params.grads().tensor())); }
+double grad_norm(const ParamRegistry& params) { return std::sqrt(ops::read_sum_squares(params.grads().tensor())); }
 
 double clip_grad_norm(ParamRegistry& params, double max_norm, double norm) {
   const double coef = max_norm / (norm + 1e-6);

@@ -145,7 +145,7 @@ void check_finite_weights(const ParamRegistry& reg, const std::string& source) {
   int bad = 0;
   for (int id = 0; id < reg.size(); ++id) {
     const Tensor p = reg.param(id);
-    const int64_t n = ops::count_non_finite(p);
+    const int64_t n = ops::read_count_non_finite(p);
     if (n > 0 && ++bad <= 5) {
       report += fmt::format("\n  '{}': {} of {} values are NaN or Inf", reg.info(id).name, n, p.numel());
     }
@@ -811,8 +811,8 @@ std::string Trainer::unsafe_to_save() {
     return fmt::format("step {} was skipped ({}, {} in a row)", step_, last_skip_reason_, skipped_in_a_row_);
   }
   // Every rank holds the whole state; each looks at it, and all agree.
-  int64_t bad[3] = {ops::count_non_finite(model_->params().values().tensor()), ops::count_non_finite(optimizer_->exp_avg().tensor()),
-                    ops::count_non_finite(optimizer_->exp_avg_sq().tensor())};
+  int64_t bad[3] = {ops::read_count_non_finite(model_->params().values().tensor()), ops::read_count_non_finite(optimizer_->exp_avg().tensor()),
+                    ops::read_count_non_finite(optimizer_->exp_avg_sq().tensor())};
   grid_.world().all_reduce(Tensor(bad, DType::I64, Shape{3}), ReduceOp::Max);
   if (bad[0]) return fmt::format("the weights after step {} hold non-finite values", step_);
   if (bad[1] || bad[2]) return fmt::format("AdamW's moments after step {} hold non-finite values", step_);

@@ -268,8 +268,8 @@ TEST(Kernels, SumSquaresIsExactAndOrderFixed) {
     ref += double(v) * v;
   }
   Tensor t(x.data(), DType::F32, Shape{int64_t(x.size())});
-  EXPECT_NEAR(ops::sum_squares(t), ref, 1e-9 * ref);
-  EXPECT_EQ(ops::sum_squares(t), ops::sum_squares(t));
+  EXPECT_NEAR(ops::read_sum_squares(t), ref, 1e-9 * ref);
+  EXPECT_EQ(ops::read_sum_squares(t), ops::read_sum_squares(t));
 }
 
 TEST(Kernels, CountNonFiniteCountsNanAndBothInfinities) {
@@ -278,10 +278,10 @@ TEST(Kernels, CountNonFiniteCountsNanAndBothInfinities) {
   x[40000] = INFINITY;
   x[49999] = -INFINITY;
   x[7] = std::numeric_limits<float>::max();  // large, but finite
-  EXPECT_EQ(ops::count_non_finite(Tensor(x.data(), DType::F32, Shape{int64_t(x.size())})), 3);
-  EXPECT_EQ(ops::count_non_finite(Tensor(x.data(), DType::F32, Shape{3})), 0);
+  EXPECT_EQ(ops::read_count_non_finite(Tensor(x.data(), DType::F32, Shape{int64_t(x.size())})), 3);
+  EXPECT_EQ(ops::read_count_non_finite(Tensor(x.data(), DType::F32, Shape{3})), 0);
   std::vector<double> d(4, NAN);
-  EXPECT_THROW(ops::count_non_finite(Tensor(d.data(), DType::F64, Shape{4})), Error);
+  EXPECT_THROW(ops::read_count_non_finite(Tensor(d.data(), DType::F64, Shape{4})), Error);
 }
 
 // torch.optim.AdamW's documented algorithm (https://pytorch.org/docs/stable/generated/torch.optim.AdamW.html;

@@ -37,6 +37,13 @@ struct OneThread {
 Tensor f32(std::vector<float>& v, Shape s) { return Tensor(v.data(), DType::F32, s); }
 Tensor i32(std::vector<int32_t>& v, Shape s) { return Tensor(v.data(), DType::I32, s); }
 
+// The op's aux loss, read back from its one-element tensor.
+double moe_aux(Tensor coef, Tensor scores, Tensor ids, MoEScoring scoring) {
+  double aux = -1;
+  ops::moe_aux_loss(Tensor(&aux, DType::F64, Shape{1}), coef, scores, ids, scoring);
+  return aux;
+}
+
 std::vector<float> normal(size_t n, std::mt19937& rng, float stdev = 1.0f) {
   std::normal_distribution<float> nd(0.0f, stdev);
   std::vector<float> v(n);
@@ -247,7 +254,7 @@ TEST(MoERouteGradients, ScoresWeightsAndAuxMatchFiniteDifferences) {
         auto loss = [&] {
           ops::moe_scores(f32(scores, {N, E}), f32(logits, {N, E}), f);
           ops::moe_route(i32(ids, {N, k}), f32(w, {N, k}), f32(scores, {N, E}), b, p);
-          const double aux = ops::moe_aux_loss(f32(coef, {2, E}), f32(scores, {N, E}), i32(ids, {N, k}), f);
+          const double aux = moe_aux(f32(coef, {2, E}), f32(scores, {N, E}), i32(ids, {N, k}), f);
           return dot(w, rw) + dot(scores, rs) + 0.7 * aux;
         };
         loss();
@@ -286,7 +293,7 @@ TEST(MoERouteGradients, AuxLossAloneMatchesFiniteDifferences) {
       auto loss = [&] {
         ops::moe_scores(f32(scores, {N, E}), f32(logits, {N, E}), f);
         ops::moe_route(i32(ids, {N, k}), f32(w, {N, k}), f32(scores, {N, E}), Tensor(), p);
-        return 0.7 * ops::moe_aux_loss(f32(coef, {G, E}), f32(scores, {N, E}), i32(ids, {N, k}), f);
+        return 0.7 * moe_aux(f32(coef, {G, E}), f32(scores, {N, E}), i32(ids, {N, k}), f);
       };
       loss();
       ids0 = ids;
@@ -337,8 +344,8 @@ TEST(MoERouteGradients, AuxLossMatchesDefinition) {
     p.top_k = int(k);
     ops::moe_route(i32(ids, {N, k}), f32(w, {N, k}), f32(scores, {N, E}), Tensor(), p);
     std::vector<float> coef_seq(size_t(B * E)), coef_batch(static_cast<size_t>(E));
-    const double seq = ops::moe_aux_loss(f32(coef_seq, {B, E}), f32(scores, {N, E}), i32(ids, {N, k}), f);
-    const double batch = ops::moe_aux_loss(f32(coef_batch, {1, E}), f32(scores, {N, E}), i32(ids, {N, k}), f);
+    const double seq = moe_aux(f32(coef_seq, {B, E}), f32(scores, {N, E}), i32(ids, {N, k}), f);
+    const double batch = moe_aux(f32(coef_batch, {1, E}), f32(scores, {N, E}), i32(ids, {N, k}), f);
     const double ref_seq = aux_definition(scores, ids, B, T, E, k, f);
     const double ref_batch = aux_definition(scores, ids, 1, N, E, k, f);
     const char* name = f == MoEScoring::Sigmoid ? "sigmoid" : "softmax";
@@ -358,14 +365,14 @@ TEST(MoERouteGradients, AuxLossMatchesDefinition) {
 TEST(MoERouteGradients, SigmoidAuxLossOnAHandWorkedCase) {
   std::vector<float> scores = {0.8f, 0.4f, 0.6f, 0.2f, 0.2f, 0.6f, 0.1f, 0.1f}, coef(4);
   std::vector<int32_t> ids = {0, 1, 1, 3};
-  const double aux = ops::moe_aux_loss(f32(coef, {1, 4}), f32(scores, {2, 4}), i32(ids, {2, 2}), MoEScoring::Sigmoid);
+  const double aux = moe_aux(f32(coef, {1, 4}), f32(scores, {2, 4}), i32(ids, {2, 2}), MoEScoring::Sigmoid);
   EXPECT_NEAR(aux, 1.2, 1e-6);
   std::vector<float> d(8, 1.0f);  // added to
   ops::moe_aux_loss_backward(f32(d, {2, 4}), f32(coef, {1, 4}), f32(scores, {2, 4}), MoEScoring::Sigmoid, 2.0f);
   const std::vector<double> want = {0.025, 0.275, -0.225, 0.025, -0.25, 0.25, -0.75, -0.25};
   for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(d[i], 1.0 + 2.0 * want[i], 1e-6) << i;
   // Softmax scores are used as they are (these rows do not sum to 1, which shows it).
-  const double raw = ops::moe_aux_loss(f32(coef, {1, 4}), f32(scores, {2, 4}), i32(ids, {2, 2}), MoEScoring::Softmax);
+  const double raw = moe_aux(f32(coef, {1, 4}), f32(scores, {2, 4}), i32(ids, {2, 2}), MoEScoring::Softmax);
   EXPECT_NEAR(raw, 1.65, 1e-6);
 }
 

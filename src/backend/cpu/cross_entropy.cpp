@@ -55,4 +55,21 @@ void cross_entropy_backward(Tensor dlogits, Tensor logits, Tensor lse, Tensor ta
   }
 }
 
+void loss_sums(Tensor out, Tensor losses, Tensor targets) {
+  DS_CHECK(out.numel() == 2 && losses.numel() == targets.numel(), "loss_sums: out {} losses {} targets {}",
+           out.shape().str(), losses.shape().str(), targets.shape().str());
+  const float* lp = losses.data<float>();
+  const int32_t* tp = targets.data<int32_t>();
+  double* o = out.data<double>();
+  double sum = 0;
+  int64_t count = 0;
+  for (int64_t i = 0; i < losses.numel(); ++i) {
+    if (tp[i] == ops::kIgnoreIndex) continue;
+    sum += lp[i];
+    ++count;
+  }
+  o[0] += sum;
+  o[1] += double(count);
+}
+
 }  // namespace dstrain::cpu

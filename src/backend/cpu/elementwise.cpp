@@ -1,9 +1,11 @@
 // Rotary embedding, SwiGLU, elementwise arithmetic, reductions and AdamW on the CPU.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "backend/cpu/cpu_ops.h"
+#include "core/philox.h"
 
 namespace dstrain::cpu {
 
@@ -128,17 +130,19 @@ void copy(Tensor dst, Tensor src) {
   std::memcpy(dst.raw(), src.raw(), src.nbytes());
 }
 
-int64_t count_non_finite(Tensor x) {
+void count_non_finite(Tensor out, Tensor x) {
   DS_CHECK(x.dtype() == DType::F32, "count_non_finite: {} tensor, expected f32", dtype_name(x.dtype()));
+  DS_CHECK(out.numel() == 1, "count_non_finite: out has {} elements, expected 1", out.numel());
   const float* p = x.data<float>();
   const int64_t n = x.numel();
   int64_t bad = 0;
 #pragma omp parallel for reduction(+ : bad) schedule(static)
   for (int64_t i = 0; i < n; ++i) bad += std::isfinite(p[i]) ? 0 : 1;
-  return bad;
+  *out.data<int64_t>() = bad;
 }
 
-double sum_squares(Tensor x) {
+void sum_squares(Tensor out, Tensor x) {
+  DS_CHECK(out.numel() == 1, "sum_squares: out has {} elements, expected 1", out.numel());
   // Fixed chunks summed in double, then the chunk sums in order: the same bits for any
   // number of threads.
   constexpr int64_t kChunk = 1 << 14;
@@ -155,7 +159,7 @@ double sum_squares(Tensor x) {
   }
   double total = 0;
   for (double s : partial) total += s;
-  return total;
+  *out.data<double>() = total;
 }
 
 void adamw_update(Tensor param, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, const ops::AdamWStep& s) {
@@ -179,6 +183,113 @@ void adamw_update(Tensor param, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, 
     v[i] = v[i] * b2 + g[i] * g[i] * (1.0f - b2);
     const float denom = std::sqrt(v[i]) / bc2_sqrt + eps;
     p[i] -= step_size * (m[i] / denom);
+  }
+}
+
+}  // namespace dstrain::cpu
+
+namespace dstrain::cpu {
+
+void rope_forward(Tensor x, int64_t offset, int n_heads, int head_dim, Tensor cos, Tensor sin) {
+  rope_apply(x, offset, n_heads, head_dim, cos, sin, /*inverse=*/false);
+}
+void rope_backward(Tensor dx, int64_t offset, int n_heads, int head_dim, Tensor cos, Tensor sin) {
+  rope_apply(dx, offset, n_heads, head_dim, cos, sin, /*inverse=*/true);
+}
+void rope_forward_interleaved(Tensor x, int64_t offset, int n_heads, int64_t head_stride, int dim, Tensor cos,
+                              Tensor sin) {
+  rope_apply_interleaved(x, offset, n_heads, head_stride, dim, cos, sin, /*inverse=*/false);
+}
+void rope_backward_interleaved(Tensor dx, int64_t offset, int n_heads, int64_t head_stride, int dim, Tensor cos,
+                               Tensor sin) {
+  rope_apply_interleaved(dx, offset, n_heads, head_stride, dim, cos, sin, /*inverse=*/true);
+}
+
+namespace {
+// Element i of a floating-point tensor as fp32, and the other way.
+float load(const Tensor& t, int64_t i) {
+  switch (t.dtype()) {
+    case DType::F32: return static_cast<const float*>(t.raw())[i];
+    case DType::BF16: return bf16_to_f32(static_cast<const uint16_t*>(t.raw())[i]);
+    case DType::F16: return f16_to_f32(static_cast<const uint16_t*>(t.raw())[i]);
+    default: DS_FAIL("cast: {} is not a floating-point type (F32, BF16, F16)", dtype_name(t.dtype()));
+  }
+}
+void store(const Tensor& t, int64_t i, float v) {
+  switch (t.dtype()) {
+    case DType::F32: static_cast<float*>(t.raw())[i] = v; return;
+    case DType::BF16: static_cast<uint16_t*>(t.raw())[i] = f32_to_bf16(v); return;
+    case DType::F16: static_cast<uint16_t*>(t.raw())[i] = f32_to_f16(v); return;
+    default: DS_FAIL("cast: {} is not a floating-point type (F32, BF16, F16)", dtype_name(t.dtype()));
+  }
+}
+bool is_float(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; }
+}  // namespace
+
+void cast(Tensor dst, Tensor src) {
+  DS_CHECK(dst.numel() == src.numel(), "cast: {} elements into {}", src.numel(), dst.numel());
+  DS_CHECK(is_float(dst.dtype()) && is_float(src.dtype()), "cast: {} -> {}: only F32, BF16 and F16 convert",
+           dtype_name(src.dtype()), dtype_name(dst.dtype()));
+  const int64_t n = src.numel();
+  if (dst.dtype() == src.dtype()) {
+    std::memcpy(dst.raw(), src.raw(), src.nbytes());
+    return;
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) store(dst, i, load(src, i));
+}
+
+void copy_blocks(Tensor dst, int64_t dst_offset, int64_t dst_step, Tensor src, int64_t src_offset, int64_t src_step,
+                 int64_t blocks, int64_t width, bool accumulate) {
+  DS_CHECK(dst.ndim() >= 1 && src.ndim() >= 1, "copy_blocks: scalar tensors");
+  const int64_t dcols = dst.size(-1), scols = src.size(-1);
+  const int64_t rows = dst.numel() / dcols;
+  DS_CHECK(src.numel() / scols == rows, "copy_blocks: {} rows from {} rows", rows, src.numel() / scols);
+  DS_CHECK(blocks >= 0 && width >= 0 && dst_offset >= 0 && src_offset >= 0 && dst_step >= 0 && src_step >= 0,
+           "copy_blocks: negative offset, step or size");
+  if (blocks == 0 || width == 0 || rows == 0) return;
+  DS_CHECK(dst_offset + (blocks - 1) * dst_step + width <= dcols && src_offset + (blocks - 1) * src_step + width <= scols,
+           "copy_blocks: {} blocks of {} at {}+j*{} (dst {} columns) from {}+j*{} (src {} columns) run past a row",
+           blocks, width, dst_offset, dst_step, dcols, src_offset, src_step, scols);
+  const float* sp = src.data<float>();
+  float* dp = dst.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < blocks; ++j) {
+      const float* s = sp + r * scols + src_offset + j * src_step;
+      float* d = dp + r * dcols + dst_offset + j * dst_step;
+      if (accumulate) {
+        for (int64_t i = 0; i < width; ++i) d[i] += s[i];
+      } else {
+        std::copy_n(s, width, d);
+      }
+    }
+  }
+}
+
+void fill_normal(Tensor x, double std, uint64_t seed, uint64_t stream, uint64_t first_index) {
+  float* p = x.data<float>();
+  const int64_t n = x.numel();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) p[i] = float(std * philox_normal(seed, stream, first_index + uint64_t(i)));
+}
+
+void shift_tokens(Tensor out, Tensor src, int64_t shift, int32_t fill, int32_t ignore_as) {
+  DS_CHECK(out.ndim() == 2 && out.shape() == src.shape(), "shift_tokens: out {} and src {} must both be (B, T)",
+           out.shape().str(), src.shape().str());
+  DS_CHECK(shift >= 0, "shift_tokens: negative shift {}", shift);
+  const int64_t B = out.size(0), T = out.size(1);
+  const int32_t* s = src.data<int32_t>();
+  int32_t* o = out.data<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      int32_t v = fill;
+      if (t + shift < T) {
+        v = s[b * T + t + shift];
+        if (v == ops::kIgnoreIndex) v = ignore_as;
+      }
+      o[b * T + t] = v;
+    }
   }
 }
 

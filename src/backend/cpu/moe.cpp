@@ -210,7 +210,8 @@ double affinity_scale(const float* s, int64_t E, ops::MoEScoring scoring) {
 
 }  // namespace
 
-double moe_aux_loss(Tensor coef, Tensor scores, Tensor ids, ops::MoEScoring scoring) {
+void moe_aux_loss(Tensor aux_out, Tensor coef, Tensor scores, Tensor ids, ops::MoEScoring scoring) {
+  DS_CHECK(aux_out.numel() == 1, "moe_aux_loss: aux has {} elements, expected 1", aux_out.numel());
   const int64_t E = scores.size(-1), N = rows(scores), G = coef.numel() / E;
   const int64_t k = ids.numel() / N;
   DS_CHECK(coef.numel() == G * E && G >= 1 && N % G == 0 && ids.numel() == N * k,
@@ -245,7 +246,7 @@ double moe_aux_loss(Tensor coef, Tensor scores, Tensor ids, ops::MoEScoring scor
   }
   double total = 0;
   for (double a : part) total += a;
-  return total;
+  *aux_out.data<double>() = total;
 }
 
 void moe_aux_loss_backward(Tensor dscores, Tensor coef, Tensor scores, ops::MoEScoring scoring, float scale) {
@@ -386,6 +387,21 @@ void moe_unpermute_backward(Tensor dyg, Tensor dweights, Tensor dout, Tensor yg,
       dot += d[c] * y[c];
     }
     dwp[pair] = dot;
+  }
+}
+
+void moe_bias_update(Tensor bias, Tensor tokens_per_expert, float gamma) {
+  const int64_t E = bias.numel();
+  DS_CHECK(tokens_per_expert.numel() == E, "moe_bias_update: {} counts for {} experts", tokens_per_expert.numel(), E);
+  const int64_t* c = tokens_per_expert.data<int64_t>();
+  float* b = bias.data<float>();
+  int64_t total = 0;
+  for (int64_t e = 0; e < E; ++e) total += c[e];
+  for (int64_t e = 0; e < E; ++e) {
+    // counts[e] against mean = total / E, compared exactly in integers.
+    const int64_t lhs = c[e] * E;
+    if (lhs < total) b[e] += gamma;
+    if (lhs > total) b[e] -= gamma;
   }
 }
 

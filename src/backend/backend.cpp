@@ -1,0 +1,158 @@
+#include "backend/backend.h"
+
+#include <mutex>
+
+namespace dstrain {
+namespace {
+
+struct Registry {
+  std::mutex mutex;
+  std::vector<std::unique_ptr<Backend>> backends;  // the CPU backend first
+  Registry() {
+    auto cpu = std::make_unique<Backend>();
+    cpu->name = "cpu";
+    cpu->device = DeviceType::CPU;
+    cpu::fill_table(cpu->ops);
+    backends.push_back(std::move(cpu));
+  }
+};
+
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+// The device and kernel slot of one call: all defined tensors share a device (a transfer op may
+// also have host tensors); the first floating-point tensor picks the slot.
+struct Dispatch {
+  Device device;
+  bool have_device = false;
+  bool have_dtype = false;
+  KernelDType dtype = KernelDType::F32;
+};
+
+void note(Dispatch& d, const char* op, bool transfer, const Tensor& t) {
+  if (!t.defined()) return;
+  if (!d.have_dtype) {
+    switch (t.dtype()) {
+      case DType::F32: d.dtype = KernelDType::F32; d.have_dtype = true; break;
+      case DType::BF16: d.dtype = KernelDType::BF16; d.have_dtype = true; break;
+      case DType::F16: d.dtype = KernelDType::F16; d.have_dtype = true; break;
+      default: break;
+    }
+  }
+  const Device dev = t.device();
+  if (!d.have_device) {
+    d.device = dev;
+    d.have_device = true;
+  } else if (!(dev == d.device)) {
+    // A transfer runs on the backend of its non-host side.
+    DS_CHECK(transfer && (dev.is_cpu() || d.device.is_cpu()), "{}: tensors on {} and {}; ops take tensors on one "
+             "device (copy between the host and a device with ops::copy)", op, d.device.str(), dev.str());
+    if (d.device.is_cpu()) d.device = dev;
+  }
+}
+template <class T>
+void note(Dispatch&, const char*, bool, const T&) {}
+
+template <class... A>
+const Backend& locate(Dispatch& d, const char* op, bool transfer, const A&... args) {
+  (note(d, op, transfer, args), ...);
+  const DeviceType type = d.have_device ? d.device.type : DeviceType::CPU;
+  const Backend* b = find_backend(type);
+  DS_CHECK(b, "{}: tensors are on {}, but no backend is registered for that device in this build of dstrain", op,
+           d.device.str());
+  return *b;
+}
+
+[[noreturn]] void missing(const Backend& b, const char* op, KernelDType dtype) {
+  DS_FAIL("{}: the {} backend has no {} kernel (the fp32 kernel is the reference; convert with ops::cast)", op,
+          b.name, kernel_dtype_name(dtype));
+}
+
+}  // namespace
+
+std::string_view kernel_dtype_name(KernelDType k) {
+  switch (k) {
+    case KernelDType::F32: return "f32";
+    case KernelDType::BF16: return "bf16";
+    case KernelDType::F16: return "f16";
+  }
+  return "?";
+}
+
+const std::vector<std::string>& op_names() {
+  static const std::vector<std::string> names = {
+#define DS_OP(name, params, args) #name,
+#include "backend/ops.def"
+#undef DS_OP
+  };
+  return names;
+}
+
+bool has_kernel(const OpTable& table, std::string_view op, KernelDType dtype) {
+#define DS_OP(name, params, args) \
+  if (op == #name) return table.name[size_t(dtype)] != nullptr;
+#include "backend/ops.def"
+#undef DS_OP
+  return false;
+}
+
+Backend& register_backend(std::unique_ptr<Backend> backend) {
+  DS_CHECK(backend, "register_backend: no backend");
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  for (const auto& b : r.backends) {
+    DS_CHECK(b->device != backend->device, "a backend for this device type is already registered ('{}'); '{}' "
+             "cannot register for it too", b->name, backend->name);
+  }
+#define DS_OP(op, params, args) \
+  DS_CHECK(backend->ops.op[size_t(KernelDType::F32)], "backend '{}' has no fp32 kernel for {}", backend->name, #op);
+#include "backend/ops.def"
+#undef DS_OP
+  r.backends.push_back(std::move(backend));
+  return *r.backends.back();
+}
+
+const Backend* find_backend(DeviceType type) {
+  Registry& r = registry();
+  if (type == DeviceType::CPU) return r.backends.front().get();  // always first, never removed
+  std::lock_guard lock(r.mutex);
+  for (const auto& b : r.backends)
+    if (b->device == type) return b.get();
+  return nullptr;
+}
+
+std::vector<const Backend*> registered_backends() {
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  std::vector<const Backend*> out;
+  for (const auto& b : r.backends) out.push_back(b.get());
+  return out;
+}
+
+void unregister_backend(DeviceType type) {
+  DS_CHECK(type != DeviceType::CPU, "the CPU backend is the reference and cannot be unregistered");
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  std::erase_if(r.backends, [&](const std::unique_ptr<Backend>& b) { return b->device == type; });
+}
+
+// ---- the ops:: entry points, one per line of ops.def -----------------------------------------
+
+#define DS_UNPACK(...) __VA_ARGS__
+#define DS_WRAPPER(name, params, args, transfer)                                        \
+  void ops::name params {                                                               \
+    Dispatch dispatch_;                                                                 \
+    const Backend& backend_ = locate(dispatch_, #name, transfer, DS_UNPACK args);       \
+    const auto fn = backend_.ops.name[size_t(dispatch_.dtype)];                         \
+    if (!fn) missing(backend_, #name, dispatch_.dtype);                                 \
+    fn args;                                                                            \
+  }
+#define DS_OP(name, params, args) DS_WRAPPER(name, params, args, false)
+#define DS_TRANSFER_OP(name, params, args) DS_WRAPPER(name, params, args, true)
+#include "backend/ops.def"
+#undef DS_OP
+#undef DS_TRANSFER_OP
+
+}  // namespace dstrain
