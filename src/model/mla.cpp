@@ -10,22 +10,6 @@ namespace {
 
 Tensor rows_of(Tensor t) { return t.view({t.numel() / t.size(-1), t.size(-1)}); }
 
-// For each of `rows` rows, copies `count` blocks of `len` floats: block j of row r from
-// src + r*src_stride + j*src_step to dst + r*dst_stride + j*dst_step. A src_step of 0
-// broadcasts one block (k_pe into every head).
-struct Blocks {
-  int64_t count, len;
-};
-void copy_blocks(float* dst, int64_t dst_stride, int64_t dst_step, const float* src, int64_t src_stride,
-                 int64_t src_step, int64_t rows, Blocks b) {
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < b.count; ++j) {
-      std::copy_n(src + r * src_stride + j * src_step, b.len, dst + r * dst_stride + j * dst_step);
-    }
-  }
-}
-
 // out = in (N,K) · w (M,K)^T computed `stage.numel() / M` rows at a time into `stage` (1-D), each
 // chunk (n, M) handed to scatter(first_row, chunk). The forward has no scratch of its own:
 // the projections that only feed the fused q|k|v rows are staged through a buffer that is
@@ -100,7 +84,7 @@ void MLAttention::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   const int64_t widest = std::max({H_ * (Dn_ + Dv_), H_ * Dqk, Dr_});
   Tensor stage = ctx.acts->put(mb, key_ + "out", {std::max(N * H_ * Dv_, widest)});
   Tensor att = stage.slice(0, N * H_ * Dv_).view({B, T, H_ * Dv_});  // the front of the same buffer
-  float* row = qkv.data<float>();
+  Tensor rows = qkv.view({N, W});
 
   // Keys and values: the latent c and k_pe from one weight, kv_b_proj from the normed latent.
   Tensor w_kv_a = reg_.param(kv_a_);  // (kv_rank + Dr, C): rows [c | k_pe]
@@ -109,18 +93,18 @@ void MLAttention::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   ops::linear_forward(lat, xs, w_kv_a.slice(0, kv_rank_));
   ops::rmsnorm_forward(lat_norm, ctx.acts->put(mb, key_ + "kv_latent_rstd", {N}), lat, reg_.param(kv_norm_), eps_);
   staged_linear(lat_norm, reg_.param(kv_b_), stage, [&](int64_t r0, Tensor kv) {  // kv (n, H*(Dn+Dv))
-    const float* src = kv.data<float>();
-    float* dst = row + r0 * W;
-    copy_blocks(dst + layout_.k_offset, W, Dqk, src, H_ * (Dn_ + Dv_), Dn_ + Dv_, kv.size(0), {H_, Dn_});
-    copy_blocks(dst + layout_.v_offset, W, Dv_, src + Dn_, H_ * (Dn_ + Dv_), Dn_ + Dv_, kv.size(0), {H_, Dv_});
+    Tensor dst = rows.slice(r0, r0 + kv.size(0));
+    ops::copy_blocks(dst, layout_.k_offset, Dqk, kv, 0, Dn_ + Dv_, H_, Dn_, false);
+    ops::copy_blocks(dst, layout_.v_offset, Dv_, kv, Dn_, Dn_ + Dv_, H_, Dv_, false);
   });
   staged_linear(xs, w_kv_a.slice(kv_rank_, kv_rank_ + Dr_), stage, [&](int64_t r0, Tensor k_pe) {  // (n, Dr)
-    copy_blocks(row + r0 * W + layout_.k_offset + Dn_, W, Dqk, k_pe.data<float>(), Dr_, 0, k_pe.size(0), {H_, Dr_});
+    // The one k_pe of a token into every head's key.
+    ops::copy_blocks(rows.slice(r0, r0 + k_pe.size(0)), layout_.k_offset + Dn_, Dqk, k_pe, 0, 0, H_, Dr_, false);
   });
 
   // Queries, directly or through the normed query latent.
   auto scatter_q = [&](int64_t r0, Tensor q) {  // (n, H*Dqk)
-    copy_blocks(row + r0 * W + layout_.q_offset, W, 0, q.data<float>(), H_ * Dqk, 0, q.size(0), {1, H_ * Dqk});
+    ops::copy_blocks(rows.slice(r0, r0 + q.size(0)), layout_.q_offset, 0, q, 0, 0, 1, H_ * Dqk, false);
   };
   if (q_rank_ == 0) {
     staged_linear(xs, reg_.param(q_), stage, scatter_q);
@@ -158,11 +142,11 @@ void MLAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor
   Tensor dqkv = scratch.get("mla.dqkv", {B, T, W});
   ops::attention_backward(dqkv, datt.view({B, T, H_ * Dv_}), qkv, att, ctx.acts->get(mb, key_ + "lse"), layout_, scale_);
   ops::rope_backward_interleaved(dqkv, Dn_, int(2 * H_), Dqk, int(Dr_), rope.cos_table(), rope.sin_table());
-  const float* drow = dqkv.data<float>();
+  Tensor drows = dqkv.view({N, W});
 
   // Queries: dx is overwritten here and accumulated into below.
   Tensor dq = scratch.get("mla.dheads", {N, H_ * Dqk});
-  copy_blocks(dq.data<float>(), H_ * Dqk, 0, drow + layout_.q_offset, W, 0, N, {1, H_ * Dqk});
+  ops::copy_blocks(dq, 0, 0, drows, layout_.q_offset, 0, 1, H_ * Dqk, false);
   if (q_rank_ == 0) {
     wg.linear(dxs, reg_.grad(q_), dq, xs, reg_.param(q_));
   } else {
@@ -177,19 +161,9 @@ void MLAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor
 
   // k_pe fed every head's key: its gradient is the sum over heads, in head order.
   Tensor dk_pe = scratch.get("mla.dk_pe", {N, Dr_});
-  {
-    float* dk = dk_pe.data<float>();
-    const int64_t H = H_, Dr = Dr_, k_pe = layout_.k_offset + Dn_;
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < N; ++r) {
-      float* acc = dk + r * Dr;
-      const float* src = drow + r * W + k_pe;
-      std::copy_n(src, Dr, acc);
-      for (int64_t h = 1; h < H; ++h) {
-        for (int64_t i = 0; i < Dr; ++i) acc[i] += src[h * Dqk + i];
-      }
-    }
-  }
+  const int64_t k_pe = layout_.k_offset + Dn_;
+  ops::copy_blocks(dk_pe, 0, 0, drows, k_pe, 0, 1, Dr_, false);
+  ops::copy_blocks(dk_pe, 0, 0, drows, k_pe + Dqk, Dqk, H_ - 1, Dr_, /*accumulate=*/true);
   Tensor w_kv_a = reg_.param(kv_a_), g_kv_a = reg_.grad(kv_a_);  // rows [c | k_pe]
   wg.linear(dxs, g_kv_a.slice(kv_rank_, kv_rank_ + Dr_), dk_pe, xs, w_kv_a.slice(kv_rank_, kv_rank_ + Dr_),
                        /*accumulate_dx=*/true);
@@ -197,8 +171,8 @@ void MLAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor
   // Keys and values through kv_b_proj, the latent norm and the latent rows of kv_a_proj.
   const int64_t Dkv = Dn_ + Dv_;
   Tensor dkv = scratch.get("mla.dheads", {N, H_ * Dkv});
-  copy_blocks(dkv.data<float>(), H_ * Dkv, Dkv, drow + layout_.k_offset, W, Dqk, N, {H_, Dn_});
-  copy_blocks(dkv.data<float>() + Dn_, H_ * Dkv, Dkv, drow + layout_.v_offset, W, Dv_, N, {H_, Dv_});
+  ops::copy_blocks(dkv, 0, Dkv, drows, layout_.k_offset, Dqk, H_, Dn_, false);
+  ops::copy_blocks(dkv, Dn_, Dkv, drows, layout_.v_offset, Dv_, H_, Dv_, false);
   Tensor dlat_norm = scratch.get("mla.dlatent_norm", {N, kv_rank_});
   Tensor dlat = scratch.get("mla.dlatent", {N, kv_rank_});
   wg.linear(dlat_norm, reg_.grad(kv_b_), dkv, ctx.acts->get(mb, key_ + "kv_latent_norm"), reg_.param(kv_b_));

@@ -260,16 +260,9 @@ void MoEBlock::update_routing_bias(const std::vector<int64_t>& counts, double ga
   if (bias_ < 0) return;
   DS_CHECK(int64_t(counts.size()) == n_experts_, "update_routing_bias: {} counts for {} experts", counts.size(),
            n_experts_);
-  int64_t total = 0;
-  for (int64_t c : counts) total += c;
-  float* b = reg_.param(bias_).data<float>();
-  const float step = float(gamma);
-  for (int64_t e = 0; e < n_experts_; ++e) {
-    // counts[e] against mean = total / E, compared exactly in integers.
-    const int64_t lhs = counts[size_t(e)] * n_experts_;
-    if (lhs < total) b[e] += step;
-    if (lhs > total) b[e] -= step;
-  }
+  Buffer on_device("moe.tokens_per_expert", MemCategory::Workspace, DType::I64, n_experts_, reg_.device());
+  ops::copy(on_device.tensor(), Tensor(const_cast<int64_t*>(counts.data()), DType::I64, Shape{n_experts_}));
+  ops::moe_bias_update(reg_.param(bias_), on_device.tensor(), float(gamma));
 }
 
 }  // namespace dstrain

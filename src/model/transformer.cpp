@@ -81,7 +81,7 @@ void Transformer::init_weights(uint64_t seed) {
     } else if (p.kind == ParamKind::RouterBias) {
       ops::fill(reg_.param(id), 0.0f);
     } else {
-      fill_normal(reg_.param(id), config_.initializer_range, seed, stream_id(p.name));
+      ops::fill_normal(reg_.param(id), config_.initializer_range, seed, stream_id(p.name), 0);
     }
   }
 }
@@ -166,7 +166,7 @@ void Transformer::forward_body(int mb, Tensor tokens) {
                        reg_.param(final_norm_), float(config_.rms_norm_eps));
 }
 
-LossSums Transformer::head(Tensor x, Tensor targets, bool backward, float scale, Tensor dx) {
+void Transformer::head(Tensor x, Tensor targets, bool backward, float scale, Tensor dx, Tensor sums) {
   const int64_t C = config_.hidden_size, V = config_.vocab_size, N = x.numel() / C;
   DS_CHECK(targets.numel() == N, "targets {} for {} positions", targets.shape().str(), N);
   Tensor xr = x.view({N, C});
@@ -194,13 +194,28 @@ LossSums Transformer::head(Tensor x, Tensor targets, bool backward, float scale,
       early_backward_s_ += seconds_since(t0);
     }
   }
+  ops::loss_sums(sums, losses, tg);
+}
+
+Tensor Transformer::zeroed_sums(int mb) {
+  // (2 + 2 x MTP depth) F64: {sum, count} of the main loss, then of each depth.
+  const int64_t n = 2 + 2 * int64_t(mtp_.size());
+  Tensor sums = acts_.put(mb, "loss_sums", {n}, DType::F64);
+  const std::vector<double> zeros(size_t(n), 0.0);
+  ops::copy(sums, Tensor(const_cast<double*>(zeros.data()), DType::F64, Shape{n}));
+  return sums;
+}
+
+LossSums Transformer::read_sums(Tensor sums, bool with_mtp) const {
+  // The one read of the forward's results by the host.
+  std::vector<double> h(size_t(sums.numel()));
+  ops::copy(Tensor(h.data(), DType::F64, Shape{sums.numel()}), sums);
   LossSums s;
-  const float* lp = losses.data<float>();
-  const int32_t* tp = tg.data<int32_t>();
-  for (int64_t i = 0; i < N; ++i) {
-    if (tp[i] == ops::kIgnoreIndex) continue;
-    s.sum += lp[i];
-    s.count += 1;
+  s.sum = h[0];
+  s.count = int64_t(h[1]);
+  for (size_t k = 0; with_mtp && k < mtp_.size(); ++k) {
+    s.mtp_sum.push_back(h[2 + 2 * k]);
+    s.mtp_count.push_back(int64_t(h[3 + 2 * k]));
   }
   return s;
 }
@@ -224,10 +239,9 @@ void Transformer::grad_ready(int mb, int first, int last) {
   }
 }
 
-void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor targets, Tensor dxf, LossSums& sums) {
+void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor targets, Tensor dxf, Tensor sums) {
   const int64_t B = targets.size(0), T = targets.size(1), C = config_.hidden_size, N = B * T;
   const float eps = float(config_.rms_norm_eps);
-  const int32_t* tg = targets.data<int32_t>();
   // Forward through the depths: module k (0-based) reads token t+k+1 at position t (targets
   // column t+k) and predicts token t+k+2 (targets column t+k+1).
   Tensor h_prev = acts_.get(mb, "final_norm.out");
@@ -238,30 +252,17 @@ void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor 
   for (size_t k = 0; k < mtp_.size(); ++k) {
     MtpModule& m = mtp_[k];
     ctx_.before_use(m.first_param, m.last_param);
-    Tensor inputs = act(m, "inputs", {N}, DType::I32), tgt = act(m, "targets", {N}, DType::I32);
-    int32_t* ip = inputs.data<int32_t>();
-    int32_t* op = tgt.data<int32_t>();
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t in = t + int64_t(k), out = in + 1;
-        ip[b * T + t] = in < T && tg[b * T + in] != ops::kIgnoreIndex ? tg[b * T + in] : 0;
-        op[b * T + t] = out < T ? tg[b * T + out] : ops::kIgnoreIndex;
-      }
-    }
+    Tensor inputs = act(m, "inputs", {B, T}, DType::I32), tgt = act(m, "targets", {B, T}, DType::I32);
+    ops::shift_tokens(inputs, targets, int64_t(k), /*fill=*/0, /*ignore_as=*/0);
+    ops::shift_tokens(tgt, targets, int64_t(k) + 1, ops::kIgnoreIndex, ops::kIgnoreIndex);
     Tensor emb = act(m, "emb", {N, C}), cat = act(m, "cat", {N, 2 * C});
-    ops::embedding_forward(emb, inputs, reg_.param(embed_));
+    ops::embedding_forward(emb, inputs.view({N}), reg_.param(embed_));
     Tensor en = scratch_.get("mtp.enorm", {N, C}), hn = act(m, "hnorm", {N, C});
     ops::rmsnorm_forward(en, act(m, "e_rstd", {N}), emb, reg_.param(m.enorm), eps);
     ops::rmsnorm_forward(hn, act(m, "h_rstd", {N}), h_prev.view({N, C}), reg_.param(m.hnorm), eps);
     // cat = [enorm(embedding) | hnorm(hidden)] per row.
-    float* cp = cat.data<float>();
-    const float* ep = en.data<float>();
-    const float* hp = hn.data<float>();
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < N; ++i) {
-      std::copy_n(ep + i * C, C, cp + i * 2 * C);
-      std::copy_n(hp + i * C, C, cp + i * 2 * C + C);
-    }
+    ops::copy_blocks(cat, 0, 0, en, 0, 0, 1, C, false);
+    ops::copy_blocks(cat, C, 0, hn, 0, 0, 1, C, false);
     Tensor h_in = act(m, "h_in", {B, T, C}), h_out = act(m, "h_out", {B, T, C});
     ops::linear_forward(h_in.view({N, C}), cat, reg_.param(m.eh_proj));
     m.layer->forward(ctx_, mb, h_in, h_out);
@@ -278,9 +279,8 @@ void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor 
   for (size_t k = 0; k < mtp_.size(); ++k) {
     MtpModule& m = mtp_[k];
     d_out[k] = scratch_.get(fmt::format("mtp.{}.d_out", k), {N, C});
-    const LossSums s = head(get(m, "out_norm"), get(m, "targets"), true, scales.mtp_token[k], d_out[k]);
-    sums.mtp_sum.push_back(s.sum);
-    sums.mtp_count.push_back(s.count);
+    head(get(m, "out_norm"), get(m, "targets"), true, scales.mtp_token[k], d_out[k],
+         sums.slice(2 + 2 * int64_t(k), 4 + 2 * int64_t(k)));
   }
   // Backward from the deepest module: dh carries the gradient w.r.t. h^k from depth k+1.
   const auto t0 = Clock::now();
@@ -295,18 +295,12 @@ void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor 
     Tensor dcat = scratch_.get("mtp.dcat", {N, 2 * C});
     ops::linear_backward(dcat, reg_.grad(m.eh_proj), dh.view({N, C}), get(m, "cat"), reg_.param(m.eh_proj));
     Tensor de = scratch_.get("mtp.de", {N, C}), dhn = scratch_.get("mtp.dhn", {N, C});
-    const float* dcp = dcat.data<float>();
-    float* dep = de.data<float>();
-    float* dhp = dhn.data<float>();
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < N; ++i) {
-      std::copy_n(dcp + i * 2 * C, C, dep + i * C);
-      std::copy_n(dcp + i * 2 * C + C, C, dhp + i * C);
-    }
+    ops::copy_blocks(de, 0, 0, dcat, 0, 0, 1, C, false);
+    ops::copy_blocks(dhn, 0, 0, dcat, C, 0, 1, C, false);
     Tensor demb = scratch_.get("mtp.demb", {N, C});
     ops::fill(demb, 0.0f);
     ops::rmsnorm_backward(demb, reg_.grad(m.enorm), de, get(m, "emb"), reg_.param(m.enorm), get(m, "e_rstd"));
-    ops::embedding_backward(reg_.grad(embed_), demb, get(m, "inputs"));
+    ops::embedding_backward(reg_.grad(embed_), demb, get(m, "inputs").view({N}));
     // The gradient w.r.t. h^{k-1}: the main model's normed output for k = 0.
     Tensor dprev = k == 0 ? dxf.view({N, C}) : dh.view({N, C});
     if (k > 0) ops::fill(dprev, 0.0f);
@@ -319,8 +313,9 @@ void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor 
 
 LossSums Transformer::forward_loss(Tensor tokens, Tensor targets) {
   forward_body(kInferenceMb, tokens);
-  const LossSums s =
-      head(acts_.get(kInferenceMb, "final_norm.out"), targets, /*backward=*/false, 0.0f, Tensor());
+  Tensor sums = zeroed_sums(kInferenceMb);
+  head(acts_.get(kInferenceMb, "final_norm.out"), targets, /*backward=*/false, 0.0f, Tensor(), sums.slice(0, 2));
+  const LossSums s = read_sums(sums, /*with_mtp=*/false);
   acts_.release(kInferenceMb);
   return s;
 }
@@ -387,12 +382,18 @@ LossSums Transformer::forward(int mb, Tensor tokens, Tensor targets, const LossS
   const int64_t B = tokens.size(0), T = tokens.size(1), N = B * T, C = config_.hidden_size;
   DS_CHECK(targets.numel() == N, "targets {} for tokens {}", targets.shape().str(), tokens.shape().str());
   Tensor dxf = acts_.put(mb, "head.dxf", {N, C});
-  LossSums s = head(acts_.get(mb, "final_norm.out"), targets, /*backward=*/true, scales.token, dxf);
-  if (!mtp_.empty() && !scales.mtp_token.empty()) {
+  Tensor sums = zeroed_sums(mb);
+  head(acts_.get(mb, "final_norm.out"), targets, /*backward=*/true, scales.token, dxf, sums.slice(0, 2));
+  const bool with_mtp = !mtp_.empty() && !scales.mtp_token.empty();
+  if (with_mtp) {
     DS_CHECK(scales.mtp_token.size() == mtp_.size(), "{} MTP loss scales for {} depths", scales.mtp_token.size(),
              mtp_.size());
-    mtp_forward_backward(mb, scales, targets.view({B, T}), dxf, s);
+    // The targets on the model's device, for the shifted MTP inputs and targets.
+    Tensor tgt = acts_.put(mb, "targets", {B, T}, DType::I32);
+    ops::copy(tgt, targets);
+    mtp_forward_backward(mb, scales, tgt, dxf, sums);
   }
+  const LossSums s = read_sums(sums, with_mtp);
   // The head forms each chunk's gradient right after its loss, and the MTP modules run their
   // backward before the main layers': those parts count as backward.
   forward_s_ += seconds_since(t0) - early_backward_s_;

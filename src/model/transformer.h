@@ -106,8 +106,12 @@ class Transformer {
   // Fills "final_norm.out" (B,T,C) of micro-batch mb.
   void forward_body(int mb, Tensor tokens);
   // Chunked vocabulary projection and cross-entropy of x (N,C) against targets (N); with
-  // backward, dx (N,C) is overwritten with scale x d(sum of losses)/dx.
-  LossSums head(Tensor x, Tensor targets, bool backward, float scale, Tensor dx);
+  // backward, dx (N,C) is overwritten with scale x d(sum of losses)/dx. sums (2) F64 +=
+  // {sum of losses, count} over the targets that are not ignored.
+  void head(Tensor x, Tensor targets, bool backward, float scale, Tensor dx, Tensor sums);
+  // The loss sums of micro-batch mb on the device, zeroed, and their one read by the host.
+  Tensor zeroed_sums(int mb);
+  LossSums read_sums(Tensor sums, bool with_mtp) const;
   // One multi-token-prediction depth: its parameters; its activations are keyed by
   // "layers.{layer}.mtp." in the store.
   struct MtpModule {
@@ -116,7 +120,7 @@ class Transformer {
     int layer_index = 0;
     std::unique_ptr<DecoderLayer> layer;
   };
-  void mtp_forward_backward(int mb, const LossScales& scales, Tensor targets, Tensor dxf, LossSums& sums);
+  void mtp_forward_backward(int mb, const LossScales& scales, Tensor targets, Tensor dxf, Tensor sums);
   // The hook that the gradients of [first, last] are final: now, or with a split backward
   // after backward_weights(mb).
   void grad_ready(int mb, int first, int last);
