@@ -73,6 +73,30 @@ Transformer::Transformer(const ModelConfig& config, Device device, const ShardSp
   reg_.allocate(device);
 }
 
+namespace {
+// normal(0, std) values of the global tensor at the elements this rank's piece holds, so that a
+// sharded model starts from the same weights as the whole one.
+void fill_normal_piece(Tensor x, const ParamInfo& p, double std, uint64_t seed) {
+  const uint64_t stream = stream_id(p.name);
+  if (p.placement.kind == Placement::Kind::Whole) {
+    ops::fill_normal(x, std, seed, stream, 0);
+    return;
+  }
+  DS_CHECK(p.placement.kind == Placement::Kind::Shard && x.ndim() == 2 && (p.placement.dim == 0 || p.placement.dim == 1),
+           "{}: initialising a piece placed as {} along dim {} is not implemented", p.name, int(p.placement.kind),
+           p.placement.dim);
+  const int64_t rows = x.size(0), cols = x.size(1);
+  if (p.placement.dim == 0) {  // rows [index*rows, ...): contiguous in the global tensor
+    ops::fill_normal(x, std, seed, stream, uint64_t(p.placement.index * rows * cols));
+    return;
+  }
+  const int64_t global_cols = p.global_shape[1], c0 = p.placement.index * cols;
+  for (int64_t r = 0; r < rows; ++r) {
+    ops::fill_normal(x.slice(r, r + 1), std, seed, stream, uint64_t(r * global_cols + c0));
+  }
+}
+}  // namespace
+
 void Transformer::init_weights(uint64_t seed) {
   for (int id = 0; id < reg_.size(); ++id) {
     const ParamInfo& p = reg_.info(id);
@@ -81,7 +105,7 @@ void Transformer::init_weights(uint64_t seed) {
     } else if (p.kind == ParamKind::RouterBias) {
       ops::fill(reg_.param(id), 0.0f);
     } else {
-      ops::fill_normal(reg_.param(id), config_.initializer_range, seed, stream_id(p.name), 0);
+      fill_normal_piece(reg_.param(id), p, config_.initializer_range, seed);
     }
   }
 }

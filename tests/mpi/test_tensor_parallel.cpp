@@ -1,8 +1,10 @@
 // Tensor parallelism of the dense blocks over all ranks: a SwiGLU MLP split by columns of its
 // intermediate size and grouped-query attention split by heads (column-parallel gate/up and
 // q/k/v, row-parallel down and o_proj with an all-reduce) against the unsplit block on every
-// rank: the output, the input gradient and each rank's slices of the weight gradients. On one
-// rank the split is the whole block and the results are bitwise the unsplit ones.
+// rank: the output, the input gradient and each rank's slices of the weight gradients; and a
+// dense Transformer over a tensor group (vocabulary replicated) against the whole model, from
+// its initial weights to its loss and gradients. On one rank the split is the whole model and
+// the results are bitwise the unsplit ones.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -14,7 +16,7 @@
 
 #include "comm/mpi_comm.h"
 #include "core/philox.h"
-#include "model/layers.h"
+#include "model/transformer.h"
 
 namespace dstrain {
 namespace {
@@ -198,6 +200,48 @@ TEST_F(TensorParallel, GQASplitByHeadsMatchesTheWholeAttention) {
                columns(whole.reg.grad(id(whole.reg, "self_attn.o_proj.weight")), shard.heads.begin * D,
                        shard.heads.size() * D),
                ranks, "o_proj gradient columns");
+}
+
+// This rank's piece of a global tensor, as its placement says.
+std::vector<float> piece_of(Tensor global, const ParamInfo& p) {
+  if (p.placement.kind == Placement::Kind::Whole) return host(global);
+  const int64_t rows = p.shape[0], cols = p.shape[1];
+  if (p.placement.dim == 0) return host(global.slice(p.placement.index * rows, (p.placement.index + 1) * rows));
+  return columns(global, p.placement.index * cols, cols);
+}
+
+TEST_F(TensorParallel, DenseTransformerMatchesTheWholeModel) {
+  c.num_hidden_layers = 2;
+  ShardSpec s = ShardSpec::tensor_parallel(c, rank, ranks);
+  s.vocab = Range{0, c.vocab_size};  // the embedding and head are not split yet
+  Transformer whole(c, Device::cpu());
+  ProcessGroups groups;
+  groups.tp = comm.get();
+  Transformer tp(c, Device::cpu(), s, groups);
+  whole.init_weights(11);
+  tp.init_weights(11);
+  ASSERT_EQ(whole.params().size(), tp.params().size());
+  // A sharded model starts from the slices of the whole one's weights.
+  for (int id = 0; id < tp.params().size(); ++id) {
+    const ParamInfo& p = tp.params().info(id);
+    ASSERT_EQ(p.name, whole.params().info(id).name);
+    const std::vector<float> mine = host(tp.params().param(id)), expect = piece_of(whole.params().param(id), p);
+    EXPECT_EQ(0, std::memcmp(mine.data(), expect.data(), mine.size() * sizeof(float))) << p.name << " initial values";
+  }
+
+  std::mt19937 rng(3);
+  std::vector<int32_t> tokens(size_t(B * T)), targets(size_t(B * T));
+  for (auto& t : tokens) t = int32_t(rng() % uint32_t(c.vocab_size));
+  for (auto& t : targets) t = int32_t(rng() % uint32_t(c.vocab_size));
+  const Tensor tok(tokens.data(), DType::I32, Shape{B, T}), tgt(targets.data(), DType::I32, Shape{B, T});
+  const LossSums a = whole.forward_backward(tok, tgt, float(1.0 / double(B * T)));
+  const LossSums b = tp.forward_backward(tok, tgt, float(1.0 / double(B * T)));
+  EXPECT_EQ(a.count, b.count);
+  expect_close({float(b.sum)}, {float(a.sum)}, ranks, "loss");
+  for (int id = 0; id < tp.params().size(); ++id) {
+    const ParamInfo& p = tp.params().info(id);
+    expect_close(host(tp.params().grad(id)), piece_of(whole.params().grad(id), p), ranks, p.name + " gradient");
+  }
 }
 
 }  // namespace
