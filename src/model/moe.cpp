@@ -93,11 +93,19 @@ MoEBlock::MoEBlock(const ModelConfig& c, const ShardSpec& shard, ParamRegistry& 
     bias_ = reg.add(layer_name(layer, "mlp.gate.e_score_correction_bias"), {E}, ParamKind::RouterBias, layer,
                     /*follow_previous=*/false, /*trainable=*/false);
   }
+  // Routed experts are reduced over the ranks that hold the same experts (ParamGroup::Expert).
+  ParamOptions expert;
+  expert.group = ParamGroup::Expert;
+  ParamOptions expert_follow = expert;
+  expert_follow.follow_previous = true;
   for (int64_t j = 0; j < E; ++j) {
     const std::string base = fmt::format("mlp.experts.{}.", j);
-    expert_gate_.push_back(reg.add(layer_name(layer, base + "gate_proj.weight"), {I, C}, ParamKind::Linear, layer));
-    expert_up_.push_back(reg.add(layer_name(layer, base + "up_proj.weight"), {I, C}, ParamKind::Linear, layer, true));
-    expert_down_.push_back(reg.add(layer_name(layer, base + "down_proj.weight"), {C, I}, ParamKind::Linear, layer));
+    expert_gate_.push_back(
+        reg.add(layer_name(layer, base + "gate_proj.weight"), {I, C}, ParamKind::Linear, layer, expert));
+    expert_up_.push_back(
+        reg.add(layer_name(layer, base + "up_proj.weight"), {I, C}, ParamKind::Linear, layer, expert_follow));
+    expert_down_.push_back(
+        reg.add(layer_name(layer, base + "down_proj.weight"), {C, I}, ParamKind::Linear, layer, expert));
   }
   if (shared_inter_ > 0) {
     const int64_t S = shared_inter_;

@@ -280,6 +280,7 @@ void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor 
     ops::shift_tokens(inputs, targets, int64_t(k), /*fill=*/0, /*ignore_as=*/0);
     ops::shift_tokens(tgt, targets, int64_t(k) + 1, ops::kIgnoreIndex, ops::kIgnoreIndex);
     Tensor emb = act(m, "emb", {N, C}), cat = act(m, "cat", {N, 2 * C});
+    ctx_.before_use(embed_, embed_);  // shared with the main model
     ops::embedding_forward(emb, inputs.view({N}), reg_.param(embed_));
     Tensor en = scratch_.get("mtp.enorm", {N, C}), hn = act(m, "hnorm", {N, C});
     ops::rmsnorm_forward(en, act(m, "e_rstd", {N}), emb, reg_.param(m.enorm), eps);

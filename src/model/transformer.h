@@ -73,7 +73,8 @@ class Transformer {
   // The rest of mb's backward: accumulates the gradient of its share of the step's loss (CE,
   // auxiliary terms, MTP; scaled as the forward's `scales` said). With BackwardPart::Input
   // the weight gradients of the layers' linear maps are queued for backward_weights(mb), and
-  // the grad_ready hooks of what this backward touched fire there instead of here.
+  // the grad_ready hooks of what this backward touched fire there instead of here. (The
+  // head's and the MTP modules' gradients were formed whole in the forward.)
   void backward(int mb, BackwardPart part = BackwardPart::Full);
   void backward_weights(int mb);
 

@@ -708,6 +708,13 @@ TEST(MoEBlock, RegistersHuggingFaceNames) {
   const ParamInfo& g = reg.info(reg.find("model.layers.3.mlp.experts.7.gate_proj.weight"));
   const ParamInfo& u = reg.info(reg.find("model.layers.3.mlp.experts.7.up_proj.weight"));
   EXPECT_EQ(u.offset, g.offset + g.numel());  // one (2I, C) matrix
+  // Routed experts are reduced over the expert data-parallel group; the router and the
+  // shared experts with the dense parameters.
+  EXPECT_EQ(g.group, ParamGroup::Expert);
+  EXPECT_EQ(u.group, ParamGroup::Expert);
+  EXPECT_EQ(reg.info(reg.find("model.layers.3.mlp.experts.7.down_proj.weight")).group, ParamGroup::Expert);
+  EXPECT_EQ(reg.info(reg.find("model.layers.3.mlp.gate.weight")).group, ParamGroup::Dense);
+  EXPECT_EQ(reg.info(reg.find("model.layers.3.mlp.shared_experts.up_proj.weight")).group, ParamGroup::Dense);
   EXPECT_EQ(reg.info(reg.find("model.layers.3.mlp.experts.7.down_proj.weight")).shape, (Shape{12, 5}));
   EXPECT_EQ(reg.info(reg.find("model.layers.3.mlp.shared_experts.up_proj.weight")).shape, (Shape{5, 12}));
   ParamRegistry v2;
