@@ -212,6 +212,30 @@ TEST_P(Engine, ActivationMemoryIsReusedAcrossRounds) {
   EXPECT_EQ(m.activations().bytes_allocated(), 0);
 }
 
+// Generation runs forwards of growing length: buffers too small for the next length are
+// replaced, not kept, so the store holds what the longest forward needs, as buffers that
+// grow in place would.
+TEST_P(Engine, GrowingForwardsKeepMemoryOfTheLongest) {
+  const ModelConfig c = config();
+  const int64_t B = 2, Tmax = 16;
+  Batch d(B, Tmax, c.vocab_size, 6);
+  Transformer growing(c, Device::cpu()), longest(c, Device::cpu());
+  growing.init_weights(2);
+  longest.init_weights(2);
+  std::vector<float> logits(size_t(B * c.vocab_size));
+  const Tensor out(logits.data(), DType::F32, Shape{B, c.vocab_size});
+  for (int64_t T = 1; T <= Tmax; ++T) {
+    std::vector<int32_t> prefix;
+    for (int64_t b = 0; b < B; ++b) prefix.insert(prefix.end(), d.tokens.begin() + b * Tmax, d.tokens.begin() + b * Tmax + T);
+    growing.last_logits(Tensor(prefix.data(), DType::I32, Shape{B, T}), out);
+  }
+  longest.last_logits(d.tok(), out);
+  const double ratio = double(growing.activations().bytes_allocated()) / double(longest.activations().bytes_allocated());
+  std::printf("[ activations ] after forwards of length 1..%ld: %.3f x those of one of length %ld\n", long(Tmax), ratio,
+              long(Tmax));
+  EXPECT_EQ(growing.activations().bytes_allocated(), longest.activations().bytes_allocated());
+}
+
 // forward(0), forward(1), backward(0, Input), backward(1, Input), backward_weights(1),
 // backward_weights(0) against whole backwards: before backward_weights the layers' linear
 // weights have no gradient yet and their norms have theirs; after it, the linear weights
@@ -304,6 +328,75 @@ TEST_P(Engine, GradReadyFnAndHooksAgree) {
 
 INSTANTIATE_TEST_SUITE_P(Models, Engine, ::testing::Values(false, true),
                          [](const auto& p) { return std::string(p.param ? "v3_mla_moe_mtp" : "dense"); });
+
+// ---- the stores ---------------------------------------------------------------------------
+
+TEST(ActivationStore, KeysByMicroBatchAndReusesReleasedBuffers) {
+  ActivationStore acts;
+  Tensor a0 = acts.put(0, "layers.0.x", {4, 8});
+  Tensor a1 = acts.put(1, "layers.0.x", {4, 8});
+  EXPECT_NE(a0.raw(), a1.raw());
+  EXPECT_EQ(acts.get(1, "layers.0.x").raw(), a1.raw());
+  EXPECT_EQ(acts.get(0, "layers.0.x").shape(), (Shape{4, 8}));
+  acts.meta<int>(0, "layers.0.n") = 7;
+  EXPECT_EQ(acts.meta<int>(0, "layers.0.n"), 7);
+  EXPECT_EQ(acts.meta<int>(1, "layers.0.n"), 0);
+  EXPECT_EQ(acts.bytes_in_use(), 2 * 4 * 8 * 4);
+  // Errors name the micro-batch and the key.
+  try {
+    acts.get(0, "layers.0.y");
+    FAIL() << "a missing key was returned";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("micro-batch 0 has no stored activation 'layers.0.y'"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(acts.get(5, "layers.0.x"), Error);
+  acts.release(0);
+  EXPECT_FALSE(acts.has(0, "layers.0.x"));
+  EXPECT_EQ(acts.in_flight(), std::vector<int>{1});
+  EXPECT_EQ(acts.meta<int>(0, "layers.0.n"), 0);  // released with its buffers
+  // The next micro-batch gets the released buffer back, even for another dtype of the same size.
+  Tensor again = acts.put(2, "layers.0.x", {32}, DType::I32);
+  EXPECT_EQ(again.raw(), a0.raw());
+  EXPECT_EQ(acts.bytes_allocated(), 2 * 4 * 8 * 4);
+  acts.clear();
+  EXPECT_EQ(acts.bytes_allocated(), 0);
+}
+
+TEST(WeightGradStore, DefersWeightGradientsUntilRun) {
+  std::mt19937 rng(2);
+  std::normal_distribution<float> nd;
+  auto random = [&](size_t n) {
+    std::vector<float> v(n);
+    for (auto& x : v) x = nd(rng);
+    return v;
+  };
+  const int64_t M = 5, N = 3, K = 4;
+  std::vector<float> dout = random(M * N), x = random(M * K), w = random(N * K);
+  std::vector<float> dx(M * K), dw(N * K, 0.5f), dx_ref(M * K), dw_ref(N * K, 0.5f);
+  auto t = [](std::vector<float>& v, Shape s) { return Tensor(v.data(), DType::F32, s); };
+  ops::linear_backward(t(dx_ref, {M, K}), t(dw_ref, {N, K}), t(dout, {M, N}), t(x, {M, K}), t(w, {N, K}));
+  WeightGradStore store;
+  store.begin_deferral(3);
+  store.linear(t(dx, {M, K}), t(dw, {N, K}), t(dout, {M, N}), t(x, {M, K}), t(w, {N, K}));
+  store.end_deferral();
+  EXPECT_EQ(0, std::memcmp(dx.data(), dx_ref.data(), dx.size() * sizeof(float)));  // the input part now
+  EXPECT_EQ(dw, std::vector<float>(N * K, 0.5f));                                    // the weight part later
+  EXPECT_EQ(store.pending(3), 1);
+  // The store kept its own copies: the caller's buffers may be reused meanwhile.
+  const std::vector<float> dout_saved = dout, x_saved = x;
+  std::fill(dout.begin(), dout.end(), 0.0f);
+  std::fill(x.begin(), x.end(), 0.0f);
+  store.run(3);
+  EXPECT_EQ(store.pending(3), 0);
+  EXPECT_EQ(0, std::memcmp(dw.data(), dw_ref.data(), dw.size() * sizeof(float)));
+  // Without deferral both parts run at once.
+  dout = dout_saved;
+  x = x_saved;
+  store.linear(t(dx, {M, K}), t(dw, {N, K}), t(dout, {M, N}), t(x, {M, K}), t(w, {N, K}));
+  EXPECT_EQ(store.pending(3), 0);
+  EXPECT_NE(dw, dw_ref);
+}
 
 // ---- ShardSpec --------------------------------------------------------------------------
 
