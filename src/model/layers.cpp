@@ -112,11 +112,11 @@ void GQAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor
   Tensor lse = ctx.acts->get(mb, key_ + "lse");
   Tensor datt = ctx.scratch->get("attn.datt", {B, T, H * D});
   Tensor dqkv = ctx.scratch->get("attn.dqkv", {B, T, layout_.row_stride});
-  // The input of a column-parallel block is replicated: its gradient is the sum of the pieces.
   ctx.wgrad->linear(rows_of(datt), reg_.grad(o_), rows_of(dout), rows_of(att), reg_.param(o_));
   ops::attention_backward(dqkv, datt, qkv, att, lse, layout_, scale_);
   ops::rope_backward(dqkv, 0, layout_.n_head + layout_.n_kv_head, int(D), rope.cos_table(), rope.sin_table());
   ctx.wgrad->linear(rows_of(dx), reg_.grad_rows(q_, v_), rows_of(dqkv), rows_of(x), reg_.param_rows(q_, v_));
+  // Every rank's heads read the whole input: its gradient is the sum over the pieces.
   ctx.tp_all_reduce(dx);
 }
 
@@ -147,6 +147,7 @@ void SwiGLUMLP::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor d
   ctx.wgrad->linear(dh, reg_.grad(down_), rows_of(dout), h, reg_.param(down_));
   ops::swiglu_backward(dgu, dh, gu);
   ctx.wgrad->linear(rows_of(dx), reg_.grad_rows(gate_, up_), dgu, rows_of(x), reg_.param_rows(gate_, up_));
+  // Every rank's columns read the whole input: its gradient is the sum over the pieces.
   ctx.tp_all_reduce(dx);
 }
 

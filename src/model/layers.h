@@ -1,7 +1,7 @@
 // The pieces of a decoder layer: the attention and feed-forward interfaces that dense, MLA and
 // MoE blocks implement, the dense blocks (grouped-query attention, SwiGLU MLP), the decoder
 // layer that joins them with pre-norm residuals, and what they share (rotary tables, loss
-// scales, routing statistics, backward temporaries).
+// scales, routing statistics). They run in a Ctx (model/ctx.h).
 #pragma once
 
 #include <functional>
