@@ -156,9 +156,13 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   if (aux_alpha_ > 0) {
     const int64_t G = seq_aux_ ? B : 1;
     const double scale = aux_alpha_ * (seq_aux_ ? scales_.sequence : scales_.micro_batch);
-    Tensor aux = acts.put(mb, key_ + "gate.aux", {1}, DType::F64);
-    ops::moe_aux_loss(aux, acts.put(mb, key_ + "gate.aux_coef", {G, E}), scores, ids, scoring_);
-    stats_.aux_loss += scale * ops::read_scalar<double>(aux);
+    if (aux_pending_ == aux_values_.size()) {
+      aux_values_.emplace_back("moe.aux_loss", MemCategory::Workspace, DType::F64, 1, x.device());
+      aux_scales_.push_back(0);
+    }
+    ops::moe_aux_loss(aux_values_[aux_pending_].tensor(), acts.put(mb, key_ + "gate.aux_coef", {G, E}), scores, ids,
+                      scoring_);
+    aux_scales_[aux_pending_++] = scale;
     m.aux_scale = float(scale);
   }
   stats_.route_seconds += seconds_since(t);
@@ -262,6 +266,14 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
   ops::moe_scores_backward(dscores, dscores, scores, scoring_);
   wg.linear(dxr, reg_.grad(gate_), dscores, xr, reg_.param(gate_), /*accumulate_dx=*/true);
   stats_.route_seconds += seconds_since(t);
+}
+
+RoutingStats* MoEBlock::routing() {
+  for (size_t i = 0; i < aux_pending_; ++i) {
+    stats_.aux_loss += aux_scales_[i] * ops::read_scalar<double>(aux_values_[i].tensor());
+  }
+  aux_pending_ = 0;
+  return &stats_;
 }
 
 void MoEBlock::update_routing_bias(const std::vector<int64_t>& counts, double gamma) {

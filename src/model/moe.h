@@ -47,7 +47,8 @@ class MoEBlock : public FeedForwardBlock {
   // forward's buffers).
   void backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx) override;
   void set_loss_scales(const LossScales& s) override { scales_ = s; }
-  RoutingStats* routing() override { return &stats_; }
+  // The statistics with the auxiliary losses of the forwards so far read from the device.
+  RoutingStats* routing() override;
   // noaux_tc: bias[e] += gamma when expert e had fewer tokens than the mean, -= gamma when
   // more; unchanged otherwise and for the other routing methods.
   void update_routing_bias(const std::vector<int64_t>& global_tokens_per_expert, double gamma) override;
@@ -85,6 +86,11 @@ class MoEBlock : public FeedForwardBlock {
   int shared_gate_ = -1, shared_up_ = -1, shared_down_ = -1;
   LossScales scales_;
   RoutingStats stats_;
+  // Auxiliary losses (1) F64 of the forwards not yet read, with their scales: read when the
+  // statistics are asked for, so a forward does not wait for them.
+  std::vector<Buffer> aux_values_;
+  std::vector<double> aux_scales_;
+  size_t aux_pending_ = 0;
   // Stored per micro-batch (keys after key_): gate.scores (N,E) after softmax/sigmoid,
   // gate.weights (N,k), gate.ids (N,k) int32, gate.aux_coef (G,E) (G = B with seq_aux, else
   // 1), plan.offsets (E+1) int64, plan.sorted and plan.position (M) int32, experts.grouped

@@ -245,12 +245,13 @@ LossSums Transformer::read_sums(Tensor sums, bool with_mtp) const {
 }
 
 std::vector<std::pair<int, FeedForwardBlock*>> Transformer::moe_layers() {
+  // From the config, not routing(): asking a block for its statistics reads them back.
   std::vector<std::pair<int, FeedForwardBlock*>> out;
   for (size_t l = 0; l < layers_.size(); ++l) {
-    if (layers_[l].ffn().routing()) out.emplace_back(int(l), &layers_[l].ffn());
+    if (config_.is_moe_layer(int64_t(l))) out.emplace_back(int(l), &layers_[l].ffn());
   }
   for (size_t k = 0; k < mtp_.size(); ++k) {
-    if (mtp_[k].layer->ffn().routing()) out.emplace_back(int(layers_.size() + k), &mtp_[k].layer->ffn());
+    if (config_.is_moe_layer(mtp_[k].layer_index)) out.emplace_back(mtp_[k].layer_index, &mtp_[k].layer->ffn());
   }
   return out;
 }
