@@ -43,15 +43,11 @@ Tensor ActivationStore::put(int mb, const std::string& key, Shape shape, DType d
   auto it = slot.buffers.find(key);
   if (it == slot.buffers.end() || it->second.nbytes() < need) {
     if (it != slot.buffers.end()) {
-      pool_.emplace(it->second.nbytes(), std::move(it->second));
+      pool_[key].emplace(it->second.nbytes(), std::move(it->second));
       slot.buffers.erase(it);
     }
-    auto p = pool_.lower_bound(need);
-    Buffer b;
-    if (p != pool_.end()) {
-      b = std::move(p->second);
-      pool_.erase(p);
-    } else {
+    Buffer b = take_pooled(key, need);
+    if (!b.allocated()) {
       // Bytes, so one buffer serves any dtype when it comes back from the pool.
       b = Buffer("activations." + key, MemCategory::Activations, DType::U8, int64_t(std::max<size_t>(need, 1)),
                  device_);
@@ -61,6 +57,41 @@ Tensor ActivationStore::put(int mb, const std::string& key, Shape shape, DType d
   const Tensor t(it->second.data(), dtype, shape, device_);
   slot.views[key] = t;
   return t;
+}
+
+Buffer ActivationStore::take_pooled(const std::string& key, size_t need) {
+  auto take = [&](std::multimap<size_t, Buffer>& pool, std::multimap<size_t, Buffer>::iterator p) {
+    Buffer b = std::move(p->second);
+    pool.erase(p);
+    return b;
+  };
+  auto own = pool_.find(key);
+  if (own != pool_.end() && !own->second.empty()) {
+    auto p = own->second.lower_bound(need);
+    if (p != own->second.end()) return take(own->second, p);
+    // This key's buffers are all too small: the new one replaces the largest of them.
+    own->second.erase(std::prev(own->second.end()));
+    return Buffer();
+  }
+  // A key this store has not pooled yet: the best fit among the others, else a new buffer
+  // that replaces the largest one too small for it.
+  std::multimap<size_t, Buffer>* best_pool = nullptr;
+  std::multimap<size_t, Buffer>::iterator best, smaller;
+  std::multimap<size_t, Buffer>* smaller_pool = nullptr;
+  for (auto& [k, pool] : pool_) {
+    auto p = pool.lower_bound(need);
+    if (p != pool.end() && (!best_pool || p->first < best->first)) {
+      best_pool = &pool;
+      best = p;
+    }
+    if (p != pool.begin() && (!smaller_pool || std::prev(p)->first > smaller->first)) {
+      smaller_pool = &pool;
+      smaller = std::prev(p);
+    }
+  }
+  if (best_pool) return take(*best_pool, best);
+  if (smaller_pool) smaller_pool->erase(smaller);
+  return Buffer();
 }
 
 bool ActivationStore::has(int mb, const std::string& key) const {
@@ -80,7 +111,7 @@ Tensor ActivationStore::get(int mb, const std::string& key) const {
 void ActivationStore::release(int mb) {
   auto s = slots_.find(mb);
   if (s == slots_.end()) return;
-  for (auto& [key, b] : s->second.buffers) pool_.emplace(b.nbytes(), std::move(b));
+  for (auto& [key, b] : s->second.buffers) pool_[key].emplace(b.nbytes(), std::move(b));
   slots_.erase(s);
 }
 
@@ -104,7 +135,8 @@ int64_t ActivationStore::bytes_in_use() const {
 
 int64_t ActivationStore::bytes_allocated() const {
   int64_t n = bytes_in_use();
-  for (const auto& [cap, b] : pool_) n += int64_t(b.nbytes());
+  for (const auto& [key, pool] : pool_)
+    for (const auto& [cap, b] : pool) n += int64_t(b.nbytes());
   return n;
 }
 
@@ -123,6 +155,8 @@ void WeightGradStore::linear(Tensor dx, Tensor dw, Tensor dout, Tensor x, Tensor
     return;
   }
   if (dx.defined()) ops::linear_backward(dx, Tensor(), dout, x, w, accumulate_dx);
+  // Expert GEMMs queue from several threads: one at a time allocates, copies and queues.
+  const std::lock_guard<std::mutex> lock(mutex_);
   Deferred d;
   d.dw = dw;
   d.w = w;

@@ -13,6 +13,7 @@
 #include <any>
 #include <cstdint>
 #include <map>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -23,6 +24,8 @@
 #include "model/model_config.h"
 
 namespace dstrain {
+
+struct RopeCache;  // model/layers.h
 
 // A half-open range [begin, end) of a global count (heads, columns, experts, rows).
 struct Range {
@@ -81,7 +84,10 @@ class ActivationStore {
   ActivationStore& operator=(const ActivationStore&) = delete;
 
   // The buffer for `key` of micro-batch mb, viewed at `shape` (contents unspecified when new).
-  // Reuses the micro-batch's buffer of that key, else a pooled one, else allocates.
+  // Reuses, in this order: the micro-batch's buffer of that key; a pooled buffer of that key
+  // that fits; when the pool has none of that key, the smallest pooled one that fits. Else it
+  // allocates and frees a pooled buffer too small for it (of that key when there is one), as a
+  // buffer that grows in place would: memory follows the largest shapes seen, not all of them.
   Tensor put(int mb, const std::string& key, Shape shape, DType dtype = DType::F32);
   // What put() stored; an error when the micro-batch has no such tensor (a backward without
   // its forward).
@@ -105,6 +111,9 @@ class ActivationStore {
   Device device() const { return device_; }
 
  private:
+  // A pooled buffer for `key` of at least `need` bytes, or an empty one to replace by a new
+  // allocation (see put).
+  Buffer take_pooled(const std::string& key, size_t need);
   struct Slot {
     std::unordered_map<std::string, Buffer> buffers;
     std::unordered_map<std::string, Tensor> views;
@@ -112,7 +121,8 @@ class ActivationStore {
   };
   Device device_;
   std::map<int, Slot> slots_;
-  std::multimap<size_t, Buffer> pool_;  // by capacity in bytes
+  // Released buffers by the key they were last used for, then by capacity in bytes.
+  std::unordered_map<std::string, std::multimap<size_t, Buffer>> pool_;
 };
 
 // The split backward of zero-bubble schedules: with deferral on, linear() computes the input
@@ -139,6 +149,7 @@ class WeightGradStore {
   };
   Device device_;
   int deferring_mb_ = -1;
+  std::mutex mutex_;  // expert GEMMs queue from several threads
   std::map<int, std::vector<Deferred>> queues_;
 };
 
@@ -174,6 +185,7 @@ struct Ctx {
   WeightGradStore* wgrad = nullptr;
   Scratch* scratch = nullptr;
   ParamHooks* hooks = nullptr;    // null: none
+  RopeCache* rope = nullptr;      // rotary tables for the positions of the current batch
 
   // All-reduce (sum) over the tensor group of a row-parallel output; nothing when the group
   // has one rank.

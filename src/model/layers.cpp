@@ -9,18 +9,11 @@ namespace dstrain {
 std::string layer_name(int layer, const std::string& rest) { return fmt::format("model.layers.{}.{}", layer, rest); }
 
 // ---------------------------------------------------------------------------------------
-Tensor Activation::view(Shape shape) {
-  if (buffer_.numel() < shape.numel()) {
-    buffer_ = Buffer(label_, MemCategory::Activations, DType::F32, shape.numel());
-  }
-  return buffer_.tensor(0, shape);
-}
-
-void RopeCache::ensure(int64_t T_needed, const ModelConfig& c) {
+void RopeCache::ensure(int64_t T_needed, const ModelConfig& c, Device device) {
   if (T_needed <= T) return;
   dim = int(c.mla() ? c.qk_rope_head_dim : c.head_dim());
-  cos = Buffer("rope.cos", MemCategory::Workspace, DType::F32, T_needed * dim / 2);
-  sin = Buffer("rope.sin", MemCategory::Workspace, DType::F32, T_needed * dim / 2);
+  cos = Buffer("rope.cos", MemCategory::Workspace, DType::F32, T_needed * dim / 2, device);
+  sin = Buffer("rope.sin", MemCategory::Workspace, DType::F32, T_needed * dim / 2, device);
   T = T_needed;
   if (c.mla()) {
     ops::YarnParams y;
@@ -42,17 +35,49 @@ namespace {
 Tensor rows_of(Tensor t) { return t.view({t.numel() / t.size(-1), t.size(-1)}); }
 }  // namespace
 
+void row_parallel_forward(const Ctx& ctx, bool sharded, Tensor out, Tensor x, Tensor w, const char* slot) {
+  if (!sharded) {
+    ops::linear_forward(out, x, w, /*accumulate=*/true);
+    return;
+  }
+  Tensor partial = ctx.scratch->get(slot, out.shape());
+  ops::linear_forward(partial, x, w);
+  ctx.tp_all_reduce(partial);
+  ops::add(out, out, partial);
+}
+
+namespace {
+// Registers a tensor-parallel piece: rows [range) of a (count, cols) global matrix split along
+// `dim`, or whole when unsharded (then exactly the registration of an unsharded model).
+int add_piece(ParamRegistry& reg, const std::string& name, Shape local, Shape global, int dim, const ShardSpec& shard,
+              int layer, bool follow_previous = false) {
+  ParamOptions o;
+  o.follow_previous = follow_previous;
+  if (shard.tp_size > 1) {
+    o.placement.kind = Placement::Kind::Shard;
+    o.placement.dim = dim;
+    o.placement.axis = "tensor";
+    o.placement.index = shard.tp_rank;
+    o.placement.count = shard.tp_size;
+    o.global_shape = global;
+  }
+  return reg.add(name, local, ParamKind::Linear, layer, o);
+}
+}  // namespace
+
 // ---------------------------------------------------------------------------------------
-GQAttention::GQAttention(const ModelConfig& c, ParamRegistry& reg, int layer)
-    : reg_(reg),
-      qkv_(layer_name(layer, "self_attn.qkv")),
-      att_(layer_name(layer, "self_attn.out")),
-      lse_(layer_name(layer, "self_attn.lse")) {
-  const int64_t C = c.hidden_size, D = c.head_dim(), H = c.num_attention_heads, Hkv = c.num_key_value_heads;
-  q_ = reg.add(layer_name(layer, "self_attn.q_proj.weight"), {H * D, C}, ParamKind::Linear, layer);
-  k_ = reg.add(layer_name(layer, "self_attn.k_proj.weight"), {Hkv * D, C}, ParamKind::Linear, layer, true);
-  v_ = reg.add(layer_name(layer, "self_attn.v_proj.weight"), {Hkv * D, C}, ParamKind::Linear, layer, true);
-  o_ = reg.add(layer_name(layer, "self_attn.o_proj.weight"), {C, H * D}, ParamKind::Linear, layer);
+GQAttention::GQAttention(const ModelConfig& c, const ShardSpec& shard, ParamRegistry& reg, int layer)
+    : reg_(reg), key_(fmt::format("layers.{}.attn.", layer)), sharded_(shard.tp_size > 1) {
+  const int64_t C = c.hidden_size, D = c.head_dim(), Hg = c.num_attention_heads, Hkvg = c.num_key_value_heads;
+  const int64_t H = shard.heads.size(), Hkv = shard.kv_heads.size();
+  DS_CHECK(H * Hkvg == Hkv * Hg, "layer {}: {} of {} query heads and {} of {} key/value heads on this rank do not "
+           "keep the grouping of grouped-query attention", layer, H, Hg, Hkv, Hkvg);
+  q_ = add_piece(reg, layer_name(layer, "self_attn.q_proj.weight"), {H * D, C}, {Hg * D, C}, 0, shard, layer);
+  k_ = add_piece(reg, layer_name(layer, "self_attn.k_proj.weight"), {Hkv * D, C}, {Hkvg * D, C}, 0, shard, layer,
+                 true);
+  v_ = add_piece(reg, layer_name(layer, "self_attn.v_proj.weight"), {Hkv * D, C}, {Hkvg * D, C}, 0, shard, layer,
+                 true);
+  o_ = add_piece(reg, layer_name(layer, "self_attn.o_proj.weight"), {C, H * D}, {C, Hg * D}, 1, shard, layer);
   layout_.n_head = int(H);
   layout_.n_kv_head = int(Hkv);
   layout_.qk_dim = int(D);
@@ -64,112 +89,111 @@ GQAttention::GQAttention(const ModelConfig& c, ParamRegistry& reg, int layer)
   scale_ = float(1.0 / std::sqrt(double(D)));
 }
 
-void GQAttention::forward(Tensor x, Tensor out, RopeCache& rope) {
+void GQAttention::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   const int64_t B = x.size(0), T = x.size(1);
   const int64_t H = layout_.n_head, D = layout_.qk_dim;
-  x_ = x;
-  Tensor qkv = qkv_.view({B, T, layout_.row_stride});
-  Tensor att = att_.view({B, T, H * D});
+  const RopeCache& rope = *ctx.rope;
+  Tensor qkv = ctx.acts->put(mb, key_ + "qkv", {B, T, layout_.row_stride});
+  Tensor att = ctx.acts->put(mb, key_ + "out", {B, T, H * D});
+  Tensor lse = ctx.acts->put(mb, key_ + "lse", {B, H, T});
   ops::linear_forward(rows_of(qkv), rows_of(x), reg_.param_rows(q_, v_));
   // q and k heads are adjacent in each row: rotate them in one pass.
   ops::rope_forward(qkv, 0, layout_.n_head + layout_.n_kv_head, int(D), rope.cos_table(), rope.sin_table());
-  ops::attention_forward(att, lse_.view({B, H, T}), qkv, layout_, scale_);
-  ops::linear_forward(rows_of(out), rows_of(att), reg_.param(o_), /*accumulate=*/true);
+  ops::attention_forward(att, lse, qkv, layout_, scale_);
+  row_parallel_forward(ctx, sharded_, rows_of(out), rows_of(att), reg_.param(o_), "attn.partial");
 }
 
-void GQAttention::backward(Tensor dout, Tensor dx, RopeCache& rope, Scratch& scratch) {
+void GQAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx) {
   const int64_t B = dout.size(0), T = dout.size(1);
   const int64_t H = layout_.n_head, D = layout_.qk_dim;
-  Tensor qkv = qkv_.view({B, T, layout_.row_stride});
-  Tensor att = att_.view({B, T, H * D});
-  Tensor datt = scratch.get("attn.datt", {B, T, H * D});
-  Tensor dqkv = scratch.get("attn.dqkv", {B, T, layout_.row_stride});
-  ops::linear_backward(rows_of(datt), reg_.grad(o_), rows_of(dout), rows_of(att), reg_.param(o_));
-  ops::attention_backward(dqkv, datt, qkv, att, lse_.view({B, H, T}), layout_, scale_);
+  const RopeCache& rope = *ctx.rope;
+  Tensor qkv = ctx.acts->get(mb, key_ + "qkv");
+  Tensor att = ctx.acts->get(mb, key_ + "out");
+  Tensor lse = ctx.acts->get(mb, key_ + "lse");
+  Tensor datt = ctx.scratch->get("attn.datt", {B, T, H * D});
+  Tensor dqkv = ctx.scratch->get("attn.dqkv", {B, T, layout_.row_stride});
+  ctx.wgrad->linear(rows_of(datt), reg_.grad(o_), rows_of(dout), rows_of(att), reg_.param(o_));
+  ops::attention_backward(dqkv, datt, qkv, att, lse, layout_, scale_);
   ops::rope_backward(dqkv, 0, layout_.n_head + layout_.n_kv_head, int(D), rope.cos_table(), rope.sin_table());
-  ops::linear_backward(rows_of(dx), reg_.grad_rows(q_, v_), rows_of(dqkv), rows_of(x_), reg_.param_rows(q_, v_));
+  ctx.wgrad->linear(rows_of(dx), reg_.grad_rows(q_, v_), rows_of(dqkv), rows_of(x), reg_.param_rows(q_, v_));
+  // Every rank's heads read the whole input: its gradient is the sum over the pieces.
+  ctx.tp_all_reduce(dx);
 }
 
 // ---------------------------------------------------------------------------------------
-SwiGLUMLP::SwiGLUMLP(const ModelConfig& c, ParamRegistry& reg, int layer)
-    : reg_(reg), inter_(c.intermediate_size), gate_up_(layer_name(layer, "mlp.gate_up")), h_(layer_name(layer, "mlp.h")) {
-  const int64_t C = c.hidden_size, I = c.intermediate_size;
-  gate_ = reg.add(layer_name(layer, "mlp.gate_proj.weight"), {I, C}, ParamKind::Linear, layer);
-  up_ = reg.add(layer_name(layer, "mlp.up_proj.weight"), {I, C}, ParamKind::Linear, layer, true);
-  down_ = reg.add(layer_name(layer, "mlp.down_proj.weight"), {C, I}, ParamKind::Linear, layer);
+SwiGLUMLP::SwiGLUMLP(const ModelConfig& c, const ShardSpec& shard, ParamRegistry& reg, int layer)
+    : reg_(reg), key_(fmt::format("layers.{}.mlp.", layer)), inter_(shard.ffn.size()), sharded_(shard.tp_size > 1) {
+  const int64_t C = c.hidden_size, I = inter_, Ig = c.intermediate_size;
+  gate_ = add_piece(reg, layer_name(layer, "mlp.gate_proj.weight"), {I, C}, {Ig, C}, 0, shard, layer);
+  up_ = add_piece(reg, layer_name(layer, "mlp.up_proj.weight"), {I, C}, {Ig, C}, 0, shard, layer, true);
+  down_ = add_piece(reg, layer_name(layer, "mlp.down_proj.weight"), {C, I}, {C, Ig}, 1, shard, layer);
 }
 
-void SwiGLUMLP::forward(Tensor x, Tensor out) {
-  const int64_t B = x.size(0), T = x.size(1);
-  x_ = x;
-  Tensor gu = gate_up_.view({B * T, 2 * inter_});
-  Tensor h = h_.view({B * T, inter_});
+void SwiGLUMLP::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
+  const int64_t N = x.numel() / x.size(-1);
+  Tensor gu = ctx.acts->put(mb, key_ + "gate_up", {N, 2 * inter_});
+  Tensor h = ctx.acts->put(mb, key_ + "h", {N, inter_});
   ops::linear_forward(gu, rows_of(x), reg_.param_rows(gate_, up_));
   ops::swiglu_forward(h, gu);
-  ops::linear_forward(rows_of(out), h, reg_.param(down_), /*accumulate=*/true);
+  row_parallel_forward(ctx, sharded_, rows_of(out), h, reg_.param(down_), "mlp.partial");
 }
 
-void SwiGLUMLP::backward(Tensor dout, Tensor dx, Scratch& scratch) {
+void SwiGLUMLP::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx) {
   const int64_t N = dout.numel() / dout.size(-1);
-  Tensor gu = gate_up_.view({N, 2 * inter_});
-  Tensor h = h_.view({N, inter_});
-  Tensor dh = scratch.get("mlp.dh", {N, inter_});
-  Tensor dgu = scratch.get("mlp.dgate_up", {N, 2 * inter_});
-  ops::linear_backward(dh, reg_.grad(down_), rows_of(dout), h, reg_.param(down_));
+  Tensor gu = ctx.acts->get(mb, key_ + "gate_up");
+  Tensor h = ctx.acts->get(mb, key_ + "h");
+  Tensor dh = ctx.scratch->get("mlp.dh", {N, inter_});
+  Tensor dgu = ctx.scratch->get("mlp.dgate_up", {N, 2 * inter_});
+  ctx.wgrad->linear(dh, reg_.grad(down_), rows_of(dout), h, reg_.param(down_));
   ops::swiglu_backward(dgu, dh, gu);
-  ops::linear_backward(rows_of(dx), reg_.grad_rows(gate_, up_), dgu, rows_of(x_), reg_.param_rows(gate_, up_));
+  ctx.wgrad->linear(rows_of(dx), reg_.grad_rows(gate_, up_), dgu, rows_of(x), reg_.param_rows(gate_, up_));
+  // Every rank's columns read the whole input: its gradient is the sum over the pieces.
+  ctx.tp_all_reduce(dx);
 }
 
 // ---------------------------------------------------------------------------------------
 DecoderLayer::DecoderLayer(const ModelConfig& c, ParamRegistry& reg, int layer, std::unique_ptr<AttentionBlock> attn,
                            std::unique_ptr<FeedForwardBlock> ffn)
     : reg_(reg),
+      key_(fmt::format("layers.{}.", layer)),
       eps_(float(c.rms_norm_eps)),
       attn_(std::move(attn)),
-      ffn_(std::move(ffn)),
-      ln1_out_(layer_name(layer, "input_layernorm.out")),
-      rstd1_(layer_name(layer, "input_layernorm.rstd")),
-      x_mid_(layer_name(layer, "residual_mid")),
-      ln2_out_(layer_name(layer, "post_attention_layernorm.out")),
-      rstd2_(layer_name(layer, "post_attention_layernorm.rstd")) {
+      ffn_(std::move(ffn)) {
   ln1_ = reg.add(layer_name(layer, "input_layernorm.weight"), {c.hidden_size}, ParamKind::Norm, layer);
   ln2_ = reg.add(layer_name(layer, "post_attention_layernorm.weight"), {c.hidden_size}, ParamKind::Norm, layer);
 }
 
-void DecoderLayer::forward(Tensor x_in, Tensor x_out, RopeCache& rope) {
+void DecoderLayer::forward(const Ctx& ctx, int mb, Tensor x_in, Tensor x_out) {
   const int64_t B = x_in.size(0), T = x_in.size(1), C = x_in.size(2);
-  x_in_ = x_in;
-  Tensor ln1 = ln1_out_.view({B, T, C});
-  Tensor x_mid = x_mid_.view({B, T, C});
-  Tensor ln2 = ln2_out_.view({B, T, C});
-  ops::rmsnorm_forward(ln1, rstd1_.view({B, T}), x_in, reg_.param(ln1_), eps_);
+  ctx.before_use(first_param_, last_param_);
+  ctx.acts->meta<Tensor>(mb, key_ + "x_in") = x_in;
+  Tensor ln1 = ctx.acts->put(mb, key_ + "input_layernorm.out", {B, T, C});
+  Tensor rstd1 = ctx.acts->put(mb, key_ + "input_layernorm.rstd", {B, T});
+  Tensor x_mid = ctx.acts->put(mb, key_ + "residual_mid", {B, T, C});
+  Tensor ln2 = ctx.acts->put(mb, key_ + "post_attention_layernorm.out", {B, T, C});
+  Tensor rstd2 = ctx.acts->put(mb, key_ + "post_attention_layernorm.rstd", {B, T});
+  ops::rmsnorm_forward(ln1, rstd1, x_in, reg_.param(ln1_), eps_);
   ops::copy(x_mid, x_in);
-  attn_->forward(ln1, x_mid, rope);
-  ops::rmsnorm_forward(ln2, rstd2_.view({B, T}), x_mid, reg_.param(ln2_), eps_);
+  attn_->forward(ctx, mb, ln1, x_mid);
+  ops::rmsnorm_forward(ln2, rstd2, x_mid, reg_.param(ln2_), eps_);
   ops::copy(x_out, x_mid);
-  ffn_->forward(ln2, x_out);
+  ffn_->forward(ctx, mb, ln2, x_out);
 }
 
-void DecoderLayer::backward(Tensor dx, RopeCache& rope, Scratch& scratch) {
+void DecoderLayer::backward(const Ctx& ctx, int mb, Tensor dx) {
   const int64_t B = dx.size(0), T = dx.size(1), C = dx.size(2);
-  Tensor dln = scratch.get("layer.dln", {B, T, C});
+  ctx.before_use(first_param_, last_param_);
+  const Tensor x_in = ctx.acts->meta<Tensor>(mb, key_ + "x_in");
+  DS_CHECK(x_in.defined(), "{}: backward of micro-batch {} without its forward", key_, mb);
+  Tensor dln = ctx.scratch->get("layer.dln", {B, T, C});
   // x_out = x_mid + ffn(rmsnorm(x_mid))
-  ffn_->backward(dx, dln, scratch);
-  ops::rmsnorm_backward(dx, reg_.grad(ln2_), dln, x_mid_.view({B, T, C}), reg_.param(ln2_), rstd2_.view({B, T}));
+  ffn_->backward(ctx, mb, ctx.acts->get(mb, key_ + "post_attention_layernorm.out"), dx, dln);
+  ops::rmsnorm_backward(dx, reg_.grad(ln2_), dln, ctx.acts->get(mb, key_ + "residual_mid"), reg_.param(ln2_),
+                        ctx.acts->get(mb, key_ + "post_attention_layernorm.rstd"));
   // x_mid = x_in + attn(rmsnorm(x_in))
-  attn_->backward(dx, dln, rope, scratch);
-  ops::rmsnorm_backward(dx, reg_.grad(ln1_), dln, x_in_, reg_.param(ln1_), rstd1_.view({B, T}));
-}
-
-
-void DecoderLayer::release_activations() {
-  ln1_out_.release();
-  rstd1_.release();
-  x_mid_.release();
-  ln2_out_.release();
-  rstd2_.release();
-  attn_->release_activations();
-  ffn_->release_activations();
+  attn_->backward(ctx, mb, ctx.acts->get(mb, key_ + "input_layernorm.out"), dx, dln);
+  ops::rmsnorm_backward(dx, reg_.grad(ln1_), dln, x_in, reg_.param(ln1_),
+                        ctx.acts->get(mb, key_ + "input_layernorm.rstd"));
 }
 
 }  // namespace dstrain

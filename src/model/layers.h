@@ -1,7 +1,7 @@
 // The pieces of a decoder layer: the attention and feed-forward interfaces that dense, MLA and
 // MoE blocks implement, the dense blocks (grouped-query attention, SwiGLU MLP), the decoder
 // layer that joins them with pre-norm residuals, and what they share (rotary tables, loss
-// scales, routing statistics, backward temporaries).
+// scales, routing statistics). They run in a Ctx (model/ctx.h).
 #pragma once
 
 #include <functional>
@@ -20,26 +20,13 @@ namespace dstrain {
 // The Hugging Face name of a decoder layer's parameter: "model.layers.{layer}.{rest}".
 std::string layer_name(int layer, const std::string& rest);
 
-// An activation buffer that keeps its allocation and is viewed at the current (B, T).
-class Activation {
- public:
-  Activation() = default;
-  explicit Activation(std::string label) : label_(std::move(label)) {}
-  Tensor view(Shape shape);  // grows the allocation when needed
-  void release() { buffer_ = Buffer(); }
-
- private:
-  std::string label_;
-  Buffer buffer_;
-};
-
 // Rotary tables for positions 0..T-1: (T, dim/2) of cos and sin. DeepSeek-LLM uses plain
 // frequencies over the head dim; DeepSeek-V2/V3 YaRN frequencies over qk_rope_head_dim.
 struct RopeCache {
   Buffer cos, sin;
   int64_t T = 0;
   int dim = 0;
-  void ensure(int64_t T_needed, const ModelConfig& config);
+  void ensure(int64_t T_needed, const ModelConfig& config, Device device = Device::cpu());
   Tensor cos_table() const { return cos.tensor(0, {T, dim / 2}); }
   Tensor sin_table() const { return sin.tensor(0, {T, dim / 2}); }
 };
@@ -72,23 +59,26 @@ struct RoutingStats {
   }
 };
 
+// The blocks keep nothing per micro-batch: what a forward saves for its backward goes into
+// ctx.acts under the block's key prefix ("layers.3.attn.") and micro-batch mb, and the backward
+// is given the forward's input again. Weight gradients of linear maps go through ctx.wgrad, so
+// a backward can leave them for WeightGradStore::run.
 class AttentionBlock {
  public:
   virtual ~AttentionBlock() = default;
-  virtual void release_activations() = 0;
-  // x (B,T,C) normalised input -> out (B,T,C), added to out.
-  virtual void forward(Tensor x, Tensor out, RopeCache& rope) = 0;
-  // dout (B,T,C) -> dx (B,T,C) (overwritten); parameter gradients accumulated.
-  virtual void backward(Tensor dout, Tensor dx, RopeCache& rope, Scratch& scratch) = 0;
+  // x (B,T,C) normalised input -> out (B,T,C), added to out. ctx.rope holds the tables.
+  virtual void forward(const Ctx& ctx, int mb, Tensor x, Tensor out) = 0;
+  // x: the forward's input again; dout (B,T,C) -> dx (B,T,C) (overwritten); parameter
+  // gradients accumulated.
+  virtual void backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx) = 0;
 };
 
 class FeedForwardBlock {
  public:
   virtual ~FeedForwardBlock() = default;
-  virtual void release_activations() = 0;
-  virtual void forward(Tensor x, Tensor out) = 0;  // x (B,T,C); the result is added to out
-  virtual void backward(Tensor dout, Tensor dx, Scratch& scratch) = 0;
-  // Scales of the auxiliary terms for the next forward and backward (MoE only).
+  virtual void forward(const Ctx& ctx, int mb, Tensor x, Tensor out) = 0;  // x (B,T,C); added to out
+  virtual void backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx) = 0;
+  // Scales of the auxiliary terms for the next forwards (MoE only).
   virtual void set_loss_scales(const LossScales&) {}
   // Routing statistics, or null for a dense block.
   virtual RoutingStats* routing() { return nullptr; }
@@ -97,57 +87,55 @@ class FeedForwardBlock {
   virtual void update_routing_bias(const std::vector<int64_t>& global_tokens_per_expert, double gamma) {}
 };
 
-// Grouped-query attention with fused q/k/v projection weights.
+// Grouped-query attention with fused q/k/v projection weights. Sharded: this rank's query
+// heads and their key/value heads (column-parallel q/k/v, row-parallel o_proj).
 class GQAttention : public AttentionBlock {
  public:
-  GQAttention(const ModelConfig& c, ParamRegistry& reg, int layer);
-  void release_activations() override {
-    qkv_.release();
-    att_.release();
-    lse_.release();
-  }
-  void forward(Tensor x, Tensor out, RopeCache& rope) override;
-  void backward(Tensor dout, Tensor dx, RopeCache& rope, Scratch& scratch) override;
+  GQAttention(const ModelConfig& c, const ShardSpec& shard, ParamRegistry& reg, int layer);
+  void forward(const Ctx& ctx, int mb, Tensor x, Tensor out) override;
+  void backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx) override;
 
  private:
   ParamRegistry& reg_;
+  std::string key_;  // "layers.{layer}.attn."
   ops::AttentionLayout layout_;
   int q_, k_, v_, o_;  // parameter ids
   float scale_;
-  Tensor x_;           // saved input (owned by the decoder layer)
-  Activation qkv_, att_, lse_;  // (B,T,(H+2Hkv)*D) post-rope, (B,T,H*D), (B,H,T)
+  bool sharded_;
+  // Stored per micro-batch: qkv (B,T,(H+2Hkv)*D) post-rope, out (B,T,H*D), lse (B,H,T).
 };
 
-// SwiGLU MLP with fused gate/up projection weights.
+// SwiGLU MLP with fused gate/up projection weights. Sharded: this rank's columns of the
+// intermediate size (column-parallel gate/up, row-parallel down).
 class SwiGLUMLP : public FeedForwardBlock {
  public:
-  SwiGLUMLP(const ModelConfig& c, ParamRegistry& reg, int layer);
-  void release_activations() override {
-    gate_up_.release();
-    h_.release();
-  }
-  void forward(Tensor x, Tensor out) override;
-  void backward(Tensor dout, Tensor dx, Scratch& scratch) override;
+  SwiGLUMLP(const ModelConfig& c, const ShardSpec& shard, ParamRegistry& reg, int layer);
+  void forward(const Ctx& ctx, int mb, Tensor x, Tensor out) override;
+  void backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx) override;
 
  private:
   ParamRegistry& reg_;
+  std::string key_;  // "layers.{layer}.mlp."
   int gate_, up_, down_;
-  int64_t inter_;
-  Tensor x_;
-  Activation gate_up_, h_;  // (B,T,2I), (B,T,I)
+  int64_t inter_;  // local columns of the intermediate size
+  bool sharded_;
+  // Stored per micro-batch: gate_up (B*T,2I), h (B*T,I).
 };
+
+// Row-parallel output: out += x · w^T, summed over the tensor group first when the layer is
+// sharded (through a temporary in ctx.scratch); unsharded it is one accumulating GEMM.
+void row_parallel_forward(const Ctx& ctx, bool sharded, Tensor out, Tensor x, Tensor w, const char* slot);
 
 class DecoderLayer {
  public:
-  void release_activations();
   DecoderLayer(const ModelConfig& c, ParamRegistry& reg, int layer, std::unique_ptr<AttentionBlock> attn,
                std::unique_ptr<FeedForwardBlock> ffn);
-  // x_in (B,T,C) must stay alive until backward; x_out (B,T,C) is written.
-  void forward(Tensor x_in, Tensor x_out, RopeCache& rope);
+  // x_in (B,T,C) must stay alive and unchanged until backward; x_out (B,T,C) is written.
+  void forward(const Ctx& ctx, int mb, Tensor x_in, Tensor x_out);
   // dx: gradient w.r.t. x_out on entry, w.r.t. x_in on return.
-  void backward(Tensor dx, RopeCache& rope, Scratch& scratch);
-  // Parameter ids [first, last] of this layer, for the gradient-ready hook.
+  void backward(const Ctx& ctx, int mb, Tensor dx);
   FeedForwardBlock& ffn() { return *ffn_; }
+  // Parameter ids [first, last] of this layer, for the parameter hooks.
   void set_param_range(int first, int last) {
     first_param_ = first;
     last_param_ = last;
@@ -157,13 +145,14 @@ class DecoderLayer {
 
  private:
   ParamRegistry& reg_;
+  std::string key_;  // "layers.{layer}."
   float eps_;
   int ln1_, ln2_;
   int first_param_ = 0, last_param_ = -1;
   std::unique_ptr<AttentionBlock> attn_;
   std::unique_ptr<FeedForwardBlock> ffn_;
-  Tensor x_in_;
-  Activation ln1_out_, rstd1_, x_mid_, ln2_out_, rstd2_;
+  // Stored per micro-batch: ln1 (B,T,C), rstd1 (B,T), x_mid (B,T,C), ln2 (B,T,C), rstd2
+  // (B,T), and (meta) the view of x_in.
 };
 
 }  // namespace dstrain

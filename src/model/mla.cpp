@@ -10,22 +10,6 @@ namespace {
 
 Tensor rows_of(Tensor t) { return t.view({t.numel() / t.size(-1), t.size(-1)}); }
 
-// For each of `rows` rows, copies `count` blocks of `len` floats: block j of row r from
-// src + r*src_stride + j*src_step to dst + r*dst_stride + j*dst_step. A src_step of 0
-// broadcasts one block (k_pe into every head).
-struct Blocks {
-  int64_t count, len;
-};
-void copy_blocks(float* dst, int64_t dst_stride, int64_t dst_step, const float* src, int64_t src_stride,
-                 int64_t src_step, int64_t rows, Blocks b) {
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < b.count; ++j) {
-      std::copy_n(src + r * src_stride + j * src_step, b.len, dst + r * dst_stride + j * dst_step);
-    }
-  }
-}
-
 // out = in (N,K) · w (M,K)^T computed `stage.numel() / M` rows at a time into `stage` (1-D), each
 // chunk (n, M) handed to scatter(first_row, chunk). The forward has no scratch of its own:
 // the projections that only feed the fused q|k|v rows are staged through a buffer that is
@@ -45,26 +29,20 @@ void staged_linear(Tensor in, Tensor w, Tensor stage, Scatter&& scatter) {
 
 }  // namespace
 
-MLAttention::MLAttention(const ModelConfig& c, ParamRegistry& reg, int layer)
+MLAttention::MLAttention(const ModelConfig& c, const ShardSpec& shard, ParamRegistry& reg, int layer)
     : reg_(reg),
-      H_(c.num_attention_heads),
+      key_(fmt::format("layers.{}.attn.", layer)),
+      H_(shard.heads.size()),
       Dn_(c.qk_nope_head_dim),
       Dr_(c.qk_rope_head_dim),
       Dv_(c.v_head_dim),
       q_rank_(c.q_lora_rank),
       kv_rank_(c.kv_lora_rank),
       eps_(float(c.rms_norm_eps)),
-      scale_(float(c.softmax_scale())),
-      q_lat_(layer_name(layer, "self_attn.q_latent")),
-      q_lat_norm_(layer_name(layer, "self_attn.q_latent_norm")),
-      q_rstd_(layer_name(layer, "self_attn.q_latent_rstd")),
-      kv_lat_(layer_name(layer, "self_attn.kv_latent")),
-      kv_lat_norm_(layer_name(layer, "self_attn.kv_latent_norm")),
-      kv_rstd_(layer_name(layer, "self_attn.kv_latent_rstd")),
-      qkv_(layer_name(layer, "self_attn.qkv")),
-      att_(layer_name(layer, "self_attn.out")),
-      lse_(layer_name(layer, "self_attn.lse")) {
+      scale_(float(c.softmax_scale())) {
   DS_CHECK(c.mla(), "MLAttention needs a deepseek_v2/v3 config, got model_type '{}'", c.model_type);
+  DS_CHECK(shard.tp_size == 1, "layer {}: multi-head latent attention is not split over a tensor-parallel group yet "
+           "({} ranks): run deepseek_v2/v3 models with a tensor-parallel size of 1", layer, shard.tp_size);
   DS_CHECK(H_ > 0 && Dr_ > 0 && Dr_ % 2 == 0 && Dn_ >= 0 && Dv_ > 0 && kv_rank_ > 0 && q_rank_ >= 0,
            "MLAttention: heads {}, qk_nope {}, qk_rope {} (must be even), v_head {}, kv_lora_rank {}, q_lora_rank {}",
            H_, Dn_, Dr_, Dv_, kv_rank_, q_rank_);
@@ -93,60 +71,48 @@ MLAttention::MLAttention(const ModelConfig& c, ParamRegistry& reg, int layer)
   layout_.row_stride = H_ * (2 * Dqk + Dv_);
 }
 
-void MLAttention::release_activations() {
-  q_lat_.release();
-  q_lat_norm_.release();
-  q_rstd_.release();
-  kv_lat_.release();
-  kv_lat_norm_.release();
-  kv_rstd_.release();
-  qkv_.release();
-  att_.release();
-  lse_.release();
-}
-
-void MLAttention::forward(Tensor x, Tensor out, RopeCache& rope) {
+void MLAttention::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   const int64_t B = x.size(0), T = x.size(1), N = B * T;
   const int64_t Dqk = Dn_ + Dr_, W = layout_.row_stride;
+  const RopeCache& rope = *ctx.rope;
   DS_CHECK(rope.dim == Dr_ && rope.T >= T, "MLA: rope tables of dim {} for {} positions, need dim {} for {}",
            rope.dim, rope.T, Dr_, T);
-  x_ = x;
   Tensor xs = rows_of(x);             // (N, C)
-  Tensor qkv = qkv_.view({B, T, W});  // (B, T, [q (H,Dqk) | k (H,Dqk) | v (H,Dv)])
+  Tensor qkv = ctx.acts->put(mb, key_ + "qkv", {B, T, W});  // (B, T, [q (H,Dqk) | k (H,Dqk) | v (H,Dv)])
   // The attention output's buffer stages the projections until the attention writes it; it
   // holds at least one row of the widest projection, for a lone token.
   const int64_t widest = std::max({H_ * (Dn_ + Dv_), H_ * Dqk, Dr_});
-  Tensor stage = att_.view({std::max(N * H_ * Dv_, widest)});
-  Tensor att = att_.view({B, T, H_ * Dv_});  // (B, T, H*Dv), the front of the same buffer
-  float* row = qkv.data<float>();
+  Tensor stage = ctx.acts->put(mb, key_ + "out", {std::max(N * H_ * Dv_, widest)});
+  Tensor att = stage.slice(0, N * H_ * Dv_).view({B, T, H_ * Dv_});  // the front of the same buffer
+  Tensor rows = qkv.view({N, W});
 
   // Keys and values: the latent c and k_pe from one weight, kv_b_proj from the normed latent.
   Tensor w_kv_a = reg_.param(kv_a_);  // (kv_rank + Dr, C): rows [c | k_pe]
-  Tensor lat = kv_lat_.view({N, kv_rank_});
-  Tensor lat_norm = kv_lat_norm_.view({N, kv_rank_});
+  Tensor lat = ctx.acts->put(mb, key_ + "kv_latent", {N, kv_rank_});
+  Tensor lat_norm = ctx.acts->put(mb, key_ + "kv_latent_norm", {N, kv_rank_});
   ops::linear_forward(lat, xs, w_kv_a.slice(0, kv_rank_));
-  ops::rmsnorm_forward(lat_norm, kv_rstd_.view({N}), lat, reg_.param(kv_norm_), eps_);
+  ops::rmsnorm_forward(lat_norm, ctx.acts->put(mb, key_ + "kv_latent_rstd", {N}), lat, reg_.param(kv_norm_), eps_);
   staged_linear(lat_norm, reg_.param(kv_b_), stage, [&](int64_t r0, Tensor kv) {  // kv (n, H*(Dn+Dv))
-    const float* src = kv.data<float>();
-    float* dst = row + r0 * W;
-    copy_blocks(dst + layout_.k_offset, W, Dqk, src, H_ * (Dn_ + Dv_), Dn_ + Dv_, kv.size(0), {H_, Dn_});
-    copy_blocks(dst + layout_.v_offset, W, Dv_, src + Dn_, H_ * (Dn_ + Dv_), Dn_ + Dv_, kv.size(0), {H_, Dv_});
+    Tensor dst = rows.slice(r0, r0 + kv.size(0));
+    ops::copy_blocks(dst, layout_.k_offset, Dqk, kv, 0, Dn_ + Dv_, H_, Dn_, false);
+    ops::copy_blocks(dst, layout_.v_offset, Dv_, kv, Dn_, Dn_ + Dv_, H_, Dv_, false);
   });
   staged_linear(xs, w_kv_a.slice(kv_rank_, kv_rank_ + Dr_), stage, [&](int64_t r0, Tensor k_pe) {  // (n, Dr)
-    copy_blocks(row + r0 * W + layout_.k_offset + Dn_, W, Dqk, k_pe.data<float>(), Dr_, 0, k_pe.size(0), {H_, Dr_});
+    // The one k_pe of a token into every head's key.
+    ops::copy_blocks(rows.slice(r0, r0 + k_pe.size(0)), layout_.k_offset + Dn_, Dqk, k_pe, 0, 0, H_, Dr_, false);
   });
 
   // Queries, directly or through the normed query latent.
   auto scatter_q = [&](int64_t r0, Tensor q) {  // (n, H*Dqk)
-    copy_blocks(row + r0 * W + layout_.q_offset, W, 0, q.data<float>(), H_ * Dqk, 0, q.size(0), {1, H_ * Dqk});
+    ops::copy_blocks(rows.slice(r0, r0 + q.size(0)), layout_.q_offset, 0, q, 0, 0, 1, H_ * Dqk, false);
   };
   if (q_rank_ == 0) {
     staged_linear(xs, reg_.param(q_), stage, scatter_q);
   } else {
-    Tensor qlat = q_lat_.view({N, q_rank_});
-    Tensor qlat_norm = q_lat_norm_.view({N, q_rank_});
+    Tensor qlat = ctx.acts->put(mb, key_ + "q_latent", {N, q_rank_});
+    Tensor qlat_norm = ctx.acts->put(mb, key_ + "q_latent_norm", {N, q_rank_});
     ops::linear_forward(qlat, xs, reg_.param(q_a_));
-    ops::rmsnorm_forward(qlat_norm, q_rstd_.view({N}), qlat, reg_.param(q_norm_), eps_);
+    ops::rmsnorm_forward(qlat_norm, ctx.acts->put(mb, key_ + "q_latent_rstd", {N}), qlat, reg_.param(q_norm_), eps_);
     staged_linear(qlat_norm, reg_.param(q_b_), stage, scatter_q);
   }
 
@@ -154,73 +120,66 @@ void MLAttention::forward(Tensor x, Tensor out, RopeCache& rope) {
   // stride Dqk) over 2H heads; rotating each head's copy of k_pe costs little next to the
   // attention and keeps the backward a plain transpose.
   ops::rope_forward_interleaved(qkv, Dn_, int(2 * H_), Dqk, int(Dr_), rope.cos_table(), rope.sin_table());
-  ops::attention_forward(att, lse_.view({B, H_, T}), qkv, layout_, scale_);
+  ops::attention_forward(att, ctx.acts->put(mb, key_ + "lse", {B, H_, T}), qkv, layout_, scale_);
   ops::linear_forward(rows_of(out), rows_of(att), reg_.param(o_), /*accumulate=*/true);
 }
 
-void MLAttention::backward(Tensor dout, Tensor dx, RopeCache& rope, Scratch& scratch) {
+void MLAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx) {
   const int64_t B = dout.size(0), T = dout.size(1), N = B * T;
   const int64_t Dqk = Dn_ + Dr_, W = layout_.row_stride;
-  Tensor xs = rows_of(x_);
+  const RopeCache& rope = *ctx.rope;
+  Scratch& scratch = *ctx.scratch;
+  WeightGradStore& wg = *ctx.wgrad;
+  Tensor xs = rows_of(x);
   Tensor dxs = rows_of(dx);
-  Tensor qkv = qkv_.view({B, T, W});
-  Tensor att = att_.view({B, T, H_ * Dv_});
+  Tensor qkv = ctx.acts->get(mb, key_ + "qkv");
+  Tensor att = ctx.acts->get(mb, key_ + "out").slice(0, N * H_ * Dv_).view({B, T, H_ * Dv_});
 
   // "mla.dheads" holds one per-head gradient at a time: d(attention output), then dq, then
   // d[k_nope | v]; "mla.dlatent(_norm)" the query latent's, then the kv latent's.
   Tensor datt = scratch.get("mla.dheads", {N, H_ * Dv_});
-  ops::linear_backward(datt, reg_.grad(o_), rows_of(dout), rows_of(att), reg_.param(o_));
+  wg.linear(datt, reg_.grad(o_), rows_of(dout), rows_of(att), reg_.param(o_));
   Tensor dqkv = scratch.get("mla.dqkv", {B, T, W});
-  ops::attention_backward(dqkv, datt.view({B, T, H_ * Dv_}), qkv, att, lse_.view({B, H_, T}), layout_, scale_);
+  ops::attention_backward(dqkv, datt.view({B, T, H_ * Dv_}), qkv, att, ctx.acts->get(mb, key_ + "lse"), layout_, scale_);
   ops::rope_backward_interleaved(dqkv, Dn_, int(2 * H_), Dqk, int(Dr_), rope.cos_table(), rope.sin_table());
-  const float* drow = dqkv.data<float>();
+  Tensor drows = dqkv.view({N, W});
 
   // Queries: dx is overwritten here and accumulated into below.
   Tensor dq = scratch.get("mla.dheads", {N, H_ * Dqk});
-  copy_blocks(dq.data<float>(), H_ * Dqk, 0, drow + layout_.q_offset, W, 0, N, {1, H_ * Dqk});
+  ops::copy_blocks(dq, 0, 0, drows, layout_.q_offset, 0, 1, H_ * Dqk, false);
   if (q_rank_ == 0) {
-    ops::linear_backward(dxs, reg_.grad(q_), dq, xs, reg_.param(q_));
+    wg.linear(dxs, reg_.grad(q_), dq, xs, reg_.param(q_));
   } else {
     Tensor dlat_norm = scratch.get("mla.dlatent_norm", {N, q_rank_});
     Tensor dlat = scratch.get("mla.dlatent", {N, q_rank_});
-    ops::linear_backward(dlat_norm, reg_.grad(q_b_), dq, q_lat_norm_.view({N, q_rank_}), reg_.param(q_b_));
+    wg.linear(dlat_norm, reg_.grad(q_b_), dq, ctx.acts->get(mb, key_ + "q_latent_norm"), reg_.param(q_b_));
     ops::fill(dlat, 0.0f);  // rmsnorm_backward accumulates
-    ops::rmsnorm_backward(dlat, reg_.grad(q_norm_), dlat_norm, q_lat_.view({N, q_rank_}), reg_.param(q_norm_),
-                          q_rstd_.view({N}));
-    ops::linear_backward(dxs, reg_.grad(q_a_), dlat, xs, reg_.param(q_a_));
+    ops::rmsnorm_backward(dlat, reg_.grad(q_norm_), dlat_norm, ctx.acts->get(mb, key_ + "q_latent"), reg_.param(q_norm_),
+                          ctx.acts->get(mb, key_ + "q_latent_rstd"));
+    wg.linear(dxs, reg_.grad(q_a_), dlat, xs, reg_.param(q_a_));
   }
 
   // k_pe fed every head's key: its gradient is the sum over heads, in head order.
   Tensor dk_pe = scratch.get("mla.dk_pe", {N, Dr_});
-  {
-    float* dk = dk_pe.data<float>();
-    const int64_t H = H_, Dr = Dr_, k_pe = layout_.k_offset + Dn_;
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < N; ++r) {
-      float* acc = dk + r * Dr;
-      const float* src = drow + r * W + k_pe;
-      std::copy_n(src, Dr, acc);
-      for (int64_t h = 1; h < H; ++h) {
-        for (int64_t i = 0; i < Dr; ++i) acc[i] += src[h * Dqk + i];
-      }
-    }
-  }
+  const int64_t k_pe = layout_.k_offset + Dn_;
+  ops::copy_blocks(dk_pe, 0, 0, drows, k_pe, 0, 1, Dr_, false);
+  ops::copy_blocks(dk_pe, 0, 0, drows, k_pe + Dqk, Dqk, H_ - 1, Dr_, /*accumulate=*/true);
   Tensor w_kv_a = reg_.param(kv_a_), g_kv_a = reg_.grad(kv_a_);  // rows [c | k_pe]
-  ops::linear_backward(dxs, g_kv_a.slice(kv_rank_, kv_rank_ + Dr_), dk_pe, xs, w_kv_a.slice(kv_rank_, kv_rank_ + Dr_),
+  wg.linear(dxs, g_kv_a.slice(kv_rank_, kv_rank_ + Dr_), dk_pe, xs, w_kv_a.slice(kv_rank_, kv_rank_ + Dr_),
                        /*accumulate_dx=*/true);
 
   // Keys and values through kv_b_proj, the latent norm and the latent rows of kv_a_proj.
   const int64_t Dkv = Dn_ + Dv_;
   Tensor dkv = scratch.get("mla.dheads", {N, H_ * Dkv});
-  copy_blocks(dkv.data<float>(), H_ * Dkv, Dkv, drow + layout_.k_offset, W, Dqk, N, {H_, Dn_});
-  copy_blocks(dkv.data<float>() + Dn_, H_ * Dkv, Dkv, drow + layout_.v_offset, W, Dv_, N, {H_, Dv_});
+  ops::copy_blocks(dkv, 0, Dkv, drows, layout_.k_offset, Dqk, H_, Dn_, false);
+  ops::copy_blocks(dkv, Dn_, Dkv, drows, layout_.v_offset, Dv_, H_, Dv_, false);
   Tensor dlat_norm = scratch.get("mla.dlatent_norm", {N, kv_rank_});
   Tensor dlat = scratch.get("mla.dlatent", {N, kv_rank_});
-  ops::linear_backward(dlat_norm, reg_.grad(kv_b_), dkv, kv_lat_norm_.view({N, kv_rank_}), reg_.param(kv_b_));
+  wg.linear(dlat_norm, reg_.grad(kv_b_), dkv, ctx.acts->get(mb, key_ + "kv_latent_norm"), reg_.param(kv_b_));
   ops::fill(dlat, 0.0f);
-  ops::rmsnorm_backward(dlat, reg_.grad(kv_norm_), dlat_norm, kv_lat_.view({N, kv_rank_}), reg_.param(kv_norm_),
-                        kv_rstd_.view({N}));
-  ops::linear_backward(dxs, g_kv_a.slice(0, kv_rank_), dlat, xs, w_kv_a.slice(0, kv_rank_), /*accumulate_dx=*/true);
+  ops::rmsnorm_backward(dlat, reg_.grad(kv_norm_), dlat_norm, ctx.acts->get(mb, key_ + "kv_latent"), reg_.param(kv_norm_),
+                        ctx.acts->get(mb, key_ + "kv_latent_rstd"));
+  wg.linear(dxs, g_kv_a.slice(0, kv_rank_), dlat, xs, w_kv_a.slice(0, kv_rank_), /*accumulate_dx=*/true);
 }
 
 }  // namespace dstrain

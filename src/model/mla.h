@@ -16,26 +16,29 @@ namespace dstrain {
 // with k_pe copied into every head's key, so the GQA attention kernels serve it unchanged.
 class MLAttention final : public AttentionBlock {
  public:
-  MLAttention(const ModelConfig& c, ParamRegistry& reg, int layer);
-  void release_activations() override;
-  // x (B,T,C) normalised input; out (B,T,C) is added to. `rope` must hold YaRN tables of dim
+  // Sized from the shard's heads; a split of the heads (tensor parallel) is not implemented.
+  MLAttention(const ModelConfig& c, const ShardSpec& shard, ParamRegistry& reg, int layer);
+  // x (B,T,C) normalised input; out (B,T,C) is added to. ctx.rope must hold YaRN tables of dim
   // qk_rope_head_dim for at least T positions (RopeCache::ensure of a deepseek_v2/v3 config).
-  void forward(Tensor x, Tensor out, RopeCache& rope) override;
-  // dout (B,T,C) -> dx (B,T,C) (overwritten); every parameter gradient is accumulated.
-  void backward(Tensor dout, Tensor dx, RopeCache& rope, Scratch& scratch) override;
+  void forward(const Ctx& ctx, int mb, Tensor x, Tensor out) override;
+  // x: the forward's input again; dout (B,T,C) -> dx (B,T,C) (overwritten); every parameter
+  // gradient is accumulated.
+  void backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx) override;
 
  private:
   ParamRegistry& reg_;
+  std::string key_;  // "layers.{layer}.attn."
   int64_t H_, Dn_, Dr_, Dv_, q_rank_, kv_rank_;
   float eps_, scale_;
   ops::AttentionLayout layout_;
   // Parameter ids; q_ is q_proj without a query LoRA, otherwise q_a_/q_norm_/q_b_ are used.
   int q_ = -1, q_a_ = -1, q_norm_ = -1, q_b_ = -1, kv_a_ = -1, kv_norm_ = -1, kv_b_ = -1, o_ = -1;
-  Tensor x_;  // saved input (owned by the decoder layer)
-  Activation q_lat_, q_lat_norm_, q_rstd_;     // (B,T,q_lora_rank) x2, (B,T); only with a query LoRA
-  Activation kv_lat_, kv_lat_norm_, kv_rstd_;  // (B,T,kv_lora_rank) x2, (B,T)
-  Activation qkv_;                             // (B,T,H*(2*(Dn+Dr)+Dv)) post-rope
-  Activation att_, lse_;                       // (B,T,H*Dv), (B,H,T)
+  // Stored per micro-batch (keys after key_):
+  //   q_latent, q_latent_norm, q_latent_rstd   (N,q_lora_rank) x2, (N); only with a query LoRA
+  //   kv_latent, kv_latent_norm, kv_latent_rstd  (N,kv_lora_rank) x2, (N)
+  //   qkv                                     (B,T,H*(2*(Dn+Dr)+Dv)) post-rope
+  //   out, lse                                (B,T,H*Dv) (at least one row of the widest
+  //                                           projection: it stages them), (B,H,T)
 };
 
 }  // namespace dstrain

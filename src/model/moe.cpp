@@ -13,12 +13,6 @@ namespace dstrain {
 namespace {
 
 
-// An index buffer viewed at the current size, grown like an Activation.
-Tensor index_view(Buffer& b, const std::string& label, DType dtype, Shape shape) {
-  if (b.numel() < shape.numel()) b = Buffer(label, MemCategory::Activations, dtype, shape.numel());
-  return b.tensor(0, shape);
-}
-
 ops::MoETopK topk_method(const std::string& m) {
   if (m == "greedy") return ops::MoETopK::Greedy;
   if (m == "group_limited_greedy") return ops::MoETopK::GroupLimitedGreedy;
@@ -41,17 +35,17 @@ ops::MoEScoring scoring_func(const std::string& s) {
 // another with threaded GEMMs. Every expert's arithmetic is the same either way, so the
 // result does not depend on the thread count.
 template <class Fn>
-void MoEBlock::for_each_expert(Fn&& fn) const {
-  const int64_t* off = offsets_.tensor(0, {n_experts_ + 1}).data<int64_t>();
-  const int64_t n = int64_t(active_.size());
+void MoEBlock::for_each_expert(const Meta& m, Fn&& fn) const {
+  const int64_t* off = m.offsets.data();
+  const int64_t n = int64_t(m.active.size());
   if (n < 2 * int64_t(omp_get_max_threads())) {
-    for (int64_t e : active_) fn(e, off[e], off[e + 1]);
+    for (int64_t e : m.active) fn(e, off[e], off[e + 1]);
     return;
   }
   std::exception_ptr error;
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t e = active_[size_t(i)];
+    const int64_t e = m.active[size_t(i)];
     try {
       fn(e, off[e], off[e + 1]);
     } catch (...) {
@@ -62,22 +56,18 @@ void MoEBlock::for_each_expert(Fn&& fn) const {
   if (error) std::rethrow_exception(error);
 }
 
-MoEBlock::MoEBlock(const ModelConfig& c, ParamRegistry& reg, int layer)
+MoEBlock::MoEBlock(const ModelConfig& c, const ShardSpec& shard, ParamRegistry& reg, int layer)
     : reg_(reg),
-      n_experts_(c.n_routed_experts),
-      inter_(c.moe_intermediate_size),
-      shared_inter_(c.moe_intermediate_size * c.n_shared_experts),
+      key_(fmt::format("layers.{}.mlp.", layer)),
+      n_experts_(shard.experts.size()),
+      inter_(shard.moe_ffn.size()),
+      shared_inter_(shard.shared_ffn.size()),
       scoring_(scoring_func(c.scoring_func)),
       aux_alpha_(c.aux_loss_alpha),
-      seq_aux_(c.seq_aux),
-      scores_(layer_name(layer, "mlp.gate.scores")),
-      weights_(layer_name(layer, "mlp.gate.weights")),
-      coef_(layer_name(layer, "mlp.gate.aux_coef")),
-      grouped_(layer_name(layer, "mlp.experts.grouped")),
-      gate_up_(layer_name(layer, "mlp.experts.gate_up")),
-      h_(layer_name(layer, "mlp.experts.h")),
-      shared_gate_up_(layer_name(layer, "mlp.shared_experts.gate_up")),
-      shared_h_(layer_name(layer, "mlp.shared_experts.h")) {
+      seq_aux_(c.seq_aux) {
+  DS_CHECK(shard.tp_size == 1 && shard.ep_size == 1,
+           "layer {}: DeepSeekMoE is not split over tensor ({} ranks) or expert ({} ranks) groups yet: run MoE models "
+           "with tensor and expert parallel sizes of 1", layer, shard.tp_size, shard.ep_size);
   const int64_t C = c.hidden_size, E = n_experts_, I = inter_;
   route_.method = topk_method(c.topk_method);
   route_.top_k = int(c.num_experts_per_tok);
@@ -103,11 +93,19 @@ MoEBlock::MoEBlock(const ModelConfig& c, ParamRegistry& reg, int layer)
     bias_ = reg.add(layer_name(layer, "mlp.gate.e_score_correction_bias"), {E}, ParamKind::RouterBias, layer,
                     /*follow_previous=*/false, /*trainable=*/false);
   }
+  // Routed experts are reduced over the ranks that hold the same experts (ParamGroup::Expert).
+  ParamOptions expert;
+  expert.group = ParamGroup::Expert;
+  ParamOptions expert_follow = expert;
+  expert_follow.follow_previous = true;
   for (int64_t j = 0; j < E; ++j) {
     const std::string base = fmt::format("mlp.experts.{}.", j);
-    expert_gate_.push_back(reg.add(layer_name(layer, base + "gate_proj.weight"), {I, C}, ParamKind::Linear, layer));
-    expert_up_.push_back(reg.add(layer_name(layer, base + "up_proj.weight"), {I, C}, ParamKind::Linear, layer, true));
-    expert_down_.push_back(reg.add(layer_name(layer, base + "down_proj.weight"), {C, I}, ParamKind::Linear, layer));
+    expert_gate_.push_back(
+        reg.add(layer_name(layer, base + "gate_proj.weight"), {I, C}, ParamKind::Linear, layer, expert));
+    expert_up_.push_back(
+        reg.add(layer_name(layer, base + "up_proj.weight"), {I, C}, ParamKind::Linear, layer, expert_follow));
+    expert_down_.push_back(
+        reg.add(layer_name(layer, base + "down_proj.weight"), {C, I}, ParamKind::Linear, layer, expert));
   }
   if (shared_inter_ > 0) {
     const int64_t S = shared_inter_;
@@ -118,71 +116,60 @@ MoEBlock::MoEBlock(const ModelConfig& c, ParamRegistry& reg, int layer)
   stats_.tokens_per_expert.assign(size_t(E), 0);
 }
 
-void MoEBlock::release_activations() {
-  scores_.release();
-  weights_.release();
-  coef_.release();
-  ids_ = Buffer();
-  offsets_ = Buffer();
-  sorted_ = Buffer();
-  position_ = Buffer();
-  grouped_.release();
-  gate_up_.release();
-  h_.release();
-  shared_gate_up_.release();
-  shared_h_.release();
-  grouped_is_output_ = false;
-}
-
-void MoEBlock::forward(Tensor x, Tensor out) {
+void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   DS_CHECK(x.ndim() == 3 && out.numel() == x.numel(), "MoE forward: x {} out {}", x.shape().str(),
            out.shape().str());
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2), N = B * T, E = n_experts_, k = route_.top_k;
   const int64_t M = N * k, I = inter_;
   DS_CHECK(M < (int64_t(1) << 31), "MoE forward: {} routed rows overflow the int32 dispatch plan", M);
-  x_ = x;
-  B_ = B;
-  T_ = T;
-  N_ = N;
+  ActivationStore& acts = *ctx.acts;
+  Meta& m = acts.meta<Meta>(mb, key_ + "meta");
   Tensor xr = x.view({N, C}), outr = out.view({N, C});
 
   // Router: scores in fp32, then the top-k choice and the weights.
   auto t = Clock::now();
-  Tensor scores = scores_.view({N, E});
+  Tensor scores = acts.put(mb, key_ + "gate.scores", {N, E});
   ops::linear_forward(scores, xr, reg_.param(gate_));
   ops::moe_scores(scores, scores, scoring_);
-  Tensor ids = index_view(ids_, "moe.ids", DType::I32, {N, k});
-  Tensor weights = weights_.view({N, k});
+  Tensor ids = acts.put(mb, key_ + "gate.ids", {N, k}, DType::I32);
+  Tensor weights = acts.put(mb, key_ + "gate.weights", {N, k});
   ops::moe_route(ids, weights, scores, bias_ >= 0 ? reg_.param(bias_) : Tensor(), route_);
 
-  Tensor offsets = index_view(offsets_, "moe.offsets", DType::I64, {E + 1});
-  Tensor sorted = index_view(sorted_, "moe.sorted", DType::I32, {M});
-  Tensor position = index_view(position_, "moe.position", DType::I32, {M});
+  Tensor offsets = acts.put(mb, key_ + "plan.offsets", {E + 1}, DType::I64);
+  Tensor sorted = acts.put(mb, key_ + "plan.sorted", {M}, DType::I32);
+  Tensor position = acts.put(mb, key_ + "plan.position", {M}, DType::I32);
   ops::moe_dispatch_plan(offsets, sorted, position, ids);
-  const int64_t* off = offsets.data<int64_t>();
-  active_.clear();
+  // The one synchronisation MoE needs: the per-expert row counts decide the shapes of the
+  // expert GEMMs, so they come to the host once per forward (as in Megatron-Core).
+  m.offsets.assign(size_t(E + 1), 0);
+  ops::copy(Tensor(m.offsets.data(), DType::I64, Shape{E + 1}), offsets);
+  const int64_t* off = m.offsets.data();
+  m.active.clear();
   for (int64_t e = 0; e < E; ++e) {
     stats_.tokens_per_expert[size_t(e)] += off[e + 1] - off[e];
-    if (off[e + 1] > off[e]) active_.push_back(e);
+    if (off[e + 1] > off[e]) m.active.push_back(e);
   }
-  std::stable_sort(active_.begin(), active_.end(),
+  std::stable_sort(m.active.begin(), m.active.end(),
                    [&](int64_t a, int64_t b) { return off[a + 1] - off[a] > off[b + 1] - off[b]; });
 
-  aux_scale_ = 0;
+  m.aux_scale = 0;
   if (aux_alpha_ > 0) {
     const int64_t G = seq_aux_ ? B : 1;
     const double scale = aux_alpha_ * (seq_aux_ ? scales_.sequence : scales_.micro_batch);
-    Buffer aux_out("moe.aux", MemCategory::Workspace, DType::F64, 1, x.device());
-    ops::moe_aux_loss(aux_out.tensor(), coef_.view({G, E}), scores, ids, scoring_);
-    const double aux = ops::read_scalar<double>(aux_out.tensor());
-    stats_.aux_loss += scale * aux;
-    aux_scale_ = float(scale);
+    if (aux_pending_ == aux_values_.size()) {
+      aux_values_.emplace_back("moe.aux_loss", MemCategory::Workspace, DType::F64, 1, x.device());
+      aux_scales_.push_back(0);
+    }
+    ops::moe_aux_loss(aux_values_[aux_pending_].tensor(), acts.put(mb, key_ + "gate.aux_coef", {G, E}), scores, ids,
+                      scoring_);
+    aux_scales_[aux_pending_++] = scale;
+    m.aux_scale = float(scale);
   }
   stats_.route_seconds += seconds_since(t);
 
   if (shared_inter_ > 0) {
-    Tensor gu = shared_gate_up_.view({N, 2 * shared_inter_});
-    Tensor h = shared_h_.view({N, shared_inter_});
+    Tensor gu = acts.put(mb, key_ + "shared_experts.gate_up", {N, 2 * shared_inter_});
+    Tensor h = acts.put(mb, key_ + "shared_experts.h", {N, shared_inter_});
     ops::linear_forward(gu, xr, reg_.param_rows(shared_gate_, shared_up_));
     ops::swiglu_forward(h, gu);
     ops::linear_forward(outr, h, reg_.param(shared_down_), /*accumulate=*/true);
@@ -190,56 +177,59 @@ void MoEBlock::forward(Tensor x, Tensor out) {
 
   // Routed experts: one GEMM per expert over its contiguous rows. The outputs overwrite the
   // inputs in `grouped`, which the backward re-gathers instead of keeping a second copy.
-  Tensor grouped = grouped_.view({M, C});
-  Tensor gate_up = gate_up_.view({M, 2 * I});
-  Tensor h = h_.view({M, I});
+  Tensor grouped = acts.put(mb, key_ + "experts.grouped", {M, C});
+  Tensor gate_up = acts.put(mb, key_ + "experts.gate_up", {M, 2 * I});
+  Tensor h = acts.put(mb, key_ + "experts.h", {M, I});
   t = Clock::now();
   ops::moe_permute(grouped, xr, sorted, int(k));
   stats_.permute_seconds += seconds_since(t);
-  for_each_expert([&](int64_t e, int64_t r0, int64_t r1) {
+  for_each_expert(m, [&](int64_t e, int64_t r0, int64_t r1) {
     ops::linear_forward(gate_up.slice(r0, r1), grouped.slice(r0, r1),
                         reg_.param_rows(expert_gate_[size_t(e)], expert_up_[size_t(e)]));
   });
   ops::swiglu_forward(h, gate_up);
-  for_each_expert([&](int64_t e, int64_t r0, int64_t r1) {
+  for_each_expert(m, [&](int64_t e, int64_t r0, int64_t r1) {
     ops::linear_forward(grouped.slice(r0, r1), h.slice(r0, r1), reg_.param(expert_down_[size_t(e)]));
   });
   t = Clock::now();
   ops::moe_unpermute(outr, grouped, weights, position);
   stats_.permute_seconds += seconds_since(t);
-  grouped_is_output_ = true;
+  m.pending = true;
 }
 
-void MoEBlock::backward(Tensor dout, Tensor dx, Scratch& scratch) {
-  DS_CHECK(grouped_is_output_, "MoE backward without a forward since the last backward");
-  const int64_t N = N_, C = x_.size(2), E = n_experts_, k = route_.top_k, M = N * k, I = inter_;
+void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx) {
+  ActivationStore& acts = *ctx.acts;
+  Scratch& scratch = *ctx.scratch;
+  WeightGradStore& wg = *ctx.wgrad;
+  Meta& m = acts.meta<Meta>(mb, key_ + "meta");
+  DS_CHECK(m.pending, "{}: MoE backward of micro-batch {} without a forward since its last backward", key_, mb);
+  const int64_t C = x.size(2), N = x.numel() / C, E = n_experts_, k = route_.top_k, M = N * k,
+                I = inter_;
   DS_CHECK(dout.numel() == N * C && dx.numel() == N * C, "MoE backward: dout {} dx {} for x {}", dout.shape().str(),
-           dx.shape().str(), x_.shape().str());
-  grouped_is_output_ = false;
-  Tensor xr = x_.view({N, C}), doutr = dout.view({N, C}), dxr = dx.view({N, C});
-  Tensor scores = scores_.view({N, E});
-  Tensor ids = ids_.tensor(0, {N, k});
-  Tensor weights = weights_.view({N, k});
-  Tensor sorted = sorted_.tensor(0, {M});
-  Tensor position = position_.tensor(0, {M});
+           dx.shape().str(), x.shape().str());
+  m.pending = false;
+  Tensor xr = x.view({N, C}), doutr = dout.view({N, C}), dxr = dx.view({N, C});
+  Tensor scores = acts.get(mb, key_ + "gate.scores");
+  Tensor ids = acts.get(mb, key_ + "gate.ids");
+  Tensor weights = acts.get(mb, key_ + "gate.weights");
+  Tensor sorted = acts.get(mb, key_ + "plan.sorted");
+  Tensor position = acts.get(mb, key_ + "plan.position");
   // The expert temporaries share the dense MLP's scratch slots: the shared experts, the
   // routed experts and the dense layers use them one after another, never at once.
   if (shared_inter_ > 0) {
     Tensor dh = scratch.get("mlp.dh", {N, shared_inter_});
     Tensor dgu = scratch.get("mlp.dgate_up", {N, 2 * shared_inter_});
-    ops::linear_backward(dh, reg_.grad(shared_down_), doutr, shared_h_.view({N, shared_inter_}),
-                         reg_.param(shared_down_));
-    ops::swiglu_backward(dgu, dh, shared_gate_up_.view({N, 2 * shared_inter_}));
-    ops::linear_backward(dxr, reg_.grad_rows(shared_gate_, shared_up_), dgu, xr,
-                         reg_.param_rows(shared_gate_, shared_up_));
+    wg.linear(dh, reg_.grad(shared_down_), doutr, acts.get(mb, key_ + "shared_experts.h"), reg_.param(shared_down_));
+    ops::swiglu_backward(dgu, dh, acts.get(mb, key_ + "shared_experts.gate_up"));
+    wg.linear(dxr, reg_.grad_rows(shared_gate_, shared_up_), dgu, xr, reg_.param_rows(shared_gate_, shared_up_));
   } else {
     ops::fill(dxr, 0.0f);
   }
 
   // Routed experts, in expert order.
-  Tensor grouped = grouped_.view({M, C});  // the experts' outputs
-  Tensor gate_up = gate_up_.view({M, 2 * I});
-  Tensor h = h_.view({M, I});
+  Tensor grouped = acts.get(mb, key_ + "experts.grouped");  // the experts' outputs
+  Tensor gate_up = acts.get(mb, key_ + "experts.gate_up");
+  Tensor h = acts.get(mb, key_ + "experts.h");
   Tensor dgrouped = scratch.get("moe.dgrouped", {M, C});
   Tensor dweights = scratch.get("moe.dweights", {N, k});
   Tensor dh = scratch.get("mlp.dh", {M, I});
@@ -247,9 +237,9 @@ void MoEBlock::backward(Tensor dout, Tensor dx, Scratch& scratch) {
   auto t = Clock::now();
   ops::moe_unpermute_backward(dgrouped, dweights, doutr, grouped, weights, sorted);
   stats_.permute_seconds += seconds_since(t);
-  for_each_expert([&](int64_t e, int64_t r0, int64_t r1) {
-    ops::linear_backward(dh.slice(r0, r1), reg_.grad(expert_down_[size_t(e)]), dgrouped.slice(r0, r1),
-                         h.slice(r0, r1), reg_.param(expert_down_[size_t(e)]));
+  for_each_expert(m, [&](int64_t e, int64_t r0, int64_t r1) {
+    wg.linear(dh.slice(r0, r1), reg_.grad(expert_down_[size_t(e)]), dgrouped.slice(r0, r1), h.slice(r0, r1),
+              reg_.param(expert_down_[size_t(e)]));
   });
   ops::swiglu_backward(dgu, dh, gate_up);
   // The expert inputs again (into dgrouped, now consumed); their gradients go into grouped,
@@ -258,10 +248,9 @@ void MoEBlock::backward(Tensor dout, Tensor dx, Scratch& scratch) {
   t = Clock::now();
   ops::moe_permute(xg, xr, sorted, int(k));
   stats_.permute_seconds += seconds_since(t);
-  for_each_expert([&](int64_t e, int64_t r0, int64_t r1) {
+  for_each_expert(m, [&](int64_t e, int64_t r0, int64_t r1) {
     const int g = expert_gate_[size_t(e)], u = expert_up_[size_t(e)];
-    ops::linear_backward(dxg.slice(r0, r1), reg_.grad_rows(g, u), dgu.slice(r0, r1), xg.slice(r0, r1),
-                         reg_.param_rows(g, u));
+    wg.linear(dxg.slice(r0, r1), reg_.grad_rows(g, u), dgu.slice(r0, r1), xg.slice(r0, r1), reg_.param_rows(g, u));
   });
   t = Clock::now();
   ops::moe_permute_backward(dxr, dxg, position, /*accumulate=*/true);
@@ -271,28 +260,29 @@ void MoEBlock::backward(Tensor dout, Tensor dx, Scratch& scratch) {
   t = Clock::now();
   Tensor dscores = scratch.get("moe.dscores", {N, E});
   ops::moe_route_backward(dscores, dweights, ids, scores, route_);
-  if (aux_scale_ != 0) {
-    ops::moe_aux_loss_backward(dscores, coef_.view({seq_aux_ ? B_ : 1, E}), scores, scoring_, aux_scale_);
+  if (m.aux_scale != 0) {
+    ops::moe_aux_loss_backward(dscores, acts.get(mb, key_ + "gate.aux_coef"), scores, scoring_, m.aux_scale);
   }
   ops::moe_scores_backward(dscores, dscores, scores, scoring_);
-  ops::linear_backward(dxr, reg_.grad(gate_), dscores, xr, reg_.param(gate_), /*accumulate_dx=*/true);
+  wg.linear(dxr, reg_.grad(gate_), dscores, xr, reg_.param(gate_), /*accumulate_dx=*/true);
   stats_.route_seconds += seconds_since(t);
+}
+
+RoutingStats* MoEBlock::routing() {
+  for (size_t i = 0; i < aux_pending_; ++i) {
+    stats_.aux_loss += aux_scales_[i] * ops::read_scalar<double>(aux_values_[i].tensor());
+  }
+  aux_pending_ = 0;
+  return &stats_;
 }
 
 void MoEBlock::update_routing_bias(const std::vector<int64_t>& counts, double gamma) {
   if (bias_ < 0) return;
   DS_CHECK(int64_t(counts.size()) == n_experts_, "update_routing_bias: {} counts for {} experts", counts.size(),
            n_experts_);
-  int64_t total = 0;
-  for (int64_t c : counts) total += c;
-  float* b = reg_.param(bias_).data<float>();
-  const float step = float(gamma);
-  for (int64_t e = 0; e < n_experts_; ++e) {
-    // counts[e] against mean = total / E, compared exactly in integers.
-    const int64_t lhs = counts[size_t(e)] * n_experts_;
-    if (lhs < total) b[e] += step;
-    if (lhs > total) b[e] -= step;
-  }
+  Buffer on_device("moe.tokens_per_expert", MemCategory::Workspace, DType::I64, n_experts_, reg_.device());
+  ops::copy(on_device.tensor(), Tensor(const_cast<int64_t*>(counts.data()), DType::I64, Shape{n_experts_}));
+  ops::moe_bias_update(reg_.param(bias_), on_device.tensor(), float(gamma));
 }
 
 }  // namespace dstrain

@@ -34,37 +34,48 @@ class MoEBlock : public FeedForwardBlock {
   // Registers model.layers.{layer}.mlp.gate.weight (E,C), gate.e_score_correction_bias (E)
   // (noaux_tc only, not trainable), experts.{j}.{gate,up,down}_proj.weight with each expert's
   // gate and up adjacent (one (2I,C) matrix), and shared_experts.* when n_shared_experts > 0.
-  MoEBlock(const ModelConfig& c, ParamRegistry& reg, int layer);
+  // Sized from the shard's experts and columns; a split over tensor or expert groups is not
+  // implemented yet.
+  MoEBlock(const ModelConfig& c, const ShardSpec& shard, ParamRegistry& reg, int layer);
 
-  void release_activations() override;
-  // x (B,T,C) must stay alive until backward; the layer's output is added to out (B,T,C).
-  // Also accumulates the routing statistics and, with aux_loss_alpha > 0, the scaled
-  // auxiliary loss (using the scales of the last set_loss_scales).
-  void forward(Tensor x, Tensor out) override;
-  // dout (B,T,C) -> dx (B,T,C) overwritten; gradients of the gate, the routed and shared
-  // experts accumulated. One backward per forward (it reuses the forward's buffers).
-  void backward(Tensor dout, Tensor dx, Scratch& scratch) override;
+  // x (B,T,C) normalised input; the layer's output is added to out (B,T,C). Also accumulates
+  // the routing statistics and, with aux_loss_alpha > 0, the scaled auxiliary loss (using the
+  // scales of the last set_loss_scales).
+  void forward(const Ctx& ctx, int mb, Tensor x, Tensor out) override;
+  // x: the forward's input again; dout (B,T,C) -> dx (B,T,C) overwritten; gradients of the
+  // gate, the routed and shared experts accumulated. One backward per forward (it reuses the
+  // forward's buffers).
+  void backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx) override;
   void set_loss_scales(const LossScales& s) override { scales_ = s; }
-  RoutingStats* routing() override { return &stats_; }
+  // The statistics with the auxiliary losses of the forwards so far read from the device.
+  RoutingStats* routing() override;
   // noaux_tc: bias[e] += gamma when expert e had fewer tokens than the mean, -= gamma when
   // more; unchanged otherwise and for the other routing methods.
   void update_routing_bias(const std::vector<int64_t>& global_tokens_per_expert, double gamma) override;
 
-  // The routing of the last forward: ids (N,k) int32, weights (N,k), scores (N,E),
-  // offsets (E+1) int64 (expert e's rows of the grouped buffer).
-  Tensor last_ids() { return ids_.tensor(0, {N_, route_.top_k}); }
-  Tensor last_weights() { return weights_.view({N_, route_.top_k}); }
-  Tensor last_scores() { return scores_.view({N_, n_experts_}); }
-  Tensor last_offsets() { return offsets_.tensor(0, {n_experts_ + 1}); }
+  // The routing of micro-batch mb's forward (until its activations are released): ids (N,k)
+  // int32, weights (N,k), scores (N,E), offsets (E+1) int64 (expert e's grouped rows).
+  Tensor ids(const ActivationStore& acts, int mb) const { return acts.get(mb, key_ + "gate.ids"); }
+  Tensor weights(const ActivationStore& acts, int mb) const { return acts.get(mb, key_ + "gate.weights"); }
+  Tensor scores(const ActivationStore& acts, int mb) const { return acts.get(mb, key_ + "gate.scores"); }
+  Tensor offsets(const ActivationStore& acts, int mb) const { return acts.get(mb, key_ + "plan.offsets"); }
   const ops::MoERouteParams& route_params() const { return route_; }
   ops::MoEScoring scoring() const { return scoring_; }
   int bias_param() const { return bias_; }  // -1 unless noaux_tc
 
  private:
+  // What a forward leaves for its backward besides tensors.
+  struct Meta {
+    float aux_scale = 0;        // d(loss)/d(aux): alpha * the loss scale
+    bool pending = false;       // the grouped buffer holds the experts' outputs, not yet consumed
+    std::vector<int64_t> active;  // experts with rows, largest first
+    std::vector<int64_t> offsets;  // (E+1) host copy of the plan's offsets
+  };
   template <class Fn>
-  void for_each_expert(Fn&& fn) const;
+  void for_each_expert(const Meta& m, Fn&& fn) const;
 
   ParamRegistry& reg_;
+  std::string key_;  // "layers.{layer}.mlp."
   int64_t n_experts_, inter_, shared_inter_;
   ops::MoERouteParams route_;
   ops::MoEScoring scoring_;
@@ -75,22 +86,16 @@ class MoEBlock : public FeedForwardBlock {
   int shared_gate_ = -1, shared_up_ = -1, shared_down_ = -1;
   LossScales scales_;
   RoutingStats stats_;
-
-  // State of the last forward.
-  Tensor x_;
-  int64_t B_ = 0, T_ = 0, N_ = 0;
-  float aux_scale_ = 0;       // d(loss)/d(aux) of the last forward: alpha * the loss scale
-  bool grouped_is_output_ = false;  // grouped_ holds the experts' outputs, not yet consumed
-  std::vector<int64_t> active_;  // experts with rows, largest first
-  Activation scores_;         // (N,E) router scores (after softmax/sigmoid)
-  Activation weights_;        // (N,k) routing weights
-  Activation coef_;           // (G,E) aux-loss coefficients, G = B (seq_aux) or 1
-  Buffer ids_;                // (N,k) int32 chosen experts
-  Buffer offsets_;            // (E+1) int64
-  Buffer sorted_, position_;  // (M) int32 each: the dispatch plan
-  Activation grouped_;        // (M,C) expert inputs in expert order, then their outputs
-  Activation gate_up_, h_;    // (M,2I), (M,I)
-  Activation shared_gate_up_, shared_h_;  // (N,2*I*S), (N,I*S)
+  // Auxiliary losses (1) F64 of the forwards not yet read, with their scales: read when the
+  // statistics are asked for, so a forward does not wait for them.
+  std::vector<Buffer> aux_values_;
+  std::vector<double> aux_scales_;
+  size_t aux_pending_ = 0;
+  // Stored per micro-batch (keys after key_): gate.scores (N,E) after softmax/sigmoid,
+  // gate.weights (N,k), gate.ids (N,k) int32, gate.aux_coef (G,E) (G = B with seq_aux, else
+  // 1), plan.offsets (E+1) int64, plan.sorted and plan.position (M) int32, experts.grouped
+  // (M,C) expert inputs in expert order, then their outputs, experts.gate_up (M,2I),
+  // experts.h (M,I), shared_experts.gate_up (N,2S), shared_experts.h (N,S).
 };
 
 }  // namespace dstrain

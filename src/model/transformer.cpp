@@ -13,33 +13,46 @@ namespace dstrain {
 
 // ---------------------------------------------------------------------------------------
 Transformer::Transformer(const ModelConfig& config, Device device)
-    : config_(config), xf_("final_norm.out"), rstdf_("final_norm.rstd"), logits_("head.logits"),
-      losses_("head.losses"), lse_("head.lse") {
+    : Transformer(config, device, ShardSpec::whole(config)) {}
+
+Transformer::Transformer(const ModelConfig& config, Device device, const ShardSpec& shard, ProcessGroups groups)
+    : config_(config), shard_(shard), acts_(device), wgrad_(device), scratch_(device) {
   const ModelConfig& c = config_;
+  DS_CHECK(ProcessGroups::size_of(groups.tp) == shard.tp_size,
+           "the tensor-parallel group has {} ranks but the shard is one of {} pieces", ProcessGroups::size_of(groups.tp),
+           shard.tp_size);
+  DS_CHECK(shard.vocab.size() == c.vocab_size,
+           "the vocabulary is not split over a tensor-parallel group yet (this rank holds {} of {} rows): the "
+           "embedding and head need a tensor-parallel size of 1 for now", shard.vocab.size(), c.vocab_size);
+  ctx_.device = device;
+  ctx_.stream.device = device;
+  ctx_.groups = groups;
+  ctx_.acts = &acts_;
+  ctx_.wgrad = &wgrad_;
+  ctx_.scratch = &scratch_;
+  ctx_.rope = &rope_;
   embed_ = reg_.add("model.embed_tokens.weight", {c.vocab_size, c.hidden_size}, ParamKind::Embedding, -1);
   layers_.reserve(size_t(c.num_hidden_layers));
   // DeepSeek-LLM: GQA + SwiGLU; DeepSeek-V2/V3: MLA + DeepSeekMoE (dense in the first layers).
   auto make_layer = [&](int l) {
+    const int first = reg_.size();
     std::unique_ptr<AttentionBlock> attn;
     if (c.mla()) {
-      attn = std::make_unique<MLAttention>(c, reg_, l);
+      attn = std::make_unique<MLAttention>(c, shard_, reg_, l);
     } else {
-      attn = std::make_unique<GQAttention>(c, reg_, l);
+      attn = std::make_unique<GQAttention>(c, shard_, reg_, l);
     }
     std::unique_ptr<FeedForwardBlock> ffn;
     if (c.is_moe_layer(l)) {
-      ffn = std::make_unique<MoEBlock>(c, reg_, l);
+      ffn = std::make_unique<MoEBlock>(c, shard_, reg_, l);
     } else {
-      ffn = std::make_unique<SwiGLUMLP>(c, reg_, l);
+      ffn = std::make_unique<SwiGLUMLP>(c, shard_, reg_, l);
     }
-    return std::make_unique<DecoderLayer>(c, reg_, l, std::move(attn), std::move(ffn));
+    auto layer = std::make_unique<DecoderLayer>(c, reg_, l, std::move(attn), std::move(ffn));
+    layer->set_param_range(first, reg_.size() - 1);
+    return layer;
   };
-  for (int l = 0; l < int(c.num_hidden_layers); ++l) {
-    const int first = reg_.size();
-    auto layer = make_layer(l);
-    layers_.push_back(std::move(*layer));
-    layers_.back().set_param_range(first, reg_.size() - 1);
-  }
+  for (int l = 0; l < int(c.num_hidden_layers); ++l) layers_.push_back(std::move(*make_layer(l)));
   final_norm_ = reg_.add("model.norm.weight", {c.hidden_size}, ParamKind::Norm, -1);
   lm_head_ = c.tie_word_embeddings ? -1 : reg_.add("lm_head.weight", {c.vocab_size, c.hidden_size}, ParamKind::Head, -1);
   // Multi-token prediction modules, stored as the layers after the last one (as DeepSeek-V3's
@@ -47,6 +60,7 @@ Transformer::Transformer(const ModelConfig& config, Device device)
   for (int k = 0; k < int(c.num_nextn_predict_layers); ++k) {
     const int l = int(c.num_hidden_layers) + k;
     MtpModule m;
+    m.layer_index = l;
     m.first_param = reg_.size();
     m.enorm = reg_.add(layer_name(l, "enorm.weight"), {c.hidden_size}, ParamKind::Norm, l);
     m.hnorm = reg_.add(layer_name(l, "hnorm.weight"), {c.hidden_size}, ParamKind::Norm, l);
@@ -54,16 +68,34 @@ Transformer::Transformer(const ModelConfig& config, Device device)
     m.layer = make_layer(l);
     m.head_norm = reg_.add(layer_name(l, "shared_head.norm.weight"), {c.hidden_size}, ParamKind::Norm, l);
     m.last_param = reg_.size() - 1;
-    for (auto [act, what] : {std::pair{&m.emb, "mtp.emb"}, {&m.e_rstd, "mtp.e_rstd"}, {&m.hn_in, "mtp.hnorm"},
-                             {&m.h_rstd, "mtp.h_rstd"}, {&m.cat, "mtp.cat"}, {&m.h_in, "mtp.h_in"},
-                             {&m.h_out, "mtp.h_out"}, {&m.out_norm, "mtp.out_norm"}, {&m.out_rstd, "mtp.out_rstd"}}) {
-      *act = Activation(fmt::format("layers.{}.{}", l, what));
-    }
     mtp_.push_back(std::move(m));
   }
   reg_.allocate(device);
-  for (int l = 0; l <= int(c.num_hidden_layers); ++l) x_.emplace_back(fmt::format("residual.{}", l));
 }
+
+namespace {
+// normal(0, std) values of the global tensor at the elements this rank's piece holds, so that a
+// sharded model starts from the same weights as the whole one.
+void fill_normal_piece(Tensor x, const ParamInfo& p, double std, uint64_t seed) {
+  const uint64_t stream = stream_id(p.name);
+  if (p.placement.kind == Placement::Kind::Whole) {
+    ops::fill_normal(x, std, seed, stream, 0);
+    return;
+  }
+  DS_CHECK(p.placement.kind == Placement::Kind::Shard && x.ndim() == 2 && (p.placement.dim == 0 || p.placement.dim == 1),
+           "{}: initialising a piece placed as {} along dim {} is not implemented", p.name, int(p.placement.kind),
+           p.placement.dim);
+  const int64_t rows = x.size(0), cols = x.size(1);
+  if (p.placement.dim == 0) {  // rows [index*rows, ...): contiguous in the global tensor
+    ops::fill_normal(x, std, seed, stream, uint64_t(p.placement.index * rows * cols));
+    return;
+  }
+  const int64_t global_cols = p.global_shape[1], c0 = p.placement.index * cols;
+  for (int64_t r = 0; r < rows; ++r) {
+    ops::fill_normal(x.slice(r, r + 1), std, seed, stream, uint64_t(r * global_cols + c0));
+  }
+}
+}  // namespace
 
 void Transformer::init_weights(uint64_t seed) {
   for (int id = 0; id < reg_.size(); ++id) {
@@ -73,7 +105,7 @@ void Transformer::init_weights(uint64_t seed) {
     } else if (p.kind == ParamKind::RouterBias) {
       ops::fill(reg_.param(id), 0.0f);
     } else {
-      fill_normal(reg_.param(id), config_.initializer_range, seed, stream_id(p.name));
+      fill_normal_piece(reg_.param(id), p, config_.initializer_range, seed);
     }
   }
 }
@@ -128,55 +160,55 @@ int64_t Transformer::activation_bytes(int64_t B, int64_t T) const {
 }
 
 void Transformer::release_activations() {
-  for (auto& x : x_) x.release();
-  xf_.release();
-  rstdf_.release();
-  logits_.release();
-  losses_.release();
-  lse_.release();
+  acts_.clear();
   scratch_.release();
-  for (auto& l : layers_) l.release_activations();
-  for (auto& m : mtp_) {
-    m.layer->release_activations();
-    for (Activation* a : {&m.emb, &m.e_rstd, &m.hn_in, &m.h_rstd, &m.cat, &m.h_in, &m.h_out, &m.out_norm, &m.out_rstd}) {
-      a->release();
-    }
-  }
+  wgrad_.clear();
+  ready_after_weights_.clear();
 }
 
-
-void Transformer::forward_body(Tensor tokens) {
+void Transformer::forward_body(int mb, Tensor tokens) {
   DS_CHECK(tokens.ndim() == 2, "tokens must be (B, T), got {}", tokens.shape().str());
   const int64_t B = tokens.size(0), T = tokens.size(1), C = config_.hidden_size;
   DS_CHECK(T <= config_.max_position_embeddings, "sequence length {} exceeds max_position_embeddings {}", T,
            config_.max_position_embeddings);
-  B_ = B;
-  T_ = T;
-  tokens_ = tokens;
-  rope_.ensure(T, config_);
-  Tensor x0 = x_[0].view({B, T, C});
-  ops::embedding_forward(x0.view({B * T, C}), tokens.view({B * T}), reg_.param(embed_));
+  rope_.ensure(T, config_, ctx_.device);
+  // A copy, so the caller's tokens need not outlive the forward.
+  Tensor tok = acts_.put(mb, "tokens", {B, T}, DType::I32);
+  ops::copy(tok, tokens);
+  // The residual stream: "residual.0" the embedding output, "residual.{l+1}" after layer l.
+  auto residual = [&](size_t l) { return acts_.put(mb, fmt::format("residual.{}", l), {B, T, C}); };
+  Tensor x = residual(0);
+  ctx_.before_use(embed_, embed_);
+  ops::embedding_forward(x.view({B * T, C}), tok.view({B * T}), reg_.param(embed_));
   for (size_t l = 0; l < layers_.size(); ++l) {
-    layers_[l].forward(x_[l].view({B, T, C}), x_[l + 1].view({B, T, C}), rope_);
+    Tensor next = residual(l + 1);
+    layers_[l].forward(ctx_, mb, x, next);
+    x = next;
   }
-  ops::rmsnorm_forward(xf_.view({B, T, C}), rstdf_.view({B, T}), x_.back().view({B, T, C}), reg_.param(final_norm_),
-                       float(config_.rms_norm_eps));
+  ctx_.before_use(final_norm_, final_norm_);
+  ops::rmsnorm_forward(acts_.put(mb, "final_norm.out", {B, T, C}), acts_.put(mb, "final_norm.rstd", {B, T}), x,
+                       reg_.param(final_norm_), float(config_.rms_norm_eps));
 }
 
-LossSums Transformer::head(Tensor x, Tensor targets, bool backward, float scale, Tensor dx) {
+void Transformer::head(Tensor x, Tensor targets, bool backward, float scale, Tensor dx, Tensor sums) {
   const int64_t C = config_.hidden_size, V = config_.vocab_size, N = x.numel() / C;
   DS_CHECK(targets.numel() == N, "targets {} for {} positions", targets.shape().str(), N);
   Tensor xr = x.view({N, C});
   Tensor tg = targets.view({N});
+  ctx_.before_use(head_param(), head_param());
   Tensor w = head_weight();
   const int64_t chunk = std::min(N, head_chunk_rows());
-  Tensor losses = losses_.view({N});
+  // Transient: each chunk's loss and gradient are formed at once, so the head keeps nothing
+  // for the backward.
+  Tensor losses = scratch_.get("head.losses", {N});
+  Tensor logits_buf = scratch_.get("head.logits", {chunk, V});
+  Tensor lse_buf = scratch_.get("head.lse", {chunk});
   // The loss of each chunk is final as soon as its logits exist, so its gradient is formed
   // right away and the full (N, V) logits never exist at once.
   for (int64_t r0 = 0; r0 < N; r0 += chunk) {
     const int64_t r1 = std::min(N, r0 + chunk), n = r1 - r0;
-    Tensor logits = logits_.view({chunk, V}).slice(0, n);
-    Tensor lse = lse_.view({chunk}).slice(0, n);
+    Tensor logits = logits_buf.slice(0, n);
+    Tensor lse = lse_buf.slice(0, n);
     ops::linear_forward(logits, xr.slice(r0, r1), w);
     ops::cross_entropy_forward(losses.slice(r0, r1), lse, logits, tg.slice(r0, r1));
     if (backward) {
@@ -186,78 +218,95 @@ LossSums Transformer::head(Tensor x, Tensor targets, bool backward, float scale,
       early_backward_s_ += seconds_since(t0);
     }
   }
+  ops::loss_sums(sums, losses, tg);
+}
+
+Tensor Transformer::zeroed_sums(int mb) {
+  // (2 + 2 x MTP depth) F64: {sum, count} of the main loss, then of each depth.
+  const int64_t n = 2 + 2 * int64_t(mtp_.size());
+  Tensor sums = acts_.put(mb, "loss_sums", {n}, DType::F64);
+  const std::vector<double> zeros(size_t(n), 0.0);
+  ops::copy(sums, Tensor(const_cast<double*>(zeros.data()), DType::F64, Shape{n}));
+  return sums;
+}
+
+LossSums Transformer::read_sums(Tensor sums, bool with_mtp) const {
+  // The one read of the forward's results by the host.
+  std::vector<double> h(size_t(sums.numel()));
+  ops::copy(Tensor(h.data(), DType::F64, Shape{sums.numel()}), sums);
   LossSums s;
-  const float* lp = losses.data<float>();
-  const int32_t* tp = tg.data<int32_t>();
-  for (int64_t i = 0; i < N; ++i) {
-    if (tp[i] == ops::kIgnoreIndex) continue;
-    s.sum += lp[i];
-    s.count += 1;
+  s.sum = h[0];
+  s.count = int64_t(h[1]);
+  for (size_t k = 0; with_mtp && k < mtp_.size(); ++k) {
+    s.mtp_sum.push_back(h[2 + 2 * k]);
+    s.mtp_count.push_back(int64_t(h[3 + 2 * k]));
   }
   return s;
 }
 
 std::vector<std::pair<int, FeedForwardBlock*>> Transformer::moe_layers() {
+  // From the config, not routing(): asking a block for its statistics reads them back.
   std::vector<std::pair<int, FeedForwardBlock*>> out;
   for (size_t l = 0; l < layers_.size(); ++l) {
-    if (layers_[l].ffn().routing()) out.emplace_back(int(l), &layers_[l].ffn());
+    if (config_.is_moe_layer(int64_t(l))) out.emplace_back(int(l), &layers_[l].ffn());
   }
   for (size_t k = 0; k < mtp_.size(); ++k) {
-    if (mtp_[k].layer->ffn().routing()) out.emplace_back(int(layers_.size() + k), &mtp_[k].layer->ffn());
+    if (config_.is_moe_layer(mtp_[k].layer_index)) out.emplace_back(mtp_[k].layer_index, &mtp_[k].layer->ffn());
   }
   return out;
 }
 
-void Transformer::mtp_forward_backward(const LossScales& scales, Tensor targets, Tensor dxf, LossSums& sums,
-                                       const GradReadyFn& ready) {
-  const int64_t B = B_, T = T_, C = config_.hidden_size, N = B * T;
+void Transformer::grad_ready(int mb, int first, int last) {
+  if (split_mb_ == mb) {
+    ready_after_weights_[mb].emplace_back(first, last);
+  } else {
+    ctx_.grad_ready(first, last);
+  }
+}
+
+void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor targets, Tensor dxf, Tensor sums) {
+  const int64_t B = targets.size(0), T = targets.size(1), C = config_.hidden_size, N = B * T;
   const float eps = float(config_.rms_norm_eps);
-  const int32_t* tg = targets.data<int32_t>();
   // Forward through the depths: module k (0-based) reads token t+k+1 at position t (targets
   // column t+k) and predicts token t+k+2 (targets column t+k+1).
-  Tensor h_prev = xf_.view({B, T, C});
+  Tensor h_prev = acts_.get(mb, "final_norm.out");
+  std::vector<Tensor> h_prevs(mtp_.size());
+  auto act = [&](const MtpModule& m, const char* what, Shape shape, DType dtype = DType::F32) {
+    return acts_.put(mb, fmt::format("layers.{}.mtp.{}", m.layer_index, what), shape, dtype);
+  };
   for (size_t k = 0; k < mtp_.size(); ++k) {
     MtpModule& m = mtp_[k];
-    m.inputs.assign(size_t(N), 0);
-    m.targets.assign(size_t(N), ops::kIgnoreIndex);
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t in = t + int64_t(k), out = in + 1;
-        if (in < T && tg[b * T + in] != ops::kIgnoreIndex) m.inputs[size_t(b * T + t)] = tg[b * T + in];
-        if (out < T) m.targets[size_t(b * T + t)] = tg[b * T + out];
-      }
-    }
-    Tensor emb = m.emb.view({N, C}), cat = m.cat.view({N, 2 * C});
-    ops::embedding_forward(emb, Tensor(m.inputs.data(), DType::I32, Shape{N}), reg_.param(embed_));
-    Tensor en = scratch_.get("mtp.enorm", {N, C}), hn = m.hn_in.view({N, C});
-    ops::rmsnorm_forward(en, m.e_rstd.view({N}), emb, reg_.param(m.enorm), eps);
-    ops::rmsnorm_forward(hn, m.h_rstd.view({N}), h_prev.view({N, C}), reg_.param(m.hnorm), eps);
+    ctx_.before_use(m.first_param, m.last_param);
+    Tensor inputs = act(m, "inputs", {B, T}, DType::I32), tgt = act(m, "targets", {B, T}, DType::I32);
+    ops::shift_tokens(inputs, targets, int64_t(k), /*fill=*/0, /*ignore_as=*/0);
+    ops::shift_tokens(tgt, targets, int64_t(k) + 1, ops::kIgnoreIndex, ops::kIgnoreIndex);
+    Tensor emb = act(m, "emb", {N, C}), cat = act(m, "cat", {N, 2 * C});
+    ctx_.before_use(embed_, embed_);  // shared with the main model
+    ops::embedding_forward(emb, inputs.view({N}), reg_.param(embed_));
+    Tensor en = scratch_.get("mtp.enorm", {N, C}), hn = act(m, "hnorm", {N, C});
+    ops::rmsnorm_forward(en, act(m, "e_rstd", {N}), emb, reg_.param(m.enorm), eps);
+    ops::rmsnorm_forward(hn, act(m, "h_rstd", {N}), h_prev.view({N, C}), reg_.param(m.hnorm), eps);
     // cat = [enorm(embedding) | hnorm(hidden)] per row.
-    float* cp = cat.data<float>();
-    const float* ep = en.data<float>();
-    const float* hp = hn.data<float>();
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < N; ++i) {
-      std::copy_n(ep + i * C, C, cp + i * 2 * C);
-      std::copy_n(hp + i * C, C, cp + i * 2 * C + C);
-    }
-    Tensor h_in = m.h_in.view({B, T, C}), h_out = m.h_out.view({B, T, C});
+    ops::copy_blocks(cat, 0, 0, en, 0, 0, 1, C, false);
+    ops::copy_blocks(cat, C, 0, hn, 0, 0, 1, C, false);
+    Tensor h_in = act(m, "h_in", {B, T, C}), h_out = act(m, "h_out", {B, T, C});
     ops::linear_forward(h_in.view({N, C}), cat, reg_.param(m.eh_proj));
-    m.layer->forward(h_in, h_out, rope_);
-    Tensor on = m.out_norm.view({N, C});
-    ops::rmsnorm_forward(on, m.out_rstd.view({N}), h_out.view({N, C}), reg_.param(m.head_norm), eps);
-    m.h_prev = h_prev;
+    m.layer->forward(ctx_, mb, h_in, h_out);
+    Tensor on = act(m, "out_norm", {N, C});
+    ops::rmsnorm_forward(on, act(m, "out_rstd", {N}), h_out.view({N, C}), reg_.param(m.head_norm), eps);
+    h_prevs[k] = h_prev;
     h_prev = h_out;
   }
+  auto get = [&](const MtpModule& m, const char* what) {
+    return acts_.get(mb, fmt::format("layers.{}.mtp.{}", m.layer_index, what));
+  };
   // Each depth's loss: its gradient w.r.t. the normed output is formed at once.
   std::vector<Tensor> d_out(mtp_.size());
   for (size_t k = 0; k < mtp_.size(); ++k) {
     MtpModule& m = mtp_[k];
     d_out[k] = scratch_.get(fmt::format("mtp.{}.d_out", k), {N, C});
-    const LossSums s = head(m.out_norm.view({N, C}), Tensor(m.targets.data(), DType::I32, Shape{N}), true,
-                            scales.mtp_token[k], d_out[k]);
-    sums.mtp_sum.push_back(s.sum);
-    sums.mtp_count.push_back(s.count);
+    head(get(m, "out_norm"), get(m, "targets"), true, scales.mtp_token[k], d_out[k],
+         sums.slice(2 + 2 * int64_t(k), 4 + 2 * int64_t(k)));
   }
   // Backward from the deepest module: dh carries the gradient w.r.t. h^k from depth k+1.
   const auto t0 = Clock::now();
@@ -265,37 +314,36 @@ void Transformer::mtp_forward_backward(const LossScales& scales, Tensor targets,
   ops::fill(dh, 0.0f);
   for (size_t k = mtp_.size(); k-- > 0;) {
     MtpModule& m = mtp_[k];
-    ops::rmsnorm_backward(dh.view({N, C}), reg_.grad(m.head_norm), d_out[k], m.h_out.view({N, C}),
-                          reg_.param(m.head_norm), m.out_rstd.view({N}));
-    m.layer->backward(dh, rope_, scratch_);  // dh: w.r.t. h_in now
+    ctx_.before_use(m.first_param, m.last_param);
+    ops::rmsnorm_backward(dh.view({N, C}), reg_.grad(m.head_norm), d_out[k], get(m, "h_out").view({N, C}),
+                          reg_.param(m.head_norm), get(m, "out_rstd"));
+    m.layer->backward(ctx_, mb, dh);  // dh: w.r.t. h_in now
     Tensor dcat = scratch_.get("mtp.dcat", {N, 2 * C});
-    ops::linear_backward(dcat, reg_.grad(m.eh_proj), dh.view({N, C}), m.cat.view({N, 2 * C}), reg_.param(m.eh_proj));
+    ops::linear_backward(dcat, reg_.grad(m.eh_proj), dh.view({N, C}), get(m, "cat"), reg_.param(m.eh_proj));
     Tensor de = scratch_.get("mtp.de", {N, C}), dhn = scratch_.get("mtp.dhn", {N, C});
-    const float* dcp = dcat.data<float>();
-    float* dep = de.data<float>();
-    float* dhp = dhn.data<float>();
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < N; ++i) {
-      std::copy_n(dcp + i * 2 * C, C, dep + i * C);
-      std::copy_n(dcp + i * 2 * C + C, C, dhp + i * C);
-    }
+    ops::copy_blocks(de, 0, 0, dcat, 0, 0, 1, C, false);
+    ops::copy_blocks(dhn, 0, 0, dcat, C, 0, 1, C, false);
     Tensor demb = scratch_.get("mtp.demb", {N, C});
     ops::fill(demb, 0.0f);
-    ops::rmsnorm_backward(demb, reg_.grad(m.enorm), de, m.emb.view({N, C}), reg_.param(m.enorm), m.e_rstd.view({N}));
-    ops::embedding_backward(reg_.grad(embed_), demb, Tensor(m.inputs.data(), DType::I32, Shape{N}));
+    ops::rmsnorm_backward(demb, reg_.grad(m.enorm), de, get(m, "emb"), reg_.param(m.enorm), get(m, "e_rstd"));
+    ops::embedding_backward(reg_.grad(embed_), demb, get(m, "inputs").view({N}));
     // The gradient w.r.t. h^{k-1}: the main model's normed output for k = 0.
     Tensor dprev = k == 0 ? dxf.view({N, C}) : dh.view({N, C});
     if (k > 0) ops::fill(dprev, 0.0f);
-    ops::rmsnorm_backward(dprev, reg_.grad(m.hnorm), dhn, m.h_prev.view({N, C}), reg_.param(m.hnorm),
-                          m.h_rstd.view({N}));
-    if (ready) ready(m.first_param, m.last_param);
+    ops::rmsnorm_backward(dprev, reg_.grad(m.hnorm), dhn, h_prevs[k].view({N, C}), reg_.param(m.hnorm),
+                          get(m, "h_rstd"));
+    ctx_.grad_ready(m.first_param, m.last_param);
   }
   early_backward_s_ += seconds_since(t0);
 }
 
 LossSums Transformer::forward_loss(Tensor tokens, Tensor targets) {
-  forward_body(tokens);
-  return head(xf_.view({B_, T_, config_.hidden_size}), targets, /*backward=*/false, 0.0f, Tensor());
+  forward_body(kInferenceMb, tokens);
+  Tensor sums = zeroed_sums(kInferenceMb);
+  head(acts_.get(kInferenceMb, "final_norm.out"), targets, /*backward=*/false, 0.0f, Tensor(), sums.slice(0, 2));
+  const LossSums s = read_sums(sums, /*with_mtp=*/false);
+  acts_.release(kInferenceMb);
+  return s;
 }
 
 std::pair<double, double> Transformer::take_timings() {
@@ -313,60 +361,140 @@ LossSums Transformer::forward_backward(Tensor tokens, Tensor targets, float loss
   return forward_backward(tokens, targets, scales, ready);
 }
 
+namespace {
+// A GradReadyFn in front of the model's hooks for one forward_backward.
+class ReadyFnHooks final : public ParamHooks {
+ public:
+  ReadyFnHooks(ParamHooks* inner, const GradReadyFn& ready) : inner_(inner), ready_(ready) {}
+  void before_use(int first, int last) override {
+    if (inner_) inner_->before_use(first, last);
+  }
+  void grad_ready(int first, int last) override {
+    if (inner_) inner_->grad_ready(first, last);
+    ready_(first, last);
+  }
+
+ private:
+  ParamHooks* inner_;
+  const GradReadyFn& ready_;
+};
+}  // namespace
+
 LossSums Transformer::forward_backward(Tensor tokens, Tensor targets, const LossScales& scales,
                                        const GradReadyFn& ready) {
+  ParamHooks* saved = ctx_.hooks;
+  ReadyFnHooks hooks(saved, ready);
+  if (ready) ctx_.hooks = &hooks;
+  try {
+    const LossSums s = forward(0, tokens, targets, scales);
+    backward(0);
+    ctx_.hooks = saved;
+    return s;
+  } catch (...) {
+    // A failed step (out of memory) is retried: micro-batch 0 is no longer in flight.
+    ctx_.hooks = saved;
+    acts_.release(0);
+    throw;
+  }
+}
+
+LossSums Transformer::forward(int mb, Tensor tokens, Tensor targets, const LossScales& scales) {
+  DS_CHECK(mb >= 0, "micro-batches are numbered from 0, got {}", mb);
+  DS_CHECK(!acts_.has(mb, "tokens"), "micro-batch {} is already in flight: run its backward first", mb);
   const auto t0 = Clock::now();
   early_backward_s_ = 0;
   for (auto& [l, ffn] : moe_layers()) ffn->set_loss_scales(scales);
-  forward_body(tokens);
-  const int64_t N = B_ * T_;
-  Tensor dxf = scratch_.get("head.dxf", {N, config_.hidden_size});
-  LossSums s = head(xf_.view({B_, T_, config_.hidden_size}), targets, /*backward=*/true, scales.token, dxf);
-  if (!mtp_.empty() && !scales.mtp_token.empty()) {
+  forward_body(mb, tokens);
+  const int64_t B = tokens.size(0), T = tokens.size(1), N = B * T, C = config_.hidden_size;
+  DS_CHECK(targets.numel() == N, "targets {} for tokens {}", targets.shape().str(), tokens.shape().str());
+  Tensor dxf = acts_.put(mb, "head.dxf", {N, C});
+  Tensor sums = zeroed_sums(mb);
+  head(acts_.get(mb, "final_norm.out"), targets, /*backward=*/true, scales.token, dxf, sums.slice(0, 2));
+  const bool with_mtp = !mtp_.empty() && !scales.mtp_token.empty();
+  if (with_mtp) {
     DS_CHECK(scales.mtp_token.size() == mtp_.size(), "{} MTP loss scales for {} depths", scales.mtp_token.size(),
              mtp_.size());
-    mtp_forward_backward(scales, targets, dxf, s, ready);
+    // The targets on the model's device, for the shifted MTP inputs and targets.
+    Tensor tgt = acts_.put(mb, "targets", {B, T}, DType::I32);
+    ops::copy(tgt, targets);
+    mtp_forward_backward(mb, scales, tgt, dxf, sums);
   }
+  const LossSums s = read_sums(sums, with_mtp);
   // The head forms each chunk's gradient right after its loss, and the MTP modules run their
   // backward before the main layers': those parts count as backward.
   forward_s_ += seconds_since(t0) - early_backward_s_;
-  const auto t1 = Clock::now();
-  const int64_t B = B_, T = T_, C = config_.hidden_size;
-  // The residual-stream gradient flows back through the layers in one buffer.
-  Tensor dx = scratch_.get("residual.grad", {B, T, C});
-  ops::fill(dx, 0.0f);
-  ops::rmsnorm_backward(dx, reg_.grad(final_norm_), dxf.view({B, T, C}), x_.back().view({B, T, C}),
-                        reg_.param(final_norm_), rstdf_.view({B, T}));
-  if (ready) {
-    ready(final_norm_, final_norm_);
-    if (lm_head_ >= 0) ready(lm_head_, lm_head_);
-  }
-  for (size_t l = layers_.size(); l-- > 0;) {
-    layers_[l].backward(dx, rope_, scratch_);
-    if (ready) ready(layers_[l].first_param(), layers_[l].last_param());
-  }
-  ops::embedding_backward(reg_.grad(embed_), dx.view({B * T, C}), tokens_.view({B * T}));
-  if (ready) ready(embed_, embed_);
-  backward_s_ += early_backward_s_ + seconds_since(t1);
+  backward_s_ += early_backward_s_;
   return s;
 }
 
+void Transformer::backward(int mb, BackwardPart part) {
+  DS_CHECK(acts_.has(mb, "head.dxf"), "backward of micro-batch {} without its training forward", mb);
+  const auto t1 = Clock::now();
+  if (part == BackwardPart::Input) {
+    wgrad_.begin_deferral(mb);
+    split_mb_ = mb;
+  }
+  try {
+    Tensor tokens = acts_.get(mb, "tokens");
+    const int64_t B = tokens.size(0), T = tokens.size(1), C = config_.hidden_size;
+    // The residual-stream gradient flows back through the layers in one buffer.
+    Tensor dx = scratch_.get("residual.grad", {B, T, C});
+    ops::fill(dx, 0.0f);
+    ctx_.before_use(final_norm_, final_norm_);
+    ops::rmsnorm_backward(dx, reg_.grad(final_norm_), acts_.get(mb, "head.dxf").view({B, T, C}),
+                          acts_.get(mb, fmt::format("residual.{}", layers_.size())), reg_.param(final_norm_),
+                          acts_.get(mb, "final_norm.rstd"));
+    grad_ready(mb, final_norm_, final_norm_);
+    if (lm_head_ >= 0) grad_ready(mb, lm_head_, lm_head_);
+    for (size_t l = layers_.size(); l-- > 0;) {
+      layers_[l].backward(ctx_, mb, dx);
+      grad_ready(mb, layers_[l].first_param(), layers_[l].last_param());
+    }
+    ctx_.before_use(embed_, embed_);
+    ops::embedding_backward(reg_.grad(embed_), dx.view({B * T, C}), tokens.view({B * T}));
+    grad_ready(mb, embed_, embed_);
+  } catch (...) {
+    wgrad_.end_deferral();
+    split_mb_ = -1;
+    throw;
+  }
+  wgrad_.end_deferral();
+  split_mb_ = -1;
+  acts_.release(mb);
+  backward_s_ += seconds_since(t1);
+}
+
+void Transformer::backward_weights(int mb) {
+  const auto t0 = Clock::now();
+  wgrad_.run(mb);
+  auto it = ready_after_weights_.find(mb);
+  if (it != ready_after_weights_.end()) {
+    for (auto [first, last] : it->second) ctx_.grad_ready(first, last);
+    ready_after_weights_.erase(it);
+  }
+  backward_s_ += seconds_since(t0);
+}
+
 void Transformer::forward_logits(Tensor tokens, Tensor logits) {
-  forward_body(tokens);
-  const int64_t N = B_ * T_, C = config_.hidden_size, V = config_.vocab_size;
-  DS_CHECK(logits.numel() == N * V, "logits {} for ({}, {}) tokens and vocabulary {}", logits.shape().str(), B_, T_,
+  forward_body(kInferenceMb, tokens);
+  const int64_t B = tokens.size(0), T = tokens.size(1), N = B * T, C = config_.hidden_size, V = config_.vocab_size;
+  DS_CHECK(logits.numel() == N * V, "logits {} for ({}, {}) tokens and vocabulary {}", logits.shape().str(), B, T,
            V);
-  ops::linear_forward(logits.view({N, V}), xf_.view({N, C}), head_weight());
+  ctx_.before_use(head_param(), head_param());
+  ops::linear_forward(logits.view({N, V}), acts_.get(kInferenceMb, "final_norm.out").view({N, C}), head_weight());
+  acts_.release(kInferenceMb);
 }
 
 void Transformer::last_logits(Tensor tokens, Tensor logits) {
-  forward_body(tokens);
-  const int64_t C = config_.hidden_size, V = config_.vocab_size;
-  DS_CHECK(logits.numel() == B_ * V, "logits {} for {} sequences", logits.shape().str(), B_);
-  Tensor xf = xf_.view({B_, T_, C});
-  for (int64_t b = 0; b < B_; ++b) {
-    ops::linear_forward(logits.view({B_, V}).slice(b, b + 1), xf.row(b).slice(T_ - 1, T_), head_weight());
+  forward_body(kInferenceMb, tokens);
+  const int64_t B = tokens.size(0), T = tokens.size(1), V = config_.vocab_size;
+  DS_CHECK(logits.numel() == B * V, "logits {} for {} sequences", logits.shape().str(), B);
+  Tensor xf = acts_.get(kInferenceMb, "final_norm.out");
+  ctx_.before_use(head_param(), head_param());
+  for (int64_t b = 0; b < B; ++b) {
+    ops::linear_forward(logits.view({B, V}).slice(b, b + 1), xf.row(b).slice(T - 1, T), head_weight());
   }
+  acts_.release(kInferenceMb);
 }
 
 }  // namespace dstrain

@@ -4,12 +4,14 @@
 //   per layer: x = x + o_proj(attn(rope(qkv_proj(rmsnorm(x)))))
 //              x = x + down_proj(silu(gate_proj(h)) * up_proj(h)),  h = rmsnorm(x)
 //   logits = lm_head(rmsnorm(x))
-// Layers hold views into the parameter registry and own their activation buffers. The
-// attention and feed-forward parts sit behind small interfaces so that MLA and MoE layers
-// slot into the same decoder layer.
+// Layers hold views into the parameter registry and keep their activations in the
+// activation store of the model's Ctx, keyed by micro-batch. The attention and feed-forward
+// parts sit behind small interfaces so that MLA and MoE layers slot into the same decoder
+// layer.
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <unordered_map>
 #include <vector>
@@ -31,26 +33,52 @@ struct LossSums {
 };
 
 // Called during the backward each time the gradients of parameters [first, last] are final
-// for this micro-batch, in the order they become ready (last layer first).
+// for this micro-batch, in the order they become ready (last layer first). The same meaning
+// as ParamHooks::grad_ready.
 using GradReadyFn = std::function<void(int first, int last)>;
+
+// Which part of a micro-batch's backward runs now: everything, or the input gradients with
+// the weight gradients of linear maps left for backward_weights (zero-bubble schedules).
+enum class BackwardPart { Full, Input };
 
 class Transformer {
  public:
+  // The whole model on one rank.
   Transformer(const ModelConfig& config, Device device);
+  // This rank's piece of the model (see ShardSpec), with the groups its layers reduce over.
+  Transformer(const ModelConfig& config, Device device, const ShardSpec& shard, ProcessGroups groups = {});
   // Layers hold references into the registry: a model stays where it was built.
   Transformer(const Transformer&) = delete;
   Transformer& operator=(const Transformer&) = delete;
   const ModelConfig& config() const { return config_; }
+  const ShardSpec& shard() const { return shard_; }
   ParamRegistry& params() { return reg_; }
   const ParamRegistry& params() const { return reg_; }
+  // Where ZeRO-3 gathers and gradient buckets plug in (null: none); not owned.
+  void set_hooks(ParamHooks* hooks) { ctx_.hooks = hooks; }
+  const Ctx& ctx() const { return ctx_; }
+  const ActivationStore& activations() const { return acts_; }
 
   // Hugging Face's initialisation: normal(0, initializer_range) for linear and embedding
   // weights, ones for norms; each tensor from its own counter-based stream.
   void init_weights(uint64_t seed);
 
-  // tokens, targets: (B,T) int32. Accumulates the gradient of this micro-batch's share of
-  // the step's loss (CE, auxiliary terms, MTP; scaled as `scales` says) and returns its loss
-  // sums. MoE layers add their auxiliary terms to their routing statistics.
+  // Training by micro-batch. Several micro-batches may be in flight: forward(mb) keeps what
+  // backward(mb) needs in the activation store under mb; backward(mb) releases it.
+  //
+  // tokens, targets: (B,T) int32. Runs the forward of micro-batch mb and the backward of its
+  // vocabulary head (fused, chunk by chunk) and of the multi-token-prediction modules, and
+  // returns the loss sums. MoE layers add their auxiliary terms to their routing statistics.
+  LossSums forward(int mb, Tensor tokens, Tensor targets, const LossScales& scales);
+  // The rest of mb's backward: accumulates the gradient of its share of the step's loss (CE,
+  // auxiliary terms, MTP; scaled as the forward's `scales` said). With BackwardPart::Input
+  // the weight gradients of the layers' linear maps are queued for backward_weights(mb), and
+  // the grad_ready hooks of what this backward touched fire there instead of here. (The
+  // head's and the MTP modules' gradients were formed whole in the forward.)
+  void backward(int mb, BackwardPart part = BackwardPart::Full);
+  void backward_weights(int mb);
+
+  // forward(0) then backward(0), with `ready` called as the gradients become final.
   LossSums forward_backward(Tensor tokens, Tensor targets, const LossScales& scales, const GradReadyFn& ready = {});
   // The CE-only form: d(loss_scale x sum of token losses).
   LossSums forward_backward(Tensor tokens, Tensor targets, float loss_scale, const GradReadyFn& ready = {});
@@ -69,40 +97,52 @@ class Transformer {
   std::pair<double, double> take_timings();
   // Bytes of activations and backward temporaries a micro-batch of (B, T) needs.
   int64_t activation_bytes(int64_t B, int64_t T) const;
-  // Frees every activation buffer (they are reallocated at the next forward's size).
+  // Frees every activation buffer, in flight or pooled, and the backward temporaries (they
+  // are reallocated at the next forward's size).
   void release_activations();
 
  private:
-  void forward_body(Tensor tokens);  // fills x_final_norm_ (B,T,C)
+  // The micro-batch key of forwards without a backward (evaluation, generation).
+  static constexpr int kInferenceMb = -1;
+  // Fills "final_norm.out" (B,T,C) of micro-batch mb.
+  void forward_body(int mb, Tensor tokens);
   // Chunked vocabulary projection and cross-entropy of x (N,C) against targets (N); with
-  // backward, dx (N,C) is overwritten with scale x d(sum of losses)/dx.
-  LossSums head(Tensor x, Tensor targets, bool backward, float scale, Tensor dx);
-  // One multi-token-prediction depth: the module, its shifted inputs and targets.
+  // backward, dx (N,C) is overwritten with scale x d(sum of losses)/dx. sums (2) F64 +=
+  // {sum of losses, count} over the targets that are not ignored.
+  void head(Tensor x, Tensor targets, bool backward, float scale, Tensor dx, Tensor sums);
+  // The loss sums of micro-batch mb on the device, zeroed, and their one read by the host.
+  Tensor zeroed_sums(int mb);
+  LossSums read_sums(Tensor sums, bool with_mtp) const;
+  // One multi-token-prediction depth: its parameters; its activations are keyed by
+  // "layers.{layer}.mtp." in the store.
   struct MtpModule {
     int enorm = -1, hnorm = -1, eh_proj = -1, head_norm = -1;
     int first_param = 0, last_param = -1;
+    int layer_index = 0;
     std::unique_ptr<DecoderLayer> layer;
-    std::vector<int32_t> inputs, targets;  // (B*T)
-    Activation emb, e_rstd, hn_in, h_rstd, cat, h_in, h_out, out_norm, out_rstd;
-    Tensor h_prev;  // (B,T,C) the hidden state it read (h^{k-1})
   };
-  void mtp_forward_backward(const LossScales& scales, Tensor targets, Tensor dxf, LossSums& sums,
-                            const GradReadyFn& ready);
+  void mtp_forward_backward(int mb, const LossScales& scales, Tensor targets, Tensor dxf, Tensor sums);
+  // The hook that the gradients of [first, last] are final: now, or with a split backward
+  // after backward_weights(mb).
+  void grad_ready(int mb, int first, int last);
+  int head_param() const { return lm_head_ >= 0 ? lm_head_ : embed_; }
   Tensor head_weight() const;
   Tensor head_grad() const;
 
   ModelConfig config_;
+  ShardSpec shard_;
   ParamRegistry reg_;
   int embed_, final_norm_, lm_head_;
   std::vector<DecoderLayer> layers_;
   std::vector<MtpModule> mtp_;
   RopeCache rope_;
+  ActivationStore acts_;
+  WeightGradStore wgrad_;
   Scratch scratch_;
-  Tensor tokens_;
-  int64_t B_ = 0, T_ = 0;
-  std::vector<Activation> x_;  // residual stream: x_[0] embedding output, x_[l+1] after layer l
-  Activation xf_, rstdf_;      // final norm output (B,T,C) and rstd (B,T)
-  Activation logits_, losses_, lse_;
+  Ctx ctx_;
+  // Parameter ranges whose grad_ready waits for backward_weights, by micro-batch.
+  std::map<int, std::vector<std::pair<int, int>>> ready_after_weights_;
+  int split_mb_ = -1;  // the micro-batch whose backward is split, while it runs
   // Backward work done inside the forward pass (head chunks, MTP modules), moved to backward_s_.
   double forward_s_ = 0, backward_s_ = 0, early_backward_s_ = 0;
 };

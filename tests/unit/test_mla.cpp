@@ -268,8 +268,15 @@ struct Block {
   std::unique_ptr<MLAttention> attn;
   RopeCache rope;
   Scratch scratch;
+  ActivationStore acts;
+  WeightGradStore wgrad;
+  Ctx ctx;
   Block(const ModelConfig& config, int layer, unsigned seed) : c(config) {
-    attn = std::make_unique<MLAttention>(c, reg, layer);
+    ctx.acts = &acts;
+    ctx.wgrad = &wgrad;
+    ctx.scratch = &scratch;
+    ctx.rope = &rope;
+    attn = std::make_unique<MLAttention>(c, ShardSpec::whole(c), reg, layer);
     reg.allocate(Device::cpu());
     std::mt19937 rng(seed);
     std::normal_distribution<float> nd(0.0f, 0.3f);
@@ -420,7 +427,7 @@ TEST_P(MLAForward, MatchesANaiveDoublePrecisionForward) {
     Host x({B, T, C}, rng), base({B, T, C}, rng);
     Host out = base;
     blk.rope.ensure(T, blk.c);
-    blk.attn->forward(x.t(), out.t(), blk.rope);
+    blk.attn->forward(blk.ctx, 0, x.t(), out.t());
     const std::vector<double> ref = naive_mla(blk, layer, x.v, B, T);
     double rmax = 0, worst = 0;
     for (double e : ref) rmax = std::max(rmax, std::fabs(e));
@@ -444,13 +451,13 @@ TEST_P(MLAGradients, MatchFiniteDifferences) {
   blk.rope.ensure(T, blk.c);
   auto loss = [&] {
     std::fill(out.v.begin(), out.v.end(), 0.0f);
-    blk.attn->forward(x.t(), out.t(), blk.rope);
+    blk.attn->forward(blk.ctx, 0, x.t(), out.t());
     return dot(out.v, r.v);
   };
   loss();
   blk.reg.grads().zero();
   std::fill(dx.v.begin(), dx.v.end(), 1e3f);  // must be overwritten
-  blk.attn->backward(r.t(), dx.t(), blk.rope, blk.scratch);
+  blk.attn->backward(blk.ctx, 0, x.t(), r.t(), dx.t());
 
   double worst = 0;
   int checked = 0;
@@ -469,7 +476,7 @@ TEST_P(MLAGradients, MatchFiniteDifferences) {
   loss();
   std::vector<float> g1(blk.reg.grads().data<float>(), blk.reg.grads().data<float>() + blk.reg.flat_numel());
   const std::vector<float> dx1 = dx.v;
-  blk.attn->backward(r.t(), dx.t(), blk.rope, blk.scratch);
+  blk.attn->backward(blk.ctx, 0, x.t(), r.t(), dx.t());
   const float* g2 = blk.reg.grads().data<float>();
   for (size_t i = 0; i < g1.size(); ++i) ASSERT_NEAR(g2[i], 2 * g1[i], 1e-5 * (1 + std::fabs(g1[i]))) << i;
   for (size_t i = 0; i < dx1.size(); ++i) ASSERT_FLOAT_EQ(dx.v[i], dx1[i]) << i;
@@ -481,7 +488,7 @@ TEST(MLAttention, RegistersHuggingFaceNamesAndShapes) {
   for (const bool q_lora : {false, true}) {
     const ModelConfig c = mla_config(q_lora, true);
     ParamRegistry reg;
-    MLAttention attn(c, reg, 2);
+    MLAttention attn(c, ShardSpec::whole(c), reg, 2);
     auto shape = [&](const char* name) {
       const int id = reg.find(fmt::format("model.layers.2.self_attn.{}", name));
       return id < 0 ? Shape{} : reg.info(id).shape;
@@ -512,14 +519,14 @@ TEST(MLAttention, ReleasedActivationsAreRebuiltByTheNextForward) {
   std::mt19937 rng(1);
   Host x({B, T, C}, rng), r({B, T, C}, rng), out({B, T, C}), dx1({B, T, C}), dx2({B, T, C});
   blk.rope.ensure(T, blk.c);
-  blk.attn->forward(x.t(), out.t(), blk.rope);
-  blk.attn->backward(r.t(), dx1.t(), blk.rope, blk.scratch);
+  blk.attn->forward(blk.ctx, 0, x.t(), out.t());
+  blk.attn->backward(blk.ctx, 0, x.t(), r.t(), dx1.t());
   const std::vector<float> first = out.v;
-  blk.attn->release_activations();
+  blk.acts.clear();
   blk.scratch.release();
   std::fill(out.v.begin(), out.v.end(), 0.0f);
-  blk.attn->forward(x.t(), out.t(), blk.rope);
-  blk.attn->backward(r.t(), dx2.t(), blk.rope, blk.scratch);
+  blk.attn->forward(blk.ctx, 0, x.t(), out.t());
+  blk.attn->backward(blk.ctx, 0, x.t(), r.t(), dx2.t());
   for (size_t i = 0; i < out.v.size(); ++i) EXPECT_EQ(out.v[i], first[i]) << i;
   for (size_t i = 0; i < dx1.v.size(); ++i) EXPECT_EQ(dx1.v[i], dx2.v[i]) << i;
   // A rope cache of another dimension (llama's head dim 16/4) is refused, not misread.
@@ -528,7 +535,11 @@ TEST(MLAttention, ReleasedActivationsAreRebuiltByTheNextForward) {
   llama.num_attention_heads = 4;
   RopeCache wrong;
   wrong.ensure(T, llama);
-  EXPECT_THROW(blk.attn->forward(x.t(), out.t(), wrong), Error);
+  Ctx wrong_ctx = blk.ctx;
+  wrong_ctx.rope = &wrong;
+  EXPECT_THROW(blk.attn->forward(wrong_ctx, 0, x.t(), out.t()), Error);
+  // A backward of a micro-batch without its forward is refused, naming what is missing.
+  EXPECT_THROW(blk.attn->backward(blk.ctx, 7, x.t(), r.t(), dx2.t()), Error);
 }
 
 }  // namespace

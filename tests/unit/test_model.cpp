@@ -312,12 +312,13 @@ struct V3Loss {
 V3Loss v3_step(Transformer& m, Data& d, const LossScales& s) {
   for (auto& [l, ffn] : m.moe_layers()) ffn->routing()->reset();
   V3Loss r;
-  r.sums = m.forward_backward(d.tok(), d.tgt(), s);
+  r.sums = m.forward(0, d.tok(), d.tgt(), s);
   for (auto& [l, ffn] : m.moe_layers()) {
     r.aux += ffn->routing()->aux_loss;
-    Tensor ids = dynamic_cast<MoEBlock&>(*ffn).last_ids();
+    Tensor ids = dynamic_cast<MoEBlock&>(*ffn).ids(m.activations(), 0);
     r.routing.emplace_back(ids.data<int32_t>(), ids.data<int32_t>() + ids.numel());
   }
+  m.backward(0);
   for (size_t k = 0; k < r.sums.mtp_sum.size(); ++k) r.mtp += r.sums.mtp_sum[k] * double(s.mtp_token[k]);
   r.total = r.sums.sum * double(s.token) + r.aux + r.mtp;
   return r;

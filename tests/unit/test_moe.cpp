@@ -471,8 +471,14 @@ struct Layer {
   ParamRegistry reg;
   std::unique_ptr<MoEBlock> block;
   Scratch scratch;
+  ActivationStore acts;
+  WeightGradStore wgrad;
+  Ctx ctx;
   Layer(const ModelConfig& c, uint64_t seed) : config(c) {
-    block = std::make_unique<MoEBlock>(c, reg, 0);
+    ctx.acts = &acts;
+    ctx.wgrad = &wgrad;
+    ctx.scratch = &scratch;
+    block = std::make_unique<MoEBlock>(c, ShardSpec::whole(c), reg, 0);
     reg.allocate(Device::cpu());
     for (int id = 0; id < reg.size(); ++id) {
       const ParamInfo& p = reg.info(id);
@@ -494,11 +500,11 @@ struct Layer {
     const int64_t C = config.hidden_size;
     std::vector<float> out(x.size(), 0.0f);
     block->routing()->reset();
-    block->forward(f32(x, {B, T, C}), f32(out, {B, T, C}));
+    block->forward(ctx, 0, f32(x, {B, T, C}), f32(out, {B, T, C}));
     return dot(out, R) + block->routing()->aux_loss;
   }
   std::vector<std::set<int32_t>> chosen() {
-    Tensor ids = block->last_ids();
+    Tensor ids = block->ids(acts, 0);
     const int64_t N = ids.size(0), k = ids.size(1);
     std::vector<std::set<int32_t>> s(static_cast<size_t>(N));
     for (int64_t n = 0; n < N; ++n) s[size_t(n)] = {ids.data<int32_t>() + n * k, ids.data<int32_t>() + (n + 1) * k};
@@ -526,7 +532,7 @@ TEST_P(MoEBlockGradients, MatchFiniteDifferences) {
     L.loss(x, R, B, T);
     const auto routing0 = L.chosen();
     std::vector<float> dx(size_t(N * C), 7.0f);  // overwritten, not accumulated
-    L.block->backward(f32(R, {B, T, C}), f32(dx, {B, T, C}), L.scratch);
+    L.block->backward(L.ctx, 0, f32(x, {B, T, C}), f32(R, {B, T, C}), f32(dx, {B, T, C}));
     const double h = 1e-2;
     int checked = 0, skipped = 0;
     // Central differences at element i of v with steps h and h/2, combined by Richardson
@@ -604,7 +610,7 @@ TEST_P(MoEBlockForward, MatchesNaivePerTokenDouble) {
   std::vector<float> x = normal(size_t(N * C), rng), out = normal(size_t(N * C), rng);
   const std::vector<float> out0 = out;
   L.block->routing()->reset();
-  L.block->forward(f32(x, {B, T, C}), f32(out, {B, T, C}));
+  L.block->forward(L.ctx, 0, f32(x, {B, T, C}), f32(out, {B, T, C}));
 
   auto P = [&](const std::string& name) { return L.reg.param(L.reg.find("model.layers.0.mlp." + name)).data<float>(); };
   // y = down(silu(gate x) * up x) for one token.
@@ -631,7 +637,7 @@ TEST_P(MoEBlockForward, MatchesNaivePerTokenDouble) {
   const int64_t G = bc.seq_aux ? B : 1, Tg = N / G;
   std::vector<double> count(size_t(G * E)), Pmean(size_t(G * E));
   double worst = 0;
-  const int32_t* ids = L.block->last_ids().data<int32_t>();
+  const int32_t* ids = L.block->ids(L.acts, 0).data<int32_t>();
   for (int64_t n = 0; n < N; ++n) {
     const float* xt = x.data() + n * C;
     std::vector<float> logit(static_cast<size_t>(E));
@@ -682,7 +688,7 @@ TEST_P(MoEBlockForward, MatchesNaivePerTokenDouble) {
     for (int64_t g = 0; g < G; ++g) total += count[size_t(g * E + e)];
     EXPECT_EQ(double(tpe[size_t(e)]), total);
   }
-  L.block->forward(f32(x, {B, T, C}), f32(out, {B, T, C}));
+  L.block->forward(L.ctx, 0, f32(x, {B, T, C}), f32(out, {B, T, C}));
   for (int64_t e = 0; e < E; ++e) EXPECT_EQ(L.block->routing()->tokens_per_expert[size_t(e)], 2 * tpe[size_t(e)]);
   EXPECT_NEAR(L.block->routing()->aux_loss, 2 * aux, 1e-5 * aux);
 }
@@ -693,7 +699,7 @@ INSTANTIATE_TEST_SUITE_P(Configs, MoEBlockForward, ::testing::ValuesIn(kBlockCas
 TEST(MoEBlock, RegistersHuggingFaceNames) {
   ModelConfig c = block_config(kBlockCases[2]);
   ParamRegistry reg;
-  MoEBlock block(c, reg, 3);
+  MoEBlock block(c, ShardSpec::whole(c), reg, 3);
   const int bias = reg.find("model.layers.3.mlp.gate.e_score_correction_bias");
   ASSERT_GE(bias, 0);
   EXPECT_EQ(reg.info(bias).kind, ParamKind::RouterBias);
@@ -702,13 +708,20 @@ TEST(MoEBlock, RegistersHuggingFaceNames) {
   const ParamInfo& g = reg.info(reg.find("model.layers.3.mlp.experts.7.gate_proj.weight"));
   const ParamInfo& u = reg.info(reg.find("model.layers.3.mlp.experts.7.up_proj.weight"));
   EXPECT_EQ(u.offset, g.offset + g.numel());  // one (2I, C) matrix
+  // Routed experts are reduced over the expert data-parallel group; the router and the
+  // shared experts with the dense parameters.
+  EXPECT_EQ(g.group, ParamGroup::Expert);
+  EXPECT_EQ(u.group, ParamGroup::Expert);
+  EXPECT_EQ(reg.info(reg.find("model.layers.3.mlp.experts.7.down_proj.weight")).group, ParamGroup::Expert);
+  EXPECT_EQ(reg.info(reg.find("model.layers.3.mlp.gate.weight")).group, ParamGroup::Dense);
+  EXPECT_EQ(reg.info(reg.find("model.layers.3.mlp.shared_experts.up_proj.weight")).group, ParamGroup::Dense);
   EXPECT_EQ(reg.info(reg.find("model.layers.3.mlp.experts.7.down_proj.weight")).shape, (Shape{12, 5}));
   EXPECT_EQ(reg.info(reg.find("model.layers.3.mlp.shared_experts.up_proj.weight")).shape, (Shape{5, 12}));
   ParamRegistry v2;
-  MoEBlock greedy(block_config(kBlockCases[0]), v2, 0);
+  MoEBlock greedy(block_config(kBlockCases[0]), ShardSpec::whole(block_config(kBlockCases[0])), v2, 0);
   EXPECT_EQ(v2.find("model.layers.0.mlp.gate.e_score_correction_bias"), -1);
   ParamRegistry none;
-  MoEBlock no_shared(block_config(kBlockCases[3]), none, 0);
+  MoEBlock no_shared(block_config(kBlockCases[3]), ShardSpec::whole(block_config(kBlockCases[3])), none, 0);
   EXPECT_EQ(none.find("model.layers.0.mlp.shared_experts.gate_proj.weight"), -1);
 }
 
@@ -784,8 +797,8 @@ TEST(MoEBlock, BitwiseIndependentOfThreadCount) {
     dx.assign(size_t(N * C), 0.0f);
     L.reg.grads().zero();
     L.block->routing()->reset();
-    L.block->forward(f32(x, {B, T, C}), f32(out, {B, T, C}));
-    L.block->backward(f32(r, {B, T, C}), f32(dx, {B, T, C}), L.scratch);
+    L.block->forward(L.ctx, 0, f32(x, {B, T, C}), f32(out, {B, T, C}));
+    L.block->backward(L.ctx, 0, f32(x, {B, T, C}), f32(r, {B, T, C}), f32(dx, {B, T, C}));
     grads.assign(L.reg.grads().data<float>(), L.reg.grads().data<float>() + L.reg.flat_numel());
     omp_set_num_threads(saved);
   };
@@ -815,7 +828,8 @@ TEST(MoEBlock, BitwiseIndependentOfThreadCount) {
     same(d, d1, "dx", threads);
     same(g, g1, "grads", threads);
   }
-  EXPECT_THROW(L.block->backward(f32(R, {B, T, C}), f32(d1, {B, T, C}), L.scratch),
+  std::vector<float> x = x0;
+  EXPECT_THROW(L.block->backward(L.ctx, 0, f32(x, {B, T, C}), f32(R, {B, T, C}), f32(d1, {B, T, C})),
                Error);  // a second backward of one forward
 }
 

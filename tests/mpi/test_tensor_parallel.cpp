@@ -1,0 +1,248 @@
+// Tensor parallelism of the dense blocks over all ranks: a SwiGLU MLP split by columns of its
+// intermediate size and grouped-query attention split by heads (column-parallel gate/up and
+// q/k/v, row-parallel down and o_proj with an all-reduce) against the unsplit block on every
+// rank: the output, the input gradient and each rank's slices of the weight gradients; and a
+// dense Transformer over a tensor group (vocabulary replicated) against the whole model, from
+// its initial weights to its loss and gradients. On one rank the split is the whole model and
+// the results are bitwise the unsplit ones.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "comm/mpi_comm.h"
+#include "core/philox.h"
+#include "model/transformer.h"
+
+namespace dstrain {
+namespace {
+
+ModelConfig config() {
+  ModelConfig c;
+  c.hidden_size = 32;
+  c.intermediate_size = 24;  // 12 or 6 columns per rank at 2 or 4 ranks
+  c.num_hidden_layers = 1;
+  c.num_attention_heads = 8;  // head dim 4
+  c.num_key_value_heads = 4;
+  c.vocab_size = 32;
+  c.max_position_embeddings = 32;
+  c.rms_norm_eps = 1e-5;
+  c.rope_theta = 10000;
+  return c;
+}
+
+// One block's registry, stores and Ctx.
+struct Rig {
+  ParamRegistry reg;
+  ActivationStore acts;
+  WeightGradStore wgrad;
+  Scratch scratch;
+  RopeCache rope;
+  Ctx ctx;
+  explicit Rig(Communicator* tp) {
+    ctx.acts = &acts;
+    ctx.wgrad = &wgrad;
+    ctx.scratch = &scratch;
+    ctx.rope = &rope;
+    ctx.groups.tp = tp;
+  }
+};
+
+std::vector<float> host(Tensor t) { return std::vector<float>(t.data<float>(), t.data<float>() + t.numel()); }
+
+// Columns [c0, c0 + width) of every row of t (R, cols).
+std::vector<float> columns(Tensor t, int64_t c0, int64_t width) {
+  std::vector<float> out;
+  const int64_t R = t.size(0), cols = t.size(1);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = t.data<float>() + r * cols + c0;
+    out.insert(out.end(), row, row + width);
+  }
+  return out;
+}
+
+// Largest |a - b| relative to the largest |b|.
+double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    diff = std::max(diff, std::fabs(double(a[i]) - double(b[i])));
+    scale = std::max(scale, std::fabs(double(b[i])));
+  }
+  return diff / std::max(scale, 1e-30);
+}
+
+// The pieces' partial sums are added over the ranks in the all-reduce, not inside one GEMM:
+// fp32 rounding of a different summation order, nothing more. One rank: bitwise.
+void expect_close(const std::vector<float>& a, const std::vector<float>& b, int ranks, const std::string& what) {
+  if (ranks == 1) {
+    EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << what << ": not bitwise equal";
+  } else {
+    EXPECT_LT(rel_error(a, b), 1e-5) << what;
+  }
+}
+
+std::vector<float> normal(size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = nd(rng);
+  return v;
+}
+
+Tensor f32(std::vector<float>& v, Shape s) { return Tensor(v.data(), DType::F32, s); }
+
+// Every weight of the whole block from its Philox stream, then each rank's piece copied out of it:
+// rows [r0, r0 + n) of a column-parallel weight, columns of a row-parallel one.
+void init_whole(ParamRegistry& reg) {
+  for (int id = 0; id < reg.size(); ++id) {
+    ops::fill_normal(reg.param(id), 0.3, 7, stream_id(reg.info(id).name), 0);
+  }
+}
+void copy_rows(Tensor dst, Tensor src, int64_t r0) { ops::copy(dst, src.slice(r0, r0 + dst.size(0))); }
+void copy_columns(Tensor dst, Tensor src, int64_t c0) { ops::copy_blocks(dst, 0, 0, src, c0, 0, 1, dst.size(1), false); }
+
+class TensorParallel : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    comm = std::make_unique<MpiCommunicator>(MPI_COMM_WORLD, "tensor");
+    rank = comm->rank();
+    ranks = comm->size();
+    c = config();
+    shard = ShardSpec::tensor_parallel(c, rank, ranks);
+  }
+  std::unique_ptr<MpiCommunicator> comm;
+  int rank = 0, ranks = 1;
+  ModelConfig c;
+  ShardSpec shard;
+  const int64_t B = 2, T = 9;
+};
+
+TEST_F(TensorParallel, SwiGLUSplitByColumnsMatchesTheWholeMLP) {
+  const int64_t C = c.hidden_size, I = c.intermediate_size, N = B * T, Il = shard.ffn.size();
+  Rig whole(nullptr), piece(comm.get());
+  SwiGLUMLP ref(c, ShardSpec::whole(c), whole.reg, 0);
+  SwiGLUMLP mlp(c, shard, piece.reg, 0);
+  whole.reg.allocate(Device::cpu());
+  piece.reg.allocate(Device::cpu());
+  init_whole(whole.reg);
+  auto id = [](const ParamRegistry& r, const char* rest) { return r.find(layer_name(0, rest)); };
+  for (const char* w : {"mlp.gate_proj.weight", "mlp.up_proj.weight"}) {
+    copy_rows(piece.reg.param(id(piece.reg, w)), whole.reg.param(id(whole.reg, w)), shard.ffn.begin);
+  }
+  copy_columns(piece.reg.param(id(piece.reg, "mlp.down_proj.weight")),
+               whole.reg.param(id(whole.reg, "mlp.down_proj.weight")), shard.ffn.begin);
+
+  std::vector<float> x = normal(size_t(N * C), 1), base = normal(size_t(N * C), 2), dout = normal(size_t(N * C), 3);
+  std::vector<float> out_ref = base, out = base, dx_ref(size_t(N * C)), dx(size_t(N * C), 9.0f);
+  ref.forward(whole.ctx, 0, f32(x, {B, T, C}), f32(out_ref, {B, T, C}));
+  mlp.forward(piece.ctx, 0, f32(x, {B, T, C}), f32(out, {B, T, C}));
+  expect_close(out, out_ref, ranks, "output (added to the residual)");
+  ref.backward(whole.ctx, 0, f32(x, {B, T, C}), f32(dout, {B, T, C}), f32(dx_ref, {B, T, C}));
+  mlp.backward(piece.ctx, 0, f32(x, {B, T, C}), f32(dout, {B, T, C}), f32(dx, {B, T, C}));
+  expect_close(dx, dx_ref, ranks, "input gradient");
+
+  // Each rank's weight gradients are its slices of the whole MLP's.
+  for (const char* w : {"mlp.gate_proj.weight", "mlp.up_proj.weight"}) {
+    Tensor g = whole.reg.grad(id(whole.reg, w));
+    expect_close(host(piece.reg.grad(id(piece.reg, w))),
+                 host(g.slice(shard.ffn.begin, shard.ffn.end)), ranks, std::string(w) + " gradient rows");
+  }
+  expect_close(host(piece.reg.grad(id(piece.reg, "mlp.down_proj.weight"))),
+               columns(whole.reg.grad(id(whole.reg, "mlp.down_proj.weight")), shard.ffn.begin, Il), ranks,
+               "down_proj gradient columns");
+  EXPECT_EQ(Il * ranks, I);
+}
+
+TEST_F(TensorParallel, GQASplitByHeadsMatchesTheWholeAttention) {
+  const int64_t C = c.hidden_size, N = B * T, D = c.head_dim();
+  Rig whole(nullptr), piece(comm.get());
+  GQAttention ref(c, ShardSpec::whole(c), whole.reg, 0);
+  GQAttention attn(c, shard, piece.reg, 0);
+  whole.reg.allocate(Device::cpu());
+  piece.reg.allocate(Device::cpu());
+  init_whole(whole.reg);
+  whole.rope.ensure(T, c);
+  piece.rope.ensure(T, c);
+  auto id = [](const ParamRegistry& r, const char* rest) { return r.find(layer_name(0, rest)); };
+  // Query heads [h0, h1) read key/value heads [h0, h1) / (H / Hkv): this rank's kv heads.
+  copy_rows(piece.reg.param(id(piece.reg, "self_attn.q_proj.weight")),
+            whole.reg.param(id(whole.reg, "self_attn.q_proj.weight")), shard.heads.begin * D);
+  for (const char* w : {"self_attn.k_proj.weight", "self_attn.v_proj.weight"}) {
+    copy_rows(piece.reg.param(id(piece.reg, w)), whole.reg.param(id(whole.reg, w)), shard.kv_heads.begin * D);
+  }
+  copy_columns(piece.reg.param(id(piece.reg, "self_attn.o_proj.weight")),
+               whole.reg.param(id(whole.reg, "self_attn.o_proj.weight")), shard.heads.begin * D);
+
+  std::vector<float> x = normal(size_t(N * C), 4), base = normal(size_t(N * C), 5), dout = normal(size_t(N * C), 6);
+  std::vector<float> out_ref = base, out = base, dx_ref(size_t(N * C)), dx(size_t(N * C), 9.0f);
+  ref.forward(whole.ctx, 0, f32(x, {B, T, C}), f32(out_ref, {B, T, C}));
+  attn.forward(piece.ctx, 0, f32(x, {B, T, C}), f32(out, {B, T, C}));
+  expect_close(out, out_ref, ranks, "output (added to the residual)");
+  ref.backward(whole.ctx, 0, f32(x, {B, T, C}), f32(dout, {B, T, C}), f32(dx_ref, {B, T, C}));
+  attn.backward(piece.ctx, 0, f32(x, {B, T, C}), f32(dout, {B, T, C}), f32(dx, {B, T, C}));
+  expect_close(dx, dx_ref, ranks, "input gradient");
+
+  expect_close(host(piece.reg.grad(id(piece.reg, "self_attn.q_proj.weight"))),
+               host(whole.reg.grad(id(whole.reg, "self_attn.q_proj.weight"))
+                        .slice(shard.heads.begin * D, shard.heads.end * D)),
+               ranks, "q_proj gradient rows");
+  for (const char* w : {"self_attn.k_proj.weight", "self_attn.v_proj.weight"}) {
+    expect_close(host(piece.reg.grad(id(piece.reg, w))),
+                 host(whole.reg.grad(id(whole.reg, w)).slice(shard.kv_heads.begin * D, shard.kv_heads.end * D)),
+                 ranks, std::string(w) + " gradient rows");
+  }
+  expect_close(host(piece.reg.grad(id(piece.reg, "self_attn.o_proj.weight"))),
+               columns(whole.reg.grad(id(whole.reg, "self_attn.o_proj.weight")), shard.heads.begin * D,
+                       shard.heads.size() * D),
+               ranks, "o_proj gradient columns");
+}
+
+// This rank's piece of a global tensor, as its placement says.
+std::vector<float> piece_of(Tensor global, const ParamInfo& p) {
+  if (p.placement.kind == Placement::Kind::Whole) return host(global);
+  const int64_t rows = p.shape[0], cols = p.shape[1];
+  if (p.placement.dim == 0) return host(global.slice(p.placement.index * rows, (p.placement.index + 1) * rows));
+  return columns(global, p.placement.index * cols, cols);
+}
+
+TEST_F(TensorParallel, DenseTransformerMatchesTheWholeModel) {
+  c.num_hidden_layers = 2;
+  ShardSpec s = ShardSpec::tensor_parallel(c, rank, ranks);
+  s.vocab = Range{0, c.vocab_size};  // the embedding and head are not split yet
+  Transformer whole(c, Device::cpu());
+  ProcessGroups groups;
+  groups.tp = comm.get();
+  Transformer tp(c, Device::cpu(), s, groups);
+  whole.init_weights(11);
+  tp.init_weights(11);
+  ASSERT_EQ(whole.params().size(), tp.params().size());
+  // A sharded model starts from the slices of the whole one's weights.
+  for (int id = 0; id < tp.params().size(); ++id) {
+    const ParamInfo& p = tp.params().info(id);
+    ASSERT_EQ(p.name, whole.params().info(id).name);
+    const std::vector<float> mine = host(tp.params().param(id)), expect = piece_of(whole.params().param(id), p);
+    EXPECT_EQ(0, std::memcmp(mine.data(), expect.data(), mine.size() * sizeof(float))) << p.name << " initial values";
+  }
+
+  std::mt19937 rng(3);
+  std::vector<int32_t> tokens(size_t(B * T)), targets(size_t(B * T));
+  for (auto& t : tokens) t = int32_t(rng() % uint32_t(c.vocab_size));
+  for (auto& t : targets) t = int32_t(rng() % uint32_t(c.vocab_size));
+  const Tensor tok(tokens.data(), DType::I32, Shape{B, T}), tgt(targets.data(), DType::I32, Shape{B, T});
+  const LossSums a = whole.forward_backward(tok, tgt, float(1.0 / double(B * T)));
+  const LossSums b = tp.forward_backward(tok, tgt, float(1.0 / double(B * T)));
+  EXPECT_EQ(a.count, b.count);
+  expect_close({float(b.sum)}, {float(a.sum)}, ranks, "loss");
+  for (int id = 0; id < tp.params().size(); ++id) {
+    const ParamInfo& p = tp.params().info(id);
+    expect_close(host(tp.params().grad(id)), piece_of(whole.params().grad(id), p), ranks, p.name + " gradient");
+  }
+}
+
+}  // namespace
+}  // namespace dstrain

@@ -1,0 +1,487 @@
+// The Transformer as an engine of micro-batches: two micro-batches in flight give the gradients
+// of running them one after the other, a backward split into its input and weight parts gives
+// those of the whole backward, the activation store's memory is reused round after round, the
+// parameter hooks fire where and when they should, and ShardSpec refuses what it cannot split,
+// naming why.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "model/mla.h"
+#include "model/moe.h"
+#include "model/transformer.h"
+
+namespace dstrain {
+namespace {
+
+ModelConfig dense_config() {
+  ModelConfig c;
+  c.hidden_size = 16;
+  c.intermediate_size = 24;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.vocab_size = 23;
+  c.max_position_embeddings = 32;
+  c.rms_norm_eps = 1e-5;
+  c.rope_theta = 10000;
+  c.initializer_range = 0.3;
+  return c;
+}
+
+// DeepSeek-V3 in small: MLA with a query LoRA, a dense first layer, sigmoid/noaux_tc MoE with a
+// shared expert and the aux loss, one MTP depth.
+ModelConfig v3_config() {
+  ModelConfig c;
+  c.model_type = "deepseek_v3";
+  c.hidden_size = 32;
+  c.intermediate_size = 24;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 2;
+  c.num_key_value_heads = 2;
+  c.vocab_size = 40;
+  c.max_position_embeddings = 32;
+  c.rms_norm_eps = 1e-6;
+  c.initializer_range = 0.3;
+  c.q_lora_rank = 12;
+  c.kv_lora_rank = 8;
+  c.qk_nope_head_dim = 4;
+  c.qk_rope_head_dim = 4;
+  c.v_head_dim = 4;
+  c.n_routed_experts = 8;
+  c.n_shared_experts = 1;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = 6;
+  c.first_k_dense_replace = 1;
+  c.routed_scaling_factor = 2.5;
+  c.scoring_func = "sigmoid";
+  c.topk_method = "noaux_tc";
+  c.n_group = 2;
+  c.topk_group = 1;
+  c.norm_topk_prob = true;
+  c.aux_loss_alpha = 0.1;
+  c.seq_aux = true;
+  c.num_nextn_predict_layers = 1;
+  return c;
+}
+
+struct Batch {
+  std::vector<int32_t> tokens, targets;
+  int64_t B, T;
+  Batch(int64_t b, int64_t t, int64_t V, unsigned seed) : tokens(size_t(b * t)), targets(size_t(b * t)), B(b), T(t) {
+    std::mt19937 rng(seed);
+    for (auto& x : tokens) x = int32_t(rng() % V);
+    for (auto& x : targets) x = int32_t(rng() % V);
+    targets[1] = ops::kIgnoreIndex;
+  }
+  Tensor tok() { return Tensor(tokens.data(), DType::I32, Shape{B, T}); }
+  Tensor tgt() { return Tensor(targets.data(), DType::I32, Shape{B, T}); }
+};
+
+LossScales scales_for(const Transformer& m, int64_t B, int64_t T) {
+  LossScales s;
+  s.token = float(1.0 / double(2 * B * T));
+  s.sequence = 1.0 / double(2 * B);
+  s.micro_batch = 0.5;
+  for (int k = 0; k < m.mtp_depth(); ++k) s.mtp_token.push_back(0.3f / float(2 * B * T));
+  return s;
+}
+
+std::vector<float> grad_of(const Transformer& m, int id) {
+  Tensor g = m.params().grad(id);
+  return std::vector<float>(g.data<float>(), g.data<float>() + g.numel());
+}
+
+bool in_main_layer(const Transformer& m, int id) {
+  const int l = m.params().info(id).layer;
+  return l >= 0 && l < m.config().num_hidden_layers;
+}
+
+// Bitwise, or within `rel` of the tensor's largest magnitude when rel > 0.
+void expect_same(const std::vector<float>& a, const std::vector<float>& b, double rel, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  if (rel == 0) {
+    EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << what << ": not bitwise equal";
+    return;
+  }
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    worst = std::max(worst, std::fabs(double(a[i]) - double(b[i])));
+    scale = std::max(scale, std::fabs(double(b[i])));
+  }
+  EXPECT_LE(worst, rel * scale) << what;
+}
+
+void expect_same_sums(const LossSums& a, const LossSums& b) {
+  EXPECT_EQ(a.sum, b.sum);
+  EXPECT_EQ(a.count, b.count);
+  EXPECT_EQ(a.mtp_sum, b.mtp_sum);
+  EXPECT_EQ(a.mtp_count, b.mtp_count);
+}
+
+// Records the hooks' calls.
+struct Recorder : ParamHooks {
+  std::vector<std::pair<int, int>> used, ready;
+  void before_use(int first, int last) override { used.emplace_back(first, last); }
+  void grad_ready(int first, int last) override { ready.emplace_back(first, last); }
+};
+
+// Gradients formed in two orders of the same two micro-batches differ only by the order in
+// which fp32 sums accumulate into them (a + b vs b + a is exact, a GEMM's or a norm's running
+// sums over two micro-batches are not): within this of the tensor's largest magnitude.
+constexpr double kOrderTol = 1e-6;
+
+class Engine : public ::testing::TestWithParam<bool> {
+ protected:
+  ModelConfig config() const { return GetParam() ? v3_config() : dense_config(); }
+};
+
+// forward(0), forward(1), backward(1), backward(0) against the two micro-batches one after the
+// other (1 first, then 0): every parameter of the decoder layers and the final norm gets its
+// gradients in the same order, so they are bitwise equal; the head and the MTP modules, whose
+// gradients form in the forward (0 first here), and the embedding that both feed, are equal up
+// to the order of two accumulations.
+TEST_P(Engine, TwoMicroBatchesInFlightGiveTheGradientsOfOneAfterTheOther) {
+  const ModelConfig c = config();
+  const int64_t B = 2, T = 7;
+  Batch d0(B, T, c.vocab_size, 1), d1(B, T, c.vocab_size, 2);
+  Transformer a(c, Device::cpu()), r(c, Device::cpu());
+  a.init_weights(3);
+  r.init_weights(3);
+  const LossScales s = scales_for(a, B, T);
+
+  const LossSums a0 = a.forward(0, d0.tok(), d0.tgt(), s);
+  const LossSums a1 = a.forward(1, d1.tok(), d1.tgt(), s);
+  EXPECT_EQ(a.activations().in_flight(), (std::vector<int>{0, 1}));
+  a.backward(1);
+  EXPECT_EQ(a.activations().in_flight(), (std::vector<int>{0}));
+  a.backward(0);
+  EXPECT_TRUE(a.activations().in_flight().empty());
+  EXPECT_EQ(a.activations().bytes_in_use(), 0);
+
+  const LossSums r1 = r.forward(0, d1.tok(), d1.tgt(), s);
+  r.backward(0);
+  const LossSums r0 = r.forward(0, d0.tok(), d0.tgt(), s);
+  r.backward(0);
+  expect_same_sums(a0, r0);
+  expect_same_sums(a1, r1);
+
+  int bitwise = 0;
+  for (int id = 0; id < a.params().size(); ++id) {
+    const std::string& name = a.params().info(id).name;
+    const bool same_order = in_main_layer(a, id) || name == "model.norm.weight";
+    bitwise += same_order;
+    expect_same(grad_of(a, id), grad_of(r, id), same_order ? 0.0 : kOrderTol, name);
+  }
+  EXPECT_GT(bitwise, 10);
+  // A backward needs its forward, and a micro-batch is in flight once.
+  EXPECT_THROW(a.backward(0), Error);
+  a.forward(2, d0.tok(), d0.tgt(), s);
+  EXPECT_THROW(a.forward(2, d1.tok(), d1.tgt(), s), Error);
+}
+
+// Round after round of two micro-batches in flight, the store's buffers come back from its pool:
+// nothing more is allocated after the first round, and nothing is held between rounds.
+TEST_P(Engine, ActivationMemoryIsReusedAcrossRounds) {
+  const ModelConfig c = config();
+  const int64_t B = 2, T = 7;
+  Batch d0(B, T, c.vocab_size, 1), d1(B, T, c.vocab_size, 2);
+  Transformer m(c, Device::cpu());
+  m.init_weights(3);
+  const LossScales s = scales_for(m, B, T);
+  m.forward(0, d0.tok(), d0.tgt(), s);
+  m.backward(0);
+  const int64_t one_in_flight = m.activations().bytes_allocated();
+  std::vector<int64_t> allocated;
+  for (int round = 0; round < 4; ++round) {
+    m.forward(0, d0.tok(), d0.tgt(), s);
+    m.forward(1, d1.tok(), d1.tgt(), s);
+    m.backward(1);
+    m.backward(0);
+    EXPECT_EQ(m.activations().bytes_in_use(), 0) << round;
+    allocated.push_back(m.activations().bytes_allocated());
+  }
+  for (size_t i = 1; i < allocated.size(); ++i) EXPECT_EQ(allocated[i], allocated[0]) << "round " << i;
+  // Two micro-batches hold twice what one does (the same shapes), no more.
+  EXPECT_EQ(allocated[0], 2 * one_in_flight);
+  m.release_activations();
+  EXPECT_EQ(m.activations().bytes_allocated(), 0);
+}
+
+// Generation runs forwards of growing length: buffers too small for the next length are
+// replaced, not kept, so the store holds what the longest forward needs, as buffers that
+// grow in place would.
+TEST_P(Engine, GrowingForwardsKeepMemoryOfTheLongest) {
+  const ModelConfig c = config();
+  const int64_t B = 2, Tmax = 16;
+  Batch d(B, Tmax, c.vocab_size, 6);
+  Transformer growing(c, Device::cpu()), longest(c, Device::cpu());
+  growing.init_weights(2);
+  longest.init_weights(2);
+  std::vector<float> logits(size_t(B * c.vocab_size));
+  const Tensor out(logits.data(), DType::F32, Shape{B, c.vocab_size});
+  for (int64_t T = 1; T <= Tmax; ++T) {
+    std::vector<int32_t> prefix;
+    for (int64_t b = 0; b < B; ++b) prefix.insert(prefix.end(), d.tokens.begin() + b * Tmax, d.tokens.begin() + b * Tmax + T);
+    growing.last_logits(Tensor(prefix.data(), DType::I32, Shape{B, T}), out);
+  }
+  longest.last_logits(d.tok(), out);
+  const double ratio = double(growing.activations().bytes_allocated()) / double(longest.activations().bytes_allocated());
+  std::printf("[ activations ] after forwards of length 1..%ld: %.3f x those of one of length %ld\n", long(Tmax), ratio,
+              long(Tmax));
+  EXPECT_EQ(growing.activations().bytes_allocated(), longest.activations().bytes_allocated());
+}
+
+// forward(0), forward(1), backward(0, Input), backward(1, Input), backward_weights(1),
+// backward_weights(0) against whole backwards: before backward_weights the layers' linear
+// weights have no gradient yet and their norms have theirs; after it, the linear weights
+// (accumulated 1 then 0) equal those of the micro-batches run 1 then 0 and everything else
+// (accumulated 0 then 1) those run 0 then 1, bitwise for the decoder layers.
+TEST_P(Engine, SplitBackwardGivesTheGradientsOfTheWholeBackward) {
+  const ModelConfig c = config();
+  const int64_t B = 2, T = 7;
+  Batch d0(B, T, c.vocab_size, 1), d1(B, T, c.vocab_size, 2);
+  Transformer a(c, Device::cpu()), r01(c, Device::cpu()), r10(c, Device::cpu());
+  for (Transformer* m : {&a, &r01, &r10}) m->init_weights(5);
+  const LossScales s = scales_for(a, B, T);
+  Recorder hooks;
+  a.set_hooks(&hooks);
+
+  a.forward(0, d0.tok(), d0.tgt(), s);
+  a.forward(1, d1.tok(), d1.tgt(), s);
+  const size_t ready_in_forward = hooks.ready.size();  // the MTP modules, whose backward runs there
+  EXPECT_EQ(ready_in_forward, 2 * size_t(a.mtp_depth()));
+  a.backward(0, BackwardPart::Input);
+  a.backward(1, BackwardPart::Input);
+  EXPECT_EQ(hooks.ready.size(), ready_in_forward) << "grad_ready fired before the weight gradients exist";
+  EXPECT_TRUE(a.activations().in_flight().empty());
+  int linear = 0, norms = 0;
+  for (int id = 0; id < a.params().size(); ++id) {
+    if (!in_main_layer(a, id)) continue;
+    const ParamInfo& p = a.params().info(id);
+    const std::vector<float> g = grad_of(a, id);
+    const bool any = std::any_of(g.begin(), g.end(), [](float v) { return v != 0.0f; });
+    if (p.kind == ParamKind::Linear) {
+      EXPECT_FALSE(any) << p.name << ": a weight gradient before backward_weights";
+      ++linear;
+    } else if (p.kind == ParamKind::Norm) {
+      EXPECT_TRUE(any) << p.name << ": a norm gradient missing after the input part";
+      ++norms;
+    }
+  }
+  EXPECT_GT(linear, 0);
+  EXPECT_GT(norms, 0);
+  a.backward_weights(1);
+  const size_t ready_per_backward = hooks.ready.size() - ready_in_forward;
+  // final norm, lm_head, every layer (last first), the embedding
+  EXPECT_EQ(ready_per_backward, size_t(c.num_hidden_layers) + 3);
+  EXPECT_EQ(hooks.ready[ready_in_forward], (std::pair<int, int>{a.params().find("model.norm.weight"),
+                                                                a.params().find("model.norm.weight")}));
+  a.backward_weights(0);
+  EXPECT_EQ(hooks.ready.size(), ready_in_forward + 2 * ready_per_backward);
+
+  for (Transformer* m : {&r01, &r10}) {
+    Batch& first = m == &r01 ? d0 : d1;
+    Batch& second = m == &r01 ? d1 : d0;
+    m->forward(0, first.tok(), first.tgt(), s);
+    m->backward(0);
+    m->forward(0, second.tok(), second.tgt(), s);
+    m->backward(0);
+  }
+  for (int id = 0; id < a.params().size(); ++id) {
+    const ParamInfo& p = a.params().info(id);
+    const bool deferred = in_main_layer(a, id) && p.kind == ParamKind::Linear;
+    expect_same(grad_of(a, id), grad_of(deferred ? r10 : r01, id), in_main_layer(a, id) ? 0.0 : kOrderTol, p.name);
+  }
+  // Every layer's parameters were announced before each use: two forwards, two backwards.
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    int first = -1, last = -1;
+    for (int id = 0; id < a.params().size(); ++id) {
+      if (a.params().info(id).layer != l) continue;
+      if (first < 0) first = id;
+      last = id;
+    }
+    EXPECT_EQ(std::count(hooks.used.begin(), hooks.used.end(), std::pair<int, int>{first, last}), 4) << "layer " << l;
+  }
+}
+
+// With one micro-batch and the whole backward, the GradReadyFn of forward_backward sees the
+// same ranges, in the same order, as a ParamHooks.
+TEST_P(Engine, GradReadyFnAndHooksAgree) {
+  const ModelConfig c = config();
+  Batch d(2, 5, c.vocab_size, 4);
+  Transformer m(c, Device::cpu());
+  m.init_weights(1);
+  const LossScales s = scales_for(m, 2, 5);
+  std::vector<std::pair<int, int>> by_fn;
+  m.forward_backward(d.tok(), d.tgt(), s, [&](int a, int b) { by_fn.emplace_back(a, b); });
+  Recorder hooks;
+  m.set_hooks(&hooks);
+  m.forward_backward(d.tok(), d.tgt(), s);
+  EXPECT_EQ(hooks.ready, by_fn);
+  EXPECT_FALSE(hooks.used.empty());
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, Engine, ::testing::Values(false, true),
+                         [](const auto& p) { return std::string(p.param ? "v3_mla_moe_mtp" : "dense"); });
+
+// ---- the stores ---------------------------------------------------------------------------
+
+TEST(ActivationStore, KeysByMicroBatchAndReusesReleasedBuffers) {
+  ActivationStore acts;
+  Tensor a0 = acts.put(0, "layers.0.x", {4, 8});
+  Tensor a1 = acts.put(1, "layers.0.x", {4, 8});
+  EXPECT_NE(a0.raw(), a1.raw());
+  EXPECT_EQ(acts.get(1, "layers.0.x").raw(), a1.raw());
+  EXPECT_EQ(acts.get(0, "layers.0.x").shape(), (Shape{4, 8}));
+  acts.meta<int>(0, "layers.0.n") = 7;
+  EXPECT_EQ(acts.meta<int>(0, "layers.0.n"), 7);
+  EXPECT_EQ(acts.meta<int>(1, "layers.0.n"), 0);
+  EXPECT_EQ(acts.bytes_in_use(), 2 * 4 * 8 * 4);
+  // Errors name the micro-batch and the key.
+  try {
+    acts.get(0, "layers.0.y");
+    FAIL() << "a missing key was returned";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("micro-batch 0 has no stored activation 'layers.0.y'"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(acts.get(5, "layers.0.x"), Error);
+  acts.release(0);
+  EXPECT_FALSE(acts.has(0, "layers.0.x"));
+  EXPECT_EQ(acts.in_flight(), std::vector<int>{1});
+  EXPECT_EQ(acts.meta<int>(0, "layers.0.n"), 0);  // released with its buffers
+  // The next micro-batch gets the released buffer back, even for another dtype of the same size.
+  Tensor again = acts.put(2, "layers.0.x", {32}, DType::I32);
+  EXPECT_EQ(again.raw(), a0.raw());
+  EXPECT_EQ(acts.bytes_allocated(), 2 * 4 * 8 * 4);
+  acts.clear();
+  EXPECT_EQ(acts.bytes_allocated(), 0);
+}
+
+TEST(WeightGradStore, DefersWeightGradientsUntilRun) {
+  std::mt19937 rng(2);
+  std::normal_distribution<float> nd;
+  auto random = [&](size_t n) {
+    std::vector<float> v(n);
+    for (auto& x : v) x = nd(rng);
+    return v;
+  };
+  const int64_t M = 5, N = 3, K = 4;
+  std::vector<float> dout = random(M * N), x = random(M * K), w = random(N * K);
+  std::vector<float> dx(M * K), dw(N * K, 0.5f), dx_ref(M * K), dw_ref(N * K, 0.5f);
+  auto t = [](std::vector<float>& v, Shape s) { return Tensor(v.data(), DType::F32, s); };
+  ops::linear_backward(t(dx_ref, {M, K}), t(dw_ref, {N, K}), t(dout, {M, N}), t(x, {M, K}), t(w, {N, K}));
+  WeightGradStore store;
+  store.begin_deferral(3);
+  store.linear(t(dx, {M, K}), t(dw, {N, K}), t(dout, {M, N}), t(x, {M, K}), t(w, {N, K}));
+  store.end_deferral();
+  EXPECT_EQ(0, std::memcmp(dx.data(), dx_ref.data(), dx.size() * sizeof(float)));  // the input part now
+  EXPECT_EQ(dw, std::vector<float>(N * K, 0.5f));                                    // the weight part later
+  EXPECT_EQ(store.pending(3), 1);
+  // The store kept its own copies: the caller's buffers may be reused meanwhile.
+  const std::vector<float> dout_saved = dout, x_saved = x;
+  std::fill(dout.begin(), dout.end(), 0.0f);
+  std::fill(x.begin(), x.end(), 0.0f);
+  store.run(3);
+  EXPECT_EQ(store.pending(3), 0);
+  EXPECT_EQ(0, std::memcmp(dw.data(), dw_ref.data(), dw.size() * sizeof(float)));
+  // Without deferral both parts run at once.
+  dout = dout_saved;
+  x = x_saved;
+  store.linear(t(dx, {M, K}), t(dw, {N, K}), t(dout, {M, N}), t(x, {M, K}), t(w, {N, K}));
+  EXPECT_EQ(store.pending(3), 0);
+  EXPECT_NE(dw, dw_ref);
+}
+
+// ---- ShardSpec --------------------------------------------------------------------------
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(ShardSpec, RefusesWhatDoesNotDivideNamingTheKey) {
+  ModelConfig c = dense_config();  // 4 heads, 2 kv heads, intermediate 24, vocab 23
+  EXPECT_NE(error_of([&] { ShardSpec::tensor_parallel(c, 0, 3); }).find("num_attention_heads = 4"), std::string::npos);
+  c.num_attention_heads = 8;
+  EXPECT_NE(error_of([&] { ShardSpec::tensor_parallel(c, 1, 4); }).find("num_key_value_heads = 2"), std::string::npos);
+  c.num_key_value_heads = 4;
+  c.intermediate_size = 26;
+  EXPECT_NE(error_of([&] { ShardSpec::tensor_parallel(c, 1, 4); }).find("intermediate_size = 26"), std::string::npos);
+  c.intermediate_size = 24;
+  c.vocab_size = 24;
+  const ShardSpec s = ShardSpec::tensor_parallel(c, 1, 4);
+  EXPECT_EQ(s.heads, (Range{2, 4}));
+  EXPECT_EQ(s.kv_heads, (Range{1, 2}));
+  EXPECT_EQ(s.ffn, (Range{6, 12}));
+  EXPECT_EQ(s.vocab, (Range{6, 12}));
+  EXPECT_TRUE(ShardSpec::whole(c).is_whole());
+}
+
+TEST(ShardSpec, LayersWithoutATensorParallelSplitRefuseOne) {
+  const ModelConfig v3 = v3_config();
+  const ShardSpec two = ShardSpec::tensor_parallel(v3, 0, 2);
+  ParamRegistry reg;
+  EXPECT_NE(error_of([&] { MLAttention(v3, two, reg, 0); }).find("multi-head latent attention"), std::string::npos);
+  EXPECT_NE(error_of([&] { MoEBlock(v3, two, reg, 1); }).find("DeepSeekMoE"), std::string::npos);
+  // A sharded model needs its group.
+  ModelConfig c = dense_config();
+  c.vocab_size = 24;
+  EXPECT_NE(error_of([&] { Transformer(c, Device::cpu(), ShardSpec::tensor_parallel(c, 0, 2)); })
+                .find("tensor-parallel group has 1 ranks"),
+            std::string::npos);
+}
+
+// The whole ShardSpec registers today's model: names, shapes, offsets, placements.
+TEST(ShardSpec, WholeRegistersTheUnshardedModel) {
+  for (const ModelConfig& c : {dense_config(), v3_config()}) {
+    Transformer a(c, Device::cpu()), b(c, Device::cpu(), ShardSpec::whole(c));
+    ASSERT_EQ(a.params().size(), b.params().size());
+    for (int id = 0; id < a.params().size(); ++id) {
+      const ParamInfo &p = a.params().info(id), &q = b.params().info(id);
+      EXPECT_EQ(p.name, q.name);
+      EXPECT_EQ(p.shape, q.shape);
+      EXPECT_EQ(p.offset, q.offset);
+      EXPECT_EQ(q.placement.kind, Placement::Kind::Whole) << q.name;
+    }
+  }
+}
+
+// A piece of a SwiGLU MLP and of GQA: local shapes, the global shape, the placement.
+TEST(ShardSpec, ColumnAndRowParallelPiecesAreRegisteredAsShards) {
+  ModelConfig c = dense_config();
+  c.vocab_size = 24;
+  const ShardSpec s = ShardSpec::tensor_parallel(c, 1, 2);
+  ParamRegistry reg;
+  SwiGLUMLP mlp(c, s, reg, 0);
+  GQAttention attn(c, s, reg, 0);
+  auto info = [&](const std::string& rest) { return reg.info(reg.find(layer_name(0, rest))); };
+  const ParamInfo gate = info("mlp.gate_proj.weight"), down = info("mlp.down_proj.weight");
+  EXPECT_EQ(gate.shape, (Shape{12, 16}));
+  EXPECT_EQ(gate.global_shape, (Shape{24, 16}));
+  EXPECT_EQ(gate.placement.kind, Placement::Kind::Shard);
+  EXPECT_EQ(gate.placement.dim, 0);
+  EXPECT_EQ(gate.placement.axis, "tensor");
+  EXPECT_EQ(gate.placement.index, 1);
+  EXPECT_EQ(gate.placement.count, 2);
+  EXPECT_EQ(info("mlp.up_proj.weight").offset, gate.offset + gate.numel());  // still one fused matrix
+  EXPECT_EQ(down.shape, (Shape{16, 12}));
+  EXPECT_EQ(down.global_shape, (Shape{16, 24}));
+  EXPECT_EQ(down.placement.dim, 1);
+  EXPECT_EQ(info("self_attn.q_proj.weight").shape, (Shape{8, 16}));  // 2 of 4 heads, head dim 4
+  EXPECT_EQ(info("self_attn.k_proj.weight").shape, (Shape{4, 16}));  // 1 of 2 kv heads
+  EXPECT_EQ(info("self_attn.o_proj.weight").global_shape, (Shape{16, 16}));
+  EXPECT_EQ(info("self_attn.o_proj.weight").placement.dim, 1);
+}
+
+}  // namespace
+}  // namespace dstrain
