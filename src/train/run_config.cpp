@@ -116,6 +116,11 @@ TrainConfig read_train(const JsonReader& r) {
   t.router_bias_update_rate = r.get<double>("router_bias_update_rate", t.router_bias_update_rate);
   if (t.mtp_loss_weight < 0) r.error("mtp_loss_weight", "must be >= 0");
   if (t.router_bias_update_rate < 0) r.error("router_bias_update_rate", "must be >= 0");
+  t.micro_batch_schedule = r.get<std::string>("micro_batch_schedule", t.micro_batch_schedule);
+  if (t.micro_batch_schedule != "grad_accumulation" && t.micro_batch_schedule != "all_forward_all_backward") {
+    r.error("micro_batch_schedule", "must be \"grad_accumulation\" or \"all_forward_all_backward\" (pipeline schedules need "
+            "pipeline stages)");
+  }
   if (r.has("zero_optimization")) {
     JsonReader z = r.child("zero_optimization");
     t.zero_stage = z.get<int64_t>("stage", t.zero_stage);
@@ -247,6 +252,7 @@ json RunConfig::to_json() const {
   t["eval_batches"] = train.eval_batches;
   t["mtp_loss_weight"] = train.mtp_loss_weight;
   t["router_bias_update_rate"] = train.router_bias_update_rate;
+  t["micro_batch_schedule"] = train.micro_batch_schedule;
   t["zero_optimization"] = {{"stage", train.zero_stage},
                             {"reduce_bucket_size", train.reduce_bucket_size},
                             {"overlap_comm", train.overlap_comm}};

@@ -36,6 +36,9 @@ struct TrainConfig {
   int64_t eval_batches = 8;         // micro-batches of validation windows per evaluation
   double mtp_loss_weight = 0.3;          // lambda of the multi-token prediction loss (DeepSeek-V3)
   double router_bias_update_rate = 0.001;  // gamma of the auxiliary-loss-free balancing (noaux_tc)
+  // The order of the micro-batches' forwards and backwards (distributed/schedule.h):
+  // "grad_accumulation" (F0 B0 F1 B1 ...) or "all_forward_all_backward" (every forward first).
+  std::string micro_batch_schedule = "grad_accumulation";
   // DeepSpeed's zero_optimization block: stage 0 (no sharding) for now.
   int64_t zero_stage = 0;
   int64_t reduce_bucket_size = 500'000'000;  // elements per gradient bucket

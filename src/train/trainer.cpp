@@ -80,6 +80,8 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
   reducer_ = std::make_unique<GradReducer>(model_->params(), ParamGroupComms::from_grid(grid_),
                                            config_.train.reduce_bucket_size, config_.train.overlap_comm);
   param_hooks_.add(*reducer_);
+  model_->set_hooks(&param_hooks_);
+  schedule_ = make_schedule(config_.train.micro_batch_schedule);
   ckpt_ = std::make_unique<CheckpointManager>(config_.checkpoint, grid_);
 }
 
@@ -420,23 +422,46 @@ std::string Trainer::forward_backward(StepData& data, const LossScales& scales, 
   const TrainConfig& tc = config_.train;
   const int64_t mb = tc.micro_batch, T = config_.data.seq_len;
   const int D = model_->mtp_depth();
+  // What the schedule runs for this step's micro-batches on this (the only) stage; the last
+  // backward communicates the gradient buckets.
+  const std::vector<ScheduleAction> plan = schedule_->actions(0, 1, int(tc.grad_accum));
+  size_t last_backward = 0;
+  for (size_t i = 0; i < plan.size(); ++i) {
+    if (plan[i].kind != ScheduleAction::Kind::Forward) last_backward = i;
+  }
   try {
-    for (int64_t m = 0; m < tc.grad_accum; ++m) {
-      Batch& b = data.micro[size_t(m)];
-      reducer_->begin_micro_step(/*communicates=*/m == tc.grad_accum - 1);
-      if (m == 0 && fault_at_this_step(&FaultInjection::oom_at_step) && !oom_fault_fired_) {
-        oom_fault_fired_ = true;  // once: the retried step gets through
-        throw OutOfMemory(fmt::format("fault injection: allocation failure at step {}", step_ + 1));
+    for (size_t i = 0; i < plan.size(); ++i) {
+      const ScheduleAction& a = plan[i];
+      Batch& b = data.micro[size_t(a.micro_batch)];
+      switch (a.kind) {
+        case ScheduleAction::Kind::Forward: {
+          if (i == 0 && fault_at_this_step(&FaultInjection::oom_at_step) && !oom_fault_fired_) {
+            oom_fault_fired_ = true;  // once: the retried step gets through
+            throw OutOfMemory(fmt::format("fault injection: allocation failure at step {}", step_ + 1));
+          }
+          const LossSums s =
+              model_->forward(a.micro_batch, tokens_tensor(b.inputs, mb, T), tokens_tensor(b.targets, mb, T), scales);
+          sums[0] += s.sum;
+          sums[1] += double(s.count);
+          for (int k = 0; k < D && k < int(s.mtp_sum.size()); ++k) sums[size_t(3 + k)] += s.mtp_sum[size_t(k)];
+          break;
+        }
+        case ScheduleAction::Kind::Backward:
+        case ScheduleAction::Kind::BackwardInput:
+          reducer_->begin_micro_step(/*communicates=*/i == last_backward);
+          model_->backward(a.micro_batch, a.kind == ScheduleAction::Kind::Backward ? BackwardPart::Full
+                                                                                    : BackwardPart::Input);
+          break;
+        case ScheduleAction::Kind::BackwardWeight:
+          reducer_->begin_micro_step(/*communicates=*/i == last_backward);
+          model_->backward_weights(a.micro_batch);
+          break;
       }
-      LossSums s = model_->forward_backward(tokens_tensor(b.inputs, mb, T), tokens_tensor(b.targets, mb, T), scales,
-                                            reducer_->hook());
-      sums[0] += s.sum;
-      sums[1] += double(s.count);
-      for (int k = 0; k < D && k < int(s.mtp_sum.size()); ++k) sums[size_t(3 + k)] += s.mtp_sum[size_t(k)];
     }
   } catch (const OutOfMemory& e) {
-    // This rank still takes part in every gradient bucket the others reduce; the step is
-    // then discarded everywhere.
+    // Micro-batches in flight are dropped. This rank still takes part in every gradient
+    // bucket the others reduce; the step is then discarded everywhere.
+    model_->release_activations();
     sums[2] = 1;
     reducer_->begin_micro_step(/*communicates=*/true);
     return e.what();

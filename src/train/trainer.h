@@ -19,6 +19,7 @@
 #include "data/tokenizer.h"
 #include "distributed/grad_reducer.h"
 #include "distributed/param_hooks.h"
+#include "distributed/schedule.h"
 #include "model/transformer.h"
 #include "optim/adamw.h"
 #include "train/checkpointing.h"
@@ -167,6 +168,7 @@ class Trainer {
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<GradReducer> reducer_;
+  std::unique_ptr<Schedule> schedule_;  // the order of the micro-batches' forwards and backwards
   ParamHookChain param_hooks_;  // the model's ParamHooks: the reducer's grad_ready (later ZeRO-3's gathers)
   std::unique_ptr<CheckpointManager> ckpt_;
   int64_t last_saved_step_ = -1;

@@ -109,3 +109,32 @@ TEST(DataParallel, DifferentConfigurationsOnRanksAreAnError) {
 
 }  // namespace
 }  // namespace dstrain
+
+namespace dstrain {
+namespace {
+
+// The trainer runs what its schedule says: every forward before any backward (all micro-batches
+// in flight) accumulates each gradient in the same micro-batch order as gradient accumulation,
+// so the two schedules train the same bits.
+TEST(DataParallel, AllForwardAllBackwardScheduleTrainsTheSameBits) {
+  RunFiles files(4);
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  Trainer accumulate(files.config(), grid);
+  Trainer all_forward(files.config({"train.micro_batch_schedule=\"all_forward_all_backward\""}), grid);
+  for (Trainer* t : {&accumulate, &all_forward}) {
+    t->init_weights("");
+    t->train();
+  }
+  EXPECT_EQ(all_forward.config().train.micro_batch_schedule, "all_forward_all_backward");
+  const Buffer& a = accumulate.model().params().values();
+  const Buffer& b = all_forward.model().params().values();
+  EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.nbytes()));
+  ASSERT_EQ(accumulate.history().size(), all_forward.history().size());
+  for (size_t i = 0; i < accumulate.history().size(); ++i) {
+    EXPECT_EQ(accumulate.history()[i].loss, all_forward.history()[i].loss);
+  }
+  EXPECT_THROW(Trainer(files.config({"train.micro_batch_schedule=\"1f1b\""}), grid), Error);
+}
+
+}  // namespace
+}  // namespace dstrain

@@ -45,7 +45,9 @@ TEST(Stage, StagesOwnContiguousRangesThatPartitionTheRegistry) {
         EXPECT_EQ(r.begin, next) << s.str();
         for (int id = int(r.begin); id < int(r.end); ++id) {
           const ParamInfo& p = model.params().info(id);
-          if (p.layer >= 0) EXPECT_TRUE(p.layer >= s.first_layer && p.layer < s.end_layer) << p.name << " in " << s.str();
+          if (p.layer >= 0) {
+            EXPECT_TRUE(p.layer >= s.first_layer && p.layer < s.end_layer) << p.name << " in " << s.str();
+          }
         }
         next = int(r.end);
       }
