@@ -18,6 +18,7 @@
 
 #include "model/layers.h"
 #include "model/model_config.h"
+#include "model/stage.h"
 #include "state/params.h"
 
 namespace dstrain {
@@ -93,6 +94,10 @@ class Transformer {
   // The DeepSeekMoE layers (main and MTP) with their layer indices.
   std::vector<std::pair<int, FeedForwardBlock*>> moe_layers();
   int mtp_depth() const { return int(mtp_.size()); }
+  // The model as pipeline stages (today one, holding every piece) and each stage's contiguous
+  // range of parameter ids; the weights its pieces share (tied_params).
+  std::vector<StageSpec> stages() const { return split_stages(config_, 1); }
+  Range stage_params(const StageSpec& s) const { return stage_param_range(reg_, s, config_); }
   // Seconds spent in forward and backward computation since the last call.
   std::pair<double, double> take_timings();
   // Bytes of activations and backward temporaries a micro-batch of (B, T) needs.

@@ -56,6 +56,15 @@ TEST(Stage, StagesOwnContiguousRangesThatPartitionTheRegistry) {
   }
 }
 
+TEST(Stage, TheModelIsOneStageHoldingEveryParameter) {
+  const ModelConfig c = small(true, 3, 0);
+  Transformer model(c, Device::cpu());
+  const auto st = model.stages();
+  ASSERT_EQ(st.size(), 1u);
+  EXPECT_TRUE(st[0].embedding && st[0].head);
+  EXPECT_EQ(model.stage_params(st[0]), (Range{0, model.params().size()}));
+}
+
 TEST(Stage, TiesAreDeclared) {
   EXPECT_TRUE(tied_params(small(false, 2, 0)).empty());
   auto t = tied_params(small(true, 2, 0));
