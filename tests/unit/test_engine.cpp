@@ -14,60 +14,13 @@
 #include "model/mla.h"
 #include "model/moe.h"
 #include "model/transformer.h"
+#include "tiny_models.h"
 
 namespace dstrain {
 namespace {
 
-ModelConfig dense_config() {
-  ModelConfig c;
-  c.hidden_size = 16;
-  c.intermediate_size = 24;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.vocab_size = 23;
-  c.max_position_embeddings = 32;
-  c.rms_norm_eps = 1e-5;
-  c.rope_theta = 10000;
-  c.initializer_range = 0.3;
-  return c;
-}
-
-// DeepSeek-V3 in small: MLA with a query LoRA, a dense first layer, sigmoid/noaux_tc MoE with a
-// shared expert and the aux loss, one MTP depth.
-ModelConfig v3_config() {
-  ModelConfig c;
-  c.model_type = "deepseek_v3";
-  c.hidden_size = 32;
-  c.intermediate_size = 24;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 2;
-  c.num_key_value_heads = 2;
-  c.vocab_size = 40;
-  c.max_position_embeddings = 32;
-  c.rms_norm_eps = 1e-6;
-  c.initializer_range = 0.3;
-  c.q_lora_rank = 12;
-  c.kv_lora_rank = 8;
-  c.qk_nope_head_dim = 4;
-  c.qk_rope_head_dim = 4;
-  c.v_head_dim = 4;
-  c.n_routed_experts = 8;
-  c.n_shared_experts = 1;
-  c.num_experts_per_tok = 2;
-  c.moe_intermediate_size = 6;
-  c.first_k_dense_replace = 1;
-  c.routed_scaling_factor = 2.5;
-  c.scoring_func = "sigmoid";
-  c.topk_method = "noaux_tc";
-  c.n_group = 2;
-  c.topk_group = 1;
-  c.norm_topk_prob = true;
-  c.aux_loss_alpha = 0.1;
-  c.seq_aux = true;
-  c.num_nextn_predict_layers = 1;
-  return c;
-}
+ModelConfig dense_config() { return tiny_dense(/*gqa=*/true, /*tied=*/false); }
+ModelConfig v3_config() { return tiny_v3(/*mtp_depth=*/1); }
 
 struct Batch {
   std::vector<int32_t> tokens, targets;

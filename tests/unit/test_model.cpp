@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "finite_difference.h"
+#include "tiny_models.h"
 #include "core/buffer.h"
 #include "model/init.h"
 #include "model/moe.h"
@@ -28,22 +29,6 @@ struct OneThread {
   OneThread() { omp_set_num_threads(1); }
   ~OneThread() { omp_set_num_threads(saved); }
 };
-
-ModelConfig tiny(bool gqa, bool tied) {
-  ModelConfig c;
-  c.hidden_size = 16;
-  c.intermediate_size = 24;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = gqa ? 2 : 4;
-  c.vocab_size = 23;
-  c.max_position_embeddings = 32;
-  c.rms_norm_eps = 1e-5;
-  c.rope_theta = 10000;
-  c.tie_word_embeddings = tied;
-  c.initializer_range = 0.3;
-  return c;
-}
 
 struct Data {
   std::vector<int32_t> tokens, targets;
@@ -74,7 +59,7 @@ class ModelGradients : public ::testing::TestWithParam<std::tuple<bool, bool>> {
 TEST_P(ModelGradients, MatchFiniteDifferences) {
   const auto [gqa, tied] = GetParam();
   const OneThread one_thread;
-  Transformer m(tiny(gqa, tied), Device::cpu());
+  Transformer m(tiny_dense(gqa, tied), Device::cpu());
   m.init_weights(11);
   perturb_norms(m);
   Data d(2, 7, m.config().vocab_size, 3);
@@ -120,7 +105,7 @@ INSTANTIATE_TEST_SUITE_P(Variants, ModelGradients,
                          });
 
 TEST(Model, ForwardPathsAgree) {
-  Transformer m(tiny(true, false), Device::cpu());
+  Transformer m(tiny_dense(true, false), Device::cpu());
   m.init_weights(1);
   Data d(2, 9, m.config().vocab_size, 4);
   const int64_t V = m.config().vocab_size;
@@ -155,7 +140,7 @@ TEST(Model, ForwardPathsAgree) {
 }
 
 TEST(Model, GradientAccumulationEqualsOneBigBatch) {
-  Transformer m(tiny(true, true), Device::cpu());
+  Transformer m(tiny_dense(true, true), Device::cpu());
   m.init_weights(2);
   Data d(4, 6, m.config().vocab_size, 5);
   const float scale = 1.0f / float(d.B * d.T);
@@ -174,7 +159,7 @@ TEST(Model, GradientAccumulationEqualsOneBigBatch) {
 }
 
 TEST(Model, InitialisationIsReproducibleAndHasTheConfiguredSpread) {
-  Transformer a(tiny(false, false), Device::cpu()), b(tiny(false, false), Device::cpu());
+  Transformer a(tiny_dense(false, false), Device::cpu()), b(tiny_dense(false, false), Device::cpu());
   a.init_weights(42);
   b.init_weights(42);
   ASSERT_EQ(0, std::memcmp(a.params().values().data(), b.params().values().data(), a.params().values().nbytes()));
@@ -195,7 +180,7 @@ TEST(Model, InitialisationIsReproducibleAndHasTheConfiguredSpread) {
 }
 
 TEST(Model, FusedProjectionsAreContiguousInTheRegistry) {
-  Transformer m(tiny(true, false), Device::cpu());
+  Transformer m(tiny_dense(true, false), Device::cpu());
   const ParamRegistry& r = m.params();
   const ParamInfo& q = r.info(r.find("model.layers.0.self_attn.q_proj.weight"));
   const ParamInfo& k = r.info(r.find("model.layers.0.self_attn.k_proj.weight"));
@@ -204,7 +189,7 @@ TEST(Model, FusedProjectionsAreContiguousInTheRegistry) {
   EXPECT_EQ(v.offset, k.offset + k.numel());
   EXPECT_EQ(k.shape, (Shape{8, 16}));
   EXPECT_EQ(r.find("lm_head.weight") >= 0, true);
-  Transformer t(tiny(true, true), Device::cpu());
+  Transformer t(tiny_dense(true, true), Device::cpu());
   EXPECT_EQ(t.params().find("lm_head.weight"), -1);
 }
 
@@ -212,7 +197,7 @@ TEST(Model, FusedProjectionsAreContiguousInTheRegistry) {
 // forward and backward really allocate: dense, GQA, and DeepSeek-V3 with MLA, MoE and MTP.
 TEST(Model, ActivationEstimateMatchesWhatATrainingStepAllocates) {
   ModelConfig v3 = load_hf_config(std::string(DSTRAIN_SOURCE_DIR) + "/inputs/models/deepseek-v3-tiny.json");
-  ModelConfig dense = tiny(true, false);
+  ModelConfig dense = tiny_dense(true, false);
   dense.max_position_embeddings = 64;
   for (const ModelConfig& c : {dense, v3}) {
     Transformer m(c, Device::cpu());
@@ -241,40 +226,6 @@ TEST(Model, ActivationEstimateMatchesWhatATrainingStepAllocates) {
 }
 
 // ---- DeepSeek-V3: MLA + MoE (sigmoid scores, noaux_tc, aux loss) + MTP ------------------
-ModelConfig tiny_v3(int64_t mtp_depth) {
-  ModelConfig c;
-  c.model_type = "deepseek_v3";
-  c.hidden_size = 32;
-  c.intermediate_size = 24;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 2;
-  c.num_key_value_heads = 2;
-  c.vocab_size = 40;
-  c.max_position_embeddings = 32;
-  c.rms_norm_eps = 1e-6;
-  c.initializer_range = 0.3;
-  c.q_lora_rank = 12;
-  c.kv_lora_rank = 8;
-  c.qk_nope_head_dim = 4;
-  c.qk_rope_head_dim = 4;
-  c.v_head_dim = 4;
-  c.n_routed_experts = 8;
-  c.n_shared_experts = 1;
-  c.num_experts_per_tok = 2;
-  c.moe_intermediate_size = 6;
-  c.first_k_dense_replace = 1;
-  c.routed_scaling_factor = 2.5;
-  c.scoring_func = "sigmoid";
-  c.topk_method = "noaux_tc";
-  c.n_group = 2;
-  c.topk_group = 1;
-  c.norm_topk_prob = true;
-  c.aux_loss_alpha = 0.1;  // large, so the aux gradient is visible next to the CE's
-  c.seq_aux = true;
-  c.num_nextn_predict_layers = mtp_depth;
-  return c;
-}
-
 // Norms away from 1, routers with widely spread logits (small perturbations rarely change
 // a choice) and nonzero routing biases.
 void init_v3(Transformer& m, uint64_t seed) {

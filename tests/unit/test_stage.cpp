@@ -4,22 +4,14 @@
 
 #include "model/stage.h"
 #include "model/transformer.h"
+#include "tiny_models.h"
 
 namespace dstrain {
 namespace {
 
 ModelConfig small(bool tied, int64_t layers, int64_t mtp) {
-  ModelConfig c;
-  c.hidden_size = 16;
-  c.intermediate_size = 24;
+  ModelConfig c = tiny_dense(/*gqa=*/false, tied);
   c.num_hidden_layers = layers;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 4;
-  c.vocab_size = 23;
-  c.max_position_embeddings = 32;
-  c.rms_norm_eps = 1e-5;
-  c.rope_theta = 10000;
-  c.tie_word_embeddings = tied;
   c.num_nextn_predict_layers = mtp;
   return c;
 }
