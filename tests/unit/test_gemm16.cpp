@@ -88,7 +88,7 @@ std::vector<float> edge_floats() {
   // Denormals of every size, and random bit patterns.
   std::mt19937 rng(7);
   for (int i = 0; i < 2000; ++i) v.push_back(from_bits(rng() & 0x807fffffu));
-  for (int i = 0; i < 200000; ++i) v.push_back(from_bits(rng()));
+  for (int i = 0; i < 600000; ++i) v.push_back(from_bits(rng()));  // over 1M in all: splits over threads
   return v;
 }
 
@@ -122,7 +122,7 @@ void expect_bulk_matches(const std::vector<S>& in, Bulk bulk, Scalar scalar, con
 }
 
 TEST(Convert16, WideningEverySixteenBitPatternMatchesScalar) {
-  std::vector<uint16_t> all(0x10000 * 5);  // five times over: long enough to split over threads
+  std::vector<uint16_t> all(0x10000 * 17);  // 17 times over: long enough to split over threads
   for (size_t i = 0; i < all.size(); ++i) all[i] = uint16_t(i);
   for (ConvertIsa isa : runnable_isas()) {
     IsaScope scope(isa);
@@ -134,7 +134,7 @@ TEST(Convert16, WideningEverySixteenBitPatternMatchesScalar) {
 
 TEST(Convert16, NarrowingEdgeValuesMatchesScalar) {
   const std::vector<float> xs = edge_floats();
-  ASSERT_GT(xs.size(), size_t(400000));
+  ASSERT_GT(xs.size(), size_t(1) << 20);
   for (ConvertIsa isa : runnable_isas()) {
     IsaScope scope(isa);
     SCOPED_TRACE(std::string(cpu::convert16_isa_name()));

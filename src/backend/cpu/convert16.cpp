@@ -182,10 +182,12 @@ const Impl& impl() {
   return *p;
 }
 
-// Runs f on [0, n) in chunks over the OpenMP threads when that is worth it.
+// Runs f on [0, n) in chunks over the OpenMP threads when that is worth it: a conversion runs at
+// memory speed (about a millisecond per million elements on one core), so below a few million
+// elements a parallel region costs more than it saves when the cores are shared.
 template <class S, class D, class F>
 void split(const S* s, D* d, int64_t n, F f) {
-  constexpr int64_t kChunk = 1 << 15;
+  constexpr int64_t kChunk = int64_t(1) << 18;
   if (n < 4 * kChunk || omp_in_parallel() || omp_get_max_threads() == 1) {
     f(s, d, n);
     return;
