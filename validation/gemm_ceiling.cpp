@@ -15,8 +15,8 @@
 //   dnnl-bf16    oneDNN matmul, bf16 in, fp32 out (fp32 accumulation)
 //   dnnl-bf16o   oneDNN matmul, bf16 in, bf16 out
 //   xsmm-bf16    libxsmm bf16 kernels (bf16 in, fp32 out), tiled 64x64 over OpenMP, fwd only
-//   op-f32       ops::linear_forward / linear_backward on fp32 tensors
-//   op-bf16      the same ops on bf16 x, w, dout (bf16 out / dx; dw fp32): the BF16 slot
+//   op-f32       linear_forward / linear_backward of the F32 slot, fp32 tensors
+//   op-bf16      the same ops' BF16-slot kernels on bf16 x, w, dout (bf16 out / dx; dw fp32)
 // The model shapes are those of inputs/models/deepseek-llm-tiny.json (d=256) and
 // deepseek-llm-cpu-d1024.json (d=1024) at M = 2048 tokens.
 #include <cblas.h>
@@ -30,6 +30,7 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <dnnl.hpp>
@@ -38,9 +39,9 @@
 #endif
 
 #include "backend/cpu/convert16.h"
+#include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/gemm16.h"
 #include "backend/ops.h"
-#include "core/buffer.h"
 #include "core/dtype.h"
 
 using namespace dstrain;
@@ -309,30 +310,24 @@ int main(int argc, char** argv) {
         double opf = -1, opb = -1;
         if (with_ops) {
           // dstrain's ops on the layer's tensors (the three layouts are three calls).
-          Buffer x32("x", MemCategory::Activations, DType::F32, s.M * int64_t(s.K));
-          Buffer w32("w", MemCategory::Parameters, DType::F32, s.N * int64_t(s.K));
-          Buffer d32("d", MemCategory::Activations, DType::F32, s.M * int64_t(s.N));
-          Buffer o32("o", MemCategory::Activations, DType::F32, std::max(s.M * int64_t(s.N), s.M * int64_t(s.K)));
-          Buffer g32("g", MemCategory::Gradients, DType::F32, s.N * int64_t(s.K));
-          Buffer x16("x16", MemCategory::Activations, DType::BF16, s.M * int64_t(s.K));
-          Buffer w16("w16", MemCategory::Parameters, DType::BF16, s.N * int64_t(s.K));
-          Buffer d16("d16", MemCategory::Activations, DType::BF16, s.M * int64_t(s.N));
-          Buffer o16("o16", MemCategory::Activations, DType::BF16, std::max(s.M * int64_t(s.N), s.M * int64_t(s.K)));
-          std::memcpy(x32.data(), xf.data(), nx * 4);
-          std::memcpy(w32.data(), wf.data(), nw * 4);
-          std::memcpy(d32.data(), df.data(), no * 4);
-          std::memcpy(x16.data(), xb.data(), nx * 2);
-          std::memcpy(w16.data(), wb.data(), nw * 2);
-          std::memcpy(d16.data(), db.data(), no * 2);
-          auto mk = [](const Buffer& b, int r, int c) { return b.tensor(0, Shape{r, c}); };
-          auto call = [&](const Buffer& x, const Buffer& w, const Buffer& d, const Buffer& o) {
+          // Host memory the tensors view (no allocator needed).
+          std::vector<float> x32 = xf, w32 = wf, d32 = df, o32(std::max(no, nx)), g32(nw);
+          std::vector<uint16_t> x16 = xb, w16 = wb, d16 = db, o16(std::max(no, nx));
+          auto mk = [](auto& v, int r, int c) {
+            using V = typename std::decay_t<decltype(v)>::value_type;
+            return Tensor(v.data(), std::is_same_v<V, float> ? DType::F32 : DType::BF16, Shape{r, c});
+          };
+          auto call = [&](auto& x, auto& w, auto& d, auto& o) {
+            // The kernels of the F32 and BF16 slots (what ops::linear_* dispatches to).
+            const bool half = !std::is_same_v<typename std::decay_t<decltype(x)>::value_type, float>;
+            auto fwd = half ? &cpu::linear_forward_16bit : &cpu::linear_forward;
+            auto bwd = half ? &cpu::linear_backward_16bit : &cpu::linear_backward;
             if (L == "fwd") {
-              ops::linear_forward(mk(o, s.M, s.N), mk(x, s.M, s.K), mk(w, s.N, s.K), false);
+              fwd(mk(o, s.M, s.N), mk(x, s.M, s.K), mk(w, s.N, s.K), false);
             } else if (L == "dx") {
-              ops::linear_backward(mk(o, s.M, s.K), Tensor(), mk(d, s.M, s.N), mk(x, s.M, s.K), mk(w, s.N, s.K), false);
+              bwd(mk(o, s.M, s.K), Tensor(), mk(d, s.M, s.N), mk(x, s.M, s.K), mk(w, s.N, s.K), false);
             } else {
-              ops::linear_backward(Tensor(), mk(g32, s.N, s.K), mk(d, s.M, s.N), mk(x, s.M, s.K), mk(w, s.N, s.K),
-                                   false);
+              bwd(Tensor(), mk(g32, s.N, s.K), mk(d, s.M, s.N), mk(x, s.M, s.K), mk(w, s.N, s.K), false);
             }
           };
           opf = gflops([&] { call(x32, w32, d32, o32); }, flop, repeats);
