@@ -2,6 +2,7 @@
 // Hugging Face checkpoints, so the forward multiplies by the transpose.
 #include <cblas.h>
 
+#include "backend/backend.h"
 #include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/gemm16.h"
 
@@ -67,6 +68,14 @@ void linear_backward_16bit(Tensor dx, Tensor dw, Tensor dout, Tensor x, Tensor w
   }
   if (dx.defined()) gemm_mixed(false, false, M, K, N, d, {w.raw(), w.dtype()}, accumulate_dx, dx.raw(), dx.dtype());
   if (dw.defined()) gemm_mixed(true, false, N, K, M, d, {x.raw(), x.dtype()}, true, dw.raw(), dw.dtype());
+}
+
+// The fused 16-bit linear kernels replace the generic widening ones in both 16-bit slots.
+void fill_gemm_16bit(OpTable& t) {
+  for (KernelDType k : {KernelDType::BF16, KernelDType::F16}) {
+    t.linear_forward[size_t(k)] = &linear_forward_16bit;
+    t.linear_backward[size_t(k)] = &linear_backward_16bit;
+  }
 }
 
 }  // namespace dstrain::cpu
