@@ -250,7 +250,7 @@ struct Dims {
 };
 const std::vector<Dims> kShapes = {{1, 1, 1}, {1, 17, 33}, {5, 3, 7}, {37, 29, 19}, {64, 48, 40}, {130, 65, 257}};
 // Large enough for a 16-bit output (out, dx) to be computed in several row blocks.
-const Dims kForwardBlocks{300, 4096, 9}, kBackwardBlocks{300, 9, 4096};
+const Dims kForwardBlocks{600, 4096, 9}, kBackwardBlocks{600, 9, 4096};
 
 // The run-time choice, and each path forced (the convert path is the run-time choice on a CPU
 // without hardware bf16).

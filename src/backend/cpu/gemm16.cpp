@@ -113,8 +113,10 @@ void sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, in
 
 // ---- widen + OpenBLAS sgemm -----------------------------------------------------------------
 // A 16-bit C is computed in blocks of rows into fp32 scratch (and, when A is 16-bit and not
-// transposed, only that block of A is widened), so the scratch stays a few MiB however large C is.
-constexpr int64_t kBlockElements = int64_t(1) << 20;
+// transposed, only that block of A is widened), so the scratch stays bounded however large C is.
+// Blocks of at least kMinBlockRows rows: each sgemm call packs all of B again, which costs about
+// as much as 1/(2*rows) of the product's work per element; fewer rows than this would show.
+constexpr int64_t kBlockElements = int64_t(1) << 21, kMinBlockRows = 512;
 
 void gemm_convert(bool ta, bool tb, int64_t m, int64_t n, int64_t k, GemmOperand a, GemmOperand b, bool accumulate,
                   void* c, DType ct) {
@@ -125,7 +127,7 @@ void gemm_convert(bool ta, bool tb, int64_t m, int64_t n, int64_t k, GemmOperand
     sgemm(ta, tb, m, n, k, A, lda, B, ldb, accumulate ? 1.0f : 0.0f, static_cast<float*>(c), n);
     return;
   }
-  const int64_t rows = std::min(m, std::max<int64_t>(64, kBlockElements / std::max<int64_t>(n, 1)));
+  const int64_t rows = std::min(m, std::max(kMinBlockRows, kBlockElements / std::max<int64_t>(n, 1)));
   float* C = static_cast<float*>(scratch(kSlotC, rows * n * 4));
   const bool block_a = a.dtype != DType::F32 && !ta;
   const float* A_all = block_a ? nullptr : as_f32(a, m * k, kSlotA);
