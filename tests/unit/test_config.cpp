@@ -384,7 +384,7 @@ TEST(Config, MixedPrecisionMistakesAreErrorsNamingTheKey) {
   EXPECT_THAT(msg({"train.fp16={\"loss_scale_window\": 0}"}), HasSubstr("train.fp16.loss_scale_window"));
   EXPECT_THAT(msg({"train.fp16={\"min_loss_scale\": 0}"}), HasSubstr("train.fp16.min_loss_scale"));
   EXPECT_THAT(msg({"train.fp16={\"initial_scale_power\": 200}"}), HasSubstr("train.fp16.initial_scale_power"));
-  EXPECT_THAT(msg({"train.fp16=true"}), HasSubstr("'train.fp16' must be a JSON object"));
+  EXPECT_THAT(msg({"train.fp16=true"}), HasSubstr("'train.fp16' must be an object"));
   EXPECT_THAT(msg({"train.communication_data_type=fp8"}), HasSubstr("'train.communication_data_type' is \"fp8\""));
   EXPECT_THAT(msg({"train.communication_data_type=16"}), HasSubstr("'train.communication_data_type' must be a string"));
   EXPECT_THAT(msg({"output.save_hf_dtype=half"}), HasSubstr("'output.save_hf_dtype' is \"half\""));
