@@ -5,6 +5,7 @@
 // sigmoid/noaux_tc routing and the aux loss, MTP) models of tiny_models.h.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -278,6 +279,25 @@ TEST(MixedPrecision, ActivationsAreSixteenBitWhereTheContractSays) {
       EXPECT_EQ(dtype("layers.1.mlp.experts.grouped"), bf);
       EXPECT_EQ(dtype("layers.1.mlp.experts.gate_up"), bf);
       EXPECT_EQ(dtype("layers.1.mlp.shared_experts.h"), bf);
+      // The router's logits are F.linear(x.float(), gate.float()): the bf16 input widened
+      // and the fp32 master gate (its bf16 copy would be off by ~1e-3 relative).
+      {
+        const Tensor x = a.get(0, "layers.1.post_attention_layernorm.out"), sc = a.get(0, "layers.1.mlp.gate.scores");
+        const Tensor w = m.params().param(m.params().find("model.layers.1.mlp.gate.weight"));
+        const int64_t N = sc.size(0), E = sc.size(1), C = w.size(1);
+        double worst = 0;
+        for (int64_t n = 0; n < N; ++n) {
+          for (int64_t e = 0; e < E; ++e) {
+            double logit = 0;
+            for (int64_t j = 0; j < C; ++j) {
+              logit += double(bf16_to_f32(x.data<bf16>()[n * C + j].bits)) * double(w.data<float>()[e * C + j]);
+            }
+            const double want = 1.0 / (1.0 + std::exp(-logit));  // sigmoid scoring
+            worst = std::max(worst, std::abs(double(sc.data<float>()[n * E + e]) - want) / want);
+          }
+        }
+        EXPECT_LT(worst, 1e-5) << "router scores not from fp32 math on the fp32 gate";
+      }
       // MTP: embedding and the module's residual in fp32, norms and [e|h] in bf16.
       EXPECT_EQ(dtype("layers.2.mtp.emb"), f32);
       EXPECT_EQ(dtype("layers.2.mtp.h_in"), f32);
