@@ -129,7 +129,7 @@ void GQAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor
   ops::attention_backward(dqkv, datt, qkv, att, lse, layout_, scale_);
   ops::rope_backward(dqkv, 0, layout_.n_head + layout_.n_kv_head, int(D), rope.cos_table(), rope.sin_table());
   // Every rank's heads read the whole input: its gradient is the sum over the pieces.
-  Tensor dxp = column_parallel_grad(ctx, sharded_, dx, "attn.dx");
+  Tensor dxp = column_parallel_grad(ctx, sharded_, dx, "tp.dx");
   ctx.wgrad->linear(rows_of(dxp), reg_.grad_rows(q_, v_), rows_of(dqkv), rows_of(x), reg_.compute_rows(q_, v_));
   reduce_column_parallel_grad(ctx, dxp, dx);
 }
@@ -161,7 +161,7 @@ void SwiGLUMLP::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor d
   ctx.wgrad->linear(dh, reg_.grad(down_), rows_of(dout), h, reg_.compute(down_));
   ops::swiglu_backward(dgu, dh, gu);
   // Every rank's columns read the whole input: its gradient is the sum over the pieces.
-  Tensor dxp = column_parallel_grad(ctx, sharded_, dx, "mlp.dx");
+  Tensor dxp = column_parallel_grad(ctx, sharded_, dx, "tp.dx");
   ctx.wgrad->linear(rows_of(dxp), reg_.grad_rows(gate_, up_), dgu, rows_of(x), reg_.compute_rows(gate_, up_));
   reduce_column_parallel_grad(ctx, dxp, dx);
 }

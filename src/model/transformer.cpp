@@ -173,7 +173,9 @@ int64_t Transformer::activation_bytes(int64_t B, int64_t T) const {
   const Elems head{chunk * V + 2 * chunk + N /*losses*/, 0};
   // Backward temporaries shared by the layers: the residual's gradient (fp32), the head's and
   // dln (compute dtype), the widest attention and feed-forward gradients.
-  const Elems scratch = (Elems{C, 2 * C} + attn_scratch + widest_ffn) * N;
+  // A sharded layer's 16-bit input gradient is summed over the tensor group in fp32.
+  const int64_t tp_dx = shard_.tp_size > 1 && cs < 4 ? C : 0;
+  const Elems scratch = (Elems{C + tp_dx, 2 * C} + attn_scratch + widest_ffn) * N;
   const Elems all = per_token * N + head + scratch;
   return all.f32 * int64_t(sizeof(float)) + all.cd * cs;
 }
