@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "backend/backend.h"
@@ -47,7 +48,17 @@ DS_CPU_CLONES void store_tile(void* dst, DType dt, int64_t ldd, const float* src
     for (int64_t r = 0; r < rows; ++r) {
       const float* sr = src + r * lds;
       typename E::S* dr = d + r * ldd;
-      for (int64_t c = 0; c < cols; ++c) dr[c] = E::st(sr[c]);
+      if constexpr (std::is_same_v<E, F16E>) {
+        constexpr int64_t kBlock = 64;
+        uint32_t wide[kBlock];
+        for (int64_t c0 = 0; c0 < cols; c0 += kBlock) {
+          const int64_t m = std::min(kBlock, cols - c0);
+          for (int64_t c = 0; c < m; ++c) wide[c] = E::st32(sr[c0 + c]);
+          for (int64_t c = 0; c < m; ++c) dr[c0 + c] = uint16_t(wide[c]);
+        }
+      } else {
+        for (int64_t c = 0; c < cols; ++c) dr[c] = E::st(sr[c]);
+      }
     }
   });
 }

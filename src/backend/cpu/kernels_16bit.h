@@ -65,16 +65,25 @@ struct F16E {
     const uint32_t big = exp == 31 ? special : normal;
     return std::bit_cast<float>(sign | (sub & is_sub) | (big & ~is_sub));
   }
-  static DS_CPU_INLINE uint16_t st(float f) {
+  // In 32 bits: a loop that stores this to 16 bits directly does not vectorise on AVX2 (GCC
+  // narrows the variable shifts to 16-bit lanes), so store_tile narrows in a second pass.
+  static DS_CPU_INLINE uint32_t st32(float f) {
     const uint32_t u = std::bit_cast<uint32_t>(f);
     const uint32_t sign = (u >> 16) & 0x8000u;
     const uint32_t abs = u & 0x7fffffffu;
-    // below 2^-14: round(a * 2^24) to nearest even, by adding 0.5 (whose ulp is 2^-24)
-    const uint32_t sub = std::bit_cast<uint32_t>(std::bit_cast<float>(abs) + 0.5f) - 0x3f000000u;
+    // below 2^-14: the f16 subnormal round(a * 2^24), to nearest even, from a's integer significand
+    const uint32_t e = abs >> 23;
+    const uint32_t m = (abs & 0x7fffffu) | 0x800000u;
+    const uint32_t shift0 = 126u - (e < 112u ? e : 112u);  // 14 ... 126
+    const uint32_t shift = shift0 < 31u ? shift0 : 31u;
+    const uint32_t sub = (m + (1u << (shift - 1)) - 1u + ((m >> shift) & 1u)) >> shift;
     const uint32_t normal = (abs + 0xfffu + ((abs >> 13) & 1u) - 0x38000000u) >> 13;
-    const uint32_t mag = abs > 0x7f800000u ? 0x7e00u : (abs >= 0x477ff000u ? 0x7c00u : (abs < 0x38800000u ? sub : normal));
-    return uint16_t(sign | mag);
+    uint32_t mag = abs < 0x38800000u ? sub : normal;
+    mag = abs >= 0x477ff000u ? 0x7c00u : mag;  // overflow to inf
+    mag = abs > 0x7f800000u ? 0x7e00u : mag;   // NaN
+    return sign | mag;
   }
+  static DS_CPU_INLINE uint16_t st(float f) { return uint16_t(st32(f)); }
 };
 
 // Calls f(E{}) with E the element type of `dt` (F32, BF16 or F16); f is a lambda marked
