@@ -393,15 +393,19 @@ TEST(Kernels16Conversions, MatchScalarConversionsBitForBit) {
   std::vector<uint16_t> all(65536);
   std::iota(all.begin(), all.end(), uint16_t(0));
   std::vector<float> wide(all.size());
-  for (DType dt : {DType::BF16, DType::F16}) {
-    cpu::k16::load_row(wide.data(), all.data(), dt, int64_t(all.size()));
-    for (size_t i = 0; i < all.size(); ++i) {
-      const float want = dt == DType::BF16 ? bf16_to_f32(all[i]) : f16_to_f32(all[i]);
-      uint32_t a, b;
-      std::memcpy(&a, &wide[i], 4);
-      std::memcpy(&b, &want, 4);
-      ASSERT_EQ(a, b) << dtype_name(dt) << " bits " << std::hex << all[i];
+  for (bool x86 : {true, false}) {
+    const bool was = cpu::k16::set_x86_conversions(x86);
+    for (DType dt : {DType::BF16, DType::F16}) {
+      cpu::k16::load_row(wide.data(), all.data(), dt, int64_t(all.size()));
+      for (size_t i = 0; i < all.size(); ++i) {
+        const float want = dt == DType::BF16 ? bf16_to_f32(all[i]) : f16_to_f32(all[i]);
+        uint32_t a, b;
+        std::memcpy(&a, &wide[i], 4);
+        std::memcpy(&b, &want, 4);
+        ASSERT_EQ(a, b) << dtype_name(dt) << " bits " << std::hex << all[i] << " x86 " << x86;
+      }
     }
+    cpu::k16::set_x86_conversions(was);
   }
   // fp32 inputs: every 16-bit value, the midpoints between neighbours and one fp32 ulp either
   // side of them, and random bit patterns.
@@ -424,14 +428,19 @@ TEST(Kernels16Conversions, MatchScalarConversionsBitForBit) {
     in.push_back(f);
   }
   std::vector<uint16_t> out(in.size());
-  for (DType dt : {DType::BF16, DType::F16}) {
-    cpu::k16::store_row(out.data(), dt, in.data(), int64_t(in.size()));
-    for (size_t i = 0; i < in.size(); ++i) {
-      const uint16_t want = dt == DType::BF16 ? f32_to_bf16(in[i]) : f32_to_f16(in[i]);
-      uint32_t u;
-      std::memcpy(&u, &in[i], 4);
-      ASSERT_EQ(out[i], want) << dtype_name(dt) << " from fp32 bits " << std::hex << u;
+  // Through the AVX2/F16C code (where this CPU has it) and the portable loops.
+  for (bool x86 : {true, false}) {
+    const bool was = cpu::k16::set_x86_conversions(x86);
+    for (DType dt : {DType::BF16, DType::F16}) {
+      cpu::k16::store_row(out.data(), dt, in.data(), int64_t(in.size()));
+      for (size_t i = 0; i < in.size(); ++i) {
+        const uint16_t want = dt == DType::BF16 ? f32_to_bf16(in[i]) : f32_to_f16(in[i]);
+        uint32_t u;
+        std::memcpy(&u, &in[i], 4);
+        ASSERT_EQ(out[i], want) << dtype_name(dt) << " from fp32 bits " << std::hex << u << " x86 " << x86;
+      }
     }
+    cpu::k16::set_x86_conversions(was);
   }
 }
 

@@ -130,6 +130,11 @@ void store_tile(void* dst, DType dt, int64_t ldd, const float* src, int64_t lds,
 inline void load_row(float* dst, const void* src, DType st, int64_t n) { load_tile(dst, n, src, st, n, 1, n); }
 inline void store_row(void* dst, DType dt, const float* src, int64_t n) { store_tile(dst, dt, n, src, n, 1, n); }
 
+// Row conversions use hand-written AVX2 code (f16: the F16C instructions; NaN lanes redone by
+// the scalar rules) when the CPU has AVX2 and F16C, else the loops over BF16E/F16E above. Tests
+// switch it off to check the fallback; returns the previous setting. Call it outside kernels.
+bool set_x86_conversions(bool on);
+
 }  // namespace dstrain::cpu::k16
 
 namespace dstrain::cpu {
