@@ -151,7 +151,9 @@ int main(int argc, char** argv) {
   });
   for (bool fwd : {true, false}) {
     add(fwd ? "rope_forward" : "rope_backward", "x16 (q+k: 6 heads of 64)", [&, fwd](Store& s, DType d) {
+      // Real tables (a rotation keeps the values in range however often it runs).
       Tensor x = s.make(d, {B, T, W}, 1), cs = s.make(f, {T, D / 2}, 1), sn = s.make(f, {T, D / 2}, 1);
+      cpu::rope_tables(cs, sn, int(D), 10000.0);
       return [=](Kern k) {
         if (fwd) {
           RUN(k, rope_forward, x, 0, int(H + Hkv), int(D), cs, sn);
@@ -163,6 +165,7 @@ int main(int argc, char** argv) {
     add(fwd ? "rope_forward_interleaved" : "rope_backward_interleaved", "x16 (8 heads, 16 of 48)",
         [&, fwd](Store& s, DType d) {
           Tensor x = s.make(d, {B, T, 8 * 48}, 1), cs = s.make(f, {T, 8}, 1), sn = s.make(f, {T, 8}, 1);
+          cpu::rope_tables(cs, sn, 16, 10000.0);
           return [=](Kern k) {
             if (fwd) {
               RUN(k, rope_forward_interleaved, x, 32, 8, 48, 16, cs, sn);

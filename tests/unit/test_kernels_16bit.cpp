@@ -313,14 +313,19 @@ void expect_same(const Case& c, size_t arg, const Tensor& got, const Tensor& wan
 
 class Kernels16 : public ::testing::TestWithParam<DType> {};
 
+// With the AVX2/F16C row conversions (where this CPU has them) and with the portable loops.
 TEST_P(Kernels16, FusedMatchesGenericWideningKernel) {
   const DType dt = GetParam();
-  for (const Case& c : cases(dt)) {
-    SCOPED_TRACE(c.name);
-    Tensors fused(c.args, dt, false), generic(c.args, dt, false);
-    c.run(Kern::Fused, fused.t);
-    c.run(Kern::Generic, generic.t);
-    for (size_t i = 0; i < c.args.size(); ++i) expect_same(c, i, fused.t[i], generic.t[i]);
+  for (bool x86 : {true, false}) {
+    const bool was = cpu::k16::set_x86_conversions(x86);
+    for (const Case& c : cases(dt)) {
+      SCOPED_TRACE(c.name + (x86 ? "" : " (portable conversions)"));
+      Tensors fused(c.args, dt, false), generic(c.args, dt, false);
+      c.run(Kern::Fused, fused.t);
+      c.run(Kern::Generic, generic.t);
+      for (size_t i = 0; i < c.args.size(); ++i) expect_same(c, i, fused.t[i], generic.t[i]);
+    }
+    cpu::k16::set_x86_conversions(was);
   }
 }
 

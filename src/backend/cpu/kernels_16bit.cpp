@@ -269,8 +269,8 @@ DS_CPU_CLONES void rope_row(float* v, const float* c, const float* s, float sign
 }
 
 // One head of DeepSeek's interleaved rotary embedding, in place (u: dim floats of scratch).
-DS_CPU_CLONES void rope_interleaved_row(float* v, float* u, const float* c, const float* s, int64_t half,
-                                        bool inverse) {
+DS_CPU_INLINE void rope_interleaved_head(float* v, float* u, const float* c, const float* s, int64_t half,
+                                         bool inverse) {
   if (!inverse) {
     for (int64_t i = 0; i < half; ++i) {
       u[i] = v[2 * i];
@@ -289,6 +289,35 @@ DS_CPU_CLONES void rope_interleaved_row(float* v, float* u, const float* c, cons
     }
     std::copy(u, u + 2 * half, v);
   }
+}
+
+// Every head of one row (x: its first head, element type dt), each read into v, rotated and
+// rounded back: one call per row, as the heads are short (DeepSeek's rope dim is 64 or less).
+DS_CPU_CLONES void rope_interleaved_row(void* x, DType dt, int n_heads, int64_t head_stride, int64_t half,
+                                        const float* c, const float* s, bool inverse, float* v, float* u) {
+  with_elem(dt, [&](auto e) DS_CPU_INLINE_LAMBDA {
+    using E = decltype(e);
+    for (int h = 0; h < n_heads; ++h) {
+      typename E::S* xh = static_cast<typename E::S*>(x) + int64_t(h) * head_stride;
+      if constexpr (std::is_same_v<E, F16E>) {
+        if (x86_on) {  // F16C both ways
+          load_f16_f16c(v, xh, 2 * half);
+          rope_interleaved_head(v, u, c, s, half, inverse);
+          store_f16_f16c(xh, v, 2 * half);
+          continue;
+        }
+      }
+      for (int64_t i = 0; i < 2 * half; ++i) v[i] = E::ld(xh[i]);
+      rope_interleaved_head(v, u, c, s, half, inverse);
+      if constexpr (std::is_same_v<E, BF16E>) {
+        if (x86_on) {
+          store_bf16_avx2(xh, v, 2 * half);
+          continue;
+        }
+      }
+      for (int64_t i = 0; i < 2 * half; ++i) xh[i] = E::st(v[i]);
+    }
+  });
 }
 
 DS_CPU_CLONES void add_row(float* o, const float* x, const float* y, int64_t n) {
@@ -442,13 +471,8 @@ void rope_interleaved_16bit(Tensor x, int64_t offset, int n_heads, int64_t head_
 #pragma omp parallel for schedule(static)
   for (int64_t bt = 0; bt < B * T; ++bt) {
     const int64_t t = bt % T;
-    float* u = scratch(1, dim);
-    for (int h = 0; h < n_heads; ++h) {
-      const int64_t col = bt * W + offset + int64_t(h) * head_stride;
-      float* v = out_row(x, col, dim, 0, true);
-      rope_interleaved_row(v, u, cp + t * half, sp + t * half, half, inverse);
-      out_done(x, col, dim, v);
-    }
+    rope_interleaved_row(at(x.raw(), x.dtype(), bt * W + offset), x.dtype(), n_heads, head_stride, half,
+                         cp + t * half, sp + t * half, inverse, scratch(0, dim), scratch(1, dim));
   }
 }
 
