@@ -7,8 +7,10 @@
 // Each hot function is a plain C++ loop over fp32 values marked DS_CPU_CLONES: GCC builds an
 // AVX-512 (x86-64-v4), an AVX2+FMA+F16C (x86-64-v3) and a baseline version of it and an ifunc
 // resolver picks one when the program is loaded, so every version is the same source as the one
-// the tests run here. A tensor's element type is a run-time DType (F32, BF16 or F16) dispatched
-// once per row, outside the loops (with_elem).
+// the tests run here (which is the x86-64-v3 one on an AVX2 machine). A tensor's element type is
+// a run-time DType (F32, BF16 or F16) dispatched once per row, outside the loops (with_elem).
+// Row conversions also have hand-written AVX2/F16C versions, used when CPUID reports AVX2 and
+// F16C (set_x86_conversions); the tests run both them and the portable loops.
 #pragma once
 
 #include <bit>
