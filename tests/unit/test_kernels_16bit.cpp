@@ -217,8 +217,8 @@ std::vector<Case> cases(DType dt) {
     }
   }
 
-  // ---- element-wise arithmetic (sizes across the 4096-element chunks).
-  for (int64_t n : {37, 10001}) {
+  // ---- element-wise arithmetic (sizes across the 1024-element chunks).
+  for (int64_t n : {37, 2500}) {
     const std::string sz = " n=" + std::to_string(n);
     auto a3 = [](Kern k, T t) { RUN(k, add, t[0], t[1], t[2]); };
     add("add out32 a32 b16" + sz, true, {Gen::zeros('f', {n}), g.normal('f', {n}), g.normal('h', {n})}, a3);

@@ -195,7 +195,7 @@ bool floats(std::initializer_list<const Tensor*> ts) {
 }
 bool f32(const Tensor& t) { return t.dtype() == DType::F32; }
 
-constexpr int64_t kChunk = 4096;  // elements per chunk of the flat element-wise maps
+constexpr int64_t kChunk = 1024;  // elements per chunk of the flat element-wise maps (3 chunks fit L1)
 
 // ---- fp32 row arithmetic (the fp32 kernels' loops, per ISA) --------------------------------
 
