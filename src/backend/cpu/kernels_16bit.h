@@ -21,8 +21,13 @@
 #include "backend/ops.h"
 #include "core/tensor.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__FMA__)
 #define DS_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// A build for the baseline ISA (DSTRAIN_NATIVE=OFF) has fp32 kernels without FMA: the clones
+// must not fuse a*b+c either, or their results would differ from those kernels' in the last bit.
+#define DS_CPU_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), optimize("fp-contract=off")))
 #else
 #define DS_CPU_CLONES
 #endif
