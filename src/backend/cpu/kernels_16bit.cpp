@@ -1,10 +1,722 @@
 // The CPU backend's fused 16-bit element-wise kernels (BF16 and F16 storage, fp32 math).
+//
+// Each kernel reads 16-bit values as it goes (a row, or a chunk of a few thousand elements, into
+// a per-thread fp32 scratch that stays in L1/L2), runs the fp32 kernel's arithmetic on them, in
+// the same order and with the same expressions, and rounds once when it stores a 16-bit value.
+// So element-wise results are bit for bit those of the generic widening kernel (widen.h), which
+// is their reference, and reductions differ at most by the summation order of a vector loop;
+// but there is no whole-tensor temporary, no allocation and no separate conversion pass.
+//
+// Every kernel takes any mix of F32 and the slot's 16-bit type for the tensors it handles
+// directly; whatever else it is given (a 16-bit rstd, lse, norm weight...) goes to the generic
+// kernel, DS_CPU_WIDENED(name), so no call ever fails here that would not fail there.
+#include "backend/cpu/kernels_16bit.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
 #include "backend/backend.h"
 #include "backend/cpu/cpu_ops.h"
+#include "backend/cpu/widen.h"
 
 namespace dstrain::cpu {
+namespace k16 {
 
-// None yet: the generic widening kernels of widen.h serve every op.
-void fill_elementwise_16bit(OpTable&) {}
+// ---- conversion primitives ----------------------------------------------------------------
+
+#if defined(__x86_64__) && defined(__GNUC__)
+namespace {
+bool x86_available() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2");
+}
+bool x86_on = x86_available();
+
+// d[i] = f32_to_f16(s[i]) with vcvtps2ph, which rounds to nearest even like it, subnormals and
+// overflow included; only a NaN differs (vcvtps2ph keeps its payload), so NaN lanes are redone.
+__attribute__((target("avx2,f16c"))) void store_f16_f16c(uint16_t* d, const float* s, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(s + i);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0) {
+      for (int64_t j = i; j < i + 8; ++j) d[j] = F16E::st(s[j]);
+    }
+  }
+  for (; i < n; ++i) d[i] = F16E::st(s[i]);
+}
+
+// d[i] = f16_to_f32(s[i]) with vcvtph2ps: exact, but it quiets a signalling NaN, so NaN lanes
+// are redone.
+__attribute__((target("avx2,f16c"))) void load_f16_f16c(float* d, const uint16_t* s, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+    _mm256_storeu_ps(d + i, v);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0) {
+      for (int64_t j = i; j < i + 8; ++j) d[j] = F16E::ld(s[j]);
+    }
+  }
+  for (; i < n; ++i) d[i] = F16E::ld(s[i]);
+}
+
+// d[i] = f32_to_bf16(s[i]): round to nearest even on the integer bits, 16 at a time; NaN lanes
+// (which f32_to_bf16 quiets instead) are redone.
+__attribute__((target("avx2"))) void store_bf16_avx2(uint16_t* d, const float* s, int64_t n) {
+  int64_t i = 0;
+  const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
+  for (; i + 16 <= n; i += 16) {
+    const __m256 v0 = _mm256_loadu_ps(s + i), v1 = _mm256_loadu_ps(s + i + 8);
+    const __m256i u0 = _mm256_castps_si256(v0), u1 = _mm256_castps_si256(v1);
+    const __m256i r0 = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u0, half), _mm256_and_si256(_mm256_srli_epi32(u0, 16), one)), 16);
+    const __m256i r1 = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u1, half), _mm256_and_si256(_mm256_srli_epi32(u1, 16), one)), 16);
+    // packus interleaves the 128-bit halves: [r0 lo, r1 lo, r0 hi, r1 hi] -> in order
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r0, r1), 0xd8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), packed);
+    if ((_mm256_movemask_ps(_mm256_cmp_ps(v0, v0, _CMP_UNORD_Q)) |
+         _mm256_movemask_ps(_mm256_cmp_ps(v1, v1, _CMP_UNORD_Q))) != 0) {
+      for (int64_t j = i; j < i + 16; ++j) d[j] = BF16E::st(s[j]);
+    }
+  }
+  for (; i < n; ++i) d[i] = BF16E::st(s[i]);
+}
+}  // namespace
+bool set_x86_conversions(bool on) {
+  const bool was = x86_on;
+  x86_on = on && x86_available();
+  return was;
+}
+#else
+namespace {
+constexpr bool x86_on = false;
+void store_f16_f16c(uint16_t*, const float*, int64_t) {}
+void load_f16_f16c(float*, const uint16_t*, int64_t) {}
+void store_bf16_avx2(uint16_t*, const float*, int64_t) {}
+}  // namespace
+bool set_x86_conversions(bool) { return false; }
+#endif
+
+DS_CPU_CLONES void load_tile(float* dst, int64_t ldd, const void* src, DType st, int64_t lds, int64_t rows,
+                             int64_t cols) {
+  with_elem(st, [&](auto e) DS_CPU_INLINE_LAMBDA {
+    using E = decltype(e);
+    const typename E::S* s = static_cast<const typename E::S*>(src);
+    for (int64_t r = 0; r < rows; ++r) {
+      const typename E::S* sr = s + r * lds;
+      float* dr = dst + r * ldd;
+      if constexpr (std::is_same_v<E, F16E>) {
+        if (x86_on) {
+          load_f16_f16c(dr, sr, cols);
+          continue;
+        }
+      }
+      for (int64_t c = 0; c < cols; ++c) dr[c] = E::ld(sr[c]);
+    }
+  });
+}
+
+DS_CPU_CLONES void store_tile(void* dst, DType dt, int64_t ldd, const float* src, int64_t lds, int64_t rows,
+                              int64_t cols) {
+  with_elem(dt, [&](auto e) DS_CPU_INLINE_LAMBDA {
+    using E = decltype(e);
+    typename E::S* d = static_cast<typename E::S*>(dst);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* sr = src + r * lds;
+      typename E::S* dr = d + r * ldd;
+      if constexpr (std::is_same_v<E, BF16E>) {
+        if (x86_on) {
+          store_bf16_avx2(dr, sr, cols);
+          continue;
+        }
+      }
+      if constexpr (std::is_same_v<E, F16E>) {
+        if (x86_on) {
+          store_f16_f16c(dr, sr, cols);
+          continue;
+        }
+        constexpr int64_t kBlock = 64;
+        uint32_t wide[kBlock];
+        for (int64_t c0 = 0; c0 < cols; c0 += kBlock) {
+          const int64_t m = std::min(kBlock, cols - c0);
+          for (int64_t c = 0; c < m; ++c) wide[c] = E::st32(sr[c0 + c]);
+          for (int64_t c = 0; c < m; ++c) dr[c0 + c] = uint16_t(wide[c]);
+        }
+      } else {
+        for (int64_t c = 0; c < cols; ++c) dr[c] = E::st(sr[c]);
+      }
+    }
+  });
+}
+
+namespace {
+
+// Per-thread fp32 scratch rows; slot s is a separate buffer.
+float* scratch(int slot, int64_t n) {
+  thread_local std::vector<float> bufs[6];
+  std::vector<float>& b = bufs[slot];
+  if (b.size() < size_t(n)) b.resize(size_t(n));
+  return b.data();
+}
+
+// A row of n values at element `offset` of t as fp32: the tensor's own memory when it is fp32,
+// otherwise the values converted into scratch slot `slot`.
+const float* in_row(const Tensor& t, int64_t offset, int64_t n, int slot) {
+  if (t.dtype() == DType::F32) return static_cast<const float*>(t.raw()) + offset;
+  float* s = scratch(slot, n);
+  load_row(s, at(t.raw(), t.dtype(), offset), t.dtype(), n);
+  return s;
+}
+// Where to compute an output row: the tensor's memory (fp32) or scratch, and (if `read`) with
+// its current values. out_done stores a scratch row back.
+float* out_row(const Tensor& t, int64_t offset, int64_t n, int slot, bool read) {
+  if (t.dtype() == DType::F32) return static_cast<float*>(t.raw()) + offset;
+  float* s = scratch(slot, n);
+  if (read) load_row(s, at(t.raw(), t.dtype(), offset), t.dtype(), n);
+  return s;
+}
+void out_done(const Tensor& t, int64_t offset, int64_t n, const float* row) {
+  if (t.dtype() != DType::F32) store_row(at(t.raw(), t.dtype(), offset), t.dtype(), row, n);
+}
+
+bool floats(std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts) {
+    if (!t->defined() || !is_float(t->dtype())) return false;
+  }
+  return true;
+}
+bool f32(const Tensor& t) { return t.dtype() == DType::F32; }
+
+constexpr int64_t kChunk = 1024;  // elements per chunk of the flat element-wise maps (3 chunks fit L1)
+
+// ---- fp32 row arithmetic (the fp32 kernels' loops, per ISA) --------------------------------
+
+DS_CPU_CLONES float rmsnorm_row(float* o, const float* x, const float* w, int64_t C, float eps) {
+  double ss = 0;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t c = 0; c < C; ++c) ss += double(x[c]) * double(x[c]);
+  const float r = float(1.0 / std::sqrt(ss / double(C) + double(eps)));
+#pragma omp simd
+  for (int64_t c = 0; c < C; ++c) o[c] = w[c] * (x[c] * r);
+  return r;
+}
+
+DS_CPU_CLONES void rmsnorm_backward_row(float* dr, const float* gr, const float* xr, const float* wp, float r,
+                                        int64_t C) {
+  double dot = 0;
+#pragma omp simd reduction(+ : dot)
+  for (int64_t c = 0; c < C; ++c) dot += double(wp[c]) * double(gr[c]) * double(xr[c]);
+  const float k = float(dot / double(C)) * r * r * r;
+#pragma omp simd
+  for (int64_t c = 0; c < C; ++c) dr[c] += wp[c] * gr[c] * r - xr[c] * k;
+}
+
+// dweight[c0, c1) += sum over rows, in order, of dout * x * rstd.
+DS_CPU_CLONES void rmsnorm_dweight_block(float* dw, const void* g, DType gt, const void* x, DType xt, const float* rp,
+                                         int64_t N, int64_t C, int64_t c0, int64_t c1) {
+  constexpr int64_t kBlock = 64;
+  float acc[kBlock] = {};
+  with_elem(gt, [&](auto ge) DS_CPU_INLINE_LAMBDA {
+    with_elem(xt, [&](auto xe) DS_CPU_INLINE_LAMBDA {
+    using G = decltype(ge);
+    using X = decltype(xe);
+    const typename G::S* gp = static_cast<const typename G::S*>(g);
+    const typename X::S* xp = static_cast<const typename X::S*>(x);
+    for (int64_t n = 0; n < N; ++n) {
+      const typename X::S* xr = xp + n * C;
+      const typename G::S* gr = gp + n * C;
+      const float r = rp[n];
+#pragma omp simd
+      for (int64_t c = c0; c < c1; ++c) acc[c - c0] += G::ld(gr[c]) * X::ld(xr[c]) * r;
+    }
+    });
+  });
+  for (int64_t c = c0; c < c1; ++c) dw[c] += acc[c - c0];
+}
+
+DS_CPU_CLONES void swiglu_row(float* o, const float* g, const float* u, int64_t I) {
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+DS_CPU_CLONES void swiglu_backward_row(float* dg, float* du, const float* g, const float* u, const float* d,
+                                       int64_t I) {
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) {
+    const float sig = 1.0f / (1.0f + std::exp(-g[i]));
+    const float silu = g[i] * sig;
+    du[i] = d[i] * silu;
+    dg[i] = d[i] * u[i] * sig * (1.0f + g[i] * (1.0f - sig));
+  }
+}
+
+DS_CPU_CLONES void rope_row(float* v, const float* c, const float* s, float sign, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = v[i], x2 = v[i + half];
+    const float si = sign * s[i];
+    v[i] = x1 * c[i] - x2 * si;
+    v[i + half] = x2 * c[i] + x1 * si;
+  }
+}
+
+// One head of DeepSeek's interleaved rotary embedding, in place (u: dim floats of scratch).
+DS_CPU_INLINE void rope_interleaved_head(float* v, float* u, const float* c, const float* s, int64_t half,
+                                         bool inverse) {
+  if (!inverse) {
+    for (int64_t i = 0; i < half; ++i) {
+      u[i] = v[2 * i];
+      u[half + i] = v[2 * i + 1];
+    }
+    for (int64_t i = 0; i < half; ++i) {
+      const float u1 = u[i], u2 = u[half + i];
+      v[i] = u1 * c[i] - u2 * s[i];
+      v[half + i] = u2 * c[i] + u1 * s[i];
+    }
+  } else {
+    for (int64_t i = 0; i < half; ++i) {
+      const float g1 = v[i], g2 = v[half + i];
+      u[2 * i] = g1 * c[i] + g2 * s[i];
+      u[2 * i + 1] = g2 * c[i] - g1 * s[i];
+    }
+    std::copy(u, u + 2 * half, v);
+  }
+}
+
+// Every head of one row (x: its first head, element type dt), each read into v, rotated and
+// rounded back: one call per row, as the heads are short (DeepSeek's rope dim is 64 or less).
+DS_CPU_CLONES void rope_interleaved_row(void* x, DType dt, int n_heads, int64_t head_stride, int64_t half,
+                                        const float* c, const float* s, bool inverse, float* v, float* u) {
+  with_elem(dt, [&](auto e) DS_CPU_INLINE_LAMBDA {
+    using E = decltype(e);
+    for (int h = 0; h < n_heads; ++h) {
+      typename E::S* xh = static_cast<typename E::S*>(x) + int64_t(h) * head_stride;
+      if constexpr (std::is_same_v<E, F16E>) {
+        if (x86_on) {  // F16C both ways
+          load_f16_f16c(v, xh, 2 * half);
+          rope_interleaved_head(v, u, c, s, half, inverse);
+          store_f16_f16c(xh, v, 2 * half);
+          continue;
+        }
+      }
+      for (int64_t i = 0; i < 2 * half; ++i) v[i] = E::ld(xh[i]);
+      rope_interleaved_head(v, u, c, s, half, inverse);
+      if constexpr (std::is_same_v<E, BF16E>) {
+        if (x86_on) {
+          store_bf16_avx2(xh, v, 2 * half);
+          continue;
+        }
+      }
+      for (int64_t i = 0; i < 2 * half; ++i) xh[i] = E::st(v[i]);
+    }
+  });
+}
+
+DS_CPU_CLONES void add_row(float* o, const float* x, const float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) o[i] = x[i] + y[i];
+}
+
+DS_CPU_CLONES void scale_row(float* p, float s, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) p[i] *= s;
+}
+
+// d[c] += src[c] (element type st), for c < n.
+DS_CPU_CLONES void accumulate_row(float* d, const void* src, DType st, int64_t n) {
+  with_elem(st, [&](auto e) DS_CPU_INLINE_LAMBDA {
+    using E = decltype(e);
+    const typename E::S* g = static_cast<const typename E::S*>(src);
+#pragma omp simd
+    for (int64_t c = 0; c < n; ++c) d[c] += E::ld(g[c]);
+  });
+}
+
+// a[c] += w * y[c] (element type yt).
+DS_CPU_CLONES void axpy_row(float* a, float w, const void* y, DType yt, int64_t n) {
+  with_elem(yt, [&](auto e) DS_CPU_INLINE_LAMBDA {
+    using E = decltype(e);
+    const typename E::S* yp = static_cast<const typename E::S*>(y);
+#pragma omp simd
+    for (int64_t c = 0; c < n; ++c) a[c] += w * E::ld(yp[c]);
+  });
+}
+
+// dy[c] = w * d[c]; returns the sum of d[c] * y[c] (the fp32 kernel's loop).
+DS_CPU_CLONES float scale_dot_row(float* dy, float w, const float* d, const float* y, int64_t C) {
+  float dot = 0;
+#pragma omp simd reduction(+ : dot)
+  for (int64_t c = 0; c < C; ++c) {
+    dy[c] = w * d[c];
+    dot += d[c] * y[c];
+  }
+  return dot;
+}
+
+// dst = src between any two of the float types; same type: a byte copy.
+void convert_row(void* dst, DType dt, const void* src, DType st, int64_t n) {
+  if (dt == st) {
+    std::memcpy(dst, src, size_t(n) * dtype_size(dt));
+  } else if (st == DType::F32) {
+    store_row(dst, dt, static_cast<const float*>(src), n);
+  } else if (dt == DType::F32) {
+    load_row(static_cast<float*>(dst), src, st, n);
+  } else {
+    for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
+      const int64_t m = std::min(kChunk, n - i0);
+      float* s = scratch(5, m);
+      load_row(s, at(src, st, i0), st, m);
+      store_row(at(dst, dt, i0), dt, s, m);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace k16
+
+using namespace k16;
+
+// ---- RMSNorm ------------------------------------------------------------------------------
+
+void rmsnorm_forward_16bit(Tensor out, Tensor rstd, Tensor x, Tensor weight, float eps) {
+  if (!floats({&out, &x}) || !f32(rstd) || !f32(weight)) {
+    return DS_CPU_WIDENED(rmsnorm_forward)(out, rstd, x, weight, eps);
+  }
+  const int64_t C = x.size(-1), N = x.numel() / C;
+  DS_CHECK(out.numel() == x.numel() && rstd.numel() == N && weight.numel() == C,
+           "rmsnorm_forward: x {} weight {} out {} rstd {}", x.shape().str(), weight.shape().str(),
+           out.shape().str(), rstd.shape().str());
+  const float* wp = weight.data<float>();
+  float* rp = rstd.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* xr = in_row(x, n * C, C, 0);
+    float* o = out_row(out, n * C, C, 1, false);
+    rp[n] = rmsnorm_row(o, xr, wp, C, eps);
+    out_done(out, n * C, C, o);
+  }
+}
+
+void rmsnorm_backward_16bit(Tensor dx, Tensor dweight, Tensor dout, Tensor x, Tensor weight, Tensor rstd) {
+  if (!floats({&dx, &dout, &x}) || !f32(dweight) || !f32(weight) || !f32(rstd)) {
+    return DS_CPU_WIDENED(rmsnorm_backward)(dx, dweight, dout, x, weight, rstd);
+  }
+  const int64_t C = x.size(-1), N = x.numel() / C;
+  DS_CHECK(dx.numel() == x.numel() && dout.numel() == x.numel() && dweight.numel() == C && rstd.numel() == N,
+           "rmsnorm_backward: shape mismatch");
+  const float* wp = weight.data<float>();
+  const float* rp = rstd.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* xr = in_row(x, n * C, C, 0);
+    const float* gr = in_row(dout, n * C, C, 1);
+    float* dr = out_row(dx, n * C, C, 2, true);
+    rmsnorm_backward_row(dr, gr, xr, wp, rp[n], C);
+    out_done(dx, n * C, C, dr);
+  }
+  // dweight: channel blocks, rows summed in order (independent of the thread count).
+  constexpr int64_t kBlock = 64;
+  const int64_t nblocks = (C + kBlock - 1) / kBlock;
+  float* dwp = dweight.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < nblocks; ++b) {
+    rmsnorm_dweight_block(dwp, dout.raw(), dout.dtype(), x.raw(), x.dtype(), rp, N, C, b * kBlock,
+                          std::min(C, (b + 1) * kBlock));
+  }
+}
+
+// ---- rotary embedding -----------------------------------------------------------------------
+
+namespace {
+void rope_16bit(Tensor x, int64_t offset, int n_heads, int head_dim, Tensor cos, Tensor sin, bool inverse) {
+  DS_CHECK(x.ndim() == 3, "rope: expected (B, T, W), got {}", x.shape().str());
+  const int64_t B = x.size(0), T = x.size(1), W = x.size(2), half = head_dim / 2;
+  DS_CHECK(offset + int64_t(n_heads) * head_dim <= W && cos.size(0) >= T && cos.size(1) == half,
+           "rope: {} heads of {} at column {} do not fit rows of {} / tables {}", n_heads, head_dim, offset, W,
+           cos.shape().str());
+  const float* cp = cos.data<float>();
+  const float* sp = sin.data<float>();
+  const float sign = inverse ? -1.0f : 1.0f;
+  const int64_t width = int64_t(n_heads) * head_dim;
+#pragma omp parallel for schedule(static)
+  for (int64_t bt = 0; bt < B * T; ++bt) {
+    const int64_t t = bt % T;
+    float* v = out_row(x, bt * W + offset, width, 0, true);
+    for (int h = 0; h < n_heads; ++h) rope_row(v + int64_t(h) * head_dim, cp + t * half, sp + t * half, sign, half);
+    out_done(x, bt * W + offset, width, v);
+  }
+}
+
+void rope_interleaved_16bit(Tensor x, int64_t offset, int n_heads, int64_t head_stride, int dim, Tensor cos,
+                            Tensor sin, bool inverse) {
+  DS_CHECK(x.ndim() == 3, "rope_interleaved: expected (B, T, W), got {}", x.shape().str());
+  const int64_t B = x.size(0), T = x.size(1), W = x.size(2), half = dim / 2;
+  DS_CHECK(dim > 0 && dim % 2 == 0 && n_heads > 0 && (n_heads == 1 || head_stride >= dim),
+           "rope_interleaved: {} heads of dim {} with a stride of {} columns", n_heads, dim, head_stride);
+  DS_CHECK(offset >= 0 && offset + int64_t(n_heads - 1) * head_stride + dim <= W,
+           "rope_interleaved: {} heads of {} at column {} (stride {}) do not fit rows of {}", n_heads, dim, offset,
+           head_stride, W);
+  DS_CHECK(cos.ndim() == 2 && cos.size(0) >= T && cos.size(1) == half && sin.shape() == cos.shape(),
+           "rope_interleaved: tables {} for T = {} and dim {}", cos.shape().str(), T, dim);
+  const float* cp = cos.data<float>();
+  const float* sp = sin.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t bt = 0; bt < B * T; ++bt) {
+    const int64_t t = bt % T;
+    rope_interleaved_row(at(x.raw(), x.dtype(), bt * W + offset), x.dtype(), n_heads, head_stride, half,
+                         cp + t * half, sp + t * half, inverse, scratch(0, dim), scratch(1, dim));
+  }
+}
+
+bool rope_tables_f32(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  return x.defined() && is_float(x.dtype()) && f32(cos) && f32(sin);
+}
+}  // namespace
+
+void rope_forward_16bit(Tensor x, int64_t offset, int n_heads, int head_dim, Tensor cos, Tensor sin) {
+  if (!rope_tables_f32(x, cos, sin)) return DS_CPU_WIDENED(rope_forward)(x, offset, n_heads, head_dim, cos, sin);
+  rope_16bit(x, offset, n_heads, head_dim, cos, sin, false);
+}
+void rope_backward_16bit(Tensor dx, int64_t offset, int n_heads, int head_dim, Tensor cos, Tensor sin) {
+  if (!rope_tables_f32(dx, cos, sin)) return DS_CPU_WIDENED(rope_backward)(dx, offset, n_heads, head_dim, cos, sin);
+  rope_16bit(dx, offset, n_heads, head_dim, cos, sin, true);
+}
+void rope_forward_interleaved_16bit(Tensor x, int64_t offset, int n_heads, int64_t head_stride, int dim, Tensor cos,
+                                    Tensor sin) {
+  if (!rope_tables_f32(x, cos, sin)) {
+    return DS_CPU_WIDENED(rope_forward_interleaved)(x, offset, n_heads, head_stride, dim, cos, sin);
+  }
+  rope_interleaved_16bit(x, offset, n_heads, head_stride, dim, cos, sin, false);
+}
+void rope_backward_interleaved_16bit(Tensor dx, int64_t offset, int n_heads, int64_t head_stride, int dim, Tensor cos,
+                                     Tensor sin) {
+  if (!rope_tables_f32(dx, cos, sin)) {
+    return DS_CPU_WIDENED(rope_backward_interleaved)(dx, offset, n_heads, head_stride, dim, cos, sin);
+  }
+  rope_interleaved_16bit(dx, offset, n_heads, head_stride, dim, cos, sin, true);
+}
+
+// ---- SwiGLU ---------------------------------------------------------------------------------
+
+void swiglu_forward_16bit(Tensor out, Tensor gate_up) {
+  if (!floats({&out, &gate_up})) return DS_CPU_WIDENED(swiglu_forward)(out, gate_up);
+  const int64_t I = out.size(-1), N = out.numel() / I;
+  DS_CHECK(gate_up.numel() == 2 * N * I, "swiglu_forward: gate_up {} for out {}", gate_up.shape().str(),
+           out.shape().str());
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* g = in_row(gate_up, n * 2 * I, 2 * I, 0);
+    float* o = out_row(out, n * I, I, 1, false);
+    swiglu_row(o, g, g + I, I);
+    out_done(out, n * I, I, o);
+  }
+}
+
+void swiglu_backward_16bit(Tensor dgate_up, Tensor dout, Tensor gate_up) {
+  if (!floats({&dgate_up, &dout, &gate_up})) return DS_CPU_WIDENED(swiglu_backward)(dgate_up, dout, gate_up);
+  const int64_t I = dout.size(-1), N = dout.numel() / I;
+  DS_CHECK(gate_up.numel() == 2 * N * I && dgate_up.numel() == 2 * N * I, "swiglu_backward: shape mismatch");
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* g = in_row(gate_up, n * 2 * I, 2 * I, 0);
+    const float* d = in_row(dout, n * I, I, 1);
+    float* dg = out_row(dgate_up, n * 2 * I, 2 * I, 2, false);
+    swiglu_backward_row(dg, dg + I, g, g + I, d, I);
+    out_done(dgate_up, n * 2 * I, 2 * I, dg);
+  }
+}
+
+// ---- element-wise arithmetic, fills and copies ----------------------------------------------
+
+void add_16bit(Tensor out, Tensor a, Tensor b) {
+  if (!floats({&out, &a, &b})) return DS_CPU_WIDENED(add)(out, a, b);
+  const int64_t n = out.numel();
+  DS_CHECK(a.numel() == n && b.numel() == n, "add: sizes {} {} {}", out.numel(), a.numel(), b.numel());
+  // Chunks are read before they are written: out may alias a or b.
+#pragma omp parallel for schedule(static)
+  for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
+    const int64_t m = std::min(kChunk, n - i0);
+    const float* x = in_row(a, i0, m, 0);
+    const float* y = in_row(b, i0, m, 1);
+    float* o = out_row(out, i0, m, 2, false);
+    add_row(o, x, y, m);
+    out_done(out, i0, m, o);
+  }
+}
+
+void add_inplace_16bit(Tensor out, Tensor a) { add_16bit(out, out, a); }
+
+void scale_inplace_16bit(Tensor x, float s) {
+  if (!floats({&x})) return DS_CPU_WIDENED(scale_inplace)(x, s);
+  const int64_t n = x.numel();
+#pragma omp parallel for schedule(static)
+  for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
+    const int64_t m = std::min(kChunk, n - i0);
+    float* p = out_row(x, i0, m, 0, true);
+    scale_row(p, s, m);
+    out_done(x, i0, m, p);
+  }
+}
+
+void fill_16bit(Tensor x, float value) {
+  if (!floats({&x}) || f32(x)) return DS_CPU_WIDENED(fill)(x, value);
+  const uint16_t bits = x.dtype() == DType::BF16 ? BF16E::st(value) : F16E::st(value);
+  uint16_t* p = static_cast<uint16_t*>(x.raw());
+  const int64_t n = x.numel();
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) p[i] = bits;
+}
+
+void copy_blocks_16bit(Tensor dst, int64_t dst_offset, int64_t dst_step, Tensor src, int64_t src_offset,
+                       int64_t src_step, int64_t blocks, int64_t width, bool accumulate) {
+  if (!floats({&dst, &src})) {
+    return DS_CPU_WIDENED(copy_blocks)(dst, dst_offset, dst_step, src, src_offset, src_step, blocks, width,
+                                       accumulate);
+  }
+  DS_CHECK(dst.ndim() >= 1 && src.ndim() >= 1, "copy_blocks: scalar tensors");
+  const int64_t dcols = dst.size(-1), scols = src.size(-1);
+  const int64_t rows = dst.numel() / dcols;
+  DS_CHECK(src.numel() / scols == rows, "copy_blocks: {} rows from {} rows", rows, src.numel() / scols);
+  DS_CHECK(blocks >= 0 && width >= 0 && dst_offset >= 0 && src_offset >= 0 && dst_step >= 0 && src_step >= 0,
+           "copy_blocks: negative offset, step or size");
+  if (blocks == 0 || width == 0 || rows == 0) return;
+  DS_CHECK(dst_offset + (blocks - 1) * dst_step + width <= dcols && src_offset + (blocks - 1) * src_step + width <= scols,
+           "copy_blocks: {} blocks of {} at {}+j*{} (dst {} columns) from {}+j*{} (src {} columns) run past a row",
+           blocks, width, dst_offset, dst_step, dcols, src_offset, src_step, scols);
+  const DType dt = dst.dtype(), st = src.dtype();
+  // The dst columns the blocks cover, [lo, hi): accumulation runs over them in fp32 and rounds
+  // once, also when several blocks sum into one place.
+  const int64_t lo = dst_offset, hi = dst_offset + (blocks - 1) * dst_step + width;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    if (!accumulate) {
+      for (int64_t j = 0; j < blocks; ++j) {
+        convert_row(at(dst.raw(), dt, r * dcols + dst_offset + j * dst_step), dt,
+                    at(src.raw(), st, r * scols + src_offset + j * src_step), st, width);
+      }
+      continue;
+    }
+    float* d = out_row(dst, r * dcols + lo, hi - lo, 0, true);
+    for (int64_t j = 0; j < blocks; ++j) {
+      accumulate_row(d + j * dst_step, at(src.raw(), st, r * scols + src_offset + j * src_step), st, width);
+    }
+    if (!f32(dst)) {
+      for (int64_t j = 0; j < blocks; ++j) {
+        store_row(at(dst.raw(), dt, r * dcols + lo + j * dst_step), dt, d + j * dst_step, width);
+      }
+    }
+  }
+}
+
+// ---- mixture of experts: permutation to expert order and back ------------------------------
+
+namespace {
+int64_t rows_of(const Tensor& t) { return t.numel() / t.size(-1); }
+}  // namespace
+
+void moe_permute_16bit(Tensor xg, Tensor x, Tensor sorted, int top_k) {
+  if (!floats({&xg, &x})) return DS_CPU_WIDENED(moe_permute)(xg, x, sorted, top_k);
+  const int64_t C = x.size(-1), M = sorted.numel(), N = rows_of(x);
+  DS_CHECK(xg.numel() == M * C && M == N * top_k, "moe_permute: xg {} from x {} with {} rows", xg.shape().str(),
+           x.shape().str(), M);
+  const int32_t* sp = sorted.data<int32_t>();
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < M; ++p) {
+    convert_row(at(xg.raw(), xg.dtype(), p * C), xg.dtype(), at(x.raw(), x.dtype(), int64_t(sp[p] / top_k) * C),
+                x.dtype(), C);
+  }
+}
+
+void moe_permute_backward_16bit(Tensor dx, Tensor dxg, Tensor position, bool accumulate) {
+  if (!floats({&dx, &dxg})) return DS_CPU_WIDENED(moe_permute_backward)(dx, dxg, position, accumulate);
+  const int64_t C = dx.size(-1), N = rows_of(dx), M = position.numel(), k = M / N;
+  DS_CHECK(M == N * k && dxg.numel() == M * C, "moe_permute_backward: dxg {} for dx {} and {} rows",
+           dxg.shape().str(), dx.shape().str(), M);
+  const int32_t* pp = position.data<int32_t>();
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    float* d = out_row(dx, n * C, C, 0, accumulate);
+    if (!accumulate) std::fill(d, d + C, 0.0f);
+    for (int64_t j = 0; j < k; ++j) {
+      accumulate_row(d, at(dxg.raw(), dxg.dtype(), int64_t(pp[n * k + j]) * C), dxg.dtype(), C);
+    }
+    out_done(dx, n * C, C, d);
+  }
+}
+
+void moe_unpermute_16bit(Tensor out, Tensor yg, Tensor weights, Tensor position) {
+  if (!floats({&out, &yg, &weights})) return DS_CPU_WIDENED(moe_unpermute)(out, yg, weights, position);
+  const int64_t C = out.size(-1), N = rows_of(out), M = position.numel(), k = M / N;
+  DS_CHECK(M == N * k && yg.numel() == M * C && weights.numel() == M, "moe_unpermute: yg {} weights {} for out {}",
+           yg.shape().str(), weights.shape().str(), out.shape().str());
+  const int32_t* pp = position.data<int32_t>();
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    // The routed sum first, then onto out: the order Hugging Face adds them in.
+    float* a = scratch(0, C);
+    std::fill(a, a + C, 0.0f);
+    for (int64_t j = 0; j < k; ++j) {
+      axpy_row(a, load1(weights, n * k + j), at(yg.raw(), yg.dtype(), int64_t(pp[n * k + j]) * C), yg.dtype(), C);
+    }
+    float* o = out_row(out, n * C, C, 1, true);
+    add_row(o, o, a, C);
+    out_done(out, n * C, C, o);
+  }
+}
+
+void moe_unpermute_backward_16bit(Tensor dyg, Tensor dweights, Tensor dout, Tensor yg, Tensor weights, Tensor sorted) {
+  if (!floats({&dyg, &dweights, &dout, &yg, &weights})) {
+    return DS_CPU_WIDENED(moe_unpermute_backward)(dyg, dweights, dout, yg, weights, sorted);
+  }
+  const int64_t C = dout.size(-1), N = rows_of(dout), M = sorted.numel(), k = M / N;
+  DS_CHECK(M == N * k && dyg.numel() == M * C && yg.numel() == M * C && weights.numel() == M && dweights.numel() == M,
+           "moe_unpermute_backward: dyg {} yg {} weights {} for dout {}", dyg.shape().str(), yg.shape().str(),
+           weights.shape().str(), dout.shape().str());
+  const int32_t* sp = sorted.data<int32_t>();
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < M; ++p) {
+    const int64_t pair = sp[p];
+    const float* d = in_row(dout, (pair / k) * C, C, 0);
+    const float* y = in_row(yg, p * C, C, 1);
+    float* dy = out_row(dyg, p * C, C, 2, false);
+    store1(dweights, pair, scale_dot_row(dy, load1(weights, pair), d, y, C));
+    out_done(dyg, p * C, C, dy);
+  }
+}
+
+// ---- registration ---------------------------------------------------------------------------
+
+void fill_elementwise_16bit(OpTable& t) {
+  for (KernelDType k : {KernelDType::BF16, KernelDType::F16}) {
+    const size_t s = size_t(k);
+    t.attention_forward[s] = &attention_forward_16bit;
+    t.attention_backward[s] = &attention_backward_16bit;
+    t.rmsnorm_forward[s] = &rmsnorm_forward_16bit;
+    t.rmsnorm_backward[s] = &rmsnorm_backward_16bit;
+    t.swiglu_forward[s] = &swiglu_forward_16bit;
+    t.swiglu_backward[s] = &swiglu_backward_16bit;
+    t.rope_forward[s] = &rope_forward_16bit;
+    t.rope_backward[s] = &rope_backward_16bit;
+    t.rope_forward_interleaved[s] = &rope_forward_interleaved_16bit;
+    t.rope_backward_interleaved[s] = &rope_backward_interleaved_16bit;
+    t.moe_permute[s] = &moe_permute_16bit;
+    t.moe_permute_backward[s] = &moe_permute_backward_16bit;
+    t.moe_unpermute[s] = &moe_unpermute_16bit;
+    t.moe_unpermute_backward[s] = &moe_unpermute_backward_16bit;
+    t.add[s] = &add_16bit;
+    t.add_inplace[s] = &add_inplace_16bit;
+    t.scale_inplace[s] = &scale_inplace_16bit;
+    t.fill[s] = &fill_16bit;
+    t.copy_blocks[s] = &copy_blocks_16bit;
+  }
+}
 
 }  // namespace dstrain::cpu

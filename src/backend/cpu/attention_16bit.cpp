@@ -1,0 +1,211 @@
+// Causal grouped-query attention for the 16-bit slots: the fp32 kernel of attention.cpp (same
+// tasks, threads, sgemm calls and softmax) on fp32 tiles read from 16-bit rows. A task converts
+// the rows of q, k and v it needs into per-thread tiles, computes in fp32 exactly as the fp32
+// kernel does, and rounds its output rows once into the 16-bit tensor: no whole-tensor
+// temporaries. fp32 tensors are used in place (a mix of fp32 and 16-bit is fine); lse is fp32.
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "backend/cpu/cpu_ops.h"
+#include "backend/cpu/kernels_16bit.h"
+#include "backend/cpu/widen.h"
+
+namespace dstrain::cpu {
+namespace {
+
+using k16::at;
+constexpr int64_t kQueryBlock = 64;  // as attention.cpp
+
+struct Dims {
+  int64_t B, T, W, H, Hkv, Dqk, Dv, group;
+};
+
+Dims dims_of(const Tensor& qkv, const ops::AttentionLayout& L) {
+  DS_CHECK(qkv.ndim() == 3, "attention: qkv must be (B, T, W), got {}", qkv.shape().str());
+  DS_CHECK(L.n_head > 0 && L.n_kv_head > 0 && L.n_head % L.n_kv_head == 0,
+           "attention: {} query heads cannot share {} kv heads evenly", L.n_head, L.n_kv_head);
+  Dims d{qkv.size(0), qkv.size(1), qkv.size(2), L.n_head, L.n_kv_head, L.qk_dim, L.v_dim, L.n_head / L.n_kv_head};
+  DS_CHECK(L.row_stride == d.W, "attention: layout row stride {} but qkv rows have {}", L.row_stride, d.W);
+  DS_CHECK(L.q_offset + d.H * d.Dqk <= d.W && L.k_offset + d.Hkv * d.Dqk <= d.W && L.v_offset + d.Hkv * d.Dv <= d.W,
+           "attention: head ranges exceed the qkv row of {}", d.W);
+  return d;
+}
+
+template <class F>
+void for_tasks(int64_t n, F&& body) {
+  if (n >= omp_get_max_threads()) {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) body(i);
+  } else {
+    for (int64_t i = 0; i < n; ++i) body(i);
+  }
+}
+
+void causal_softmax_rows(float* s, int64_t nq, int64_t nk, int64_t t0, float* lse_out) {
+  for (int64_t i = 0; i < nq; ++i) {
+    float* row = s + i * nk;
+    const int64_t valid = t0 + i + 1;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < valid; ++j) mx = std::max(mx, row[j]);
+    float sum = 0;
+    for (int64_t j = 0; j < valid; ++j) {
+      row[j] = std::exp(row[j] - mx);
+      sum += row[j];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t j = 0; j < valid; ++j) row[j] *= inv;
+    for (int64_t j = valid; j < nk; ++j) row[j] = 0.0f;
+    lse_out[i] = mx + std::log(sum);
+  }
+}
+
+void probabilities_from_lse(float* s, int64_t nq, int64_t nk, int64_t t0, const float* lse) {
+  for (int64_t i = 0; i < nq; ++i) {
+    float* row = s + i * nk;
+    const int64_t valid = t0 + i + 1;
+    const float l = lse[i];
+    for (int64_t j = 0; j < valid; ++j) row[j] = std::exp(row[j] - l);
+    for (int64_t j = valid; j < nk; ++j) row[j] = 0.0f;
+  }
+}
+
+// A (rows, cols) block of a tensor whose rows are `ld` elements apart, starting at element
+// `offset`, as an fp32 matrix: the tensor's memory when it is fp32, else converted into `tile`.
+struct Mat {
+  float* p;
+  int64_t ld;
+};
+Mat read_block(const Tensor& t, int64_t offset, int64_t ld, int64_t rows, int64_t cols, std::vector<float>& tile) {
+  if (t.dtype() == DType::F32) return {static_cast<float*>(t.raw()) + offset, ld};
+  tile.resize(size_t(rows * cols));
+  k16::load_tile(tile.data(), cols, at(t.raw(), t.dtype(), offset), t.dtype(), ld, rows, cols);
+  return {tile.data(), cols};
+}
+// Where to compute a block of an output: in place (fp32) or a tile to round into it afterwards.
+Mat write_block(const Tensor& t, int64_t offset, int64_t ld, int64_t rows, int64_t cols, std::vector<float>& tile) {
+  if (t.dtype() == DType::F32) return {static_cast<float*>(t.raw()) + offset, ld};
+  tile.resize(size_t(rows * cols));
+  return {tile.data(), cols};
+}
+void finish_block(const Tensor& t, int64_t offset, int64_t ld, int64_t rows, int64_t cols, const Mat& m) {
+  if (t.dtype() != DType::F32) k16::store_tile(at(t.raw(), t.dtype(), offset), t.dtype(), ld, m.p, m.ld, rows, cols);
+}
+
+bool floats(std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts) {
+    if (!t->defined() || !k16::is_float(t->dtype())) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+void attention_forward_16bit(Tensor out, Tensor lse, Tensor qkv, const ops::AttentionLayout& L, float scale) {
+  if (!floats({&out, &qkv}) || lse.dtype() != DType::F32) {
+    return DS_CPU_WIDENED(attention_forward)(out, lse, qkv, L, scale);
+  }
+  const Dims d = dims_of(qkv, L);
+  DS_CHECK(out.numel() == d.B * d.T * d.H * d.Dv && lse.numel() == d.B * d.H * d.T,
+           "attention_forward: out {} lse {}", out.shape().str(), lse.shape().str());
+  float* lp = lse.data<float>();
+  const int64_t nblocks = (d.T + kQueryBlock - 1) / kQueryBlock;
+  const int64_t ldo = d.H * d.Dv;
+
+  for_tasks(d.B * d.H * nblocks, [&](int64_t task) {
+    thread_local std::vector<float> scratch, qt, kt, vt, ot;
+    const int64_t qb = task % nblocks, h = (task / nblocks) % d.H, b = task / (nblocks * d.H);
+    const int64_t g = h / d.group;
+    const int64_t t0 = qb * kQueryBlock, nq = std::min(kQueryBlock, d.T - t0), nk = t0 + nq;
+    scratch.resize(size_t(nq * nk));
+    const Mat q = read_block(qkv, (b * d.T + t0) * d.W + L.q_offset + h * d.Dqk, d.W, nq, d.Dqk, qt);
+    const Mat k = read_block(qkv, b * d.T * d.W + L.k_offset + g * d.Dqk, d.W, nk, d.Dqk, kt);
+    const Mat v = read_block(qkv, b * d.T * d.W + L.v_offset + g * d.Dv, d.W, nk, d.Dv, vt);
+    const int64_t o_off = (b * d.T + t0) * ldo + h * d.Dv;
+    const Mat o = write_block(out, o_off, ldo, nq, d.Dv, ot);
+    float* s = scratch.data();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(nq), int(nk), int(d.Dqk), scale, q.p, int(q.ld), k.p,
+                int(k.ld), 0.0f, s, int(nk));
+    causal_softmax_rows(s, nq, nk, t0, lp + (b * d.H + h) * d.T + t0);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(nq), int(d.Dv), int(nk), 1.0f, s, int(nk), v.p,
+                int(v.ld), 0.0f, o.p, int(o.ld));
+    finish_block(out, o_off, ldo, nq, d.Dv, o);
+  });
+}
+
+void attention_backward_16bit(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse,
+                              const ops::AttentionLayout& L, float scale) {
+  if (!floats({&dqkv, &dout, &qkv, &out}) || lse.dtype() != DType::F32) {
+    return DS_CPU_WIDENED(attention_backward)(dqkv, dout, qkv, out, lse, L, scale);
+  }
+  const Dims d = dims_of(qkv, L);
+  DS_CHECK(dqkv.numel() == qkv.numel() && dout.numel() == out.numel() && out.numel() == d.B * d.T * d.H * d.Dv,
+           "attention_backward: shape mismatch");
+  const float* lp = lse.data<float>();
+  const int64_t nblocks = (d.T + kQueryBlock - 1) / kQueryBlock;
+  const int64_t ldo = d.H * d.Dv;
+
+  // One task per (batch, kv head), as the fp32 kernel: it owns dK and dV of that head and dQ of
+  // the query heads that read it. dK and dV are summed in fp32 tiles and rounded at the end.
+  for_tasks(d.B * d.Hkv, [&](int64_t task) {
+    thread_local std::vector<float> s_buf, dp_buf, kt, vt, dkt, dvt, qt, ot, dot, dqt;
+    const int64_t g = task % d.Hkv, b = task / d.Hkv;
+    const int64_t k_off = b * d.T * d.W + L.k_offset + g * d.Dqk;
+    const int64_t v_off = b * d.T * d.W + L.v_offset + g * d.Dv;
+    const Mat k = read_block(qkv, k_off, d.W, d.T, d.Dqk, kt);
+    const Mat v = read_block(qkv, v_off, d.W, d.T, d.Dv, vt);
+    const Mat dk = write_block(dqkv, k_off, d.W, d.T, d.Dqk, dkt);
+    const Mat dv = write_block(dqkv, v_off, d.W, d.T, d.Dv, dvt);
+    for (int64_t t = 0; t < d.T; ++t) {
+      std::fill_n(dk.p + t * dk.ld, d.Dqk, 0.0f);
+      std::fill_n(dv.p + t * dv.ld, d.Dv, 0.0f);
+    }
+    for (int64_t h = g * d.group; h < (g + 1) * d.group; ++h) {
+      for (int64_t qb = 0; qb < nblocks; ++qb) {
+        const int64_t t0 = qb * kQueryBlock, nq = std::min(kQueryBlock, d.T - t0), nk = t0 + nq;
+        s_buf.resize(size_t(nq * nk));
+        dp_buf.resize(size_t(nq * nk));
+        float* s = s_buf.data();
+        float* dp = dp_buf.data();
+        const int64_t q_off = (b * d.T + t0) * d.W + L.q_offset + h * d.Dqk;
+        const int64_t o_off = (b * d.T + t0) * ldo + h * d.Dv;
+        const Mat q = read_block(qkv, q_off, d.W, nq, d.Dqk, qt);
+        const Mat dq = write_block(dqkv, q_off, d.W, nq, d.Dqk, dqt);
+        const Mat o = read_block(out, o_off, ldo, nq, d.Dv, ot);
+        const Mat dO = read_block(dout, o_off, ldo, nq, d.Dv, dot);
+        // P = softmax(scale * Q K^T), recomputed from the saved log-sum-exp.
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(nq), int(nk), int(d.Dqk), scale, q.p, int(q.ld),
+                    k.p, int(k.ld), 0.0f, s, int(nk));
+        probabilities_from_lse(s, nq, nk, t0, lp + (b * d.H + h) * d.T + t0);
+        // dV += P^T dO
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(nk), int(d.Dv), int(nq), 1.0f, s, int(nk), dO.p,
+                    int(dO.ld), 1.0f, dv.p, int(dv.ld));
+        // dP = dO V^T;  dS = P * (dP - rowsum(dO * O))
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(nq), int(nk), int(d.Dv), 1.0f, dO.p, int(dO.ld),
+                    v.p, int(v.ld), 0.0f, dp, int(nk));
+        for (int64_t i = 0; i < nq; ++i) {
+          float delta = 0;
+          for (int64_t e = 0; e < d.Dv; ++e) delta += dO.p[i * dO.ld + e] * o.p[i * o.ld + e];
+          float* srow = s + i * nk;
+          const float* dprow = dp + i * nk;
+          const int64_t valid = t0 + i + 1;
+#pragma omp simd
+          for (int64_t j = 0; j < valid; ++j) srow[j] = srow[j] * (dprow[j] - delta);
+        }
+        // dQ = scale * dS K;  dK += scale * dS^T Q
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(nq), int(d.Dqk), int(nk), scale, s, int(nk), k.p,
+                    int(k.ld), 0.0f, dq.p, int(dq.ld));
+        finish_block(dqkv, q_off, d.W, nq, d.Dqk, dq);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(nk), int(d.Dqk), int(nq), scale, s, int(nk), q.p,
+                    int(q.ld), 1.0f, dk.p, int(dk.ld));
+      }
+    }
+    finish_block(dqkv, k_off, d.W, d.T, d.Dqk, dk);
+    finish_block(dqkv, v_off, d.W, d.T, d.Dv, dv);
+  });
+}
+
+}  // namespace dstrain::cpu
