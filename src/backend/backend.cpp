@@ -23,23 +23,25 @@ Registry& registry() {
 }
 
 // The device and kernel slot of one call: all defined tensors share a device (a transfer op may
-// also have host tensors); the first floating-point tensor picks the slot.
+// also have host tensors). The slot is the 16-bit floating-point type among the tensors (BF16 or
+// F16; a mixed-precision call mixes one of them with F32), else F32.
 struct Dispatch {
   Device device;
   bool have_device = false;
-  bool have_dtype = false;
   KernelDType dtype = KernelDType::F32;
 };
 
 void note(Dispatch& d, const char* op, bool transfer, const Tensor& t) {
   if (!t.defined()) return;
-  if (!d.have_dtype) {
-    switch (t.dtype()) {
-      case DType::F32: d.dtype = KernelDType::F32; d.have_dtype = true; break;
-      case DType::BF16: d.dtype = KernelDType::BF16; d.have_dtype = true; break;
-      case DType::F16: d.dtype = KernelDType::F16; d.have_dtype = true; break;
-      default: break;
-    }
+  KernelDType narrow = KernelDType::F32;
+  if (t.dtype() == DType::BF16) narrow = KernelDType::BF16;
+  if (t.dtype() == DType::F16) narrow = KernelDType::F16;
+  if (narrow != KernelDType::F32) {
+    // cast converts between any two of them; its kernel serves every slot.
+    DS_CHECK(d.dtype == KernelDType::F32 || d.dtype == narrow || transfer || std::string_view(op) == "cast",
+             "{}: tensors of both bf16 and f16; an op mixes fp32 with at most one 16-bit type (convert with "
+             "ops::cast)", op);
+    if (d.dtype == KernelDType::F32) d.dtype = narrow;
   }
   const Device dev = t.device();
   if (!d.have_device) {

@@ -38,6 +38,7 @@ struct AttentionLayout {
 struct AdamWStep {
   float lr = 0, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0;
   int64_t step = 1;  // 1-based, for bias correction
+  float grad_scale = 1;  // multiplies every gradient as it is read
 };
 
 // ---- mixture of experts ----------------------------------------------------------------

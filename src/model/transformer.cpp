@@ -108,6 +108,12 @@ void Transformer::init_weights(uint64_t seed) {
       fill_normal_piece(reg_.param(id), p, config_.initializer_range, seed);
     }
   }
+  reg_.refresh_compute();
+}
+
+void Transformer::set_compute_dtype(DType dtype) {
+  reg_.allocate_compute(dtype);
+  ctx_.compute_dtype = dtype;
 }
 
 Tensor Transformer::head_weight() const { return reg_.param(lm_head_ >= 0 ? lm_head_ : embed_); }

@@ -58,6 +58,12 @@ class Transformer {
   // Where ZeRO-3 gathers and gradient buckets plug in (null: none); not owned.
   void set_hooks(ParamHooks* hooks) { ctx_.hooks = hooks; }
   const Ctx& ctx() const { return ctx_; }
+  // Mixed precision: the dtype the forward and backward compute in (F32, BF16 or F16). The
+  // masters, gradients and optimizer state stay fp32; a 16-bit dtype makes the registry's
+  // compute copy of the weights (from the masters as they are now: set it after loading them,
+  // or call params().refresh_compute() after changing them).
+  void set_compute_dtype(DType dtype);
+  DType compute_dtype() const { return ctx_.compute_dtype; }
   const ActivationStore& activations() const { return acts_; }
 
   // Hugging Face's initialisation: normal(0, initializer_range) for linear and embedding

@@ -29,7 +29,8 @@ void AdamW::step(double lr) {
     if (!p.trainable) continue;  // updated by its own rule (routing biases)
     s.weight_decay = float(weight_decay_of(p));
     ops::adamw_update(params_.values().tensor(p.offset, p.shape), params_.grads().tensor(p.offset, p.shape),
-                      exp_avg_.tensor(p.offset, p.shape), exp_avg_sq_.tensor(p.offset, p.shape), s);
+                      exp_avg_.tensor(p.offset, p.shape), exp_avg_sq_.tensor(p.offset, p.shape),
+                      params_.has_compute_copy() ? params_.compute_values().tensor(p.offset, p.shape) : Tensor(), s);
   }
 }
 

@@ -1,5 +1,7 @@
 #include "state/params.h"
 
+#include "backend/ops.h"
+
 namespace dstrain {
 
 namespace {
@@ -119,6 +121,31 @@ Tensor ParamRegistry::grad_range(const ParamRun& run) const {
 }
 
 Tensor ParamRegistry::param_rows(int first, int last) const { return rows(values_, first, last); }
+
+void ParamRegistry::allocate_compute(DType dtype) {
+  DS_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16,
+           "the compute dtype of the weights must be F32, BF16 or F16, not {}", dtype_name(dtype));
+  DS_CHECK(values_.numel() > 0, "the compute copy of the weights needs the weights allocated first");
+  if (dtype == DType::F32) {
+    compute_ = Buffer();
+    return;
+  }
+  if (!has_compute_copy() || compute_.dtype() != dtype) {
+    compute_ = Buffer("parameters (compute copy)", MemCategory::Parameters, dtype, values_.numel(), values_.device());
+  }
+  refresh_compute();
+}
+
+void ParamRegistry::refresh_compute() {
+  if (has_compute_copy()) ops::cast(compute_.tensor(), values_.tensor());
+}
+
+Tensor ParamRegistry::compute(int id) const {
+  return has_compute_copy() ? compute_.tensor(info(id).offset, info(id).shape) : param(id);
+}
+Tensor ParamRegistry::compute_rows(int first, int last) const {
+  return has_compute_copy() ? rows(compute_, first, last) : param_rows(first, last);
+}
 Tensor ParamRegistry::grad_rows(int first, int last) const { return rows(grads_, first, last); }
 
 }  // namespace dstrain

@@ -104,6 +104,19 @@ class ParamRegistry {
   Tensor param_rows(int first, int last) const;
   Tensor grad_rows(int first, int last) const;
 
+  // Mixed precision: a copy of the (fp32 master) weights in the compute dtype, in the same flat
+  // layout, for the GEMMs to read. allocate_compute(BF16 or F16) makes it from the masters;
+  // allocate_compute(F32) drops it. The optimizer refreshes it in its update; whatever else
+  // writes the masters (initialisation, a checkpoint, --init-from) calls refresh_compute().
+  void allocate_compute(DType dtype);
+  bool has_compute_copy() const { return compute_.numel() > 0; }
+  DType compute_dtype() const { return has_compute_copy() ? compute_.dtype() : DType::F32; }
+  void refresh_compute();
+  // The weights as the compute reads them: the copy's, or the fp32 master's without one.
+  Tensor compute(int id) const;
+  Tensor compute_rows(int first, int last) const;
+  const Buffer& compute_values() const { return compute_; }
+
   Buffer& values() { return values_; }
   Buffer& grads() { return grads_; }
   const Buffer& values() const { return values_; }
@@ -116,6 +129,7 @@ class ParamRegistry {
   std::unordered_map<std::string, int> by_name_;
   int64_t flat_numel_ = 0;
   Buffer values_, grads_;
+  Buffer compute_;  // empty without mixed precision
 };
 
 }  // namespace dstrain

@@ -23,9 +23,11 @@ TEST(Backend, CpuIsRegisteredFirstWithEveryFp32Kernel) {
   EXPECT_GE(op_names().size(), 40u);
   for (const std::string& op : op_names()) EXPECT_TRUE(has_kernel(all.front()->ops, op, KernelDType::F32)) << op;
   EXPECT_FALSE(has_kernel(all.front()->ops, "no_such_op", KernelDType::F32));
-  // Half-precision slots exist only where a kernel was written for them.
-  EXPECT_TRUE(has_kernel(all.front()->ops, "cast", KernelDType::BF16));
-  EXPECT_FALSE(has_kernel(all.front()->ops, "linear_forward", KernelDType::BF16));
+  // Every op has 16-bit kernels on the CPU: fused ones or the generic widening ones.
+  for (const std::string& op : op_names()) {
+    EXPECT_TRUE(has_kernel(all.front()->ops, op, KernelDType::BF16)) << op;
+    EXPECT_TRUE(has_kernel(all.front()->ops, op, KernelDType::F16)) << op;
+  }
 }
 
 TEST(Backend, DispatchRefusesMixedDevicesAndMissingKernels) {
@@ -44,14 +46,76 @@ TEST(Backend, DispatchRefusesMixedDevicesAndMissingKernels) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("no backend is registered"), std::string::npos) << e.what();
   }
-  // A bf16 tensor selects the bf16 slot, which the CPU backend leaves empty for fill.
+  // A bf16 tensor selects the bf16 slot: a backend without a bf16 kernel for the op says so.
+  auto partial = std::make_unique<Backend>();
+  partial->name = "partial";
+  partial->device = DeviceType::CUDA;
+  cpu::fill_table(partial->ops);
+  partial->ops.fill[size_t(KernelDType::BF16)] = nullptr;
+  register_backend(std::move(partial));
   std::vector<uint16_t> h(4);
   try {
-    ops::fill(Tensor(h.data(), DType::BF16, Shape{4}), 1.0f);
-    FAIL() << "missing bf16 kernel not reported";
+    ops::fill(Tensor(h.data(), DType::BF16, Shape{4}, Device::cuda(0)), 1.0f);
+    ADD_FAILURE() << "missing bf16 kernel not reported";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("fill: the cpu backend has no bf16 kernel"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("fill: the partial backend has no bf16 kernel"), std::string::npos)
+        << e.what();
   }
+  unregister_backend(DeviceType::CUDA);
+}
+
+TEST(Backend, SixteenBitTensorsPickTheirSlotAndMayMixWithFp32Only) {
+  // out fp32 = x bf16 . w bf16^T: the bf16 slot, accumulated in fp32.
+  std::vector<float> xf = {1.5f, -2.0f, 0.25f, 3.0f, 1.0f, -1.0f}, wf = {0.5f, 1.0f, -1.0f, 2.0f, 0.0f, 4.0f};
+  std::vector<uint16_t> xb(6), wb(6), ob(4);
+  for (size_t i = 0; i < 6; ++i) {
+    xb[i] = f32_to_bf16(xf[i]);
+    wb[i] = f32_to_bf16(wf[i]);
+  }
+  std::vector<float> out(4, 100.0f);
+  ops::linear_forward(f32(out, {2, 2}), Tensor(xb.data(), DType::BF16, Shape{2, 3}),
+                      Tensor(wb.data(), DType::BF16, Shape{2, 3}), /*accumulate=*/true);
+  // Every value is exact in bf16, so the products and sums are exact in fp32.
+  EXPECT_EQ(out, (std::vector<float>{98.5f, 104.0f, 103.5f, 102.0f}));
+  // The same product rounded into a bf16 output.
+  ops::linear_forward(Tensor(ob.data(), DType::BF16, Shape{2, 2}), Tensor(xb.data(), DType::BF16, Shape{2, 3}),
+                      Tensor(wb.data(), DType::BF16, Shape{2, 3}));
+  EXPECT_EQ(bf16_to_f32(ob[0]), -1.5f);
+  EXPECT_EQ(bf16_to_f32(ob[3]), 2.0f);
+  // bf16 with f16 in one op is refused.
+  std::vector<uint16_t> half(6);
+  try {
+    ops::add(Tensor(ob.data(), DType::BF16, Shape{4}), Tensor(half.data(), DType::F16, Shape{4}),
+             Tensor(ob.data(), DType::BF16, Shape{4}));
+    ADD_FAILURE() << "bf16 mixed with f16 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("add: tensors of both bf16 and f16"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Backend, GenericSixteenBitKernelsKeepAliasingAndRoundOnce) {
+  // cross_entropy_backward may write dlogits over logits: both arguments are one bf16 tensor.
+  std::vector<float> logits_f = {1.0f, 2.0f, 0.5f, -1.0f, 0.0f, 3.0f};
+  std::vector<uint16_t> lb(6);
+  for (size_t i = 0; i < 6; ++i) lb[i] = f32_to_bf16(logits_f[i]);
+  std::vector<int32_t> tg = {1, 2};
+  std::vector<float> losses(2), lse(2);
+  Tensor logits(lb.data(), DType::BF16, Shape{2, 3});
+  ops::cross_entropy_forward(f32(losses, {2}), f32(lse, {2}), logits, i32(tg, {2}));
+  std::vector<float> ref_logits = logits_f, ref_losses(2), ref_lse(2);
+  ops::cross_entropy_forward(f32(ref_losses, {2}), f32(ref_lse, {2}), f32(ref_logits, {2, 3}), i32(tg, {2}));
+  EXPECT_EQ(losses, ref_losses);  // every logit is exact in bf16
+  ops::cross_entropy_backward(logits, logits, f32(lse, {2}), i32(tg, {2}), 0.5f);
+  ops::cross_entropy_backward(f32(ref_logits, {2, 3}), f32(ref_logits, {2, 3}), f32(ref_lse, {2}), i32(tg, {2}), 0.5f);
+  for (size_t i = 0; i < 6; ++i) EXPECT_EQ(lb[i], f32_to_bf16(ref_logits[i])) << i;  // rounded once
+  // An fp32 input with a bf16 output: RMSNorm writes its output rounded, its rstd in fp32.
+  std::vector<float> x = {0.3f, -1.7f, 2.2f, 0.9f}, w = {1.0f, 0.5f, 2.0f, -1.0f}, rstd(1), ref_out(4), ref_rstd(1);
+  std::vector<uint16_t> ob(4);
+  ops::rmsnorm_forward(Tensor(ob.data(), DType::BF16, Shape{1, 4}), f32(rstd, {1}), f32(x, {1, 4}), f32(w, {4}),
+                       1e-6f);
+  ops::rmsnorm_forward(f32(ref_out, {1, 4}), f32(ref_rstd, {1}), f32(x, {1, 4}), f32(w, {4}), 1e-6f);
+  EXPECT_EQ(rstd, ref_rstd);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(ob[i], f32_to_bf16(ref_out[i])) << i;
 }
 
 TEST(Backend, RegistrationIsByDeviceTypeAndChecked) {

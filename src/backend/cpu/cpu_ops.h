@@ -4,6 +4,10 @@
 
 #include "backend/ops.h"
 
+namespace dstrain::ops {
+struct OpTable;
+}
+
 namespace dstrain::cpu {
 
 using ops::AdamWStep;
@@ -20,5 +24,12 @@ using ops::YarnParams;
 void rope_apply(Tensor x, int64_t offset, int n_heads, int head_dim, Tensor cos, Tensor sin, bool inverse);
 void rope_apply_interleaved(Tensor x, int64_t offset, int n_heads, int64_t head_stride, int dim, Tensor cos, Tensor sin,
                             bool inverse);
+
+// Register the fused 16-bit kernels over the generic ones of widen.h: the GEMMs (linear.cpp)
+// and the element-wise kernels (kernels_16bit.cpp).
+void fill_gemm_16bit(ops::OpTable& table);
+void adamw_update_16bit(Tensor param, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, Tensor param_copy,
+                        const ops::AdamWStep& s);
+void fill_elementwise_16bit(ops::OpTable& table);
 
 }  // namespace dstrain::cpu

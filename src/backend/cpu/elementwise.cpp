@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "backend/cpu/cpu_ops.h"
+#include "backend/cpu/widen.h"
 #include "core/philox.h"
 
 namespace dstrain::cpu {
@@ -162,27 +163,66 @@ void sum_squares(Tensor out, Tensor x) {
   *out.data<double>() = total;
 }
 
-void adamw_update(Tensor param, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, const ops::AdamWStep& s) {
-  const int64_t n = param.numel();
-  DS_CHECK(grad.numel() == n && exp_avg.numel() == n && exp_avg_sq.numel() == n, "adamw_update: size mismatch");
-  float* p = param.data<float>();
-  const float* g = grad.data<float>();
-  float* m = exp_avg.data<float>();
-  float* v = exp_avg_sq.data<float>();
-  // Same order of operations as torch.optim.AdamW (single-tensor path).
+namespace {
+// The update of elements [0, n), writing the updated parameter's copy through `store` (nothing
+// when there is no copy). Same order of operations as torch.optim.AdamW (single-tensor path); the
+// gradient is multiplied by grad_scale as it is read (exact when it is 1).
+template <class Store>
+void adamw_loop(float* p, const float* g, float* m, float* v, int64_t n, const ops::AdamWStep& s, Store store) {
   const float decay = 1.0f - s.lr * s.weight_decay;
   const double bc1 = 1.0 - std::pow(double(s.beta1), double(s.step));
   const double bc2 = 1.0 - std::pow(double(s.beta2), double(s.step));
   const float step_size = float(double(s.lr) / bc1);
   const float bc2_sqrt = float(std::sqrt(bc2));
-  const float b1 = s.beta1, b2 = s.beta2, eps = s.eps;
+  const float b1 = s.beta1, b2 = s.beta2, eps = s.eps, gs = s.grad_scale;
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i] * gs;
     p[i] *= decay;
-    m[i] = m[i] * b1 + g[i] * (1.0f - b1);
-    v[i] = v[i] * b2 + g[i] * g[i] * (1.0f - b2);
+    m[i] = m[i] * b1 + gi * (1.0f - b1);
+    v[i] = v[i] * b2 + gi * gi * (1.0f - b2);
     const float denom = std::sqrt(v[i]) / bc2_sqrt + eps;
     p[i] -= step_size * (m[i] / denom);
+    store(i, p[i]);
+  }
+}
+}  // namespace
+
+// Serves every kernel slot: param, grad and the moments are fp32 (master state); the copy may be
+// F32, BF16 or F16 (the cast is fused into the update).
+void adamw_update(Tensor param, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, Tensor param_copy,
+                  const ops::AdamWStep& s) {
+  const int64_t n = param.numel();
+  DS_CHECK(grad.numel() == n && exp_avg.numel() == n && exp_avg_sq.numel() == n &&
+               (!param_copy.defined() || param_copy.numel() == n),
+           "adamw_update: size mismatch");
+  float* p = param.data<float>();
+  const float* g = grad.data<float>();
+  float* m = exp_avg.data<float>();
+  float* v = exp_avg_sq.data<float>();
+  if (!param_copy.defined()) {
+    adamw_loop(p, g, m, v, n, s, [](int64_t, float) {});
+  } else if (param_copy.dtype() == DType::BF16) {
+    uint16_t* c = static_cast<uint16_t*>(param_copy.raw());
+    adamw_loop(p, g, m, v, n, s, [c](int64_t i, float x) { c[i] = f32_to_bf16(x); });
+  } else if (param_copy.dtype() == DType::F16) {
+    uint16_t* c = static_cast<uint16_t*>(param_copy.raw());
+    adamw_loop(p, g, m, v, n, s, [c](int64_t i, float x) { c[i] = f32_to_f16(x); });
+  } else {
+    float* c = param_copy.data<float>();
+    adamw_loop(p, g, m, v, n, s, [c](int64_t i, float x) { c[i] = x; });
+  }
+}
+
+// The 16-bit slots: fp32 master state (the mixed-precision case) goes straight to the fused
+// update; 16-bit state through the generic widening kernel.
+void adamw_update_16bit(Tensor param, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, Tensor param_copy,
+                        const ops::AdamWStep& s) {
+  const auto f32 = [](const Tensor& t) { return t.dtype() == DType::F32; };
+  if (f32(param) && f32(grad) && f32(exp_avg) && f32(exp_avg_sq)) {
+    cpu::adamw_update(param, grad, exp_avg, exp_avg_sq, param_copy, s);
+  } else {
+    DS_CPU_WIDENED(adamw_update)(param, grad, exp_avg, exp_avg_sq, param_copy, s);
   }
 }
 
