@@ -206,11 +206,13 @@ def main():
     for size in sizes:
         name, cfg = SIZES[size]
         t0 = time.time()
-        ceil = ceilings(py, cfg, precisions, a.threads)
-        blas = openblas_ceiling(a.threads)
+        ceils, blases = [], []
         res = {p: {"dstrain": [], "flops": [], "baseline": [], "peers": {k: [] for k in peers}, "info": {}}
                for p in precisions}
         for r in range(a.repeats):
+            # The ceilings too are measured once a round, under the same conditions as the runs.
+            ceils.append(ceilings(py, cfg, precisions, a.threads))
+            blases.append(openblas_ceiling(a.threads))
             order = peers[r % len(peers):] + peers[:r % len(peers)]
             for prec in precisions:
                 cur = res[prec]
@@ -232,7 +234,12 @@ def main():
                     print(f"  [{time.time() - t0:6.0f} s] {name} {prec} round {r + 1}: dstrain "
                           f"{fmt(med(cur['dstrain']))}, {PEERS[impl]} {fmt(med(cur['peers'][impl]))} tok/s",
                           file=sys.stderr, flush=True)
-        results["sizes"][size] = {"name": name, "ceilings": ceil, "openblas_sgemm": blas, "runs": res}
+        ceil = dict(ceils[0])
+        for prec in precisions:
+            ceil[prec] = {k: med([c[prec][k] for c in ceils]) for k in ("square", "model")}
+            ceil[prec]["square_n"] = ceils[0][prec]["square_n"]
+        blas = med([b for b in blases if b])
+        results["sizes"][size] = {"name": name, "ceilings": ceils, "openblas_sgemm": blases, "runs": res}
 
         # The table of this size.
         print(f"\n{name}, micro-batch {MICRO_BATCH}, T={SEQ_LEN}: tokens/s (medians)")
@@ -269,7 +276,7 @@ def main():
                 line += f"  | {fmt(b):>8}  {fmt(ds / b, '.3f') + 'x' if ds and b else '-'}"
             print(line)
             cur["median"] = {"dstrain": ds, "peers": pv, "best": best_p, "ratio": ratio, "flops": med(cur["flops"])}
-        print(f"GEMM ceilings (torch.matmul, torch {ceil['torch']}, {ceil['threads']} threads, "
+        print(f"GEMM ceilings (medians of {len(ceils)} rounds; torch.matmul, torch {ceil['torch']}, {ceil['threads']} threads, "
               f"capability {ceil['cpu_capability']}, oneDNN bf16 {ceil['mkldnn_bf16']}); "
               f"dstrain model GFLOP/s (6 x matmul params + attention) as a fraction of each:")
         for prec in precisions:

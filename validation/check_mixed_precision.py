@@ -16,9 +16,11 @@ autocast   Against PyTorch autocast (torch.autocast("cpu", dtype=torch.bfloat16)
            model; validation/reference/deepseek_ref.py (DeepSeek's modelling with MTP and the
            balance loss, which transformers' DeepseekV3 lacks) for V3. The peer's MoE gate runs
            in fp32 on the bf16 norm output, as Hugging Face's MoEGate upcasts (autocast would
-           otherwise run it in bf16) and as dstrain's contract says. Checked:
+           otherwise run it in bf16) and as dstrain's contract says; expert outputs are rounded
+           to bf16 by autocast and summed in fp32. Checked:
            - logits: max |dstrain bf16 - torch bf16| <= LOGITS_TOL x max |logit|, and dstrain
-             bf16's distance to the fp32 logits at most twice autocast's (+ a small floor);
+             bf16's distance to the fp32 logits at most twice autocast's (+ a small floor) and at
+             least a tenth of it (it does round to bf16);
            - every parameter gradient of the training loss (CE + aux + MTP): cosine similarity
              with the peer's >= COS_MIN; the worst tensors are printed;
            - as a check of the harness, dstrain fp32 against the peer fp32 (1e-4).
@@ -106,11 +108,44 @@ def make_weights(name, d, seed):
                 p.copy_(torch.randn(p.shape, generator=g))
             elif p.dim() == 2:  # a linear map: unit-variance outputs for unit-variance inputs
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+        if name == "v3":
+            route_by_token(peer, cfg, g)
     state = {n: t.detach().contiguous() for n, t in peer.state_dict().items()}
     save_file(state, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     return state
+
+
+def route_by_token(peer, cfg, g):
+    """Routing with wide margins, so that bf16 rounding (which differs between any two
+    implementations) flips no token's experts: a flipped token would move its experts' gradients
+    by far more than rounding does. Each token id prefers two experts of two different groups: its
+    embedding has a large component along coordinates e1 and e2, which the gates read (gate row e
+    is coordinate e, plus noise); the MTP module's eh_proj passes the next token's embedding
+    through, and the layers' output projections are damped so that the residual keeps it. The
+    experts chosen still vary from token to token, and every weight still gets a gradient."""
+    import torch
+    E, per_group, d = cfg["n_routed_experts"], cfg["n_routed_experts"] // cfg["n_group"], cfg["hidden_size"]
+    emb = peer.model.embed_tokens.weight
+    emb[:, :E] = 0.1 * torch.randn(emb.shape[0], E, generator=g)  # the other experts' scores stay near 0.5
+    for tok in range(emb.shape[0]):
+        g1, g2 = torch.randperm(cfg["n_group"], generator=g)[:2].tolist()
+        for grp in (g1, g2):
+            e = grp * per_group + int(torch.randint(per_group, (1,), generator=g))
+            emb[tok, e] += 3.0
+    for n, p in peer.named_parameters():
+        if n.endswith("mlp.gate.weight"):
+            p.copy_(0.05 * torch.randn(p.shape, generator=g) / d ** 0.5)
+            p[:, :E] += 2.0 * torch.eye(E)
+        elif n.endswith("eh_proj.weight"):  # [enorm(embedding of the next token); hnorm(hidden)]
+            p.copy_(0.2 * torch.randn(p.shape, generator=g) / (2 * d) ** 0.5)
+            p[:, :d] += torch.eye(d)
+        elif n.endswith(("o_proj.weight", "down_proj.weight")):
+            p.mul_(0.1)
+    for n, b in peer.named_buffers():
+        if n.endswith("e_score_correction_bias"):
+            b.copy_(0.01 * torch.randn(b.shape, generator=g))
 
 
 def build_peer(name, d=None):
@@ -126,21 +161,29 @@ def build_peer(name, d=None):
     return deepseek_ref.DeepseekForCausalLM(cfg)
 
 
-def fp32_gate():
-    """The peer's MoE gate in fp32 on the bf16-rounded norm output, whatever autocast says."""
+def autocast_patches():
+    """deepseek_ref under autocast as Hugging Face's DeepSeek modelling means it: the MoE gate in
+    fp32 (MoEGate upcasts; autocast would undo that) on the bf16-rounded norm output, as dstrain's
+    gate reads it; and each MLP's bf16 output widened (exactly) to fp32 before the MoE scatters it
+    into its fp32 buffer (the index_put of the eager MoE path refuses mixed dtypes)."""
     import torch
     import deepseek_ref
-    orig = deepseek_ref.MoEGate.scores
-    if getattr(orig, "fp32_gate", False):
+    if getattr(deepseek_ref.MoEGate.scores, "patched", False):
         return
+    gate_scores, mlp_forward = deepseek_ref.MoEGate.scores, deepseek_ref.DeepseekMLP.forward
 
     def scores(self, x):
         if torch.is_autocast_enabled("cpu"):
             with torch.autocast("cpu", enabled=False):
-                return orig(self, x.to(torch.bfloat16).float())
-        return orig(self, x)
-    scores.fp32_gate = True
+                return gate_scores(self, x.to(torch.bfloat16).float())
+        return gate_scores(self, x)
+
+    def forward(self, x):
+        y = mlp_forward(self, x)
+        return y.float() if torch.is_autocast_enabled("cpu") else y
+    scores.patched = True
     deepseek_ref.MoEGate.scores = scores
+    deepseek_ref.DeepseekMLP.forward = forward
 
 
 def peer_run(name, state, windows, bf16):
@@ -160,7 +203,7 @@ def peer_run(name, state, windows, bf16):
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         else:
             import deepseek_ref
-            fp32_gate()
+            autocast_patches()
             scales = deepseek_ref.LossScales.for_global_batch(model.config, x.shape[0], 1, x.shape[1], MTP_WEIGHT)
             terms = deepseek_ref.loss_terms(model, win, scales)
             logits, loss = terms["logits"].float(), terms["total"]
@@ -239,6 +282,9 @@ def check_autocast(a, dtype="bf16"):
                    f"(<= {LOGITS_TOL:g}); distance to fp32: dstrain bf16 {e_ds_fp32:.2e}, torch autocast "
                    f"{e_pt_fp32:.2e} (dstrain <= 2x torch + {LOGITS_FLOOR:g}); loss dstrain {ds16[2]:.6f}, torch "
                    f"{pt16[2]:.6f}, fp32 {pt32[2]:.6f}")
+            report(e_ds_fp32 >= 0.1 * e_pt_fp32,
+                   f"autocast {name}: dstrain --dtype bf16 computes in bf16: its logits are {e_ds_fp32:.2e} from fp32 "
+                   f"(autocast's: {e_pt_fp32:.2e}; at least a tenth of it, else nothing was rounded)")
             names = sorted(pt16[1])
             missing = sorted(set(names) ^ set(ds16[1]))
             cos = sorted((cosine(ds16[1][k], pt16[1][k]), k) for k in names if k in ds16[1])
@@ -279,8 +325,9 @@ def train(a, precision, out, steps):
         cmd += ["--set", s]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env(a.threads))
     if p.returncode != 0:
-        err = (p.stderr.strip() or p.stdout.strip()).splitlines()
-        return None, err[-1] if err else f"exit status {p.returncode}"
+        lines = (p.stderr + p.stdout).splitlines()
+        err = [l.strip() for l in lines if "error" in l.lower()] or [l.strip() for l in lines if l.strip()][-1:]
+        return None, err[0] if err else f"exit status {p.returncode}"
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(l) for l in f], None
 
@@ -305,21 +352,16 @@ def final_eval(records):
 
 
 def scale_evidence(records):
-    """What the metrics say about loss scaling: (keys found, skipped-for-overflow count, scales seen)."""
-    keys, skipped, scales = set(), 0, []
+    """What the metrics say about loss scaling: (overflow-skipped steps, loss scales by step)."""
+    skipped, flagged, scales = 0, 0, []
     for r in records:
         if r.get("type") != "train":
             continue
-        for k, v in r.items():
-            if "scale" in k or "overflow" in k:
-                keys.add(k)
-                if "overflow" in k and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    skipped = max(skipped, int(v))
-                elif "overflow" in k and v is True:
-                    skipped += 1
-                elif "scale" in k and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    scales.append(float(v))
-    return sorted(keys), skipped, scales
+        skipped = max(skipped, int(r.get("overflow_skipped_total") or 0))
+        flagged += bool(r.get("overflow"))
+        if isinstance(r.get("loss_scale"), (int, float)):
+            scales.append(float(r["loss_scale"]))
+    return max(skipped, flagged), scales
 
 
 def check_training(a, parts):
@@ -349,17 +391,20 @@ def check_training(a, parts):
                 print(f"SKIP fp16: dstrain fp16: not available in this build ({err})", flush=True)
             else:
                 available = True
-                keys, skipped, scales = scale_evidence(recs)
-                backed = skipped > 0 or (len(scales) > 1 and min(scales) < scales[0])
-                report(backed, f"fp16 loss scale backs off from 2^{a.fp16_scale_power}: overflow skips {skipped}, "
-                               f"scale first {scales[0] if scales else '?'} min {min(scales) if scales else '?'} "
-                               f"last {scales[-1] if scales else '?'} (metrics keys: {', '.join(keys) or 'none'})")
+                skipped, scales = scale_evidence(recs)
+                backed = skipped > 0 and len(scales) > 1 and min(scales) < scales[0]
+                report(backed and final_step_ok(recs, a.steps),
+                       f"fp16 loss scale backs off from 2^{a.fp16_scale_power} and training continues: "
+                       f"{skipped} overflow-skipped steps, scale first {scales[0] if scales else '?'}, lowest "
+                       f"{min(scales) if scales else '?'}, last {scales[-1] if scales else '?'} "
+                       f"(metrics loss_scale, overflow_skipped_total); reached step {a.steps}: "
+                       f"{final_step_ok(recs, a.steps)}")
                 c16 = dict(curve(recs, 20))
                 devs = [(abs(c16[s] - v) / v, s) for s, v in ref_curve if s > skip and s in c16 and math.isfinite(c16[s])]
                 worst, at = max(devs) if devs else (float("nan"), None)
                 step, ev = final_eval(recs)
                 rel = abs(ev - ref_eval) / ref_eval if ev is not None else float("nan")
-                report(bool(devs) and worst <= 0.02 and rel <= 0.02 and final_step_ok(recs, a.steps),
+                report(bool(devs) and worst <= 0.02 and rel <= 0.02,
                        f"fp16 vs fp32 loss curve, {a.steps} steps (20-step means after step {skip}): worst "
                        f"{worst:.2%} at steps {at}-{(at or 0) + 19} (<= 2%); validation loss at step {step} fp16 "
                        f"{ev if ev is None else round(ev, 4)}, fp32 {ref_eval:.4f}: {rel:.2%} apart (<= 2%)")
