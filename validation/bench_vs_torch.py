@@ -156,6 +156,73 @@ def fmt(x, spec=".0f", none="-"):
     return none if x is None else format(x, spec)
 
 
+def print_table(a, size, peers, precisions, res, ceils, blases, out, note=""):
+    """The side-by-side table of one model size; returns whether every measured target is met."""
+    name = SIZES[size][0]
+    ok = True
+    ceil = dict(ceils[0])
+    for prec in precisions:
+        ceil[prec] = {k: med([c[prec][k] for c in ceils]) for k in ("square", "model")}
+        ceil[prec]["square_n"] = ceils[0][prec]["square_n"]
+    blas = med([b for b in blases if b])
+    print(f"\n{name}, micro-batch {MICRO_BATCH}, T={SEQ_LEN}: tokens/s (medians){note}", file=out)
+    head = f"{'precision':<9} {'dstrain':>8}" + "".join(f" {PEERS[p]:>13}" for p in peers) + \
+        f" {'best peer':>10} {'dstrain/best':>12}  target"
+    if a.baseline:
+        head += "  | baseline  this/baseline"
+    print(head, file=out)
+    for prec in precisions:
+        cur = res[prec]
+        ds = med(cur["dstrain"])
+        pv = {p: med(cur["peers"][p]) for p in peers}
+        best_p = max((p for p in peers if pv[p]), key=lambda p: pv[p], default=None)
+        best = pv[best_p] if best_p else None
+        ratio = ds / best if ds and best else None
+        tgt = TARGETS.get((size, prec))
+        if tgt is None:
+            verdict = ""
+        elif ratio is None:
+            verdict = f">= {tgt:.1f}x: not measured" + (" (dstrain bf16 not available in this build)"
+                                                        if ds is None and prec == "bf16" else "")
+        else:
+            met = ratio >= tgt
+            ok &= met
+            goal = GOALS.get((size, prec))
+            verdict = f">= {tgt:.1f}x: {'met' if met else 'MISSED'}" + (
+                f" (goal {goal:.1f}x: {'met' if ratio >= goal else 'not yet'})" if goal else "")
+        line = f"{prec:<9} {fmt(ds, '.0f', 'n/a'):>8}" + "".join(
+            f" {fmt(pv[p], '.0f', 'failed' if isinstance(cur['info'].get(p), str) else '-'):>13}" for p in peers)
+        line += f" {fmt(best):>10}" + (f" ({PEERS[best_p]})" if best_p else "") + \
+            f" {fmt(ratio, '.2f') + 'x' if ratio else '-':>8}  {verdict}"
+        if a.baseline:
+            b = med(cur["baseline"])
+            line += f"  | {fmt(b):>8}  {fmt(ds / b, '.3f') + 'x' if ds and b else '-'}"
+        print(line, file=out)
+        cur["median"] = {"dstrain": ds, "peers": pv, "best": best_p, "ratio": ratio, "flops": med(cur["flops"])}
+    print(f"GEMM ceilings (medians of {len(ceils)} rounds; torch.matmul, torch {ceil['torch']}, {ceil['threads']} "
+          f"threads, "
+          f"capability {ceil['cpu_capability']}, oneDNN bf16 {ceil['mkldnn_bf16']}); "
+          f"dstrain model GFLOP/s (6 x matmul params + attention) as a fraction of each:", file=out)
+    for prec in precisions:
+        c, fl = ceil[prec], res[prec].get("median", {}).get("flops")
+        sq, mo = c["square"], c.get("model")
+        frac = (f"dstrain {fl / 1e9:.1f} GFLOP/s = {fl / sq:.0%} of square, {fl / mo:.0%} of model shapes"
+                if fl else "dstrain not measured")
+        print(f"  {prec}: square {c['square_n']}^3 {sq / 1e9:.1f} GFLOP/s, model GEMM shapes "
+              f"({MICRO_BATCH * SEQ_LEN} rows, fwd+dgrad+wgrad) {mo / 1e9:.1f} GFLOP/s; {frac}", file=out)
+    if blas:
+        fl = res["fp32"].get("median", {}).get("flops") if "fp32" in res else None
+        print(f"  (OpenBLAS sgemm 2048^3, dstrain's BLAS: {blas / 1e9:.1f} GFLOP/s"
+              + (f"; dstrain fp32 at {fl / blas:.0%} of it)" if fl else ")"), file=out)
+    infos = {p: res[precisions[0]]["info"].get(p) for p in peers}
+    print("peer: " + "; ".join(f"{PEERS[p]}: " + (f"AdamW {i['adamw']}, attention {i['attention']}" +
+                                                  (f", compile {i['compile_s']:.0f} s (untimed)"
+                                                   if p == "compile" else "")
+                                                  if isinstance(i, dict) else f"failed: {i}")
+                               for p, i in infos.items()), file=out, flush=True)
+    return ok
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="256,1024", help="comma list of " + ", ".join(SIZES))
@@ -234,68 +301,11 @@ def main():
                     print(f"  [{time.time() - t0:6.0f} s] {name} {prec} round {r + 1}: dstrain "
                           f"{fmt(med(cur['dstrain']))}, {PEERS[impl]} {fmt(med(cur['peers'][impl]))} tok/s",
                           file=sys.stderr, flush=True)
-        ceil = dict(ceils[0])
-        for prec in precisions:
-            ceil[prec] = {k: med([c[prec][k] for c in ceils]) for k in ("square", "model")}
-            ceil[prec]["square_n"] = ceils[0][prec]["square_n"]
-        blas = med([b for b in blases if b])
+            if r + 1 < a.repeats:
+                print_table(a, size, peers, precisions, res, ceils, blases, sys.stderr,
+                            f" after round {r + 1} of {a.repeats}")
         results["sizes"][size] = {"name": name, "ceilings": ceils, "openblas_sgemm": blases, "runs": res}
-
-        # The table of this size.
-        print(f"\n{name}, micro-batch {MICRO_BATCH}, T={SEQ_LEN}: tokens/s (medians)")
-        head = f"{'precision':<9} {'dstrain':>8}" + "".join(f" {PEERS[p]:>13}" for p in peers) + \
-            f" {'best peer':>10} {'dstrain/best':>12}  target"
-        if a.baseline:
-            head += "  | baseline  this/baseline"
-        print(head)
-        for prec in precisions:
-            cur = res[prec]
-            ds = med(cur["dstrain"])
-            pv = {p: med(cur["peers"][p]) for p in peers}
-            best_p = max((p for p in peers if pv[p]), key=lambda p: pv[p], default=None)
-            best = pv[best_p] if best_p else None
-            ratio = ds / best if ds and best else None
-            tgt = TARGETS.get((size, prec))
-            if tgt is None:
-                verdict = ""
-            elif ratio is None:
-                verdict = f">= {tgt:.1f}x: not measured" + (" (dstrain bf16 not available in this build)"
-                                                            if ds is None and prec == "bf16" else "")
-            else:
-                met = ratio >= tgt
-                ok &= met
-                goal = GOALS.get((size, prec))
-                verdict = f">= {tgt:.1f}x: {'met' if met else 'MISSED'}" + (
-                    f" (goal {goal:.1f}x: {'met' if ratio >= goal else 'not yet'})" if goal else "")
-            line = f"{prec:<9} {fmt(ds, '.0f', 'n/a'):>8}" + "".join(
-                f" {fmt(pv[p], '.0f', 'failed' if isinstance(cur['info'].get(p), str) else '-'):>13}" for p in peers)
-            line += f" {fmt(best):>10}" + (f" ({PEERS[best_p]})" if best_p else "") + \
-                f" {fmt(ratio, '.2f') + 'x' if ratio else '-':>8}  {verdict}"
-            if a.baseline:
-                b = med(cur["baseline"])
-                line += f"  | {fmt(b):>8}  {fmt(ds / b, '.3f') + 'x' if ds and b else '-'}"
-            print(line)
-            cur["median"] = {"dstrain": ds, "peers": pv, "best": best_p, "ratio": ratio, "flops": med(cur["flops"])}
-        print(f"GEMM ceilings (medians of {len(ceils)} rounds; torch.matmul, torch {ceil['torch']}, {ceil['threads']} threads, "
-              f"capability {ceil['cpu_capability']}, oneDNN bf16 {ceil['mkldnn_bf16']}); "
-              f"dstrain model GFLOP/s (6 x matmul params + attention) as a fraction of each:")
-        for prec in precisions:
-            c, fl = ceil[prec], res[prec].get("median", {}).get("flops")
-            sq, mo = c["square"], c.get("model")
-            frac = (f"dstrain {fl / 1e9:.1f} GFLOP/s = {fl / sq:.0%} of square, {fl / mo:.0%} of model shapes"
-                    if fl else "dstrain not measured")
-            print(f"  {prec}: square {c['square_n']}^3 {sq / 1e9:.1f} GFLOP/s, model GEMM shapes "
-                  f"({MICRO_BATCH * SEQ_LEN} rows, fwd+dgrad+wgrad) {mo / 1e9:.1f} GFLOP/s; {frac}")
-        if blas:
-            fl = res["fp32"].get("median", {}).get("flops") if "fp32" in res else None
-            print(f"  (OpenBLAS sgemm 2048^3, dstrain's BLAS: {blas / 1e9:.1f} GFLOP/s"
-                  + (f"; dstrain fp32 at {fl / blas:.0%} of it)" if fl else ")"))
-        infos = {p: res[precisions[0]]["info"].get(p) for p in peers}
-        print("peer: " + "; ".join(f"{PEERS[p]}: " + (f"AdamW {i['adamw']}, attention {i['attention']}" +
-                                                      (f", compile {i['compile_s']:.0f} s (untimed)"
-                                                       if p == "compile" else "")
-                                                      if isinstance(i, dict) else f"failed: {i}")
-                                   for p, i in infos.items()), flush=True)
+        ok &= print_table(a, size, peers, precisions, res, ceils, blases, sys.stdout)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
     if a.json:
         with open(a.json, "w") as f:

@@ -34,8 +34,9 @@ fp16       The same run in fp16 with dynamic loss scaling (train.fp16: loss_scal
            steps) within 2% of fp32's and the final validation loss within 2%.
 
 Exit status: 0 all checks passed, 1 a check failed, 77 when this dstrain build has neither the
-bf16 nor the fp16 compute path for the parts asked (each such part says
-"dstrain bf16: not available in this build").
+bf16 nor the fp16 compute path for the parts asked: its training rejects train.bf16 / train.fp16,
+or the model has no such compute path (each such part says "dstrain bf16: not available in this
+build"). The fp32 harness check runs regardless.
 """
 
 import argparse
@@ -239,6 +240,27 @@ def dstrain_run(build, d, windows_file, dtype, threads):
     return (logits, grads, loss, counts), None
 
 
+def config_key_missing(build, key, threads):
+    """The error of a `dstrain train` whose configuration sets `key` ("bf16" or "fp16") when this
+    build does not know the key, else None. (The run stops at its missing data either way.)"""
+    with tempfile.TemporaryDirectory() as d:
+        run = os.path.join(d, "run.json")
+        with open(os.path.join(d, "model.json"), "w") as f:
+            json.dump(MODELS["dense"], f)
+        with open(run, "w") as f:
+            json.dump({"model": os.path.join(d, "model.json"),
+                       "train": {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                                 key: {"enabled": True}},
+                       "data": {"train": os.path.join(d, "missing_*.bin"), "seq_len": 8},
+                       "output": {"dir": os.path.join(d, "out")}}, f)
+        p = subprocess.run([os.path.join(build, "app", "dstrain"), "train", "--config", run, "--max-steps", "1"],
+                           capture_output=True, text=True, env=env(threads))
+    for line in (p.stderr + p.stdout).splitlines():
+        if f"train.{key}" in line and "unknown key" in line:
+            return line.strip()
+    return None
+
+
 def cosine(a, b):
     import numpy as np
     na, nb = np.linalg.norm(a), np.linalg.norm(b)
@@ -251,6 +273,10 @@ def check_autocast(a, dtype="bf16"):
     import numpy as np
     windows_rng = np.random.default_rng(7)
     any_available = False
+    # Until training accepts train.bf16, the model's bf16 path is work in progress: skip.
+    missing = config_key_missing(a.build, dtype, a.threads)
+    if missing:
+        print(f"SKIP autocast: dstrain {dtype}: not available in this build ({missing})", flush=True)
     for name in ("dense", "v3"):
         d = tempfile.mkdtemp(prefix=f"dstrain_mp_{name}_", dir=a.keep)
         try:
@@ -260,7 +286,7 @@ def check_autocast(a, dtype="bf16"):
             wf = os.path.join(d, "windows.i32")
             windows.tofile(wf)
             ds32, _ = dstrain_run(a.build, d, wf, "fp32", a.threads)
-            ds16, why = dstrain_run(a.build, d, wf, dtype, a.threads)
+            ds16, why = (None, None) if missing else dstrain_run(a.build, d, wf, dtype, a.threads)
             pt32 = peer_run(name, state, windows, bf16=False)
             # The harness: dstrain fp32 is the peer fp32.
             scale = np.abs(pt32[0]).max()
@@ -270,7 +296,8 @@ def check_autocast(a, dtype="bf16"):
                    f"autocast {name}: harness, dstrain fp32 vs torch fp32: logits {e32:.1e}, worst gradient {g32:.1e} "
                    f"(relative to max; <= {FP32_TOL:g})")
             if ds16 is None:
-                print(f"SKIP autocast {name}: {why or f'dstrain {dtype}: not available in this build'}", flush=True)
+                if why:
+                    print(f"SKIP autocast {name}: {why}", flush=True)
                 continue
             any_available = True
             pt16 = peer_run(name, state, windows, bf16=True)
