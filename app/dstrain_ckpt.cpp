@@ -27,6 +27,7 @@ int cmd_info(const std::string& path, bool verify) {
               (long long)s.consumed_tokens);
   std::printf("layout        %s\n", s.layout.dump().c_str());
   std::printf("scheduler     %s\n", s.scheduler.dump().c_str());
+  if (s.loss_scaler.is_object()) std::printf("loss scaler   %s\n", s.loss_scaler.dump().c_str());
   std::printf("data          %s\n", s.data.dump().c_str());
   // The job that wrote it: what to match (or expect differences from) when resuming elsewhere.
   if (s.environment.is_object()) {
@@ -82,14 +83,20 @@ int cmd_info(const std::string& path, bool verify) {
   return bad || !info.metadata_problems.empty() ? 1 : 0;
 }
 
-int cmd_export(const std::string& path, const std::string& dir) {
+int cmd_export(const std::string& path, const std::string& dir, std::string dtype) {
   using namespace dstrain;
   const CheckpointInfo info = inspect_checkpoint(path, /*verify=*/false);
   const ModelConfig model = ModelConfig::from_hf_json(info.state.config.at("model"), path + " (config)");
+  // Unset: the dtype the run would have written (output.save_hf_dtype of its configuration).
+  if (dtype.empty()) {
+    const json out = info.state.config.value("output", json::object());
+    dtype = out.is_object() ? out.value("save_hf_dtype", std::string("float32")) : "float32";
+  }
   Transformer t(model, Device::cpu());
   read_checkpoint(path, MPI_COMM_SELF, t.params(), nullptr, nullptr);  // verifies the model tensors
-  save_hf_weights(dir, t.params(), model.to_hf_json());
-  std::printf("exported the model of %s (step %lld) to %s\n", path.c_str(), (long long)info.state.step, dir.c_str());
+  save_hf_weights(dir, t.params(), model.to_hf_json(), int64_t(5) << 30, dtype_from_torch_name(dtype));
+  std::printf("exported the model of %s (step %lld) to %s in %s\n", path.c_str(), (long long)info.state.step,
+              dir.c_str(), dtype.c_str());
   return 0;
 }
 
@@ -103,7 +110,7 @@ int main(int argc, char** argv) {
   try {
     CLI::App app{"dstrain-ckpt: inspect and convert dstrain checkpoints"};
     app.require_subcommand(1);
-    std::string file, to_hf;
+    std::string file, to_hf, dtype;
     bool no_verify = false;
     CLI::App* info = app.add_subcommand("info", "show a checkpoint's step, layout and tensors, checksums verified");
     info->add_option("file", file, "checkpoint (.h5)")->required()->check(CLI::ExistingFile);
@@ -111,9 +118,11 @@ int main(int argc, char** argv) {
     CLI::App* exp = app.add_subcommand("export", "write the model as Hugging Face safetensors + config.json");
     exp->add_option("file", file, "checkpoint (.h5)")->required()->check(CLI::ExistingFile);
     exp->add_option("--to-hf", to_hf, "output directory")->required();
+    exp->add_option("--dtype", dtype, "tensor dtype: float32, bfloat16 or float16 (default: the run's output.save_hf_dtype)")
+        ->check(CLI::IsMember({"float32", "bfloat16", "float16"}));
     try {
       app.parse(argc, argv);
-      rc = info->parsed() ? cmd_info(file, !no_verify) : cmd_export(file, to_hf);
+      rc = info->parsed() ? cmd_info(file, !no_verify) : cmd_export(file, to_hf, dtype);
     } catch (const CLI::ParseError& e) {
       const CLI::App* sub = info->parsed() ? info : exp->parsed() ? exp : nullptr;
       const std::string usage = sub ? "dstrain-ckpt " + sub->get_name() : "dstrain-ckpt";

@@ -63,7 +63,8 @@ class Communicator {
   virtual int size() const = 0;
   virtual std::string name() const = 0;  // e.g. "data"
 
-  // In place over all ranks.
+  // In place over all ranks. BF16 and F16 tensors can be summed (only): each addition is done
+  // in fp32 and rounded once to the tensor's type, and every rank gets the same bits.
   virtual Work all_reduce_async(Tensor t, ReduceOp op = ReduceOp::Sum) = 0;
   // out (size * n) = concatenation of every rank's in (n), in rank order.
   virtual Work all_gather_async(Tensor out, Tensor in) = 0;

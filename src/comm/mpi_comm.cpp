@@ -1,6 +1,7 @@
 #include "comm/mpi_comm.h"
 
 #include <climits>
+#include <mutex>
 
 #include "comm/watchdog.h"
 #include "core/log.h"
@@ -25,7 +26,7 @@ MPI_Datatype mpi_datatype(DType t) {
     case DType::I64: return MPI_INT64_T;
     case DType::I32: return MPI_INT32_T;
     case DType::U32: return MPI_UINT32_T;
-    case DType::U16: case DType::BF16: case DType::F16: return MPI_UINT16_T;  // moved, never reduced
+    case DType::U16: case DType::BF16: case DType::F16: return MPI_UINT16_T;  // reduced by sum_16bit below
     case DType::U8: return MPI_UINT8_T;
   }
   DS_FAIL("no MPI datatype for {}", dtype_name(t));
@@ -33,7 +34,28 @@ MPI_Datatype mpi_datatype(DType t) {
 
 namespace {
 
-MPI_Op mpi_op(ReduceOp op) {
+// Sums of 16-bit floats, which MPI has no type for: each pair of elements is added in fp32 and
+// rounded once to the 16-bit type (to nearest even). IEEE addition is commutative, so every
+// rank's result is the same whatever order the algorithm combines the ranks in.
+template <float (*to_f32)(uint16_t), uint16_t (*from_f32)(float)>
+void sum_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
+  const auto* a = static_cast<const uint16_t*>(in);
+  auto* b = static_cast<uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = from_f32(to_f32(a[i]) + to_f32(b[i]));
+}
+
+MPI_Op sum_op_16bit(DType t) {
+  static std::once_flag once;
+  static MPI_Op bf16_sum = MPI_OP_NULL, f16_sum = MPI_OP_NULL;
+  std::call_once(once, [] {
+    DS_MPI_CHECK(MPI_Op_create(&sum_16bit<bf16_to_f32, f32_to_bf16>, /*commute=*/1, &bf16_sum));
+    DS_MPI_CHECK(MPI_Op_create(&sum_16bit<f16_to_f32, f32_to_f16>, /*commute=*/1, &f16_sum));
+  });
+  return t == DType::BF16 ? bf16_sum : f16_sum;
+}
+
+MPI_Op mpi_op(ReduceOp op, DType t = DType::F32) {
+  if (t == DType::BF16 || t == DType::F16) return sum_op_16bit(t);
   switch (op) {
     case ReduceOp::Sum: return MPI_SUM;
     case ReduceOp::Max: return MPI_MAX;
@@ -42,9 +64,9 @@ MPI_Op mpi_op(ReduceOp op) {
   return MPI_SUM;
 }
 
-void check_reducible(const Tensor& t, const char* op) {
-  DS_CHECK(t.dtype() != DType::BF16 && t.dtype() != DType::F16,
-           "{}: MPI cannot reduce {} tensors; reduce in fp32", op, dtype_name(t.dtype()));
+void check_reducible(const Tensor& t, const char* op, ReduceOp rop) {
+  DS_CHECK((t.dtype() != DType::BF16 && t.dtype() != DType::F16) || rop == ReduceOp::Sum,
+           "{}: MPI reduces {} tensors by summing only; reduce in fp32", op, dtype_name(t.dtype()));
   DS_CHECK(t.device().is_cpu(), "{}: MPI collectives take host tensors, this one is on {} (use NCCL)", op,
            t.device().str());
 }
@@ -169,13 +191,13 @@ CommStats MpiCommunicator::stats() const {
 }
 
 Work MpiCommunicator::all_reduce_async(Tensor t, ReduceOp op) {
-  check_reducible(t, "all_reduce");
+  check_reducible(t, "all_reduce", op);
   return enqueue("all_reduce", double(t.nbytes()), [this, t, op] {
     auto* p = static_cast<char*>(t.raw());
     const size_t esize = dtype_size(t.dtype());
     for (int64_t b = 0; b < t.numel(); b += kMaxChunk) {
       const int64_t n = std::min(kMaxChunk, t.numel() - b);
-      DS_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, p + size_t(b) * esize, int(n), mpi_datatype(t.dtype()), mpi_op(op),
+      DS_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, p + size_t(b) * esize, int(n), mpi_datatype(t.dtype()), mpi_op(op, t.dtype()),
                                  comm_.get()));
     }
   });
@@ -193,12 +215,12 @@ Work MpiCommunicator::all_gather_async(Tensor out, Tensor in) {
 }
 
 Work MpiCommunicator::reduce_scatter_async(Tensor out, Tensor in, ReduceOp op) {
-  check_reducible(in, "reduce_scatter");
+  check_reducible(in, "reduce_scatter", op);
   DS_CHECK(out.dtype() == in.dtype() && in.numel() == out.numel() * size_,
            "reduce_scatter on '{}': in holds {} elements, expected {} x {}", name_, in.numel(), size_, out.numel());
   return enqueue("reduce_scatter", double(in.nbytes()), [this, out, in, op] {
     DS_MPI_CHECK(MPI_Reduce_scatter_block(in.raw(), out.raw(), as_count(out.numel(), "reduce_scatter"),
-                                          mpi_datatype(in.dtype()), mpi_op(op), comm_.get()));
+                                          mpi_datatype(in.dtype()), mpi_op(op, in.dtype()), comm_.get()));
   });
 }
 

@@ -2,12 +2,20 @@
 
 #include <chrono>
 
+#include "backend/ops.h"
+
 namespace dstrain {
 
-GradReducer::GradReducer(ParamRegistry& params, const ParamGroupComms& comms, int64_t bucket_elements, bool overlap)
-    : params_(params), comms_(comms), overlap_(overlap), bucket_of_(size_t(params.size()), -1) {
+GradReducer::GradReducer(ParamRegistry& params, const ParamGroupComms& comms, int64_t bucket_elements, bool overlap,
+                         DType comm_dtype)
+    : params_(params), comms_(comms), overlap_(overlap), comm_dtype_(comm_dtype), bucket_of_(size_t(params.size()), -1) {
   DS_CHECK(bucket_elements > 0, "reduce_bucket_size must be positive, got {}", bucket_elements);
+  DS_CHECK(comm_dtype == DType::F32 || comm_dtype == DType::BF16 || comm_dtype == DType::F16,
+           "gradients are communicated in fp32, bf16 or fp16, not {}", dtype_name(comm_dtype));
   for (Communicator* c : comms_.distinct()) any_remote_ = any_remote_ || c->size() > 1;
+  if (comm_dtype_ != DType::F32 && any_remote_) {
+    wire_ = Buffer("grad_reducer.wire", MemCategory::Workspace, comm_dtype_, params.grads().numel(), params.device());
+  }
   // Parameters finish in reverse registration order, so buckets are filled from the end. A
   // bucket closes where the next parameter's group is reduced over another communicator.
   auto comm_of = [&](int id) { return &comms_.comm(params.info(id).group); };
@@ -68,8 +76,14 @@ void GradReducer::grad_ready(int first, int last) {
 
 void GradReducer::launch(Bucket& b) {
   if (b.info.comm->size() == 1) return;  // gradients held by this rank alone: nothing to add
-  b.work = b.info.comm->all_reduce_async(params_.grads().tensor(b.info.begin, Shape{b.info.end - b.info.begin}),
-                                         ReduceOp::Sum);
+  const Shape n{b.info.end - b.info.begin};
+  Tensor grads = params_.grads().tensor(b.info.begin, n);
+  if (comm_dtype_ != DType::F32) {
+    Tensor wire = wire_.tensor(b.info.begin, n);
+    ops::cast(wire, grads);
+    grads = wire;
+  }
+  b.work = b.info.comm->all_reduce_async(grads, ReduceOp::Sum);
   ++launched_;
 }
 
@@ -84,6 +98,13 @@ ReduceTimings GradReducer::finish() {
     if (!overlap_) b.work.wait();
   }
   for (Bucket& b : buckets_) b.work.wait();
+  if (comm_dtype_ != DType::F32) {
+    for (Bucket& b : buckets_) {
+      if (!b.work.valid()) continue;
+      const Shape n{b.info.end - b.info.begin};
+      ops::cast(params_.grads().tensor(b.info.begin, n), wire_.tensor(b.info.begin, n));
+    }
+  }
   t.exposed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const std::vector<Communicator*> comms = comms_.distinct();
   for (size_t i = 0; i < comms.size(); ++i) {

@@ -15,6 +15,12 @@
 // 1 / (target tokens of the global batch), so the sum is the gradient of the global mean
 // loss, the average of the ranks' contributions. (An expert's gradient already holds the
 // tokens the expert-parallel all-to-all brought from the other ranks of its expert group.)
+//
+// Communication dtype (DeepSpeed's communication_data_type): with BF16 or F16 a bucket is cast
+// to that dtype as it launches (half the bytes on the wire), summed in fp32 per addition and
+// rounded to it (MpiCommunicator's 16-bit sum), and cast back into the fp32 gradients when
+// finish() has it. A NaN or Inf on any rank reaches every rank's sum, as in fp32; so does a
+// value beyond fp16's range, which becomes Inf (the loss scaler's overflow).
 #pragma once
 
 #include <vector>
@@ -36,7 +42,9 @@ struct ReduceTimings {
 class GradReducer final : public ParamHooks {
  public:
   // bucket_elements: DeepSpeed's reduce_bucket_size (elements per bucket).
-  GradReducer(ParamRegistry& params, const ParamGroupComms& comms, int64_t bucket_elements, bool overlap);
+  GradReducer(ParamRegistry& params, const ParamGroupComms& comms, int64_t bucket_elements, bool overlap,
+              DType comm_dtype = DType::F32);
+  DType comm_dtype() const { return comm_dtype_; }
 
   // Call before each micro-step's backward; `communicates` is true for the last one.
   void begin_micro_step(bool communicates);
@@ -71,6 +79,8 @@ class GradReducer final : public ParamHooks {
   ParamRegistry& params_;
   ParamGroupComms comms_;
   bool overlap_;
+  DType comm_dtype_;
+  Buffer wire_;  // the gradients in comm_dtype_ while they are reduced (16-bit only)
   bool any_remote_ = false;    // some group's communicator has more than one rank
   bool communicates_ = false;
   size_t next_launch_ = 0;  // buckets start strictly in index order, the same on every rank

@@ -291,10 +291,30 @@ std::vector<std::string> consistency_problems(const TrainState& st) {
       }
     }
   }
-  if (st.scheduler.is_object() && st.scheduler.contains("last_batch_iteration") &&
-      st.scheduler["last_batch_iteration"] != st.step - 1) {
-    p.push_back(fmt::format("/scheduler@json last_batch_iteration is {} but /@step is {} (it must be step - 1)",
-                            st.scheduler["last_batch_iteration"].dump(), st.step));
+  // The loss scaler sees every step of the run since it started (or since fp16 was switched
+  // on), overflows among them.
+  const json& ls = st.loss_scaler;
+  if (ls.is_object() && ls.contains("cur_iter") && ls["cur_iter"].is_number_integer()) {
+    const int64_t iters = ls["cur_iter"].get<int64_t>();
+    if (iters > st.step) {
+      p.push_back(fmt::format("/loss_scaler@json cur_iter (steps the loss scaler saw) is {} but /@step is {}", iters,
+                              st.step));
+    }
+    if (ls.contains("overflows") && ls["overflows"].is_number_integer() && ls["overflows"].get<int64_t>() > iters) {
+      p.push_back(fmt::format("/loss_scaler@json overflows is {} but cur_iter is {}", ls["overflows"].dump(), iters));
+    }
+  }
+  // fp16 steps skipped for an overflow do not advance the schedule (DeepSpeed's rule).
+  const json overflow_skips = st.scheduler.is_object() ? st.scheduler.value("skipped_for_overflow", json(0)) : json(0);
+  const int64_t skips = overflow_skips.is_number_integer() ? overflow_skips.get<int64_t>() : -1;
+  if (skips < 0 || skips > st.step) {
+    p.push_back(fmt::format("/scheduler@json skipped_for_overflow is {}: it must be a count of steps in [0, /@step = {}]",
+                            overflow_skips.dump(), st.step));
+  } else if (st.scheduler.is_object() && st.scheduler.contains("last_batch_iteration") &&
+             st.scheduler["last_batch_iteration"] != st.step - 1 - skips) {
+    p.push_back(fmt::format("/scheduler@json last_batch_iteration is {} but /@step is {} (it must be step - 1{})",
+                            st.scheduler["last_batch_iteration"].dump(), st.step,
+                            skips ? fmt::format(" - skipped_for_overflow {}", skips) : std::string()));
   }
   return p;
 }
@@ -509,6 +529,7 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
   write_json_group(file, "data", state.data);
   write_json_group(file, "layout", state.layout);
   if (state.environment.is_object()) write_json_group(file, "environment", state.environment);
+  if (state.loss_scaler.is_object()) write_json_group(file, "loss_scaler", state.loss_scaler);
   h5::Handle config = h5::create_string_dataset(file, "config", config_text.size());
   // Every attribute is written above: the seal covers all of them.
   const std::string manifest = manifest_of(metadata_fields(file, {{"/config", config_text}}));
@@ -621,6 +642,7 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
     st.data = read_json_group(file, "data");
     st.layout = read_json_group(file, "layout");
     st.config = json::parse(h5::read_string_dataset(file, "config"));
+    if (h5::exists(file, "loss_scaler")) st.loss_scaler = read_json_group(file, "loss_scaler");
     // One rank reads every attribute back; its verdict reaches all below.
     const MetadataReport meta = rank == 0 ? verify_metadata(file) : MetadataReport{};
     std::vector<std::string> problems = meta.problems;
@@ -723,6 +745,7 @@ CheckpointInfo inspect_checkpoint(const std::string& path, bool verify) {
   st.layout = read_json_group(file, "layout");
   st.config = json::parse(h5::read_string_dataset(file, "config"));
   if (h5::exists(file, "environment")) st.environment = read_json_group(file, "environment");
+  if (h5::exists(file, "loss_scaler")) st.loss_scaler = read_json_group(file, "loss_scaler");
   const MetadataReport meta = verify_metadata(file);
   info.metadata_sealed = meta.sealed;
   info.metadata_fields = meta.fields;

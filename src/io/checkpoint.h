@@ -30,6 +30,7 @@ struct TrainState {
   json config;                   // the resolved run configuration
   json layout;                   // the parallel layout that wrote the file
   json environment;              // the build, libraries and CPUs of the job (null: not recorded)
+  json loss_scaler;              // fp16's loss scaler (LossScaler::state; null: not an fp16 run)
 };
 
 // The flat buffers to write (laid out as the registry says); exp_avg/exp_avg_sq may be null

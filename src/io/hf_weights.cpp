@@ -256,10 +256,28 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg) {
   return stats;
 }
 
+std::string torch_dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::F32: return "float32";
+    case DType::BF16: return "bfloat16";
+    case DType::F16: return "float16";
+    default: break;
+  }
+  DS_FAIL("Hugging Face weights are float32, bfloat16 or float16, not {}", dtype_name(dtype));
+}
+
+DType dtype_from_torch_name(const std::string& name) {
+  if (name == "float32") return DType::F32;
+  if (name == "bfloat16") return DType::BF16;
+  if (name == "float16") return DType::F16;
+  DS_FAIL("torch_dtype \"{}\" is not one dstrain writes (float32, bfloat16, float16)", name);
+}
+
 void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const json& config_json,
-                     int64_t max_shard_bytes) {
+                     int64_t max_shard_bytes, DType dtype) {
   DS_CHECK(max_shard_bytes > 0, "save_hf_weights('{}'): max_shard_bytes must be positive, got {}", dir,
            max_shard_bytes);
+  const std::string torch_dtype = torch_dtype_name(dtype);
   DS_CHECK(reg.flat_numel() == 0 || reg.values().allocated(),
            "save_hf_weights('{}'): the parameter registry is not allocated", dir);
   DS_CHECK(reg.device().is_cpu(), "save_hf_weights('{}'): parameters are on {}; copy them to host memory first", dir,
@@ -274,7 +292,7 @@ void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const jso
   int64_t total = 0, shard_bytes = 0;
   for (int id : ids) {
     check_whole(reg.info(id), "save_hf_weights");
-    const int64_t bytes = int64_t(reg.param(id).nbytes());
+    const int64_t bytes = reg.param(id).numel() * int64_t(dtype_size(dtype));
     if (shards.empty() || (shard_bytes > 0 && shard_bytes + bytes > max_shard_bytes)) {
       shards.emplace_back();
       shard_bytes = 0;
@@ -283,9 +301,24 @@ void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const jso
     shard_bytes += bytes;
     total += bytes;
   }
+  // A 16-bit save converts one shard at a time (ops::cast rounds to nearest even), so the
+  // extra memory is one shard's.
+  std::vector<Buffer> converted;
   auto tensors_of = [&](const std::vector<int>& group) {
     std::vector<std::pair<std::string, Tensor>> out;
-    for (int id : group) out.emplace_back(reg.info(id).name, reg.param(id).view(reg.info(id).global_shape));
+    converted.clear();
+    converted.reserve(group.size());
+    for (int id : group) {
+      const Tensor master = reg.param(id).view(reg.info(id).global_shape);
+      if (dtype == DType::F32) {
+        out.emplace_back(reg.info(id).name, master);
+        continue;
+      }
+      converted.emplace_back("save_hf." + torch_dtype, MemCategory::Workspace, dtype, master.numel(), Device::cpu());
+      const Tensor t = converted.back().tensor(0, master.shape());
+      ops::cast(t, master);
+      out.emplace_back(reg.info(id).name, t);
+    }
     return out;
   };
   const std::map<std::string, std::string> metadata{{"format", "pt"}};  // transformers checks it
@@ -294,7 +327,9 @@ void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const jso
   std::error_code ec;
   fs::create_directories(d, ec);
   DS_CHECK(!ec, "cannot create the directory '{}': {}", dir, ec.message());
-  write_text_file_atomically((d / "config.json").string(), config_json.dump(2) + "\n");
+  json config = config_json;
+  if (config.is_object() && (config.contains("torch_dtype") || dtype != DType::F32)) config["torch_dtype"] = torch_dtype;
+  write_text_file_atomically((d / "config.json").string(), config.dump(2) + "\n");
 
   // Readers find shards through the index: without it an interrupted save fails to load
   // instead of loading a mix of two saves.

@@ -63,8 +63,14 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg);
 // Writes `reg` as a Hugging Face checkpoint in `dir`: config.json, then model.safetensors,
 // or model-0000i-of-0000N.safetensors shards of at most max_shard_bytes of tensor data
 // (a larger tensor gets a shard of its own) plus model.safetensors.index.json. Tensors are
-// F32, sorted by name. Weight files of an earlier save with another sharding are removed.
+// written in `dtype` (F32, BF16 or F16: the fp32 masters rounded to nearest even), sorted by
+// name, and config.json's torch_dtype says so. Weight files of an earlier save with another
+// sharding are removed.
 void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const json& config_json,
-                     int64_t max_shard_bytes = int64_t(5) << 30);
+                     int64_t max_shard_bytes = int64_t(5) << 30, DType dtype = DType::F32);
+
+// Hugging Face's torch_dtype names: "float32", "bfloat16", "float16".
+std::string torch_dtype_name(DType dtype);
+DType dtype_from_torch_name(const std::string& name);
 
 }  // namespace dstrain

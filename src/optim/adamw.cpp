@@ -17,7 +17,7 @@ double AdamW::weight_decay_of(const ParamInfo& p) const {
   return config_.no_decay.count(p.kind) ? 0.0 : config_.weight_decay;
 }
 
-void AdamW::step(double lr) {
+void AdamW::step(double lr, double grad_scale) {
   ++step_;
   ops::AdamWStep s;
   s.lr = float(lr);
@@ -25,6 +25,7 @@ void AdamW::step(double lr) {
   s.beta2 = float(config_.beta2);
   s.eps = float(config_.eps);
   s.step = step_;
+  s.grad_scale = float(grad_scale);
   for (const ParamInfo& p : params_.all()) {
     if (!p.trainable) continue;  // updated by its own rule (routing biases)
     s.weight_decay = float(weight_decay_of(p));
@@ -36,8 +37,13 @@ void AdamW::step(double lr) {
 
 double grad_norm(const ParamRegistry& params) { return std::sqrt(ops::read_sum_squares(params.grads().tensor())); }
 
-double clip_grad_norm(ParamRegistry& params, double max_norm, double norm) {
+double clip_coefficient(double max_norm, double norm) {
   const double coef = max_norm / (norm + 1e-6);
+  return coef >= 1.0 ? 1.0 : coef;
+}
+
+double clip_grad_norm(ParamRegistry& params, double max_norm, double norm) {
+  const double coef = clip_coefficient(max_norm, norm);
   if (coef >= 1.0) return 1.0;
   ops::scale_inplace(params.grads().tensor(), float(coef));
   return coef;

@@ -21,8 +21,11 @@ class AdamW {
  public:
   AdamW(const AdamWConfig& config, ParamRegistry& params);
 
-  // One update with learning rate `lr` from the gradients in the registry.
-  void step(double lr);
+  // One update with learning rate `lr` from the gradients in the registry, each multiplied by
+  // `grad_scale` as it is read (the clipping coefficient over the fp16 loss scale: the
+  // gradients themselves are left as they are). The registry's compute copy of the weights,
+  // when it has one, receives the updated weights in the same pass.
+  void step(double lr, double grad_scale = 1.0);
   int64_t steps_taken() const { return step_; }
   void set_steps_taken(int64_t s) { step_ = s; }
   double weight_decay_of(const ParamInfo& p) const;
@@ -40,8 +43,11 @@ class AdamW {
 
 // Global L2 norm of all gradients (in a fixed summation order).
 double grad_norm(const ParamRegistry& params);
-// torch.nn.utils.clip_grad_norm_: scales gradients by max_norm / (norm + 1e-6) when that is
-// below 1. Returns the factor applied (1 when nothing was clipped).
+// torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6) when that is below 1, else 1.
+// The trainer hands it to AdamW::step as (part of) grad_scale.
+double clip_coefficient(double max_norm, double norm);
+// Scales the gradients in place by clip_coefficient (a pass of its own; the trainer fuses the
+// factor into AdamW instead). Returns the factor applied (1 when nothing was clipped).
 double clip_grad_norm(ParamRegistry& params, double max_norm, double norm);
 
 }  // namespace dstrain

@@ -261,6 +261,11 @@ json Metrics::step_record(const StepMetrics& m) const {
             {"peak_rss_bytes", *std::max_element(m.rank_peak_rss_bytes.begin(), m.rank_peak_rss_bytes.end())},
             {"skipped", m.skipped},
             {"skipped_total", m.skipped_total}};
+  if (m.loss_scaling) {
+    r["loss_scale"] = m.loss_scale;
+    r["overflow"] = m.overflow;
+    r["overflow_skipped_total"] = m.overflow_skipped_total;
+  }
   for (const auto& [k, v] : m.extra.items()) r[k] = v;
   return r;
 }
@@ -379,7 +384,7 @@ void Metrics::print_progress(const StepMetrics& m) {
                   "elapsed {} | eta {}{}",
                   m.step, m.max_steps, m.loss, m.lr, m.grad_norm, m.tokens_per_s, 100 * u.mfu,
                   u.mfu > 1 ? " (above 100%: peak too low)" : "", hms(m.elapsed_s), hms(eta),
-                  m.skipped ? " | skipped" : "");
+                  m.skipped ? " | skipped" : m.overflow ? fmt::format(" | fp16 overflow, skipped (scale {})", m.loss_scale) : "");
   const bool milestone = m.steps_this_run == 1 || m.step % steps_per_print_ == 0 || m.step == m.max_steps;
   if (bar_) {
     // A live bar on a terminal: redrawn every step, kept as a line at each print interval.
@@ -432,6 +437,12 @@ std::string Metrics::prometheus_text() const {
   metric("dstrain_tokens_total", "counter", "Training tokens consumed.", {{"", double(m.tokens)}});
   metric("dstrain_skipped_steps_total", "counter", "Steps skipped (non-finite or spiking loss).",
          {{"", double(m.skipped_total)}});
+  if (m.loss_scaling) {
+    metric("dstrain_loss_scale", "gauge", "fp16 loss scale of the last step.", {{"", m.loss_scale}});
+    metric("dstrain_overflow_skipped_steps_total", "counter",
+           "Steps skipped because fp16 gradients overflowed (not in dstrain_skipped_steps_total).",
+           {{"", double(m.overflow_skipped_total)}});
+  }
   metric("dstrain_loss", "gauge", "Training loss of the last step.", {{"", m.loss}});
   metric("dstrain_learning_rate", "gauge", "Learning rate of the last step.", {{"", m.lr}});
   metric("dstrain_grad_norm", "gauge", "Global gradient norm before clipping.", {{"", m.grad_norm}});

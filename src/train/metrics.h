@@ -44,6 +44,13 @@ struct StepMetrics {
   double comm_s = 0;            // all-reduce time, overlapped or not
   bool skipped = false;
   int64_t skipped_total = 0;
+  // fp16 loss scaling (loss_scaling false: bf16 or fp32, none of these are reported): the scale
+  // of the step, whether its gradients overflowed (the step skipped, not counted in
+  // skipped_total) and the steps skipped so in the run.
+  bool loss_scaling = false;
+  double loss_scale = 1;
+  bool overflow = false;
+  int64_t overflow_skipped_total = 0;
   std::vector<double> rank_step_s, rank_compute_s, rank_peak_rss_bytes;
   json extra = json::object();  // e.g. data mix, routing health
 };

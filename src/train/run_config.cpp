@@ -51,6 +51,63 @@ std::set<ParamKind> read_no_decay(const JsonReader& r, const std::string& key) {
   return kinds;
 }
 
+// DeepSpeed's names: "bf16": {"enabled"}, "fp16": {"enabled", "loss_scale", ...} (defaults as
+// deepspeed/runtime/precision_config.py), "communication_data_type": "fp32" | "fp16" | "bf16"
+// (unset: the compute dtype, as DeepSpeedEngine.communication_data_type).
+PrecisionConfig read_precision(const JsonReader& r) {
+  PrecisionConfig p;
+  if (r.has("bf16") && !r.is_null("bf16")) {
+    JsonReader b = r.child("bf16");
+    p.bf16 = b.get<bool>("enabled", false);
+    b.done();
+  }
+  if (r.has("fp16") && !r.is_null("fp16")) {
+    JsonReader f = r.child("fp16");
+    LossScalerConfig& s = p.fp16_scaler;
+    p.fp16 = f.get<bool>("enabled", false);
+    s.loss_scale = f.get<double>("loss_scale", s.loss_scale);
+    s.initial_scale_power = f.get<int64_t>("initial_scale_power", s.initial_scale_power);
+    s.loss_scale_window = f.get<int64_t>("loss_scale_window", s.loss_scale_window);
+    s.hysteresis = f.get<int64_t>("hysteresis", s.hysteresis);
+    s.consecutive_hysteresis = f.get<bool>("consecutive_hysteresis", s.consecutive_hysteresis);
+    s.min_loss_scale = f.get<double>("min_loss_scale", s.min_loss_scale);
+    if (!(s.loss_scale >= 0) || !std::isfinite(s.loss_scale)) {
+      f.error("loss_scale", fmt::format("is {}; it must be 0 (dynamic loss scaling) or a positive static scale",
+                                        s.loss_scale));
+    }
+    // The scale multiplies fp32 gradient seeds: 2^power must stay well inside fp32's range.
+    if (s.initial_scale_power < 0 || s.initial_scale_power > 100) {
+      f.error("initial_scale_power", fmt::format("is {}; the first scale is 2^power with power in [0, 100] (DeepSpeed's "
+                                                 "default is 16)",
+                                                 s.initial_scale_power));
+    }
+    if (s.loss_scale_window <= 0) f.error("loss_scale_window", "must be a positive number of steps");
+    if (s.hysteresis <= 0) f.error("hysteresis", "must be >= 1 (overflows it takes to lower the scale)");
+    if (!(s.min_loss_scale > 0) || !std::isfinite(s.min_loss_scale)) {
+      f.error("min_loss_scale", fmt::format("is {}; it must be a positive number", s.min_loss_scale));
+    }
+    if (s.dynamic() && std::ldexp(1.0, int(s.initial_scale_power)) < s.min_loss_scale) {
+      f.error("initial_scale_power", fmt::format("gives a first scale of 2^{} below min_loss_scale {}",
+                                                 s.initial_scale_power, s.min_loss_scale));
+    }
+    f.done();
+  }
+  if (p.bf16 && p.fp16) {
+    r.error("fp16", "and train.bf16 are both enabled; enable one of them (bf16 needs no loss scaling)");
+  }
+  p.communication_data_type = p.name();
+  if (r.has("communication_data_type") && !r.is_null("communication_data_type")) {
+    p.communication_data_type = r.get<std::string>("communication_data_type");
+    if (p.communication_data_type != "fp32" && p.communication_data_type != "fp16" &&
+        p.communication_data_type != "bf16") {
+      r.error("communication_data_type", fmt::format("is \"{}\"; it must be \"fp32\", \"fp16\" or \"bf16\" (unset: "
+                                                     "the compute precision)",
+                                                     p.communication_data_type));
+    }
+  }
+  return p;
+}
+
 TrainConfig read_train(const JsonReader& r) {
   TrainConfig t;
   // 0 stands for "derive from the other two" inside TrainConfig only: a 0 or a negative number
@@ -132,6 +189,7 @@ TrainConfig read_train(const JsonReader& r) {
     t.overlap_comm = z.get<bool>("overlap_comm", t.overlap_comm);
     z.done();
   }
+  t.precision = read_precision(r);
   t.eval_interval = r.get<int64_t>("eval_interval", t.eval_interval);
   t.eval_batches = r.get<int64_t>("eval_batches", t.eval_batches);
   if (t.eval_interval < 0) r.error("eval_interval", "must be >= 0");
@@ -140,10 +198,23 @@ TrainConfig read_train(const JsonReader& r) {
   return t;
 }
 
-OutputConfig read_output(const JsonReader& r) {
+std::string hf_dtype_of(const PrecisionConfig& p) {
+  return p.bf16 ? "bfloat16" : p.fp16 ? "float16" : "float32";
+}
+
+OutputConfig read_output(const JsonReader& r, const PrecisionConfig& precision) {
   OutputConfig o;
   o.dir = r.get<std::string>("dir", o.dir);
   o.save_hf = r.get<std::string>("save_hf", o.save_hf);
+  o.save_hf_dtype = hf_dtype_of(precision);
+  if (r.has("save_hf_dtype") && !r.is_null("save_hf_dtype")) {
+    o.save_hf_dtype = r.get<std::string>("save_hf_dtype");
+    if (o.save_hf_dtype != "float32" && o.save_hf_dtype != "bfloat16" && o.save_hf_dtype != "float16") {
+      r.error("save_hf_dtype", fmt::format("is \"{}\"; it must be \"float32\", \"bfloat16\" or \"float16\" "
+                                           "(unset: the run's precision)",
+                                           o.save_hf_dtype));
+    }
+  }
   r.done();
   return o;
 }
@@ -170,6 +241,10 @@ GenerateConfig read_generate(const JsonReader& r) {
 }
 
 }  // namespace
+
+DType PrecisionConfig::communication_dtype() const {
+  return communication_data_type == "bf16" ? DType::BF16 : communication_data_type == "fp16" ? DType::F16 : DType::F32;
+}
 
 void TrainConfig::resolve_batch(int64_t dp, const std::string& source) {
   auto fail = [&](const std::string& what) {
@@ -213,7 +288,8 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
   if (top.has("parallel")) c.parallel = ParallelConfig::from_json(top.child("parallel"));
   c.train = read_train(top.child("train"));
   c.data = DataConfig::from_json(top.child("data"));
-  if (top.has("output")) c.output = read_output(top.child("output"));
+  c.output.save_hf_dtype = hf_dtype_of(c.train.precision);
+  if (top.has("output")) c.output = read_output(top.child("output"), c.train.precision);
   if (top.has("checkpoint")) c.checkpoint = CheckpointConfig::from_json(top.child("checkpoint"));
   if (c.checkpoint.dir.empty()) c.checkpoint.dir = (std::filesystem::path(c.output.dir) / "checkpoints").string();
   if (top.has("resilience")) c.resilience = ResilienceConfig::from_json(top.child("resilience"));
@@ -256,10 +332,21 @@ json RunConfig::to_json() const {
   t["zero_optimization"] = {{"stage", train.zero_stage},
                             {"reduce_bucket_size", train.reduce_bucket_size},
                             {"overlap_comm", train.overlap_comm}};
+  const PrecisionConfig& p = train.precision;
+  t["bf16"] = {{"enabled", p.bf16}};
+  const LossScalerConfig& s = p.fp16_scaler;
+  t["fp16"] = {{"enabled", p.fp16},
+               {"loss_scale", s.loss_scale},
+               {"initial_scale_power", s.initial_scale_power},
+               {"loss_scale_window", s.loss_scale_window},
+               {"hysteresis", s.hysteresis},
+               {"consecutive_hysteresis", s.consecutive_hysteresis},
+               {"min_loss_scale", s.min_loss_scale}};
+  t["communication_data_type"] = p.communication_data_type;
   j["train"] = t;
   j["parallel"] = parallel.to_json();
   j["data"] = data.to_json();
-  j["output"] = {{"dir", output.dir}, {"save_hf", output.save_hf}};
+  j["output"] = {{"dir", output.dir}, {"save_hf", output.save_hf}, {"save_hf_dtype", output.save_hf_dtype}};
   j["checkpoint"] = checkpoint.to_json();
   j["resilience"] = resilience.to_json();
   j["metrics"] = metrics.to_json();

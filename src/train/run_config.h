@@ -12,12 +12,29 @@
 #include "data/data_pipeline.h"
 #include "model/model_config.h"
 #include "optim/adamw.h"
+#include "optim/loss_scaler.h"
 #include "optim/lr_schedule.h"
 #include "train/checkpointing.h"
 #include "train/metrics.h"
 #include "train/resilience.h"
 
 namespace dstrain {
+
+// Mixed precision (DeepSpeed's "bf16", "fp16" and "communication_data_type" keys of the
+// train section): fp32 master weights, gradients and optimizer state always; the forward and
+// backward compute in bf16 or fp16 when enabled.
+struct PrecisionConfig {
+  bool bf16 = false;
+  bool fp16 = false;
+  LossScalerConfig fp16_scaler;  // the rest of the "fp16" block
+  // The dtype of the data-parallel gradient all-reduce: "fp32", "fp16" or "bf16". Unset in the
+  // file: DeepSpeed's default, the compute dtype.
+  std::string communication_data_type = "fp32";
+
+  DType compute_dtype() const { return bf16 ? DType::BF16 : fp16 ? DType::F16 : DType::F32; }
+  DType communication_dtype() const;
+  std::string name() const { return bf16 ? "bf16" : fp16 ? "fp16" : "fp32"; }
+};
 
 struct TrainConfig {
   // DeepSpeed: train_batch_size = micro_batch * gradient_accumulation_steps * data-parallel
@@ -43,6 +60,7 @@ struct TrainConfig {
   int64_t zero_stage = 0;
   int64_t reduce_bucket_size = 500'000'000;  // elements per gradient bucket
   bool overlap_comm = true;                   // all-reduce buckets during the backward
+  PrecisionConfig precision;
 
   // Fills micro_batch / grad_accum / train_batch_size for `dp` data-parallel ranks.
   void resolve_batch(int64_t dp, const std::string& source);
@@ -51,6 +69,9 @@ struct TrainConfig {
 struct OutputConfig {
   std::string dir = "runs/default";
   std::string save_hf;  // Hugging Face directory written at the end ("" = none)
+  // The dtype of the Hugging Face tensors: "float32", "bfloat16" or "float16" (torch_dtype's
+  // spelling). Unset in the file: the run's precision.
+  std::string save_hf_dtype = "float32";
 };
 
 struct GenerateConfig {

@@ -32,14 +32,18 @@ Tensor tokens_tensor(std::vector<int32_t>& v, int64_t B, int64_t T) { return Ten
 // before anything is allocated.
 void check_model_state_fits(const RunConfig& config, const ProcessGrid& grid) {
   const double params = double(config.model.num_parameters());
-  const double need = 16.0 * params, have = node_memory_bytes() / double(std::max(grid.local_size(), 1));
+  // Mixed precision adds the 16-bit compute copy of the weights, and a 16-bit gradient
+  // all-reduce its wire buffer.
+  const PrecisionConfig& pc = config.train.precision;
+  const int bytes = 16 + (pc.compute_dtype() != DType::F32 ? 2 : 0) + (pc.communication_dtype() != DType::F32 ? 2 : 0);
+  const double need = double(bytes) * params, have = node_memory_bytes() / double(std::max(grid.local_size(), 1));
   DS_CHECK(have <= 0 || need < have,
-           "{}: the model has {:.2f}B parameters, whose weights, gradients and AdamW moments (16 bytes per "
+           "{}: the model has {:.2f}B parameters, whose weights, gradients and AdamW moments ({} bytes per "
            "parameter, held whole by every data-parallel rank) need {:.1f} GB, more than the {:.1f} GB of memory "
            "each of the {} rank(s) on this node has; train a smaller model or run fewer ranks per node on nodes "
            "with more memory (sharded optimizer state and tensor, pipeline and expert parallelism are not in this "
            "build)",
-           config.source, params / 1e9, need / 1e9, have / 1e9, grid.local_size());
+           config.source, params / 1e9, bytes, need / 1e9, have / 1e9, grid.local_size());
 }
 
 // Every rank must train the same thing: a rank whose resolved configuration differs from
@@ -77,8 +81,11 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
   check_model_state_fits(config_, grid_);
   model_ = std::make_unique<Transformer>(config_.model, device);
   optimizer_ = std::make_unique<AdamW>(config_.train.adamw, model_->params());
+  const PrecisionConfig& precision = config_.train.precision;
+  scaler_ = std::make_unique<LossScaler>(precision.fp16_scaler, precision.fp16);
   reducer_ = std::make_unique<GradReducer>(model_->params(), ParamGroupComms::from_grid(grid_),
-                                           config_.train.reduce_bucket_size, config_.train.overlap_comm);
+                                           config_.train.reduce_bucket_size, config_.train.overlap_comm,
+                                           precision.communication_dtype());
   param_hooks_.add(*reducer_);
   model_->set_hooks(&param_hooks_);
   schedule_ = make_schedule(config_.train.micro_batch_schedule);
@@ -333,6 +340,34 @@ void Trainer::init_weights(const std::string& init_from) {
   check_same_weights(grid_.world(), reg,
                      init_from.empty() ? fmt::format("initialised from train.seed {}", config_.train.seed)
                                        : "--init-from " + init_from);
+  apply_precision();
+}
+
+void Trainer::apply_precision() {
+  const PrecisionConfig& pc = config_.train.precision;
+  const DType dt = pc.compute_dtype();
+  if (model_->compute_dtype() != dt) {
+    model_->set_compute_dtype(dt);  // makes the compute copy from the masters as they are now
+  } else if (dt != DType::F32) {
+    model_->params().refresh_compute();
+  }
+  if (precision_logged_) return;
+  precision_logged_ = true;
+  if (dt == DType::F32) {
+    if (pc.communication_dtype() != DType::F32) {
+      log::info("precision: fp32; gradients all-reduced in {}", pc.communication_data_type);
+    }
+    return;
+  }
+  std::string scaling;
+  if (scaler_->enabled()) {
+    const LossScalerConfig& s = pc.fp16_scaler;
+    scaling = s.dynamic() ? fmt::format("; dynamic loss scale from {} (window {}, hysteresis {}, minimum {})",
+                                        scaler_->scale(), s.loss_scale_window, s.hysteresis, s.min_loss_scale)
+                          : fmt::format("; static loss scale {}", s.loss_scale);
+  }
+  log::info("precision: {} compute, fp32 master weights, gradients and AdamW moments; gradients all-reduced in {}{}",
+            pc.name(), pc.communication_data_type, scaling);
 }
 
 void Trainer::load_weights(const std::string& init_from, bool checkpoint) {
@@ -415,6 +450,15 @@ LossScales Trainer::loss_scales(const std::vector<int64_t>& counts) const {
     const int64_t ck = counts[size_t(1 + k)];
     scales.mtp_token.push_back(ck > 0 ? float(tc.mtp_loss_weight / double(D) / double(ck)) : 0.0f);
   }
+  if (scaler_->enabled()) {
+    // fp16: the backward seeds carry the loss scale; the reported losses are sums the trainer
+    // scales itself, and the auxiliary loss is divided by it again (reduce_routing_stats).
+    const double ls = scaler_->scale();
+    scales.token = float(double(scales.token) * ls);
+    scales.sequence *= ls;
+    scales.micro_batch *= ls;
+    for (float& m : scales.mtp_token) m = float(double(m) * ls);
+  }
   return scales;
 }
 
@@ -486,7 +530,7 @@ void Trainer::reduce_routing_stats(StepRecord& r) {
     r.moe_permute_seconds += ffn->routing()->permute_seconds;
     MoeLayerStats ms;
     ms.layer = l;
-    ms.aux_loss = routing[at++];
+    ms.aux_loss = routing[at++] / scaler_->scale();
     r.aux_loss += ms.aux_loss;
     for (size_t e = 0; e < ffn->routing()->tokens_per_expert.size(); ++e) ms.tokens.push_back(int64_t(routing[at++]));
     r.moe.push_back(std::move(ms));
@@ -525,12 +569,22 @@ void Trainer::judge_step(StepRecord& r) {
 void Trainer::update_weights(StepRecord& r) {
   const TrainConfig& tc = config_.train;
   const auto o0 = Clock::now();
-  if (tc.gradient_clipping > 0) clip_grad_norm(model_->params(), tc.gradient_clipping, r.grad_norm);
-  optimizer_->step(r.lr);
+  // The clipping coefficient (of the unscaled norm) and the loss-scale unscale are applied by
+  // AdamW as it reads each gradient: no pass over the gradients of their own.
+  const double clip = tc.gradient_clipping > 0 ? clip_coefficient(tc.gradient_clipping, r.grad_norm) : 1.0;
+  optimizer_->step(r.lr, scaler_->enabled() ? clip / r.loss_scale : clip);
   // DeepSeek-V3's auxiliary-loss-free balancing: routing biases follow the global loads.
   const auto moe = model_->moe_layers();
   for (size_t i = 0; i < moe.size(); ++i) moe[i].second->update_routing_bias(r.moe[i].tokens, tc.router_bias_update_rate);
   r.optimizer_seconds = seconds_since(o0);
+}
+
+bool Trainer::gradients_overflowed(double scaled_norm) {
+  // Every rank's reduced gradients normally agree, but a group reduced over fewer ranks
+  // (experts) or one not communicated at all would hide another rank's overflow.
+  int32_t mine = std::isfinite(scaled_norm) ? 0 : 1;
+  timed_collective([&] { mine = grid_.world().all_reduce_value<int32_t>(mine, ReduceOp::Max); });
+  return mine != 0;
 }
 
 void Trainer::gather_rank_timings(StepRecord& r) {
@@ -587,9 +641,36 @@ bool Trainer::train_step(StepRecord& r) {
   reduce_routing_stats(r);
   r.loss = r.ce_loss + r.aux_loss + r.mtp_loss;
   r.grad_norm = grad_norm(model_->params());
-  r.lr = tc.schedule.lr_at(step_, tc.adamw.lr);
-  judge_step(r);
-  if (!r.skipped) update_weights(r);
+  // As DeepSpeed, a step skipped for an fp16 overflow does not advance the learning-rate
+  // schedule (one skipped as a fault does).
+  r.lr = tc.schedule.lr_at(step_ - overflow_steps_, tc.adamw.lr);
+  r.loss_scale = scaler_->scale();
+  if (scaler_->enabled()) {
+    // fp16: an overflow on any rank skips the step everywhere and lowers the scale; it is not
+    // a fault (no count against resilience.max_skipped_steps).
+    r.overflow = gradients_overflowed(r.grad_norm);
+    r.grad_norm /= r.loss_scale;
+    const LossScaler::Change change = scaler_->update(r.overflow, r.step);
+    overflow_steps_ += r.overflow;
+    if (r.overflow) {
+      log::info("step {}: fp16 gradients overflowed at loss scale {}: step skipped on every rank; {} ({} overflow(s) "
+                "in all)",
+                r.step, r.loss_scale,
+                change == LossScaler::Change::Lowered
+                    ? fmt::format("scale lowered to {}", scaler_->scale())
+                    : change == LossScaler::Change::HysteresisUsed
+                          ? fmt::format("scale kept (hysteresis {} left)", scaler_->hysteresis_left())
+                          : std::string("static scale kept"),
+                overflow_steps_);
+    } else if (change == LossScaler::Change::Raised) {
+      log::info("step {}: {} steps without overflow: loss scale raised to {}", r.step,
+                config_.train.precision.fp16_scaler.loss_scale_window, scaler_->scale());
+    }
+  }
+  if (!r.overflow) {
+    judge_step(r);
+    if (!r.skipped) update_weights(r);
+  }
   std::tie(r.forward_seconds, r.backward_seconds) = model_->take_timings();
   ++step_;
   consumed_samples_ += tc.train_batch_size;
@@ -660,6 +741,12 @@ StepMetrics Trainer::step_metrics(const StepRecord& r, double elapsed, int64_t s
   m.comm_s = r.comm_seconds;
   m.skipped = r.skipped;
   m.skipped_total = skipped_total_;
+  if (scaler_->enabled()) {
+    m.loss_scaling = true;
+    m.loss_scale = r.loss_scale;
+    m.overflow = r.overflow;
+    m.overflow_skipped_total = overflow_steps_;
+  }
   m.rank_step_s = r.rank_step_seconds;
   m.rank_compute_s = r.rank_compute_seconds;
   m.rank_peak_rss_bytes = r.rank_peak_rss_bytes;
@@ -683,6 +770,7 @@ StepMetrics Trainer::step_metrics(const StepRecord& r, double elapsed, int64_t s
 }
 
 Trainer::Outcome Trainer::train() {
+  if (model_->compute_dtype() != config_.train.precision.compute_dtype()) apply_precision();
   apply_activation_budget();
   if (config_.resilience.spike_window > 0 && !spikes_) {
     spikes_ = std::make_unique<SpikeDetector>(config_.resilience.spike_window, config_.resilience.spike_zscore);
@@ -795,7 +883,8 @@ TrainState Trainer::state() {
   st.consumed_tokens = consumed_samples_ * config_.data.seq_len;
   st.optimizer_steps = optimizer_->steps_taken();
   st.scheduler = config_.train.schedule.to_json();
-  st.scheduler["last_batch_iteration"] = step_ - 1;
+  st.scheduler["last_batch_iteration"] = step_ - 1 - overflow_steps_;
+  if (overflow_steps_ > 0) st.scheduler["skipped_for_overflow"] = overflow_steps_;
   st.scheduler["base_lr"] = config_.train.adamw.lr;
   // dstrain's randomness is counter-based: a seed and a position say everything.
   st.rng = {{"generator", "philox4x32-10"},
@@ -823,6 +912,7 @@ TrainState Trainer::state() {
              {"datasets", sets}};
   st.config = config_.to_json();
   st.environment = environment_.record;
+  if (scaler_->enabled()) st.loss_scaler = scaler_->state();
   st.layout = {{"world_size", grid_.world_size()},
                {"data", grid_.size(Axis::Data)},
                {"tensor", grid_.size(Axis::Tensor)},
@@ -927,7 +1017,9 @@ bool Trainer::resume(const std::string& spec) {
       continue;
     }
     check_finite_weights(reg, "checkpoint '" + path + "'");
+    restore_precision_state(st, path);
     step_ = st.step;
+    overflow_steps_ = st.scheduler.is_object() ? st.scheduler.value("skipped_for_overflow", int64_t(0)) : 0;
     resumed_ = true;
     consumed_samples_ = st.consumed_samples;
     optimizer_->set_steps_taken(st.optimizer_steps);
@@ -957,11 +1049,34 @@ bool Trainer::resume(const std::string& spec) {
               "{:.0f} MB in {:.2f} s ({:.0f} MB/s)",
               path, step_, consumed_samples_, st.layout.value("world_size", 0), grid_.world_size(), mb, secs,
               mb / std::max(secs, 1e-9));
+    apply_precision();
     return true;
   }
   throw Error(fmt::format("none of the {} checkpoint(s) in {} is valid (see the warnings above); move them away or "
                           "start without --resume",
                           candidates.size(), config_.checkpoint.dir));
+}
+
+void Trainer::restore_precision_state(const TrainState& st, const std::string& path) {
+  // The precision of the run that wrote the checkpoint, from its resolved configuration.
+  const json train = st.config.is_object() ? st.config.value("train", json::object()) : json::object();
+  auto enabled = [&](const char* key) {
+    return train.contains(key) && train[key].is_object() && train[key].value("enabled", false);
+  };
+  const std::string theirs = enabled("bf16") ? "bf16" : enabled("fp16") ? "fp16" : "fp32";
+  const std::string ours = config_.train.precision.name();
+  const bool has_scaler = st.loss_scaler.is_object();
+  if (has_scaler && scaler_->enabled()) scaler_->load_state(st.loss_scaler, "checkpoint '" + path + "'");
+  if (theirs == ours && (has_scaler || !scaler_->enabled())) return;
+  // Checkpoints hold the fp32 masters and moments whatever the precision: switching is exact.
+  std::string note = fmt::format("precision: checkpoint {} was written by a {} run; this run trains in {} from its fp32 "
+                                 "master weights and AdamW moments",
+                                 path, theirs, ours);
+  if (scaler_->enabled() && !has_scaler) note += fmt::format(", the loss scale starting at {}", scaler_->scale());
+  if (has_scaler && !scaler_->enabled()) {
+    note += fmt::format(" (its fp16 loss scale, {}, is not used)", st.loss_scaler.value("scale", 0.0));
+  }
+  log::info("{}", note);
 }
 
 const std::vector<std::shared_ptr<SampleDataset>>& Trainer::eval_datasets() {
@@ -1032,9 +1147,10 @@ std::string Trainer::sample(const std::string& prompt) {
 }
 
 void Trainer::save_hf(const std::string& dir) {
-  if (grid_.world_rank() == 0) save_hf_weights(dir, model_->params(), config_.model.to_hf_json());
+  const DType dtype = dtype_from_torch_name(config_.output.save_hf_dtype);
+  if (grid_.world_rank() == 0) save_hf_weights(dir, model_->params(), config_.model.to_hf_json(), int64_t(5) << 30, dtype);
   grid_.world().barrier();
-  log::info("saved Hugging Face weights to {}", dir);
+  log::info("saved Hugging Face weights ({}) to {}", config_.output.save_hf_dtype, dir);
 }
 
 }  // namespace dstrain

@@ -22,6 +22,7 @@
 #include "distributed/schedule.h"
 #include "model/transformer.h"
 #include "optim/adamw.h"
+#include "optim/loss_scaler.h"
 #include "train/checkpointing.h"
 #include "train/metrics.h"
 #include "train/run_config.h"
@@ -63,6 +64,10 @@ struct StepRecord {
   double exposed_comm_seconds = 0;  // part of the step spent waiting for communication
   bool skipped = false;             // no update: non-finite loss or gradients, or a loss spike
   std::string skip_reason;
+  // fp16: the loss scale the step's backward used, and whether its gradients overflowed (the
+  // step is then skipped on every rank: no update, and not counted as `skipped` above).
+  double loss_scale = 1;
+  bool overflow = false;
   // Per rank of the world (index = rank): step time and compute time (step minus exposed
   // communication), for load balance.
   std::vector<double> rank_step_seconds, rank_compute_seconds, rank_peak_rss_bytes;
@@ -110,6 +115,7 @@ class Trainer {
 
   Transformer& model() { return *model_; }
   AdamW& optimizer() { return *optimizer_; }
+  const LossScaler& loss_scaler() const { return *scaler_; }
   const RunConfig& config() const { return config_; }
   const std::vector<StepRecord>& history() const { return history_; }
   // The job's build, libraries and CPUs, as recorded in checkpoints and metrics.jsonl.
@@ -139,6 +145,14 @@ class Trainer {
   void reduce_routing_stats(StepRecord& r);  // MoE aux losses and loads over the data ranks
   void judge_step(StepRecord& r);            // skipped (non-finite, spike) or not; stops a streak
   void update_weights(StepRecord& r);        // clipping, AdamW, routing biases
+  // fp16: whether any rank's gradients hold a NaN or Inf (collective over the world).
+  bool gradients_overflowed(double scaled_norm);
+  // The model computes in the configured precision from the current masters (after they
+  // were initialised or loaded); logs the precision once.
+  void apply_precision();
+  // Resume: the checkpoint's loss scaler state, and a note when it was written in another
+  // precision.
+  void restore_precision_state(const TrainState& st, const std::string& path);
   void gather_rank_timings(StepRecord& r);
   // Runs a blocking collective of the step, counting its wait as exposed communication.
   template <class F>
@@ -167,6 +181,8 @@ class Trainer {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<AdamW> optimizer_;
+  std::unique_ptr<LossScaler> scaler_;  // fp16's loss scale (1, unchanging, otherwise)
+  bool precision_logged_ = false;
   std::unique_ptr<GradReducer> reducer_;
   std::unique_ptr<Schedule> schedule_;  // the order of the micro-batches' forwards and backwards
   ParamHookChain param_hooks_;  // the model's ParamHooks: the reducer's grad_ready (later ZeRO-3's gathers)
@@ -183,6 +199,9 @@ class Trainer {
   bool resumed_ = false;          // injected faults fire only in runs that started from scratch
   bool oom_fault_fired_ = false;
   int64_t skipped_in_a_row_ = 0, skipped_total_ = 0;
+  // Steps skipped for an fp16 overflow, over the run (whatever precision later parts of it
+  // used): the learning-rate schedule stands still at them.
+  int64_t overflow_steps_ = 0;
   std::string last_skip_reason_;
   // A checkpoint was due while the state was not worth saving (a skipped step, non-finite
   // weights): it is written at the next good step instead.

@@ -130,6 +130,35 @@ class CommandLine(unittest.TestCase):
         self.assertTrue(text.startswith("The "), gen)
         self.assertGreater(len(text), len("The "), "something was generated")
 
+    def test_mixed_precision_runs_and_the_export_dtype(self):
+        def header(hf):
+            with open(os.path.join(hf, "model.safetensors"), "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                return json.loads(f.read(n))
+
+        # bf16: the log says so, and --save-hf writes bfloat16 tensors by default.
+        hf, out = self.train("hf_bf16", "--set", 'train.bf16={"enabled": true}', "--max-steps", "6")
+        self.assertIn("precision: bf16 compute, fp32 master weights", out)
+        self.assertEqual(json.load(open(os.path.join(hf, "config.json")))["torch_dtype"], "bfloat16")
+        dtypes = {v["dtype"] for k, v in header(hf).items() if k != "__metadata__"}
+        self.assertEqual(dtypes, {"BF16"})
+        # fp16 with output.save_hf_dtype: the scale is in metrics.jsonl; the export in float16.
+        hf, out = self.train("hf_fp16", "--set", 'train.fp16={"enabled": true, "initial_scale_power": 8}',
+                             "--set", "output.save_hf_dtype=float16", "--max-steps", "6")
+        self.assertIn("dynamic loss scale from 256", out)
+        self.assertEqual(json.load(open(os.path.join(hf, "config.json")))["torch_dtype"], "float16")
+        self.assertEqual({v["dtype"] for k, v in header(hf).items() if k != "__metadata__"}, {"F16"})
+        metrics = [json.loads(l) for l in open(os.path.join(self.dir, "hf_fp16_out", "metrics.jsonl"))]
+        train = [m for m in metrics if m["type"] == "train"]
+        self.assertEqual(len(train), 6)
+        for m in train:
+            self.assertIn("loss_scale", m)
+            self.assertIn("overflow_skipped_total", m)
+        self.assertTrue(all(m["loss"] is not None for m in train if not m["overflow"]))
+        # bf16 runs (as fp32 ones) report no loss scale.
+        bf16 = [json.loads(l) for l in open(os.path.join(self.dir, "hf_bf16_out", "metrics.jsonl"))]
+        self.assertFalse(any("loss_scale" in m for m in bf16))
+
     def test_same_seed_same_config_is_bitwise_identical(self):
         hf1, out1 = self.train("hf_r1")
         hf2, out2 = self.train("hf_r2")

@@ -48,6 +48,15 @@ inline void expect_resume_is_bitwise(const RunFiles& files, ProcessGrid& grid, i
   for (const auto& [x, y] : pairs) {
     EXPECT_EQ(0, std::memcmp(x->data(), y->data(), x->nbytes())) << x->label() << " differs after resuming";
   }
+  // The fp16 loss scaler continues as it was (a disabled one is the same anyway).
+  EXPECT_EQ(full.loss_scaler().state(), b.loss_scaler().state());
+  for (size_t i = 0; i < b.history().size(); ++i) {
+    const StepRecord& x = full.history()[size_t(stop_at) + i];
+    const StepRecord& y = b.history()[i];
+    EXPECT_EQ(x.loss_scale, y.loss_scale) << "loss scale of step " << y.step;
+    EXPECT_EQ(x.overflow, y.overflow) << "overflow at step " << y.step;
+    EXPECT_EQ(x.lr, y.lr) << "learning rate of step " << y.step;
+  }
 }
 
 }  // namespace dstrain

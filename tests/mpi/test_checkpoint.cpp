@@ -41,6 +41,57 @@ TEST_P(ResumeExactness, StopAndResumeEqualsOneRun) {
 INSTANTIATE_TEST_SUITE_P(Saves, ResumeExactness, ::testing::Values(false, true),
                          [](const auto& p) { return p.param ? "async" : "sync"; });
 
+// Mixed precision: the loss scaler (its scale, window position and overflows) is in the
+// checkpoint, so a resumed fp16 run continues exactly; bf16 likewise.
+class ResumeExactnessMixed : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(ResumeExactnessMixed, StopAndResumeEqualsOneRun) {
+  RunFiles files(8);
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  const std::string p = GetParam();
+  // fp16: a window of 2 moves the scale before the stop, and a NaN on the last rank at step 2
+  // overflows: the scaler's whole state and the overflow count matter to the steps after.
+  const std::vector<std::string> o =
+      p == "fp16" ? std::vector<std::string>{"train.fp16={\"enabled\": true, \"initial_scale_power\": 10, "
+                                             "\"loss_scale_window\": 2, \"hysteresis\": 2}",
+                                             fmt::format("resilience.fault={{\"rank\": {}, \"nan_at_step\": 2}}",
+                                                         world_size() - 1)}
+                  : std::vector<std::string>{"train.bf16={\"enabled\": true}"};
+  expect_resume_is_bitwise(files, grid, 4, o);
+}
+
+INSTANTIATE_TEST_SUITE_P(Precisions, ResumeExactnessMixed, ::testing::Values("fp16", "bf16"),
+                         [](const auto& p) { return std::string(p.param); });
+
+// Checkpoints hold the fp32 masters whatever the precision: an fp32 run continues in bf16, and
+// that one's checkpoint in fp32 again, and in fp16.
+TEST(Checkpoint, ResumesWithThePrecisionSwitched) {
+  RunFiles files(9, {{"checkpoint", {{"save_final", true}, {"async", false}}}});
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  const std::string dir = "checkpoint.dir=" + json((files.dir() / "switch").string()).dump();
+  {
+    Trainer a(files.config({dir, "train.max_steps=3"}), grid);
+    a.init_weights("");
+    a.train();
+  }
+  const std::pair<const char*, int> legs[] = {
+      {"train.bf16={\"enabled\": true}", 5}, {"train.bf16={\"enabled\": false}", 7}, {"train.fp16={\"enabled\": true}", 9}};
+  std::vector<float> before;
+  for (const auto& [precision, steps] : legs) {
+    Trainer t(files.config({dir, precision, "train.max_steps=" + std::to_string(steps)}), grid);
+    ASSERT_TRUE(t.resume("auto"));
+    EXPECT_EQ(t.step(), steps - 2);
+    const Buffer& v = t.model().params().values();
+    if (!before.empty()) {
+      // The masters come back exactly as they were saved, whatever this run computes in.
+      EXPECT_EQ(std::memcmp(v.data(), before.data(), v.nbytes()), 0) << precision;
+    }
+    t.train();
+    for (const StepRecord& r : t.history()) EXPECT_TRUE(std::isfinite(r.loss)) << precision << " step " << r.step;
+    before.assign(v.data<float>(), v.data<float>() + v.numel());
+  }
+}
+
 TEST(Checkpoint, RestartsOnAnotherRankCount) {
   RunFiles files(8);
   const int n = world_size();

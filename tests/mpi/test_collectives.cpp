@@ -109,9 +109,22 @@ TEST_F(Collectives, MalformedCallsAreErrorsOnEveryRank) {
   EXPECT_THROW(comm.all_gather(Tensor(b.data(), DType::F32, Shape{3}), Tensor(a.data(), DType::F32, Shape{4})),
                Error);
   std::vector<uint16_t> h(2);
-  EXPECT_THROW(comm.all_reduce(Tensor(h.data(), DType::BF16, Shape{2})), Error);
+  EXPECT_THROW(comm.all_reduce(Tensor(h.data(), DType::BF16, Shape{2}), ReduceOp::Max), Error);  // 16-bit: sums only
   EXPECT_THROW(comm.broadcast(Tensor(a.data(), DType::F32, Shape{4}), n), Error);
   comm.barrier();  // still usable afterwards
+}
+
+// 16-bit sums: each addition in fp32, rounded to the type; exact for values that need few bits.
+TEST_F(Collectives, SixteenBitTensorsAreSummed) {
+  for (DType dt : {DType::BF16, DType::F16}) {
+    const auto to16 = [&](float x) { return dt == DType::BF16 ? f32_to_bf16(x) : f32_to_f16(x); };
+    const auto to32 = [&](uint16_t x) { return dt == DType::BF16 ? bf16_to_f32(x) : f16_to_f32(x); };
+    std::vector<uint16_t> h = {to16(0.5f * float(comm.rank() + 1)), to16(-2.0f), to16(comm.rank() == 0 ? 3.0f : 0.0f)};
+    comm.all_reduce(Tensor(h.data(), dt, Shape{3}));
+    EXPECT_EQ(to32(h[0]), 0.25f * float(n * (n + 1))) << dtype_name(dt);
+    EXPECT_EQ(to32(h[1]), -2.0f * float(n)) << dtype_name(dt);
+    EXPECT_EQ(to32(h[2]), 3.0f) << dtype_name(dt);
+  }
 }
 
 TEST(ProcessGrid, DataAxisIsInferredAndAxesHaveCommunicators) {

@@ -8,6 +8,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <random>
 
@@ -258,6 +259,112 @@ TEST(GradGroups, AGradientReportedTwiceIsAnError) {
   }
   reducer.finish();  // every bucket, in order on every rank
 }
+
+// communication_data_type bf16 / fp16: the 16-bit all-reduce of every bucket against the fp32
+// reduction of the same gradients. Each of the (world - 1) additions rounds once to the 16-bit
+// type, and the cast to it rounds every addend: the error of an element is at most
+// world x half an ulp of the largest partial sum, bounded here by world x eps x sum |g_r|.
+class GradGroupsCommDtype : public ::testing::TestWithParam<DType> {};
+
+float varied_grad(int rank, int64_t f) {
+  return float(std::sin(0.37 * double(f) + 1.3 * rank) * std::ldexp(1.0, int(f % 7) - 3));
+}
+
+TEST_P(GradGroupsCommDtype, SixteenBitReductionMatchesFp32WithinItsRoundingOnEveryRank) {
+  const DType dt = GetParam();
+  int world = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  ProcessGrid grid(MPI_COMM_WORLD, expert_layout(world));
+  const int rank = grid.world_rank();
+  ParamRegistry r32 = moe_registry(), r16 = moe_registry();
+  const int64_t n = r32.grads().numel();
+  for (int64_t f = 0; f < n; ++f) r32.grads().data<float>()[f] = r16.grads().data<float>()[f] = varied_grad(rank, f);
+  GradReducer g32(r32, ParamGroupComms::from_grid(grid), kBucket, true);
+  GradReducer g16(r16, ParamGroupComms::from_grid(grid), kBucket, true, dt);
+  EXPECT_EQ(g16.comm_dtype(), dt);
+  for (GradReducer* g : {&g32, &g16}) {
+    g->begin_micro_step(true);
+    run_backward(*g, r32.size());
+    g->finish();
+  }
+  const double eps = dt == DType::BF16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+  const ParamGroupComms comms = ParamGroupComms::from_grid(grid);
+  int64_t differ = 0, communicated = 0;
+  for (int id = 0; id < r32.size(); ++id) {
+    const ParamInfo& p = r32.info(id);
+    const int ranks = comms.comm(p.group).size();
+    for (int64_t f = p.offset; f < p.offset + p.numel(); ++f) {
+      double abs_sum = 0;
+      for (int r = 0; r < world; ++r) abs_sum += std::fabs(varied_grad(r, f));
+      const float a = r32.grads().data<float>()[f], b = r16.grads().data<float>()[f];
+      if (ranks == 1) {
+        ASSERT_EQ(a, b) << p.name << ": a group of one rank is not communicated, nor cast";
+        continue;
+      }
+      ++communicated;
+      ASSERT_LE(std::fabs(double(a) - double(b)), (world + 1) * eps * abs_sum) << p.name << " element " << f << " on rank " << rank;
+      // Every communicated result is a 16-bit value.
+      const float rounded = dt == DType::BF16 ? bf16_to_f32(f32_to_bf16(b)) : f16_to_f32(f32_to_f16(b));
+      ASSERT_EQ(b, rounded) << p.name << " element " << f;
+      differ += a != b;
+    }
+  }
+  if (world > 1) {
+    EXPECT_GT(communicated, 0);
+    EXPECT_GT(differ, 0) << "the reduction was not done in " << dtype_name(dt);
+  }
+  // Every rank holds the same bits (ranks of one expert group, for experts; all, for dense).
+  std::vector<uint32_t> mine(static_cast<size_t>(n)), all(static_cast<size_t>(n * world));
+  std::memcpy(mine.data(), r16.grads().data<float>(), size_t(n) * 4);
+  grid.world().all_gather(Tensor(all.data(), DType::U32, Shape{n * world}), Tensor(mine.data(), DType::U32, Shape{n}));
+  const int ep = grid.size(Axis::Expert);
+  for (int r = 0; r < world; ++r) {
+    for (int id = 0; id < r16.size(); ++id) {
+      const ParamInfo& p = r16.info(id);
+      if (p.group == ParamGroup::Expert && r % ep != rank % ep) continue;
+      for (int64_t f = p.offset; f < p.offset + p.numel(); ++f) {
+        ASSERT_EQ(all[size_t(r) * size_t(n) + size_t(f)], mine[size_t(f)]) << p.name << " rank " << r << " vs " << rank;
+      }
+    }
+  }
+}
+
+TEST_P(GradGroupsCommDtype, ANonFiniteOrOutOfRangeGradientOnOneRankReachesEveryRank) {
+  const DType dt = GetParam();
+  int world = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  ProcessGrid grid(MPI_COMM_WORLD, ParallelConfig{});
+  const int rank = grid.world_rank();
+  ParamRegistry reg = moe_registry(/*grouped=*/false);
+  float* g = reg.grads().data<float>();
+  for (int64_t f = 0; f < reg.grads().numel(); ++f) g[f] = varied_grad(rank, f);
+  const int64_t inf_at = reg.info(reg.find("layers.1.attn")).offset + 3;
+  const int64_t nan_at = reg.info(reg.find("embed")).offset + 1;
+  const int64_t big_at = reg.info(reg.find("head")).offset + 5;
+  if (rank == world - 1) {
+    g[inf_at] = INFINITY;
+    g[nan_at] = NAN;
+    g[big_at] = 1e6f;  // beyond fp16's 65504, inside bf16's range
+  }
+  GradReducer reducer(reg, ParamGroupComms::from_grid(grid), kBucket, /*overlap=*/false, dt);
+  reducer.begin_micro_step(true);
+  run_backward(reducer, reg.size());
+  reducer.finish();
+  EXPECT_TRUE(std::isinf(g[inf_at]) && g[inf_at] > 0) << g[inf_at] << " on rank " << rank;
+  EXPECT_TRUE(std::isnan(g[nan_at])) << g[nan_at] << " on rank " << rank;
+  if (world > 1 && dt == DType::F16) {
+    EXPECT_TRUE(std::isinf(g[big_at])) << "a gradient beyond fp16's range overflows in an fp16 reduction";
+  } else {
+    EXPECT_TRUE(std::isfinite(g[big_at]));
+  }
+  // Nothing else turned non-finite.
+  int64_t bad = 0;
+  for (int64_t f = 0; f < reg.grads().numel(); ++f) bad += !std::isfinite(g[f]);
+  EXPECT_EQ(bad, (world > 1 && dt == DType::F16) ? 3 : 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, GradGroupsCommDtype, ::testing::Values(DType::BF16, DType::F16),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
 
 }  // namespace
 }  // namespace dstrain

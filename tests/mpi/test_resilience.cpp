@@ -46,6 +46,79 @@ TEST(Resilience, NonFiniteGradientsSkipTheStepOnEveryRank) {
   }
 }
 
+// fp16: a NaN in one rank's gradients is an overflow, not a fault: the step is skipped on
+// every rank, the scale drops, the learning-rate schedule stands still, and it does not count
+// against resilience.max_skipped_steps.
+TEST(Resilience, AnFp16OverflowOnOneRankSkipsTheStepEverywhereWithoutCountingAsAFault) {
+  RunFiles files(6);
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  const std::string fault = fmt::format("resilience.fault={{\"rank\": {}, \"nan_at_step\": 3}}", world_size() - 1);
+  Trainer t(files.config({fault, "resilience.max_skipped_steps=1",
+                          "train.fp16={\"enabled\": true, \"initial_scale_power\": 12, \"hysteresis\": 1}"}),
+            grid);
+  std::vector<uint64_t> sums;
+  t.on_step = [&](const StepRecord&) {
+    const Buffer& p = t.model().params().values();
+    sums.push_back(checksum(p.data(), p.nbytes()));
+  };
+  t.init_weights("");
+  t.train();  // no "consecutive steps skipped" error
+  ASSERT_EQ(t.history().size(), 6u);
+  for (size_t i = 0; i < 6; ++i) {
+    const StepRecord& r = t.history()[i];
+    EXPECT_FALSE(r.skipped) << "step " << r.step << " counted as a fault";
+    EXPECT_EQ(r.overflow, i == 2) << "step " << r.step;
+    EXPECT_EQ(r.loss_scale, i <= 2 ? 4096.0 : 2048.0) << "step " << r.step;
+    if (i != 2) EXPECT_TRUE(std::isfinite(r.loss) && std::isfinite(r.grad_norm)) << "step " << r.step;
+  }
+  EXPECT_EQ(sums[2], sums[1]) << "an overflowed step leaves the weights as they were";
+  EXPECT_NE(sums[3], sums[2]);
+  EXPECT_EQ(t.optimizer().steps_taken(), 5);
+  EXPECT_EQ(t.loss_scaler().overflows(), 1);
+  EXPECT_EQ(t.loss_scaler().scale(), 2048.0);
+  // The schedule did not advance at the skipped step: step 4 has the learning rate of step 3.
+  const TrainConfig& tc = t.config().train;
+  EXPECT_EQ(t.history()[3].lr, tc.schedule.lr_at(2, tc.adamw.lr));
+  EXPECT_EQ(t.history()[5].lr, tc.schedule.lr_at(4, tc.adamw.lr));
+}
+
+// A scale far too large for fp16 overflows the first steps; the scale backs off by halves
+// until the gradients fit, and training continues with finite losses (a later overflow, as the
+// gradients grow with the warmup, halves it again).
+TEST(Resilience, AnFp16ScaleTooLargeBacksOffAndTrainingContinues) {
+  RunFiles files(16);
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  Trainer t(files.config({"resilience.max_skipped_steps=1",
+                          "train.fp16={\"enabled\": true, \"initial_scale_power\": 24, \"hysteresis\": 1}"}),
+            grid);
+  t.init_weights("");
+  t.train();
+  ASSERT_EQ(t.history().size(), 16u);
+  int64_t overflows = 0, leading = 0;
+  double scale = std::ldexp(1.0, 24);
+  for (const StepRecord& r : t.history()) {
+    EXPECT_EQ(r.loss_scale, scale) << "step " << r.step;
+    EXPECT_FALSE(r.skipped) << "step " << r.step << " counted as a fault";
+    if (r.overflow) {
+      ++overflows;
+      leading += overflows == r.step;
+      scale /= 2;
+    } else {
+      EXPECT_TRUE(std::isfinite(r.loss) && std::isfinite(r.grad_norm)) << "step " << r.step;
+    }
+  }
+  // Over several ranks the fp16 gradient all-reduce (communication_data_type defaults to fp16)
+  // overflows at 2^24 (gradients of the tiny model reach 0.1) whatever the model computes in;
+  // at one rank nothing is communicated, and the overflow comes from the model's fp16
+  // activations and their gradients.
+  if (world_size() > 1) EXPECT_GE(leading, 3) << "2^24 did not overflow fp16 from the first step";
+  EXPECT_LE(overflows, 10) << "the scale never came down far enough";
+  EXPECT_FALSE(t.history().back().overflow);
+  EXPECT_EQ(t.loss_scaler().overflows(), overflows);
+  EXPECT_EQ(t.loss_scaler().scale(), std::ldexp(1.0, 24 - int(overflows)));
+  EXPECT_EQ(t.optimizer().steps_taken(), 16 - overflows);
+}
+
 TEST(Resilience, MicroBatchOverTheBudgetIsHalvedLikeARunStartedSmaller) {
   RunFiles files(4);
   ProcessGrid grid(MPI_COMM_WORLD, {});

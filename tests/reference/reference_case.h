@@ -22,7 +22,11 @@
 
 namespace dstrain::reference {
 
-constexpr double kLogitsTol = 1e-5, kLossTol = 1e-5, kGradTol = 1e-4, kWeightTol = 1e-4;
+// Weights after a few AdamW steps: the first updates are about lr * g / |g| per element, so an
+// element whose gradient is near float noise moves by an amount that noise decides; the worst
+// tensor (a router gate, whose gradient passes the top-k choice) reached 1.1e-4 on an AMD EPYC
+// (AVX2 OpenBLAS kernels) while the same build on other CPUs stays under 1e-4.
+constexpr double kLogitsTol = 1e-5, kLossTol = 1e-5, kGradTol = 1e-4, kWeightTol = 3e-4;
 
 // "a,b,c" -> {"a", "b", "c"}
 inline std::vector<std::string> split_names(const std::string& joined) {

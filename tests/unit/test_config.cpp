@@ -321,6 +321,75 @@ TEST(Config, ZeroOrNegativeBatchKeysAreErrorsNotUnset) {
   EXPECT_EQ(c.train.grad_accum, 3);
 }
 
+TEST(Config, MixedPrecisionKeysWithDeepSpeedsNamesAndDefaults) {
+  TempDir d;
+  const std::string path = d.write("mp.json", run_json());
+  // Neither enabled: fp32 everywhere, and the fp16 block's defaults are DeepSpeed's.
+  RunConfig c = RunConfig::load(path, {});
+  EXPECT_EQ(c.train.precision.compute_dtype(), DType::F32);
+  EXPECT_EQ(c.train.precision.communication_dtype(), DType::F32);
+  EXPECT_EQ(c.output.save_hf_dtype, "float32");
+  const LossScalerConfig& s = c.train.precision.fp16_scaler;
+  EXPECT_EQ(s.loss_scale, 0);
+  EXPECT_EQ(s.initial_scale_power, 16);
+  EXPECT_EQ(s.loss_scale_window, 1000);
+  EXPECT_EQ(s.hysteresis, 2);
+  EXPECT_EQ(s.min_loss_scale, 1);
+
+  c = RunConfig::load(path, {"train.bf16={\"enabled\": true}"});
+  EXPECT_EQ(c.train.precision.compute_dtype(), DType::BF16);
+  EXPECT_EQ(c.train.precision.communication_dtype(), DType::BF16) << "DeepSpeed communicates in the compute dtype";
+  EXPECT_EQ(c.output.save_hf_dtype, "bfloat16");
+
+  c = RunConfig::load(path, {"train.fp16={\"enabled\": true, \"loss_scale\": 0, \"initial_scale_power\": 12, "
+                             "\"loss_scale_window\": 100, \"hysteresis\": 3, \"min_loss_scale\": 0.25}",
+                             "train.communication_data_type=fp32", "output.save_hf_dtype=bfloat16"});
+  EXPECT_EQ(c.train.precision.compute_dtype(), DType::F16);
+  EXPECT_EQ(c.train.precision.communication_dtype(), DType::F32);
+  EXPECT_EQ(c.train.precision.fp16_scaler.initial_scale_power, 12);
+  EXPECT_EQ(c.train.precision.fp16_scaler.loss_scale_window, 100);
+  EXPECT_EQ(c.train.precision.fp16_scaler.hysteresis, 3);
+  EXPECT_EQ(c.train.precision.fp16_scaler.min_loss_scale, 0.25);
+  EXPECT_EQ(c.output.save_hf_dtype, "bfloat16");
+
+  // to_json prints them, and what it prints reads back to the same configuration.
+  const json j = c.to_json();
+  EXPECT_EQ(j["train"]["fp16"]["enabled"], true);
+  EXPECT_EQ(j["train"]["fp16"]["hysteresis"], 3);
+  EXPECT_EQ(j["train"]["bf16"]["enabled"], false);
+  EXPECT_EQ(j["train"]["communication_data_type"], "fp32");
+  EXPECT_EQ(j["output"]["save_hf_dtype"], "bfloat16");
+  json again = json::parse(run_json());
+  again["train"]["fp16"] = j["train"]["fp16"];
+  again["train"]["bf16"] = j["train"]["bf16"];
+  again["train"]["communication_data_type"] = j["train"]["communication_data_type"];
+  const RunConfig c2 = RunConfig::load(d.write("again.json", again.dump()), {});
+  EXPECT_EQ(c2.to_json()["train"], j["train"]);
+}
+
+TEST(Config, MixedPrecisionMistakesAreErrorsNamingTheKey) {
+  TempDir d;
+  const std::string path = d.write("mp.json", run_json());
+  auto msg = [&](std::vector<std::string> o) { return error_of([&] { RunConfig::load(path, o); }); };
+  EXPECT_THAT(msg({"train.bf16={\"enabled\": true}", "train.fp16={\"enabled\": true}"}),
+              HasSubstr("'train.fp16' and train.bf16 are both enabled"));
+  EXPECT_THAT(msg({"train.fp16={\"enabled\": true, \"loss_scale_windows\": 10}"}),
+              HasSubstr("unknown key 'train.fp16.loss_scale_windows'"));
+  EXPECT_THAT(msg({"train.bf16={\"enable\": true}"}), HasSubstr("unknown key 'train.bf16.enable'"));
+  EXPECT_THAT(msg({"train.bf16={\"enabled\": \"auto\"}"}), HasSubstr("'train.bf16.enabled' must be true or false"));
+  EXPECT_THAT(msg({"train.fp16={\"hysteresis\": 1.5}"}), HasSubstr("'train.fp16.hysteresis' must be an integer"));
+  EXPECT_THAT(msg({"train.fp16={\"loss_scale\": \"dynamic\"}"}), HasSubstr("'train.fp16.loss_scale' must be a number"));
+  EXPECT_THAT(msg({"train.fp16={\"loss_scale\": -1}"}), HasSubstr("'train.fp16.loss_scale' is -1"));
+  EXPECT_THAT(msg({"train.fp16={\"hysteresis\": 0}"}), HasSubstr("train.fp16.hysteresis"));
+  EXPECT_THAT(msg({"train.fp16={\"loss_scale_window\": 0}"}), HasSubstr("train.fp16.loss_scale_window"));
+  EXPECT_THAT(msg({"train.fp16={\"min_loss_scale\": 0}"}), HasSubstr("train.fp16.min_loss_scale"));
+  EXPECT_THAT(msg({"train.fp16={\"initial_scale_power\": 200}"}), HasSubstr("train.fp16.initial_scale_power"));
+  EXPECT_THAT(msg({"train.fp16=true"}), HasSubstr("'train.fp16' must be an object"));
+  EXPECT_THAT(msg({"train.communication_data_type=fp8"}), HasSubstr("'train.communication_data_type' is \"fp8\""));
+  EXPECT_THAT(msg({"train.communication_data_type=16"}), HasSubstr("'train.communication_data_type' must be a string"));
+  EXPECT_THAT(msg({"output.save_hf_dtype=half"}), HasSubstr("'output.save_hf_dtype' is \"half\""));
+}
+
 TEST(LrSchedule, DeepSpeedFormulas) {
   auto sched = [](const std::string& text) {
     json j = json::parse(text);

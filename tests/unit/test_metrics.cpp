@@ -113,6 +113,62 @@ TEST(Metrics, RoutingHealthPerMoELayer) {
   std::filesystem::remove_all(dir);
 }
 
+// fp16: the loss scale, the step's overflow and the overflow skips reach metrics.jsonl and the
+// Prometheus text, apart from the fault-tolerance skipped-step counter; bf16/fp32 steps
+// carry none of them.
+TEST(Metrics, LossScaleAndOverflowSkipsOfAnFp16Run) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    ("dstrain_metrics_fp16_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  MetricsConfig mc;
+  mc.progress = "lines";
+  std::string text;
+  {
+    Metrics m(mc, small(), 32, /*rank=*/0, /*world=*/1, /*local=*/1, dir.string(), 10,
+              [] { return Peak{100e9, "measured: injected"}; });
+    StepMetrics s;
+    s.max_steps = 10;
+    s.loss = 2.5;
+    s.tokens_per_s = 2000;
+    s.time = {1.0, 0.1, 0.3, 0.4, 0.05, 0.05, 0.02};
+    s.rank_step_s = {1.0};
+    s.rank_compute_s = {0.9};
+    s.rank_peak_rss_bytes = {1e8};
+    s.step = 1;
+    EXPECT_FALSE(m.step_record(s).contains("loss_scale")) << "an fp32 step has no loss scale";
+    s.loss_scaling = true;
+    s.loss_scale = 65536;
+    s.overflow = true;
+    s.overflow_skipped_total = 1;
+    m.on_step(s);
+    s.step = 2;
+    s.loss_scale = 32768;
+    s.overflow = false;
+    m.on_step(s);
+    text = m.prometheus_text();
+  }
+  EXPECT_NE(text.find("# TYPE dstrain_loss_scale gauge\ndstrain_loss_scale 32768\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("# TYPE dstrain_overflow_skipped_steps_total counter\ndstrain_overflow_skipped_steps_total 1\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("dstrain_skipped_steps_total 0\n"), std::string::npos) << text;
+  std::ifstream f(dir / "metrics.jsonl");
+  std::vector<json> steps;
+  for (std::string line; std::getline(f, line);) {
+    const json row = json::parse(line);
+    if (row.contains("step") && row.contains("loss")) steps.push_back(row);
+  }
+  ASSERT_EQ(steps.size(), 2u);
+  EXPECT_EQ(steps[0]["loss_scale"], 65536.0);
+  EXPECT_EQ(steps[0]["overflow"], true);
+  EXPECT_EQ(steps[0]["overflow_skipped_total"], 1);
+  EXPECT_EQ(steps[0]["skipped"], false);
+  EXPECT_EQ(steps[0]["skipped_total"], 0);
+  EXPECT_EQ(steps[1]["loss_scale"], 32768.0);
+  EXPECT_EQ(steps[1]["overflow"], false);
+  std::filesystem::remove_all(dir);
+}
+
 // A step at `flops` model FLOP/s on one rank of the small model.
 StepMetrics step_at(int64_t step, double flops) {
   StepMetrics s;

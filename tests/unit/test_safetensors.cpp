@@ -429,6 +429,48 @@ TEST_F(HFWeightsIO, ShardedSaveLoadRoundTrip) {
   EXPECT_TRUE(same_params(reg, loaded));
 }
 
+TEST_F(HFWeightsIO, SavesInTheRequestedDtypeAndSaysSoInTorchDtype) {
+  ParamRegistry reg;
+  build_registry(reg, 37, 8, 12, 2, false);
+  fill(reg, 5);
+  const json config = {{"hidden_size", 8}, {"torch_dtype", "float32"}};
+  for (DType dt : {DType::BF16, DType::F16, DType::F32}) {
+    const std::string dir = path(fmt::format("hf_{}", dtype_name(dt)));
+    save_hf_weights(dir, reg, config, int64_t(5) << 30, dt);
+    EXPECT_EQ(read_json_file(dir + "/config.json")["torch_dtype"], torch_dtype_name(dt));
+    EXPECT_EQ(read_json_file(dir + "/config.json")["hidden_size"], 8);
+    SafeTensorsFile f(dir + "/model.safetensors");
+    ASSERT_EQ(f.tensors().size(), size_t(reg.size()));
+    for (const SafeTensorInfo& t : f.tensors()) {
+      EXPECT_EQ(t.dtype, dt) << t.name;
+      EXPECT_EQ(t.nbytes(), reg.info(reg.find(t.name)).numel() * int64_t(dtype_size(dt))) << t.name;
+    }
+    // Each value is the master rounded to nearest even, and reads back as such.
+    ParamRegistry loaded;
+    build_registry(loaded, 37, 8, 12, 2, false);
+    load_hf_weights(dir, loaded);
+    for (int id = 0; id < reg.size(); ++id) {
+      const float* a = reg.param(id).data<float>();
+      const float* b = loaded.param(id).data<float>();
+      for (int64_t i = 0; i < reg.info(id).numel(); ++i) {
+        const float want = dt == DType::BF16 ? bf16_to_f32(f32_to_bf16(a[i]))
+                           : dt == DType::F16 ? f16_to_f32(f32_to_f16(a[i]))
+                                              : a[i];
+        ASSERT_EQ(b[i], want) << reg.info(id).name << "[" << i << "] in " << dtype_name(dt);
+      }
+    }
+  }
+  // A 16-bit save halves the bytes a shard holds.
+  const std::string dir = path("hf_bf16_sharded");
+  save_hf_weights(dir, reg, json::object(), 1500, DType::BF16);
+  const size_t bf16_files = listing(dir).size();
+  save_hf_weights(path("hf_f32_sharded"), reg, json::object(), 1500, DType::F32);
+  EXPECT_LT(bf16_files, listing(path("hf_f32_sharded")).size());
+  EXPECT_EQ(read_json_file(dir + "/config.json")["torch_dtype"], "bfloat16");
+  EXPECT_EQ(dtype_from_torch_name("float16"), DType::F16);
+  EXPECT_THROW(dtype_from_torch_name("half"), Error);
+}
+
 TEST_F(HFWeightsIO, ResaveWithOtherShardingRemovesStaleFiles) {
   ParamRegistry reg;
   build_registry(reg, 37, 8, 12, 2, false);
