@@ -110,6 +110,11 @@ def probe_bf16(binary, threads):
     return lines[0].strip() if lines else f"exit status {p.returncode}"
 
 
+# (binary, config, precision) -> the losses of its first run: a bf16 run whose losses equal the
+# fp32 run's bit for bit computed nothing in bf16, and its speed says nothing about bf16.
+LOSSES = {}
+
+
 def run_dstrain(binary, cfg, precision, steps, warmup, threads):
     """Tokens/s and model FLOP/s of the timed steps of one run."""
     with tempfile.TemporaryDirectory() as out:
@@ -119,6 +124,7 @@ def run_dstrain(binary, cfg, precision, steps, warmup, threads):
             raise RuntimeError(f"dstrain {precision} failed ({p.returncode}): {p.stderr.strip()[-2000:]}")
         with open(os.path.join(out, "metrics.jsonl")) as f:
             rows = [r for r in map(json.loads, f) if r.get("type") == "train"][warmup:]
+    LOSSES.setdefault((binary, cfg, precision), [r["loss"] for r in rows])
     return [r["tokens_per_s"] for r in rows], [r["model_flops_per_s"] for r in rows]
 
 
@@ -214,6 +220,10 @@ def print_table(a, size, peers, precisions, res, ceils, blases, out, note=""):
         fl = res["fp32"].get("median", {}).get("flops") if "fp32" in res else None
         print(f"  (OpenBLAS sgemm 2048^3, dstrain's BLAS: {blas / 1e9:.1f} GFLOP/s"
               + (f"; dstrain fp32 at {fl / blas:.0%} of it)" if fl else ")"), file=out)
+    same = LOSSES.get((os.path.join(BUILD, "app", "dstrain"), SIZES[size][1], "bf16"))
+    if same is not None and same == LOSSES.get((os.path.join(BUILD, "app", "dstrain"), SIZES[size][1], "fp32")):
+        print("  WARNING: dstrain's bf16 run has the fp32 run's losses bit for bit: its layers do not compute in "
+              "bf16 in this build, so its bf16 figures are fp32 speed, not bf16", file=out)
     infos = {p: res[precisions[0]]["info"].get(p) for p in peers}
     print("peer: " + "; ".join(f"{PEERS[p]}: " + (f"AdamW {i['adamw']}, attention {i['attention']}" +
                                                   (f", compile {i['compile_s']:.0f} s (untimed)"
