@@ -40,10 +40,21 @@ void row_parallel_forward(const Ctx& ctx, bool sharded, Tensor out, Tensor x, Te
     ops::linear_forward(out, x, w, /*accumulate=*/true);
     return;
   }
-  Tensor partial = ctx.scratch->get(slot, out.shape());
+  // In out's dtype (the fp32 residual): the pieces are summed in fp32.
+  Tensor partial = ctx.scratch->get(slot, out.shape(), out.dtype());
   ops::linear_forward(partial, x, w);
   ctx.tp_all_reduce(partial);
   ops::add(out, out, partial);
+}
+
+Tensor column_parallel_grad(const Ctx& ctx, bool sharded, Tensor dx, const char* slot) {
+  if (!sharded || dx.dtype() == DType::F32) return dx;
+  return ctx.scratch->get(slot, dx.shape(), DType::F32);
+}
+
+void reduce_column_parallel_grad(const Ctx& ctx, Tensor partial, Tensor dx) {
+  ctx.tp_all_reduce(partial);
+  if (partial.raw() != dx.raw()) ops::cast(dx, partial);
 }
 
 namespace {
@@ -93,14 +104,15 @@ void GQAttention::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   const int64_t B = x.size(0), T = x.size(1);
   const int64_t H = layout_.n_head, D = layout_.qk_dim;
   const RopeCache& rope = *ctx.rope;
-  Tensor qkv = ctx.acts->put(mb, key_ + "qkv", {B, T, layout_.row_stride});
-  Tensor att = ctx.acts->put(mb, key_ + "out", {B, T, H * D});
+  const DType cd = ctx.compute_dtype;
+  Tensor qkv = ctx.acts->put(mb, key_ + "qkv", {B, T, layout_.row_stride}, cd);
+  Tensor att = ctx.acts->put(mb, key_ + "out", {B, T, H * D}, cd);
   Tensor lse = ctx.acts->put(mb, key_ + "lse", {B, H, T});
-  ops::linear_forward(rows_of(qkv), rows_of(x), reg_.param_rows(q_, v_));
+  ops::linear_forward(rows_of(qkv), rows_of(x), reg_.compute_rows(q_, v_));
   // q and k heads are adjacent in each row: rotate them in one pass.
   ops::rope_forward(qkv, 0, layout_.n_head + layout_.n_kv_head, int(D), rope.cos_table(), rope.sin_table());
   ops::attention_forward(att, lse, qkv, layout_, scale_);
-  row_parallel_forward(ctx, sharded_, rows_of(out), rows_of(att), reg_.param(o_), "attn.partial");
+  row_parallel_forward(ctx, sharded_, rows_of(out), rows_of(att), reg_.compute(o_), "attn.partial");
 }
 
 void GQAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx) {
@@ -110,14 +122,16 @@ void GQAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor
   Tensor qkv = ctx.acts->get(mb, key_ + "qkv");
   Tensor att = ctx.acts->get(mb, key_ + "out");
   Tensor lse = ctx.acts->get(mb, key_ + "lse");
-  Tensor datt = ctx.scratch->get("attn.datt", {B, T, H * D});
-  Tensor dqkv = ctx.scratch->get("attn.dqkv", {B, T, layout_.row_stride});
-  ctx.wgrad->linear(rows_of(datt), reg_.grad(o_), rows_of(dout), rows_of(att), reg_.param(o_));
+  const DType cd = ctx.compute_dtype;
+  Tensor datt = ctx.scratch->get("attn.datt", {B, T, H * D}, cd);
+  Tensor dqkv = ctx.scratch->get("attn.dqkv", {B, T, layout_.row_stride}, cd);
+  ctx.wgrad->linear(rows_of(datt), reg_.grad(o_), rows_of(dout), rows_of(att), reg_.compute(o_));
   ops::attention_backward(dqkv, datt, qkv, att, lse, layout_, scale_);
   ops::rope_backward(dqkv, 0, layout_.n_head + layout_.n_kv_head, int(D), rope.cos_table(), rope.sin_table());
-  ctx.wgrad->linear(rows_of(dx), reg_.grad_rows(q_, v_), rows_of(dqkv), rows_of(x), reg_.param_rows(q_, v_));
   // Every rank's heads read the whole input: its gradient is the sum over the pieces.
-  ctx.tp_all_reduce(dx);
+  Tensor dxp = column_parallel_grad(ctx, sharded_, dx, "tp.dx");
+  ctx.wgrad->linear(rows_of(dxp), reg_.grad_rows(q_, v_), rows_of(dqkv), rows_of(x), reg_.compute_rows(q_, v_));
+  reduce_column_parallel_grad(ctx, dxp, dx);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -131,24 +145,25 @@ SwiGLUMLP::SwiGLUMLP(const ModelConfig& c, const ShardSpec& shard, ParamRegistry
 
 void SwiGLUMLP::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   const int64_t N = x.numel() / x.size(-1);
-  Tensor gu = ctx.acts->put(mb, key_ + "gate_up", {N, 2 * inter_});
-  Tensor h = ctx.acts->put(mb, key_ + "h", {N, inter_});
-  ops::linear_forward(gu, rows_of(x), reg_.param_rows(gate_, up_));
+  Tensor gu = ctx.acts->put(mb, key_ + "gate_up", {N, 2 * inter_}, ctx.compute_dtype);
+  Tensor h = ctx.acts->put(mb, key_ + "h", {N, inter_}, ctx.compute_dtype);
+  ops::linear_forward(gu, rows_of(x), reg_.compute_rows(gate_, up_));
   ops::swiglu_forward(h, gu);
-  row_parallel_forward(ctx, sharded_, rows_of(out), h, reg_.param(down_), "mlp.partial");
+  row_parallel_forward(ctx, sharded_, rows_of(out), h, reg_.compute(down_), "mlp.partial");
 }
 
 void SwiGLUMLP::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx) {
   const int64_t N = dout.numel() / dout.size(-1);
   Tensor gu = ctx.acts->get(mb, key_ + "gate_up");
   Tensor h = ctx.acts->get(mb, key_ + "h");
-  Tensor dh = ctx.scratch->get("mlp.dh", {N, inter_});
-  Tensor dgu = ctx.scratch->get("mlp.dgate_up", {N, 2 * inter_});
-  ctx.wgrad->linear(dh, reg_.grad(down_), rows_of(dout), h, reg_.param(down_));
+  Tensor dh = ctx.scratch->get("mlp.dh", {N, inter_}, ctx.compute_dtype);
+  Tensor dgu = ctx.scratch->get("mlp.dgate_up", {N, 2 * inter_}, ctx.compute_dtype);
+  ctx.wgrad->linear(dh, reg_.grad(down_), rows_of(dout), h, reg_.compute(down_));
   ops::swiglu_backward(dgu, dh, gu);
-  ctx.wgrad->linear(rows_of(dx), reg_.grad_rows(gate_, up_), dgu, rows_of(x), reg_.param_rows(gate_, up_));
   // Every rank's columns read the whole input: its gradient is the sum over the pieces.
-  ctx.tp_all_reduce(dx);
+  Tensor dxp = column_parallel_grad(ctx, sharded_, dx, "tp.dx");
+  ctx.wgrad->linear(rows_of(dxp), reg_.grad_rows(gate_, up_), dgu, rows_of(x), reg_.compute_rows(gate_, up_));
+  reduce_column_parallel_grad(ctx, dxp, dx);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -167,10 +182,12 @@ void DecoderLayer::forward(const Ctx& ctx, int mb, Tensor x_in, Tensor x_out) {
   const int64_t B = x_in.size(0), T = x_in.size(1), C = x_in.size(2);
   ctx.before_use(first_param_, last_param_);
   ctx.acts->meta<Tensor>(mb, key_ + "x_in") = x_in;
-  Tensor ln1 = ctx.acts->put(mb, key_ + "input_layernorm.out", {B, T, C});
+  // The residual stream and the norms' rstd in fp32; the norms' outputs, which only feed the
+  // projections, in the compute dtype (rmsnorm_forward rounds them as it writes them).
+  Tensor ln1 = ctx.acts->put(mb, key_ + "input_layernorm.out", {B, T, C}, ctx.compute_dtype);
   Tensor rstd1 = ctx.acts->put(mb, key_ + "input_layernorm.rstd", {B, T});
   Tensor x_mid = ctx.acts->put(mb, key_ + "residual_mid", {B, T, C});
-  Tensor ln2 = ctx.acts->put(mb, key_ + "post_attention_layernorm.out", {B, T, C});
+  Tensor ln2 = ctx.acts->put(mb, key_ + "post_attention_layernorm.out", {B, T, C}, ctx.compute_dtype);
   Tensor rstd2 = ctx.acts->put(mb, key_ + "post_attention_layernorm.rstd", {B, T});
   ops::rmsnorm_forward(ln1, rstd1, x_in, reg_.param(ln1_), eps_);
   ops::copy(x_mid, x_in);
@@ -185,7 +202,8 @@ void DecoderLayer::backward(const Ctx& ctx, int mb, Tensor dx) {
   ctx.before_use(first_param_, last_param_);
   const Tensor x_in = ctx.acts->meta<Tensor>(mb, key_ + "x_in");
   DS_CHECK(x_in.defined(), "{}: backward of micro-batch {} without its forward", key_, mb);
-  Tensor dln = ctx.scratch->get("layer.dln", {B, T, C});
+  // The gradient of a norm's output, in its dtype; dx (the residual's) stays fp32.
+  Tensor dln = ctx.scratch->get("layer.dln", {B, T, C}, ctx.compute_dtype);
   // x_out = x_mid + ffn(rmsnorm(x_mid))
   ffn_->backward(ctx, mb, ctx.acts->get(mb, key_ + "post_attention_layernorm.out"), dx, dln);
   ops::rmsnorm_backward(dx, reg_.grad(ln2_), dln, ctx.acts->get(mb, key_ + "residual_mid"), reg_.param(ln2_),

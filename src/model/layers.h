@@ -102,7 +102,8 @@ class GQAttention : public AttentionBlock {
   int q_, k_, v_, o_;  // parameter ids
   float scale_;
   bool sharded_;
-  // Stored per micro-batch: qkv (B,T,(H+2Hkv)*D) post-rope, out (B,T,H*D), lse (B,H,T).
+  // Stored per micro-batch: qkv (B,T,(H+2Hkv)*D) post-rope and out (B,T,H*D) in the compute
+  // dtype, lse (B,H,T) in fp32.
 };
 
 // SwiGLU MLP with fused gate/up projection weights. Sharded: this rank's columns of the
@@ -119,12 +120,19 @@ class SwiGLUMLP : public FeedForwardBlock {
   int gate_, up_, down_;
   int64_t inter_;  // local columns of the intermediate size
   bool sharded_;
-  // Stored per micro-batch: gate_up (B*T,2I), h (B*T,I).
+  // Stored per micro-batch, in the compute dtype: gate_up (B*T,2I), h (B*T,I).
 };
 
 // Row-parallel output: out += x · w^T, summed over the tensor group first when the layer is
 // sharded (through a temporary in ctx.scratch); unsharded it is one accumulating GEMM.
 void row_parallel_forward(const Ctx& ctx, bool sharded, Tensor out, Tensor x, Tensor w, const char* slot);
+// The input gradient dx of a column-parallel projection is summed over the tensor group. MPI
+// sums fp32 only: column_parallel_grad gives where to form the local gradient (dx itself, or,
+// for a 16-bit dx of a sharded layer, an fp32 temporary in ctx.scratch under `slot`), and
+// reduce_column_parallel_grad sums it over the group and rounds it into dx when it was the
+// temporary. Unsharded, the pair is dx and nothing.
+Tensor column_parallel_grad(const Ctx& ctx, bool sharded, Tensor dx, const char* slot);
+void reduce_column_parallel_grad(const Ctx& ctx, Tensor partial, Tensor dx);
 
 class DecoderLayer {
  public:
@@ -151,8 +159,8 @@ class DecoderLayer {
   int first_param_ = 0, last_param_ = -1;
   std::unique_ptr<AttentionBlock> attn_;
   std::unique_ptr<FeedForwardBlock> ffn_;
-  // Stored per micro-batch: ln1 (B,T,C), rstd1 (B,T), x_mid (B,T,C), ln2 (B,T,C), rstd2
-  // (B,T), and (meta) the view of x_in.
+  // Stored per micro-batch: ln1 (B,T,C) and ln2 (B,T,C) in the compute dtype; rstd1 (B,T),
+  // x_mid (B,T,C), rstd2 (B,T) in fp32; and (meta) the view of x_in (fp32, the residual).
 };
 
 }  // namespace dstrain

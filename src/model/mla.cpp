@@ -18,7 +18,7 @@ template <class Scatter>
 void staged_linear(Tensor in, Tensor w, Tensor stage, Scatter&& scatter) {
   const int64_t N = in.size(0), M = w.size(0);
   const int64_t chunk = std::min(N, stage.numel() / M);
-  DS_CHECK(chunk > 0, "MLA: a staging buffer of {} floats cannot hold one row of {}", stage.numel(), M);
+  DS_CHECK(chunk > 0, "MLA: a staging buffer of {} values cannot hold one row of {}", stage.numel(), M);
   for (int64_t r0 = 0; r0 < N; r0 += chunk) {
     const int64_t n = std::min(chunk, N - r0);
     Tensor out = stage.slice(0, n * M).view({n, M});
@@ -77,22 +77,25 @@ void MLAttention::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   const RopeCache& rope = *ctx.rope;
   DS_CHECK(rope.dim == Dr_ && rope.T >= T, "MLA: rope tables of dim {} for {} positions, need dim {} for {}",
            rope.dim, rope.T, Dr_, T);
+  const DType cd = ctx.compute_dtype;  // every projection and latent; rstd and lse in fp32
   Tensor xs = rows_of(x);             // (N, C)
-  Tensor qkv = ctx.acts->put(mb, key_ + "qkv", {B, T, W});  // (B, T, [q (H,Dqk) | k (H,Dqk) | v (H,Dv)])
+  Tensor qkv = ctx.acts->put(mb, key_ + "qkv", {B, T, W}, cd);  // (B, T, [q (H,Dqk) | k (H,Dqk) | v (H,Dv)])
   // The attention output's buffer stages the projections until the attention writes it; it
   // holds at least one row of the widest projection, for a lone token.
   const int64_t widest = std::max({H_ * (Dn_ + Dv_), H_ * Dqk, Dr_});
-  Tensor stage = ctx.acts->put(mb, key_ + "out", {std::max(N * H_ * Dv_, widest)});
+  Tensor stage = ctx.acts->put(mb, key_ + "out", {std::max(N * H_ * Dv_, widest)}, cd);
   Tensor att = stage.slice(0, N * H_ * Dv_).view({B, T, H_ * Dv_});  // the front of the same buffer
   Tensor rows = qkv.view({N, W});
 
   // Keys and values: the latent c and k_pe from one weight, kv_b_proj from the normed latent.
-  Tensor w_kv_a = reg_.param(kv_a_);  // (kv_rank + Dr, C): rows [c | k_pe]
-  Tensor lat = ctx.acts->put(mb, key_ + "kv_latent", {N, kv_rank_});
-  Tensor lat_norm = ctx.acts->put(mb, key_ + "kv_latent_norm", {N, kv_rank_});
+  Tensor w_kv_a = reg_.compute(kv_a_);  // (kv_rank + Dr, C): rows [c | k_pe]
+  // The latents and their norms' outputs in the compute dtype, as DeepseekV3RMSNorm gives
+  // them (it normalises in fp32 and casts back to its input's dtype).
+  Tensor lat = ctx.acts->put(mb, key_ + "kv_latent", {N, kv_rank_}, cd);
+  Tensor lat_norm = ctx.acts->put(mb, key_ + "kv_latent_norm", {N, kv_rank_}, cd);
   ops::linear_forward(lat, xs, w_kv_a.slice(0, kv_rank_));
   ops::rmsnorm_forward(lat_norm, ctx.acts->put(mb, key_ + "kv_latent_rstd", {N}), lat, reg_.param(kv_norm_), eps_);
-  staged_linear(lat_norm, reg_.param(kv_b_), stage, [&](int64_t r0, Tensor kv) {  // kv (n, H*(Dn+Dv))
+  staged_linear(lat_norm, reg_.compute(kv_b_), stage, [&](int64_t r0, Tensor kv) {  // kv (n, H*(Dn+Dv))
     Tensor dst = rows.slice(r0, r0 + kv.size(0));
     ops::copy_blocks(dst, layout_.k_offset, Dqk, kv, 0, Dn_ + Dv_, H_, Dn_, false);
     ops::copy_blocks(dst, layout_.v_offset, Dv_, kv, Dn_, Dn_ + Dv_, H_, Dv_, false);
@@ -107,13 +110,13 @@ void MLAttention::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
     ops::copy_blocks(rows.slice(r0, r0 + q.size(0)), layout_.q_offset, 0, q, 0, 0, 1, H_ * Dqk, false);
   };
   if (q_rank_ == 0) {
-    staged_linear(xs, reg_.param(q_), stage, scatter_q);
+    staged_linear(xs, reg_.compute(q_), stage, scatter_q);
   } else {
-    Tensor qlat = ctx.acts->put(mb, key_ + "q_latent", {N, q_rank_});
-    Tensor qlat_norm = ctx.acts->put(mb, key_ + "q_latent_norm", {N, q_rank_});
-    ops::linear_forward(qlat, xs, reg_.param(q_a_));
+    Tensor qlat = ctx.acts->put(mb, key_ + "q_latent", {N, q_rank_}, cd);
+    Tensor qlat_norm = ctx.acts->put(mb, key_ + "q_latent_norm", {N, q_rank_}, cd);
+    ops::linear_forward(qlat, xs, reg_.compute(q_a_));
     ops::rmsnorm_forward(qlat_norm, ctx.acts->put(mb, key_ + "q_latent_rstd", {N}), qlat, reg_.param(q_norm_), eps_);
-    staged_linear(qlat_norm, reg_.param(q_b_), stage, scatter_q);
+    staged_linear(qlat_norm, reg_.compute(q_b_), stage, scatter_q);
   }
 
   // The rope parts of the q heads and of the k heads share one column pattern (offset Dn,
@@ -121,7 +124,7 @@ void MLAttention::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   // attention and keeps the backward a plain transpose.
   ops::rope_forward_interleaved(qkv, Dn_, int(2 * H_), Dqk, int(Dr_), rope.cos_table(), rope.sin_table());
   ops::attention_forward(att, ctx.acts->put(mb, key_ + "lse", {B, H_, T}), qkv, layout_, scale_);
-  ops::linear_forward(rows_of(out), rows_of(att), reg_.param(o_), /*accumulate=*/true);
+  ops::linear_forward(rows_of(out), rows_of(att), reg_.compute(o_), /*accumulate=*/true);
 }
 
 void MLAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx) {
@@ -130,6 +133,7 @@ void MLAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor
   const RopeCache& rope = *ctx.rope;
   Scratch& scratch = *ctx.scratch;
   WeightGradStore& wg = *ctx.wgrad;
+  const DType cd = ctx.compute_dtype;  // every gradient here: they belong to compute-dtype tensors
   Tensor xs = rows_of(x);
   Tensor dxs = rows_of(dx);
   Tensor qkv = ctx.acts->get(mb, key_ + "qkv");
@@ -137,45 +141,45 @@ void MLAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor
 
   // "mla.dheads" holds one per-head gradient at a time: d(attention output), then dq, then
   // d[k_nope | v]; "mla.dlatent(_norm)" the query latent's, then the kv latent's.
-  Tensor datt = scratch.get("mla.dheads", {N, H_ * Dv_});
-  wg.linear(datt, reg_.grad(o_), rows_of(dout), rows_of(att), reg_.param(o_));
-  Tensor dqkv = scratch.get("mla.dqkv", {B, T, W});
+  Tensor datt = scratch.get("mla.dheads", {N, H_ * Dv_}, cd);
+  wg.linear(datt, reg_.grad(o_), rows_of(dout), rows_of(att), reg_.compute(o_));
+  Tensor dqkv = scratch.get("mla.dqkv", {B, T, W}, cd);
   ops::attention_backward(dqkv, datt.view({B, T, H_ * Dv_}), qkv, att, ctx.acts->get(mb, key_ + "lse"), layout_, scale_);
   ops::rope_backward_interleaved(dqkv, Dn_, int(2 * H_), Dqk, int(Dr_), rope.cos_table(), rope.sin_table());
   Tensor drows = dqkv.view({N, W});
 
   // Queries: dx is overwritten here and accumulated into below.
-  Tensor dq = scratch.get("mla.dheads", {N, H_ * Dqk});
+  Tensor dq = scratch.get("mla.dheads", {N, H_ * Dqk}, cd);
   ops::copy_blocks(dq, 0, 0, drows, layout_.q_offset, 0, 1, H_ * Dqk, false);
   if (q_rank_ == 0) {
-    wg.linear(dxs, reg_.grad(q_), dq, xs, reg_.param(q_));
+    wg.linear(dxs, reg_.grad(q_), dq, xs, reg_.compute(q_));
   } else {
-    Tensor dlat_norm = scratch.get("mla.dlatent_norm", {N, q_rank_});
-    Tensor dlat = scratch.get("mla.dlatent", {N, q_rank_});
-    wg.linear(dlat_norm, reg_.grad(q_b_), dq, ctx.acts->get(mb, key_ + "q_latent_norm"), reg_.param(q_b_));
+    Tensor dlat_norm = scratch.get("mla.dlatent_norm", {N, q_rank_}, cd);
+    Tensor dlat = scratch.get("mla.dlatent", {N, q_rank_}, cd);
+    wg.linear(dlat_norm, reg_.grad(q_b_), dq, ctx.acts->get(mb, key_ + "q_latent_norm"), reg_.compute(q_b_));
     ops::fill(dlat, 0.0f);  // rmsnorm_backward accumulates
     ops::rmsnorm_backward(dlat, reg_.grad(q_norm_), dlat_norm, ctx.acts->get(mb, key_ + "q_latent"), reg_.param(q_norm_),
                           ctx.acts->get(mb, key_ + "q_latent_rstd"));
-    wg.linear(dxs, reg_.grad(q_a_), dlat, xs, reg_.param(q_a_));
+    wg.linear(dxs, reg_.grad(q_a_), dlat, xs, reg_.compute(q_a_));
   }
 
   // k_pe fed every head's key: its gradient is the sum over heads, in head order.
-  Tensor dk_pe = scratch.get("mla.dk_pe", {N, Dr_});
+  Tensor dk_pe = scratch.get("mla.dk_pe", {N, Dr_}, cd);
   const int64_t k_pe = layout_.k_offset + Dn_;
   ops::copy_blocks(dk_pe, 0, 0, drows, k_pe, 0, 1, Dr_, false);
   ops::copy_blocks(dk_pe, 0, 0, drows, k_pe + Dqk, Dqk, H_ - 1, Dr_, /*accumulate=*/true);
-  Tensor w_kv_a = reg_.param(kv_a_), g_kv_a = reg_.grad(kv_a_);  // rows [c | k_pe]
+  Tensor w_kv_a = reg_.compute(kv_a_), g_kv_a = reg_.grad(kv_a_);  // rows [c | k_pe]
   wg.linear(dxs, g_kv_a.slice(kv_rank_, kv_rank_ + Dr_), dk_pe, xs, w_kv_a.slice(kv_rank_, kv_rank_ + Dr_),
                        /*accumulate_dx=*/true);
 
   // Keys and values through kv_b_proj, the latent norm and the latent rows of kv_a_proj.
   const int64_t Dkv = Dn_ + Dv_;
-  Tensor dkv = scratch.get("mla.dheads", {N, H_ * Dkv});
+  Tensor dkv = scratch.get("mla.dheads", {N, H_ * Dkv}, cd);
   ops::copy_blocks(dkv, 0, Dkv, drows, layout_.k_offset, Dqk, H_, Dn_, false);
   ops::copy_blocks(dkv, Dn_, Dkv, drows, layout_.v_offset, Dv_, H_, Dv_, false);
-  Tensor dlat_norm = scratch.get("mla.dlatent_norm", {N, kv_rank_});
-  Tensor dlat = scratch.get("mla.dlatent", {N, kv_rank_});
-  wg.linear(dlat_norm, reg_.grad(kv_b_), dkv, ctx.acts->get(mb, key_ + "kv_latent_norm"), reg_.param(kv_b_));
+  Tensor dlat_norm = scratch.get("mla.dlatent_norm", {N, kv_rank_}, cd);
+  Tensor dlat = scratch.get("mla.dlatent", {N, kv_rank_}, cd);
+  wg.linear(dlat_norm, reg_.grad(kv_b_), dkv, ctx.acts->get(mb, key_ + "kv_latent_norm"), reg_.compute(kv_b_));
   ops::fill(dlat, 0.0f);
   ops::rmsnorm_backward(dlat, reg_.grad(kv_norm_), dlat_norm, ctx.acts->get(mb, key_ + "kv_latent"), reg_.param(kv_norm_),
                         ctx.acts->get(mb, key_ + "kv_latent_rstd"));

@@ -33,7 +33,8 @@ class MLAttention final : public AttentionBlock {
   ops::AttentionLayout layout_;
   // Parameter ids; q_ is q_proj without a query LoRA, otherwise q_a_/q_norm_/q_b_ are used.
   int q_ = -1, q_a_ = -1, q_norm_ = -1, q_b_ = -1, kv_a_ = -1, kv_norm_ = -1, kv_b_ = -1, o_ = -1;
-  // Stored per micro-batch (keys after key_):
+  // Stored per micro-batch (keys after key_), in the compute dtype but for the rstd and lse
+  // (fp32):
   //   q_latent, q_latent_norm, q_latent_rstd   (N,q_lora_rank) x2, (N); only with a query LoRA
   //   kv_latent, kv_latent_norm, kv_latent_rstd  (N,kv_lora_rank) x2, (N)
   //   qkv                                     (B,T,H*(2*(Dn+Dr)+Dv)) post-rope

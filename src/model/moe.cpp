@@ -126,8 +126,11 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   Meta& m = acts.meta<Meta>(mb, key_ + "meta");
   Tensor xr = x.view({N, C}), outr = out.view({N, C});
 
-  // Router: scores in fp32, then the top-k choice and the weights.
+  // Router: in fp32 whatever the compute dtype, as MoEGate computes F.linear(x.float(),
+  // weight.float()): the fp32 master gate (the kernel widens a 16-bit x), fp32 scores, then
+  // the top-k choice and the weights.
   auto t = Clock::now();
+  const DType cd = ctx.compute_dtype;  // the experts' rows
   Tensor scores = acts.put(mb, key_ + "gate.scores", {N, E});
   ops::linear_forward(scores, xr, reg_.param(gate_));
   ops::moe_scores(scores, scores, scoring_);
@@ -168,28 +171,29 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   stats_.route_seconds += seconds_since(t);
 
   if (shared_inter_ > 0) {
-    Tensor gu = acts.put(mb, key_ + "shared_experts.gate_up", {N, 2 * shared_inter_});
-    Tensor h = acts.put(mb, key_ + "shared_experts.h", {N, shared_inter_});
-    ops::linear_forward(gu, xr, reg_.param_rows(shared_gate_, shared_up_));
+    Tensor gu = acts.put(mb, key_ + "shared_experts.gate_up", {N, 2 * shared_inter_}, cd);
+    Tensor h = acts.put(mb, key_ + "shared_experts.h", {N, shared_inter_}, cd);
+    ops::linear_forward(gu, xr, reg_.compute_rows(shared_gate_, shared_up_));
     ops::swiglu_forward(h, gu);
-    ops::linear_forward(outr, h, reg_.param(shared_down_), /*accumulate=*/true);
+    ops::linear_forward(outr, h, reg_.compute(shared_down_), /*accumulate=*/true);
   }
 
   // Routed experts: one GEMM per expert over its contiguous rows. The outputs overwrite the
-  // inputs in `grouped`, which the backward re-gathers instead of keeping a second copy.
-  Tensor grouped = acts.put(mb, key_ + "experts.grouped", {M, C});
-  Tensor gate_up = acts.put(mb, key_ + "experts.gate_up", {M, 2 * I});
-  Tensor h = acts.put(mb, key_ + "experts.h", {M, I});
+  // inputs in `grouped`, which the backward re-gathers instead of keeping a second copy. All
+  // in the compute dtype; moe_unpermute sums the weighted outputs into the fp32 residual.
+  Tensor grouped = acts.put(mb, key_ + "experts.grouped", {M, C}, cd);
+  Tensor gate_up = acts.put(mb, key_ + "experts.gate_up", {M, 2 * I}, cd);
+  Tensor h = acts.put(mb, key_ + "experts.h", {M, I}, cd);
   t = Clock::now();
   ops::moe_permute(grouped, xr, sorted, int(k));
   stats_.permute_seconds += seconds_since(t);
   for_each_expert(m, [&](int64_t e, int64_t r0, int64_t r1) {
     ops::linear_forward(gate_up.slice(r0, r1), grouped.slice(r0, r1),
-                        reg_.param_rows(expert_gate_[size_t(e)], expert_up_[size_t(e)]));
+                        reg_.compute_rows(expert_gate_[size_t(e)], expert_up_[size_t(e)]));
   });
   ops::swiglu_forward(h, gate_up);
   for_each_expert(m, [&](int64_t e, int64_t r0, int64_t r1) {
-    ops::linear_forward(grouped.slice(r0, r1), h.slice(r0, r1), reg_.param(expert_down_[size_t(e)]));
+    ops::linear_forward(grouped.slice(r0, r1), h.slice(r0, r1), reg_.compute(expert_down_[size_t(e)]));
   });
   t = Clock::now();
   ops::moe_unpermute(outr, grouped, weights, position);
@@ -201,6 +205,7 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
   ActivationStore& acts = *ctx.acts;
   Scratch& scratch = *ctx.scratch;
   WeightGradStore& wg = *ctx.wgrad;
+  const DType cd = ctx.compute_dtype;  // the experts' gradients; the router's stay fp32
   Meta& m = acts.meta<Meta>(mb, key_ + "meta");
   DS_CHECK(m.pending, "{}: MoE backward of micro-batch {} without a forward since its last backward", key_, mb);
   const int64_t C = x.size(2), N = x.numel() / C, E = n_experts_, k = route_.top_k, M = N * k,
@@ -217,11 +222,11 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
   // The expert temporaries share the dense MLP's scratch slots: the shared experts, the
   // routed experts and the dense layers use them one after another, never at once.
   if (shared_inter_ > 0) {
-    Tensor dh = scratch.get("mlp.dh", {N, shared_inter_});
-    Tensor dgu = scratch.get("mlp.dgate_up", {N, 2 * shared_inter_});
-    wg.linear(dh, reg_.grad(shared_down_), doutr, acts.get(mb, key_ + "shared_experts.h"), reg_.param(shared_down_));
+    Tensor dh = scratch.get("mlp.dh", {N, shared_inter_}, cd);
+    Tensor dgu = scratch.get("mlp.dgate_up", {N, 2 * shared_inter_}, cd);
+    wg.linear(dh, reg_.grad(shared_down_), doutr, acts.get(mb, key_ + "shared_experts.h"), reg_.compute(shared_down_));
     ops::swiglu_backward(dgu, dh, acts.get(mb, key_ + "shared_experts.gate_up"));
-    wg.linear(dxr, reg_.grad_rows(shared_gate_, shared_up_), dgu, xr, reg_.param_rows(shared_gate_, shared_up_));
+    wg.linear(dxr, reg_.grad_rows(shared_gate_, shared_up_), dgu, xr, reg_.compute_rows(shared_gate_, shared_up_));
   } else {
     ops::fill(dxr, 0.0f);
   }
@@ -230,16 +235,16 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
   Tensor grouped = acts.get(mb, key_ + "experts.grouped");  // the experts' outputs
   Tensor gate_up = acts.get(mb, key_ + "experts.gate_up");
   Tensor h = acts.get(mb, key_ + "experts.h");
-  Tensor dgrouped = scratch.get("moe.dgrouped", {M, C});
+  Tensor dgrouped = scratch.get("moe.dgrouped", {M, C}, cd);
   Tensor dweights = scratch.get("moe.dweights", {N, k});
-  Tensor dh = scratch.get("mlp.dh", {M, I});
-  Tensor dgu = scratch.get("mlp.dgate_up", {M, 2 * I});
+  Tensor dh = scratch.get("mlp.dh", {M, I}, cd);
+  Tensor dgu = scratch.get("mlp.dgate_up", {M, 2 * I}, cd);
   auto t = Clock::now();
   ops::moe_unpermute_backward(dgrouped, dweights, doutr, grouped, weights, sorted);
   stats_.permute_seconds += seconds_since(t);
   for_each_expert(m, [&](int64_t e, int64_t r0, int64_t r1) {
     wg.linear(dh.slice(r0, r1), reg_.grad(expert_down_[size_t(e)]), dgrouped.slice(r0, r1), h.slice(r0, r1),
-              reg_.param(expert_down_[size_t(e)]));
+              reg_.compute(expert_down_[size_t(e)]));
   });
   ops::swiglu_backward(dgu, dh, gate_up);
   // The expert inputs again (into dgrouped, now consumed); their gradients go into grouped,
@@ -250,13 +255,14 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
   stats_.permute_seconds += seconds_since(t);
   for_each_expert(m, [&](int64_t e, int64_t r0, int64_t r1) {
     const int g = expert_gate_[size_t(e)], u = expert_up_[size_t(e)];
-    wg.linear(dxg.slice(r0, r1), reg_.grad_rows(g, u), dgu.slice(r0, r1), xg.slice(r0, r1), reg_.param_rows(g, u));
+    wg.linear(dxg.slice(r0, r1), reg_.grad_rows(g, u), dgu.slice(r0, r1), xg.slice(r0, r1), reg_.compute_rows(g, u));
   });
   t = Clock::now();
   ops::moe_permute_backward(dxr, dxg, position, /*accumulate=*/true);
   stats_.permute_seconds += seconds_since(t);
 
-  // Router: through the weights (and the aux loss) into the scores, the logits, the gate.
+  // Router, in fp32: through the weights (and the aux loss) into the scores, the logits, the
+  // fp32 gate; its input gradient is rounded once as it is added to dx.
   t = Clock::now();
   Tensor dscores = scratch.get("moe.dscores", {N, E});
   ops::moe_route_backward(dscores, dweights, ids, scores, route_);
@@ -283,6 +289,9 @@ void MoEBlock::update_routing_bias(const std::vector<int64_t>& counts, double ga
   Buffer on_device("moe.tokens_per_expert", MemCategory::Workspace, DType::I64, n_experts_, reg_.device());
   ops::copy(on_device.tensor(), Tensor(const_cast<int64_t*>(counts.data()), DType::I64, Shape{n_experts_}));
   ops::moe_bias_update(reg_.param(bias_), on_device.tensor(), float(gamma));
+  // The routing reads the fp32 bias; its compute copy follows the master all the same, so the
+  // copy stays the rounded masters everywhere.
+  if (reg_.has_compute_copy()) ops::cast(reg_.compute(bias_), reg_.param(bias_));
 }
 
 }  // namespace dstrain

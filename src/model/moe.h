@@ -91,7 +91,8 @@ class MoEBlock : public FeedForwardBlock {
   std::vector<Buffer> aux_values_;
   std::vector<double> aux_scales_;
   size_t aux_pending_ = 0;
-  // Stored per micro-batch (keys after key_): gate.scores (N,E) after softmax/sigmoid,
+  // Stored per micro-batch (keys after key_); the router's in fp32, the experts' rows in the
+  // compute dtype: gate.scores (N,E) after softmax/sigmoid,
   // gate.weights (N,k), gate.ids (N,k) int32, gate.aux_coef (G,E) (G = B with seq_aux, else
   // 1), plan.offsets (E+1) int64, plan.sorted and plan.position (M) int32, experts.grouped
   // (M,C) expert inputs in expert order, then their outputs, experts.gate_up (M,2I),

@@ -116,7 +116,8 @@ void Transformer::set_compute_dtype(DType dtype) {
   ctx_.compute_dtype = dtype;
 }
 
-Tensor Transformer::head_weight() const { return reg_.param(lm_head_ >= 0 ? lm_head_ : embed_); }
+// The head is a GEMM: it reads the compute copy (the embedding's, when tied).
+Tensor Transformer::head_weight() const { return reg_.compute(lm_head_ >= 0 ? lm_head_ : embed_); }
 Tensor Transformer::head_grad() const { return reg_.grad(lm_head_ >= 0 ? lm_head_ : embed_); }
 
 int64_t Transformer::head_chunk_rows() const {
@@ -128,41 +129,55 @@ int64_t Transformer::head_chunk_rows() const {
 int64_t Transformer::activation_bytes(int64_t B, int64_t T) const {
   const ModelConfig& c = config_;
   const int64_t C = c.hidden_size, H = c.num_attention_heads, N = B * T, V = c.vocab_size;
+  const int64_t cs = int64_t(dtype_size(ctx_.compute_dtype));
+  // Sizes per token, as {fp32 elements (or int32), compute-dtype elements}: the residual
+  // stream, rstd, lse, logits and the router's tensors are fp32, the rest is in the compute
+  // dtype (see PRECISION.md); gradients have the dtype of their activation.
+  struct Elems {
+    int64_t f32 = 0, cd = 0;
+    Elems operator+(const Elems& o) const { return {f32 + o.f32, cd + o.cd}; }
+    Elems operator*(int64_t k) const { return {f32 * k, cd * k}; }
+  };
   // Attention, kept per token: GQA keeps q|k|v, its output and a log-sum-exp per head; MLA
   // also its latents with their norms (see model/mla.h).
-  int64_t attn = 0, attn_scratch = 0;
+  Elems attn, attn_scratch;
   if (c.mla()) {
     const int64_t Dqk = c.qk_head_dim(), Dv = c.v_head_dim, W = H * (2 * Dqk + Dv);
-    attn = 2 * c.kv_lora_rank + 1 + (c.q_lora_rank ? 2 * c.q_lora_rank + 1 : 0) + W + H * Dv + H;
-    attn_scratch = W + std::max({H * Dv, H * Dqk, H * (c.qk_nope_head_dim + Dv)}) +
-                   2 * std::max(c.q_lora_rank, c.kv_lora_rank) + c.qk_rope_head_dim;
+    attn = {1 + (c.q_lora_rank ? 1 : 0) + H, 2 * c.kv_lora_rank + (c.q_lora_rank ? 2 * c.q_lora_rank : 0) + W + H * Dv};
+    attn_scratch = {0, W + std::max({H * Dv, H * Dqk, H * (c.qk_nope_head_dim + Dv)}) +
+                           2 * std::max(c.q_lora_rank, c.kv_lora_rank) + c.qk_rope_head_dim};
   } else {
     const int64_t D = c.head_dim(), W = (H + 2 * c.num_key_value_heads) * D;
-    attn = W + H * D + H;
-    attn_scratch = W + H * D;
+    attn = {H, W + H * D};
+    attn_scratch = {0, W + H * D};
   }
   // Feed-forward, kept per token: SwiGLU's gate|up and output; a MoE layer's scores, routes
   // and, per routed copy of the token, its input row, gate|up, output and expert output,
   // plus the shared experts.
-  auto ffn = [&](int64_t l) -> int64_t {
-    if (!c.is_moe_layer(l)) return 3 * c.intermediate_size;
+  auto ffn = [&](int64_t l) -> Elems {
+    if (!c.is_moe_layer(l)) return {0, 3 * c.intermediate_size};
     const int64_t k = c.num_experts_per_tok, I = c.moe_intermediate_size, Is = I * c.n_shared_experts;
-    return 2 * c.n_routed_experts + 2 * k + k * (C + 3 * I + C) + 3 * Is;
+    return {2 * c.n_routed_experts + 2 * k, k * (C + 3 * I + C) + 3 * Is};
   };
-  int64_t per_token = C /*embedding output*/ + C + 1 /*final norm*/;
-  int64_t widest_ffn = 0;
+  Elems per_token{C /*embedding output*/ + 1, C /*final norm*/};
+  Elems widest_ffn;
   for (int64_t l = 0; l < c.num_hidden_layers + c.num_nextn_predict_layers; ++l) {
     // Norms with their rstd, the residual in the middle and at the end, attention, FFN.
-    per_token += 2 * (C + 1) + 2 * C + attn + ffn(l);
-    if (l >= c.num_hidden_layers) per_token += 6 * C + 3;  // MTP: embedding, norms, [e|h], projection
-    widest_ffn = std::max(widest_ffn, ffn(l));
+    per_token = per_token + Elems{2 + 2 * C, 2 * C} + attn + ffn(l);
+    // MTP: embedding and projection (fp32), norms and [e|h] (compute dtype).
+    if (l >= c.num_hidden_layers) per_token = per_token + Elems{2 * C + 3, 4 * C};
+    const Elems f = ffn(l);
+    if (f.f32 * 4 + f.cd * cs > widest_ffn.f32 * 4 + widest_ffn.cd * cs) widest_ffn = f;
   }
   const int64_t chunk = std::min(N, head_chunk_rows());
-  const int64_t head = chunk * V + 2 * chunk + N /*losses*/;
-  // Backward temporaries shared by the layers: residual and head gradients, dln, the widest
-  // attention and feed-forward gradients.
-  const int64_t scratch = N * (3 * C + attn_scratch + widest_ffn);
-  return (N * per_token + head + scratch) * int64_t(sizeof(float));
+  const Elems head{chunk * V + 2 * chunk + N /*losses*/, 0};
+  // Backward temporaries shared by the layers: the residual's gradient (fp32), the head's and
+  // dln (compute dtype), the widest attention and feed-forward gradients.
+  // A sharded layer's 16-bit input gradient is summed over the tensor group in fp32.
+  const int64_t tp_dx = shard_.tp_size > 1 && cs < 4 ? C : 0;
+  const Elems scratch = (Elems{C + tp_dx, 2 * C} + attn_scratch + widest_ffn) * N;
+  const Elems all = per_token * N + head + scratch;
+  return all.f32 * int64_t(sizeof(float)) + all.cd * cs;
 }
 
 void Transformer::release_activations() {
@@ -181,7 +196,8 @@ void Transformer::forward_body(int mb, Tensor tokens) {
   // A copy, so the caller's tokens need not outlive the forward.
   Tensor tok = acts_.put(mb, "tokens", {B, T}, DType::I32);
   ops::copy(tok, tokens);
-  // The residual stream: "residual.0" the embedding output, "residual.{l+1}" after layer l.
+  // The residual stream, in fp32 whatever the compute dtype: "residual.0" the embedding output
+  // (looked up in the fp32 master), "residual.{l+1}" after layer l.
   auto residual = [&](size_t l) { return acts_.put(mb, fmt::format("residual.{}", l), {B, T, C}); };
   Tensor x = residual(0);
   ctx_.before_use(embed_, embed_);
@@ -192,8 +208,9 @@ void Transformer::forward_body(int mb, Tensor tokens) {
     x = next;
   }
   ctx_.before_use(final_norm_, final_norm_);
-  ops::rmsnorm_forward(acts_.put(mb, "final_norm.out", {B, T, C}), acts_.put(mb, "final_norm.rstd", {B, T}), x,
-                       reg_.param(final_norm_), float(config_.rms_norm_eps));
+  ops::rmsnorm_forward(acts_.put(mb, "final_norm.out", {B, T, C}, ctx_.compute_dtype),
+                       acts_.put(mb, "final_norm.rstd", {B, T}), x, reg_.param(final_norm_),
+                       float(config_.rms_norm_eps));
 }
 
 void Transformer::head(Tensor x, Tensor targets, bool backward, float scale, Tensor dx, Tensor sums) {
@@ -205,7 +222,8 @@ void Transformer::head(Tensor x, Tensor targets, bool backward, float scale, Ten
   Tensor w = head_weight();
   const int64_t chunk = std::min(N, head_chunk_rows());
   // Transient: each chunk's loss and gradient are formed at once, so the head keeps nothing
-  // for the backward.
+  // for the backward. The logits are an fp32 GEMM output (from the compute-dtype x and
+  // weights) and the cross-entropy is fp32; dx has x's dtype.
   Tensor losses = scratch_.get("head.losses", {N});
   Tensor logits_buf = scratch_.get("head.logits", {chunk, V});
   Tensor lse_buf = scratch_.get("head.lse", {chunk});
@@ -273,6 +291,7 @@ void Transformer::grad_ready(int mb, int first, int last) {
 void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor targets, Tensor dxf, Tensor sums) {
   const int64_t B = targets.size(0), T = targets.size(1), C = config_.hidden_size, N = B * T;
   const float eps = float(config_.rms_norm_eps);
+  const DType cd = ctx_.compute_dtype;
   // Forward through the depths: module k (0-based) reads token t+k+1 at position t (targets
   // column t+k) and predicts token t+k+2 (targets column t+k+1).
   Tensor h_prev = acts_.get(mb, "final_norm.out");
@@ -286,19 +305,22 @@ void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor 
     Tensor inputs = act(m, "inputs", {B, T}, DType::I32), tgt = act(m, "targets", {B, T}, DType::I32);
     ops::shift_tokens(inputs, targets, int64_t(k), /*fill=*/0, /*ignore_as=*/0);
     ops::shift_tokens(tgt, targets, int64_t(k) + 1, ops::kIgnoreIndex, ops::kIgnoreIndex);
-    Tensor emb = act(m, "emb", {N, C}), cat = act(m, "cat", {N, 2 * C});
+    // As in the main model: the embedding (from the fp32 master), the projection's output h_in
+    // (the module's residual stream) and h_out in fp32; the norms' outputs and their
+    // concatenation, which only feed eh_proj, in the compute dtype.
+    Tensor emb = act(m, "emb", {N, C}), cat = act(m, "cat", {N, 2 * C}, cd);
     ctx_.before_use(embed_, embed_);  // shared with the main model
     ops::embedding_forward(emb, inputs.view({N}), reg_.param(embed_));
-    Tensor en = scratch_.get("mtp.enorm", {N, C}), hn = act(m, "hnorm", {N, C});
+    Tensor en = scratch_.get("mtp.enorm", {N, C}, cd), hn = act(m, "hnorm", {N, C}, cd);
     ops::rmsnorm_forward(en, act(m, "e_rstd", {N}), emb, reg_.param(m.enorm), eps);
     ops::rmsnorm_forward(hn, act(m, "h_rstd", {N}), h_prev.view({N, C}), reg_.param(m.hnorm), eps);
     // cat = [enorm(embedding) | hnorm(hidden)] per row.
     ops::copy_blocks(cat, 0, 0, en, 0, 0, 1, C, false);
     ops::copy_blocks(cat, C, 0, hn, 0, 0, 1, C, false);
     Tensor h_in = act(m, "h_in", {B, T, C}), h_out = act(m, "h_out", {B, T, C});
-    ops::linear_forward(h_in.view({N, C}), cat, reg_.param(m.eh_proj));
+    ops::linear_forward(h_in.view({N, C}), cat, reg_.compute(m.eh_proj));
     m.layer->forward(ctx_, mb, h_in, h_out);
-    Tensor on = act(m, "out_norm", {N, C});
+    Tensor on = act(m, "out_norm", {N, C}, cd);
     ops::rmsnorm_forward(on, act(m, "out_rstd", {N}), h_out.view({N, C}), reg_.param(m.head_norm), eps);
     h_prevs[k] = h_prev;
     h_prev = h_out;
@@ -310,11 +332,13 @@ void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor 
   std::vector<Tensor> d_out(mtp_.size());
   for (size_t k = 0; k < mtp_.size(); ++k) {
     MtpModule& m = mtp_[k];
-    d_out[k] = scratch_.get(fmt::format("mtp.{}.d_out", k), {N, C});
+    d_out[k] = scratch_.get(fmt::format("mtp.{}.d_out", k), {N, C}, cd);
     head(get(m, "out_norm"), get(m, "targets"), true, scales.mtp_token[k], d_out[k],
          sums.slice(2 + 2 * int64_t(k), 4 + 2 * int64_t(k)));
   }
-  // Backward from the deepest module: dh carries the gradient w.r.t. h^k from depth k+1.
+  // Backward from the deepest module: dh carries the gradient w.r.t. h^k from depth k+1. The
+  // gradients of fp32 activations (dh, demb) are fp32, those of the norms' outputs and of
+  // their concatenation (dcat, de, dhn) in the compute dtype.
   const auto t0 = Clock::now();
   Tensor dh = scratch_.get("mtp.dh", {B, T, C});
   ops::fill(dh, 0.0f);
@@ -324,9 +348,9 @@ void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor 
     ops::rmsnorm_backward(dh.view({N, C}), reg_.grad(m.head_norm), d_out[k], get(m, "h_out").view({N, C}),
                           reg_.param(m.head_norm), get(m, "out_rstd"));
     m.layer->backward(ctx_, mb, dh);  // dh: w.r.t. h_in now
-    Tensor dcat = scratch_.get("mtp.dcat", {N, 2 * C});
-    ops::linear_backward(dcat, reg_.grad(m.eh_proj), dh.view({N, C}), get(m, "cat"), reg_.param(m.eh_proj));
-    Tensor de = scratch_.get("mtp.de", {N, C}), dhn = scratch_.get("mtp.dhn", {N, C});
+    Tensor dcat = scratch_.get("mtp.dcat", {N, 2 * C}, cd);
+    ops::linear_backward(dcat, reg_.grad(m.eh_proj), dh.view({N, C}), get(m, "cat"), reg_.compute(m.eh_proj));
+    Tensor de = scratch_.get("mtp.de", {N, C}, cd), dhn = scratch_.get("mtp.dhn", {N, C}, cd);
     ops::copy_blocks(de, 0, 0, dcat, 0, 0, 1, C, false);
     ops::copy_blocks(dhn, 0, 0, dcat, C, 0, 1, C, false);
     Tensor demb = scratch_.get("mtp.demb", {N, C});
@@ -413,7 +437,7 @@ LossSums Transformer::forward(int mb, Tensor tokens, Tensor targets, const LossS
   forward_body(mb, tokens);
   const int64_t B = tokens.size(0), T = tokens.size(1), N = B * T, C = config_.hidden_size;
   DS_CHECK(targets.numel() == N, "targets {} for tokens {}", targets.shape().str(), tokens.shape().str());
-  Tensor dxf = acts_.put(mb, "head.dxf", {N, C});
+  Tensor dxf = acts_.put(mb, "head.dxf", {N, C}, ctx_.compute_dtype);  // of final_norm.out
   Tensor sums = zeroed_sums(mb);
   head(acts_.get(mb, "final_norm.out"), targets, /*backward=*/true, scales.token, dxf, sums.slice(0, 2));
   const bool with_mtp = !mtp_.empty() && !scales.mtp_token.empty();

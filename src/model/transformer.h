@@ -61,7 +61,9 @@ class Transformer {
   // Mixed precision: the dtype the forward and backward compute in (F32, BF16 or F16). The
   // masters, gradients and optimizer state stay fp32; a 16-bit dtype makes the registry's
   // compute copy of the weights (from the masters as they are now: set it after loading them,
-  // or call params().refresh_compute() after changing them).
+  // or call params().refresh_compute() after changing them), which the GEMMs read (but the
+  // MoE router's, fp32 as Hugging Face's MoEGate), and stores the activations that only feed
+  // GEMMs in that dtype, the residual stream, norms' rstd, logits and loss in fp32.
   void set_compute_dtype(DType dtype);
   DType compute_dtype() const { return ctx_.compute_dtype; }
   const ActivationStore& activations() const { return acts_; }

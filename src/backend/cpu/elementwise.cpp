@@ -4,6 +4,7 @@
 #include <cstring>
 #include <vector>
 
+#include "backend/cpu/convert16.h"
 #include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/widen.h"
 #include "core/philox.h"
@@ -275,6 +276,15 @@ void cast(Tensor dst, Tensor src) {
     std::memcpy(dst.raw(), src.raw(), src.nbytes());
     return;
   }
+  // fp32 <-> 16-bit: the vectorised bulk conversions (bit for bit those of core/dtype.h).
+  const DType s = src.dtype(), d = dst.dtype();
+  const auto* s16 = static_cast<const uint16_t*>(src.raw());
+  auto* d16 = static_cast<uint16_t*>(dst.raw());
+  if (s == DType::BF16 && d == DType::F32) return bulk_bf16_to_f32(s16, dst.data<float>(), n);
+  if (s == DType::F16 && d == DType::F32) return bulk_f16_to_f32(s16, dst.data<float>(), n);
+  if (s == DType::F32 && d == DType::BF16) return bulk_f32_to_bf16(src.data<float>(), d16, n);
+  if (s == DType::F32 && d == DType::F16) return bulk_f32_to_f16(src.data<float>(), d16, n);
+  // BF16 <-> F16 (not used by dstrain's mixed precision): through fp32, element by element.
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) store(dst, i, load(src, i));
 }

@@ -4,6 +4,7 @@
 
 #include "backend/backend.h"
 #include "backend/cpu/cpu_ops.h"
+#include "backend/cpu/gemm16.h"
 
 namespace dstrain::cpu {
 namespace {
@@ -38,7 +39,43 @@ void linear_backward(Tensor dx, Tensor dw, Tensor dout, Tensor x, Tensor w, bool
   }
 }
 
-// No fused 16-bit GEMM yet: the generic widening kernels serve linear_forward/backward.
-void fill_gemm_16bit(OpTable&) {}
+// ---- 16-bit slots (BF16 / F16) ----------------------------------------------------------
+// Any mix of fp32 and the slot's 16-bit type (backend/ops.def): x, w 16-bit; out 16-bit, or fp32
+// when the layer adds into the fp32 residual (accumulate); dout 16-bit, or the fp32 residual
+// gradient; dx 16-bit or fp32; dw fp32 (the master gradient, added to in fp32, never rounded to
+// 16 bits). Every product accumulates in fp32 (gemm16.h: oneDNN bf16 on CPUs with hardware bf16,
+// else widening to fp32 and OpenBLAS sgemm).
+void linear_forward_16bit(Tensor out, Tensor x, Tensor w, bool accumulate) {
+  check_matrix(w, "linear weight");
+  const int64_t M = rows(x), K = x.size(-1), N = w.size(0);
+  DS_CHECK(w.size(1) == K && rows(out) == M && out.size(-1) == N, "linear_forward: x {} · w {}^T -> out {}",
+           x.shape().str(), w.shape().str(), out.shape().str());
+  gemm_mixed(false, true, M, N, K, {x.raw(), x.dtype()}, {w.raw(), w.dtype()}, accumulate, out.raw(), out.dtype());
+}
+
+void linear_backward_16bit(Tensor dx, Tensor dw, Tensor dout, Tensor x, Tensor w, bool accumulate_dx) {
+  const int64_t M = rows(dout), N = dout.size(-1), K = w.size(1);
+  DS_CHECK(w.size(0) == N && rows(x) == M && x.size(-1) == K, "linear_backward: dout {} x {} w {}",
+           dout.shape().str(), x.shape().str(), w.shape().str());
+  DS_CHECK(!dx.defined() || dx.numel() == M * K, "linear_backward: dx {} for x {}", dx.shape().str(),
+           x.shape().str());
+  DS_CHECK(!dw.defined() || dw.numel() == N * K, "linear_backward: dw {} for w {}", dw.shape().str(),
+           w.shape().str());
+  GemmOperand d{dout.raw(), dout.dtype()};
+  // A 16-bit dout read by both products is widened once when they compute in fp32.
+  if (dx.defined() && dw.defined() && dout.dtype() != DType::F32 && gemm16_computes_in_f32(dout.dtype())) {
+    d = {gemm16_widen_shared(d, M * N), DType::F32};
+  }
+  if (dx.defined()) gemm_mixed(false, false, M, K, N, d, {w.raw(), w.dtype()}, accumulate_dx, dx.raw(), dx.dtype());
+  if (dw.defined()) gemm_mixed(true, false, N, K, M, d, {x.raw(), x.dtype()}, true, dw.raw(), dw.dtype());
+}
+
+// The fused 16-bit linear kernels replace the generic widening ones in both 16-bit slots.
+void fill_gemm_16bit(OpTable& t) {
+  for (KernelDType k : {KernelDType::BF16, KernelDType::F16}) {
+    t.linear_forward[size_t(k)] = &linear_forward_16bit;
+    t.linear_backward[size_t(k)] = &linear_backward_16bit;
+  }
+}
 
 }  // namespace dstrain::cpu

@@ -1,0 +1,336 @@
+// 16-bit GEMMs of the CPU backend (see gemm16.h).
+//
+// Why these two paths (measured with validation/gemm_ceiling on an AVX2-only AMD EPYC, and from
+// the libraries' documentation for the others):
+// - oneDNN (libdnnl, Debian 2.6) implements bf16 matmul only from AVX-512 up: natively with
+//   vdpbf16ps on AVX-512 BF16 (Cooper Lake, Zen 4) and with AMX tiles on Sapphire Rapids, by
+//   emulation on plain AVX-512; on an AVX2 CPU it refuses to create the primitive. It takes all
+//   three layouts of a linear layer through strides, writes fp32 or bf16, accumulates into the
+//   output with a sum post-op and threads with OpenMP like the rest of dstrain: on CPUs with
+//   hardware bf16 it is the bf16 path.
+// - libxsmm (Debian 1.17) JITs bf16 kernels only for AVX-512 (none on AVX2: the dispatch returns
+//   NULL and its batch interface fails), for small column-major blocks that we would have to tile
+//   and thread ourselves, with the A operand in its VNNI-packed layout and no transposed bf16 case:
+//   not used.
+// - Without hardware bf16 the fastest correct product is OpenBLAS's fp32 sgemm: widening a bf16
+//   or f16 operand to fp32 is exact and costs one pass over it, small beside the O(mnk) product, so
+//   the 16-bit GEMMs run at nearly the fp32 speed (and fp32 accumulation is what the contract asks).
+#include "backend/cpu/gemm16.h"
+
+#include <cblas.h>
+#include <cpuid.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+
+#include <dnnl.hpp>
+
+#include "backend/cpu/convert16.h"
+#include "core/error.h"
+#include "core/log.h"
+
+namespace dstrain::cpu {
+namespace {
+
+bool is16(DType t) { return t == DType::BF16 || t == DType::F16; }
+
+void check_float(DType t, const char* what) {
+  DS_CHECK(t == DType::F32 || is16(t), "gemm: {} is {}, expected F32, BF16 or F16", what, dtype_name(t));
+}
+
+const void* advance(const void* p, DType t, int64_t elements) {
+  return static_cast<const char*>(p) + elements * int64_t(dtype_size(t));
+}
+void* advance(void* p, DType t, int64_t elements) { return static_cast<char*>(p) + elements * int64_t(dtype_size(t)); }
+
+// Per-thread scratch, grown when a call needs more and then kept: no allocation per call. Plain
+// aligned host memory rather than a Buffer: a Buffer's allocator may be gone (Kokkos finalised)
+// by the time the main thread's thread_local objects are destroyed.
+enum Slot { kSlotA, kSlotB, kSlotC, kSlotShared, kSlotDout, kSlots };
+struct Scratch {
+  struct Block {
+    void* data = nullptr;
+    int64_t bytes = 0;
+  };
+  std::array<Block, kSlots> blocks;
+  ~Scratch() {
+    for (Block& b : blocks) std::free(b.data);
+  }
+};
+void* scratch(int slot, int64_t bytes) {
+  thread_local Scratch s;
+  Scratch::Block& b = s.blocks[size_t(slot)];
+  if (b.bytes < bytes) {
+    const int64_t grown = std::max(bytes, b.bytes * 3 / 2);
+    const int64_t rounded = (grown + 63) / 64 * 64;
+    void* p = std::aligned_alloc(64, size_t(rounded));
+    DS_CHECK(p != nullptr, "16-bit GEMM: cannot allocate {} bytes of scratch", rounded);
+    std::free(b.data);
+    b = {p, rounded};
+  }
+  return b.data;
+}
+
+void widen(const void* src, DType t, float* dst, int64_t n) {
+  if (t == DType::BF16) {
+    bulk_bf16_to_f32(static_cast<const uint16_t*>(src), dst, n);
+  } else if (t == DType::F16) {
+    bulk_f16_to_f32(static_cast<const uint16_t*>(src), dst, n);
+  } else {
+    std::memcpy(dst, src, size_t(n) * 4);
+  }
+}
+void narrow(const float* src, void* dst, DType t, int64_t n) {
+  if (t == DType::BF16) {
+    bulk_f32_to_bf16(src, static_cast<uint16_t*>(dst), n);
+  } else if (t == DType::F16) {
+    bulk_f32_to_f16(src, static_cast<uint16_t*>(dst), n);
+  } else {
+    std::memcpy(dst, src, size_t(n) * 4);
+  }
+}
+// The operand as fp32: itself, or widened into a scratch slot.
+const float* as_f32(GemmOperand op, int64_t n, int slot) {
+  if (op.dtype == DType::F32) return static_cast<const float*>(op.data);
+  float* s = static_cast<float*>(scratch(slot, n * 4));
+  widen(op.data, op.dtype, s, n);
+  return s;
+}
+
+void sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
+           float beta, float* c, int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, int(m), int(n), int(k),
+              1.0f, a, int(lda), b, int(ldb), beta, c, int(ldc));
+}
+
+// ---- widen + OpenBLAS sgemm -----------------------------------------------------------------
+// A 16-bit C is computed in blocks of rows into fp32 scratch (and, when A is 16-bit and not
+// transposed, only that block of A is widened), so the scratch stays bounded however large C is.
+// Blocks of at least kMinBlockRows rows: each sgemm call packs all of B again, which costs about
+// as much as 1/(2*rows) of the product's work per element; fewer rows than this would show.
+constexpr int64_t kBlockElements = int64_t(1) << 21, kMinBlockRows = 512;
+
+void gemm_convert(bool ta, bool tb, int64_t m, int64_t n, int64_t k, GemmOperand a, GemmOperand b, bool accumulate,
+                  void* c, DType ct) {
+  const int64_t lda = ta ? m : k, ldb = tb ? k : n;
+  const float* B = as_f32(b, k * n, kSlotB);
+  if (ct == DType::F32) {
+    const float* A = as_f32(a, m * k, kSlotA);
+    sgemm(ta, tb, m, n, k, A, lda, B, ldb, accumulate ? 1.0f : 0.0f, static_cast<float*>(c), n);
+    return;
+  }
+  const int64_t rows = std::min(m, std::max(kMinBlockRows, kBlockElements / std::max<int64_t>(n, 1)));
+  float* C = static_cast<float*>(scratch(kSlotC, rows * n * 4));
+  const bool block_a = a.dtype != DType::F32 && !ta;
+  const float* A_all = block_a ? nullptr : as_f32(a, m * k, kSlotA);
+  for (int64_t i0 = 0; i0 < m; i0 += rows) {
+    const int64_t mb = std::min(rows, m - i0);
+    const float* A;
+    if (block_a) {
+      float* s = static_cast<float*>(scratch(kSlotA, mb * k * 4));
+      widen(advance(a.data, a.dtype, i0 * k), a.dtype, s, mb * k);
+      A = s;
+    } else {
+      A = ta ? A_all + i0 : A_all + i0 * k;
+    }
+    void* c_rows = advance(c, ct, i0 * n);
+    if (accumulate) widen(c_rows, ct, C, mb * n);
+    sgemm(ta, tb, mb, n, k, A, lda, B, ldb, accumulate ? 1.0f : 0.0f, C, n);
+    narrow(C, c_rows, ct, mb * n);
+  }
+}
+
+// ---- oneDNN matmul ------------------------------------------------------------------------
+dnnl::engine& dnnl_engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+// (rows, cols), stored row-major or as the transpose of a row-major (cols, rows) matrix.
+dnnl::memory::desc matrix_desc(int64_t rows, int64_t cols, bool transposed, dnnl::memory::data_type dt) {
+  return dnnl::memory::desc({rows, cols}, dt, transposed ? dnnl::memory::dims{1, rows} : dnnl::memory::dims{cols, 1});
+}
+
+struct DnnlGemm {
+  dnnl::memory::desc a, b, c;
+  dnnl::matmul prim;
+};
+
+// Primitives are built once per shape and kept (executing one is thread-safe).
+const DnnlGemm& dnnl_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, dnnl::memory::data_type in,
+                          dnnl::memory::data_type out, bool accumulate) {
+  using Key = std::tuple<bool, bool, int64_t, int64_t, int64_t, int, int, bool>;
+  static std::mutex mutex;
+  static std::map<Key, std::unique_ptr<DnnlGemm>> cache;
+  const Key key{ta, tb, m, n, k, int(in), int(out), accumulate};
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(key);
+  if (it != cache.end()) return *it->second;
+  auto g = std::make_unique<DnnlGemm>();
+  g->a = matrix_desc(m, k, ta, in);
+  g->b = matrix_desc(k, n, tb, in);
+  g->c = matrix_desc(m, n, false, out);
+  dnnl::primitive_attr attr;
+  if (accumulate) {
+    dnnl::post_ops po;
+    po.append_sum(1.0f);
+    attr.set_post_ops(po);
+  }
+  try {
+    g->prim = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(g->a, g->b, g->c), attr, dnnl_engine()));
+  } catch (const dnnl::error& e) {
+    DS_FAIL("oneDNN refused a {}x{}x{} matmul ({}): {}", m, n, k, in == dnnl::memory::data_type::bf16 ? "bf16" : "f32",
+            e.what());
+  }
+  return *cache.emplace(key, std::move(g)).first->second;
+}
+
+// The operand in the compute type: itself, or converted into a scratch slot (to bf16 through fp32
+// when it is F16; the two 16-bit types never meet in dstrain, but stay correct if they did).
+const void* as_compute(GemmOperand op, int64_t n, int slot, bool bf16) {
+  if (!bf16) return as_f32(op, n, slot);
+  if (op.dtype == DType::BF16) return op.data;
+  const float* f = op.dtype == DType::F32 ? static_cast<const float*>(op.data) : as_f32(op, n, kSlotShared);
+  uint16_t* s = static_cast<uint16_t*>(scratch(slot, n * 2));
+  bulk_f32_to_bf16(f, s, n);
+  return s;
+}
+
+void gemm_onednn(bool ta, bool tb, int64_t m, int64_t n, int64_t k, GemmOperand a, GemmOperand b, bool accumulate,
+                 void* c, DType ct, bool bf16) {
+  using dt = dnnl::memory::data_type;
+  const dt in = bf16 ? dt::bf16 : dt::f32;
+  // oneDNN writes fp32, or bf16 straight into a BF16 output of the bf16 path; F16 (and BF16 in
+  // the fp32 check path) goes through fp32 scratch.
+  const bool direct_c = ct == DType::F32 || (bf16 && ct == DType::BF16);
+  const dt out = direct_c && ct == DType::BF16 ? dt::bf16 : dt::f32;
+  const void* A = as_compute(a, m * k, kSlotA, bf16);
+  const void* B = as_compute(b, k * n, kSlotB, bf16);
+  void* C = c;
+  if (!direct_c) {
+    C = scratch(kSlotC, m * n * 4);
+    if (accumulate) widen(c, ct, static_cast<float*>(C), m * n);
+  }
+  const DnnlGemm& g = dnnl_gemm(ta, tb, m, n, k, in, out, accumulate);
+  thread_local dnnl::stream stream(dnnl_engine());
+  dnnl::engine& eng = dnnl_engine();
+  dnnl::memory ma(g.a, eng, const_cast<void*>(A)), mb(g.b, eng, const_cast<void*>(B)), mc(g.c, eng, C);
+  g.prim.execute(stream, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
+  stream.wait();
+  if (!direct_c) narrow(static_cast<const float*>(C), c, ct, m * n);
+}
+
+// ---- the choice -----------------------------------------------------------------------------
+bool onednn_bf16_works() {
+  static const bool works = [] {
+    if (int(dnnl::get_effective_cpu_isa()) < int(dnnl::cpu_isa::avx512_core_bf16)) return false;
+    try {
+      using dt = dnnl::memory::data_type;
+      dnnl::matmul::primitive_desc pd(
+          dnnl::matmul::desc(matrix_desc(64, 64, false, dt::bf16), matrix_desc(64, 64, true, dt::bf16),
+                             matrix_desc(64, 64, false, dt::f32)),
+          dnnl_engine());
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return works;
+}
+
+std::atomic<Gemm16Path> g_forced{Gemm16Path::kAuto};
+
+Gemm16Path path_for(DType half) {
+  const Gemm16Path forced = g_forced.load(std::memory_order_relaxed);
+  if (forced != Gemm16Path::kAuto) return forced;
+  if (half == DType::BF16 && cpu_has_hardware_bf16() && onednn_bf16_works()) return Gemm16Path::kOneDnnBf16;
+  return Gemm16Path::kConvertSgemm;
+}
+
+}  // namespace
+
+bool cpu_has_hardware_bf16() {
+#if defined(__x86_64__)
+  static const bool has = [] {
+    unsigned a, b, c, d;
+    if (__get_cpuid_max(0, nullptr) < 7) return false;
+    __cpuid_count(7, 1, a, b, c, d);
+    const bool avx512_bf16 = (a >> 5) & 1u;
+    __cpuid_count(7, 0, a, b, c, d);
+    const bool amx_bf16 = (d >> 22) & 1u;
+    __builtin_cpu_init();
+    return (avx512_bf16 && __builtin_cpu_supports("avx512f")) || amx_bf16;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
+void set_gemm16_path(Gemm16Path path) {
+  DS_CHECK(path != Gemm16Path::kOneDnnBf16 || onednn_bf16_works(),
+           "set_gemm16_path: oneDNN has no bf16 matmul on this CPU");
+  g_forced.store(path, std::memory_order_relaxed);
+}
+
+std::string gemm16_path_description() {
+  const dnnl_version_t* v = dnnl_version();
+  if (path_for(DType::BF16) == Gemm16Path::kOneDnnBf16) {
+    return fmt::format(
+        "hardware bf16 on this CPU: bf16 GEMMs use oneDNN {}.{} bf16 matmul (fp32 accumulation); f16 GEMMs widen to "
+        "fp32 ({} conversions) for OpenBLAS sgemm",
+        v->major, v->minor, convert16_isa_name());
+  }
+  return fmt::format(
+      "no hardware bf16 on this CPU{}: bf16 and f16 GEMMs widen their operands to fp32 ({} conversions) for "
+      "OpenBLAS sgemm",
+      cpu_has_hardware_bf16() ? " that oneDNN can use" : " (no AVX-512 BF16, no AMX)", convert16_isa_name());
+}
+
+bool gemm16_computes_in_f32(DType half) {
+  const Gemm16Path p = path_for(half);
+  return !(p == Gemm16Path::kOneDnnBf16 && half == DType::BF16);
+}
+
+const float* gemm16_widen_shared(GemmOperand op, int64_t n) { return as_f32(op, n, kSlotDout); }
+
+void gemm_mixed(bool ta, bool tb, int64_t m, int64_t n, int64_t k, GemmOperand a, GemmOperand b, bool accumulate,
+                void* c, DType ct) {
+  check_float(a.dtype, "A");
+  check_float(b.dtype, "B");
+  check_float(ct, "C");
+  if (m == 0 || n == 0) return;
+  if (k == 0) {  // an empty sum
+    if (!accumulate) std::memset(c, 0, size_t(m * n) * dtype_size(ct));
+    return;
+  }
+  const DType half = is16(a.dtype) ? a.dtype : is16(b.dtype) ? b.dtype : ct;
+  if (!is16(half)) {
+    sgemm(ta, tb, m, n, k, static_cast<const float*>(a.data), ta ? m : k, static_cast<const float*>(b.data),
+          tb ? k : n, accumulate ? 1.0f : 0.0f, static_cast<float*>(c), n);
+    return;
+  }
+  static std::once_flag logged;
+  std::call_once(logged, [] { log::info("cpu backend: {}", gemm16_path_description()); });
+  switch (path_for(half)) {
+    case Gemm16Path::kOneDnnBf16:
+      if (half == DType::BF16) {
+        gemm_onednn(ta, tb, m, n, k, a, b, accumulate, c, ct, /*bf16=*/true);
+        return;
+      }
+      break;  // f16: the fp32 path
+    case Gemm16Path::kOneDnnF32: gemm_onednn(ta, tb, m, n, k, a, b, accumulate, c, ct, /*bf16=*/false); return;
+    default: break;
+  }
+  gemm_convert(ta, tb, m, n, k, a, b, accumulate, c, ct);
+}
+
+}  // namespace dstrain::cpu
