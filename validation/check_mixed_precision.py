@@ -373,6 +373,18 @@ def curve(records, window):
     return out
 
 
+def train_losses(records):
+    return [r.get("loss") for r in records if r.get("type") == "train"]
+
+
+def report_rounds(precision, recs, ref):
+    """A 16-bit run whose every loss equals the fp32 run's computed nothing in 16 bits."""
+    same = train_losses(recs) == train_losses(ref)
+    report(not same, f"{precision} run rounds at all: its training losses "
+                     + ("equal the fp32 run's bit for bit (no layer computes in 16 bits)" if same else
+                        "differ from the fp32 run's"))
+
+
 def final_eval(records):
     ev = [r for r in records if r.get("type") == "eval"]
     return (ev[-1]["step"], ev[-1]["loss"]) if ev else (None, None)
@@ -408,6 +420,7 @@ def check_training(a, parts):
                 print(f"SKIP quickstart bf16: dstrain bf16: not available in this build ({err})", flush=True)
             else:
                 available = True
+                report_rounds("bf16", recs, ref)
                 step, ev = final_eval(recs)
                 rel = abs(ev - ref_eval) / ref_eval
                 report(rel <= 0.01, f"quickstart bf16 vs fp32, {a.steps} steps: validation loss at step {step} "
@@ -418,6 +431,7 @@ def check_training(a, parts):
                 print(f"SKIP fp16: dstrain fp16: not available in this build ({err})", flush=True)
             else:
                 available = True
+                report_rounds("fp16", recs, ref)
                 skipped, scales = scale_evidence(recs)
                 backed = skipped > 0 and len(scales) > 1 and min(scales) < scales[0]
                 report(backed and final_step_ok(recs, a.steps),
