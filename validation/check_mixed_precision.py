@@ -28,10 +28,10 @@ quickstart inputs/quickstart.json trained in fp32 and in bf16 (train.bf16.enable
            (400: the quickstart; fewer for a quick check, the schedule shortened alike): the
            final validation loss of bf16 within 1% of fp32's.
 fp16       The same run in fp16 with dynamic loss scaling (train.fp16: loss_scale 0, an initial
-           scale of 2^--fp16-scale-power, high enough that the first steps overflow): the scale
+           scale of 2^--fp16-scale-power, default 2^32, high enough that the first steps overflow): the scale
            must back off (skipped steps or a lower scale in the metrics) and training continue,
-           with the loss curve (means over steps_per_print windows, after the first 10% of the
-           steps) within 2% of fp32's and the final validation loss within 2%.
+           with the loss curve (means over windows of min(20, steps/5) steps, after the first 10%
+           of the steps) within 2% of fp32's and the final validation loss within 2%.
 
 Exit status: 0 all checks passed, 1 a check failed, 77 when this dstrain build has neither the
 bf16 nor the fp16 compute path for the parts asked: its training rejects train.bf16 / train.fp16,
@@ -412,7 +412,8 @@ def check_training(a, parts):
             report(False, f"fp32 quickstart run failed: {err}")
             return True
         ref_step, ref_eval = final_eval(ref)
-        ref_curve = curve(ref, 20)
+        window = max(1, min(20, a.steps // 5))
+        ref_curve = curve(ref, window)
         skip = max(1, a.steps // 10)
         if "quickstart" in parts:
             recs, err = train(a, "bf16", os.path.join(work, "bf16"), a.steps)
@@ -440,14 +441,14 @@ def check_training(a, parts):
                        f"{min(scales) if scales else '?'}, last {scales[-1] if scales else '?'} "
                        f"(metrics loss_scale, overflow_skipped_total); reached step {a.steps}: "
                        f"{final_step_ok(recs, a.steps)}")
-                c16 = dict(curve(recs, 20))
+                c16 = dict(curve(recs, window))
                 devs = [(abs(c16[s] - v) / v, s) for s, v in ref_curve if s > skip and s in c16 and math.isfinite(c16[s])]
                 worst, at = max(devs) if devs else (float("nan"), None)
                 step, ev = final_eval(recs)
                 rel = abs(ev - ref_eval) / ref_eval if ev is not None else float("nan")
                 report(bool(devs) and worst <= 0.02 and rel <= 0.02,
-                       f"fp16 vs fp32 loss curve, {a.steps} steps (20-step means after step {skip}): worst "
-                       f"{worst:.2%} at steps {at}-{(at or 0) + 19} (<= 2%); validation loss at step {step} fp16 "
+                       f"fp16 vs fp32 loss curve, {a.steps} steps ({window}-step means after step {skip}): worst "
+                       f"{worst:.2%} at steps {at}-{(at or 0) + window - 1} (<= 2%); validation loss at step {step} fp16 "
                        f"{ev if ev is None else round(ev, 4)}, fp32 {ref_eval:.4f}: {rel:.2%} apart (<= 2%)")
     finally:
         if not a.keep:
@@ -466,7 +467,8 @@ def main():
     ap.add_argument("--parts", default="autocast,quickstart,fp16")
     ap.add_argument("--steps", type=int, default=400, help="steps of the quickstart and fp16 runs")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--fp16-scale-power", type=int, default=24, help="initial fp16 loss scale 2^P")
+    ap.add_argument("--fp16-scale-power", type=int, default=32,
+                    help="initial fp16 loss scale 2^P (2^32: the first backward overflows fp16)")
     ap.add_argument("--keep", help="keep the work directories under this directory")
     a = ap.parse_args()
     a.build = os.path.abspath(a.build)
