@@ -3,7 +3,7 @@
 own fp32 training. Prints one PASS/FAIL line per check with its figures.
 
     PEER_PYTHON validation/check_mixed_precision.py [--build build] [--parts autocast,quickstart,fp16]
-        [--steps 400] [--threads 2] [--fp16-scale-power 24] [--keep DIR]
+        [--steps 400] [--threads 2] [--fp16-scale-power 32] [--keep DIR]
 
 PEER_PYTHON: the venv of validation/peer_venv.sh (current torch and transformers).
 
