@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "backend/cpu/cpu_ops.h"
+#include "backend/cpu/parallel.h"
 #include "backend/cpu/vec_exp.h"
 
 namespace dstrain::cpu {
@@ -74,7 +75,7 @@ void cross_entropy_forward(Tensor losses, Tensor lse, Tensor logits, Tensor targ
              "target id {} at position {} is outside the vocabulary [0, {})", tp[n], n, V);
   }
   const bool avx2 = cpu_has_avx2();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 16) if (N * V >= kParallelMinWork)
   for (int64_t n = 0; n < N; ++n) {
     const float* row = lp + n * V;
     const float l = avx2 ? row_lse_avx2(row, V) : row_lse_scalar(row, V);
@@ -92,7 +93,7 @@ void cross_entropy_backward(Tensor dlogits, Tensor logits, Tensor lse, Tensor ta
   const int32_t* tp = targets.data<int32_t>();
   float* dp = dlogits.data<float>();
   const bool avx2 = cpu_has_avx2();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 16) if (N * V >= kParallelMinWork)
   for (int64_t n = 0; n < N; ++n) {
     const float* row = lp + n * V;
     float* drow = dp + n * V;

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "backend/cpu/cpu_ops.h"
+#include "backend/cpu/parallel.h"
 #include "backend/cpu/vec_exp.h"
 #include "backend/cpu/widen.h"
 #include "core/philox.h"
@@ -44,7 +45,7 @@ void rope_apply(Tensor x, int64_t offset, int n_heads, int head_dim, Tensor cos,
   const float* cp = cos.data<float>();
   const float* sp = sin.data<float>();
   const float sign = inverse ? -1.0f : 1.0f;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 32) if (B * T * n_heads * head_dim >= kParallelMinWork)
   for (int64_t bt = 0; bt < B * T; ++bt) {
     const int64_t t = bt % T;
     const float* c = cp + t * half;
@@ -110,7 +111,7 @@ void swiglu_forward(Tensor out, Tensor gate_up) {
   const float* gu = gate_up.data<float>();
   float* op = out.data<float>();
   const bool avx2 = cpu_has_avx2();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 16) if (N * I >= kParallelMinWork)
   for (int64_t n = 0; n < N; ++n) {
     const float* g = gu + n * 2 * I;
     if (avx2) {
@@ -128,7 +129,7 @@ void swiglu_backward(Tensor dgate_up, Tensor dout, Tensor gate_up) {
   const float* dp = dout.data<float>();
   float* dgu = dgate_up.data<float>();
   const bool avx2 = cpu_has_avx2();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 16) if (N * I >= kParallelMinWork)
   for (int64_t n = 0; n < N; ++n) {
     const float* g = gu + n * 2 * I;
     float* dg = dgu + n * 2 * I;
@@ -146,7 +147,7 @@ void add(Tensor out, Tensor a, Tensor b) {
   float* o = out.data<float>();
   const float* x = a.data<float>();
   const float* y = b.data<float>();
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(dynamic, 8192) if (n >= kParallelMinWork)
   for (int64_t i = 0; i < n; ++i) o[i] = x[i] + y[i];
 }
 
@@ -155,14 +156,14 @@ void add_inplace(Tensor out, Tensor a) { add(out, out, a); }
 void scale_inplace(Tensor x, float s) {
   float* p = x.data<float>();
   const int64_t n = x.numel();
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(dynamic, 8192) if (n >= kParallelMinWork)
   for (int64_t i = 0; i < n; ++i) p[i] *= s;
 }
 
 void fill(Tensor x, float value) {
   float* p = x.data<float>();
   const int64_t n = x.numel();
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(dynamic, 8192) if (n >= kParallelMinWork)
   for (int64_t i = 0; i < n; ++i) p[i] = value;
 }
 
@@ -190,7 +191,7 @@ void sum_squares(Tensor out, Tensor x) {
   const float* p = x.data<float>();
   const int64_t n = x.numel(), nchunks = (n + kChunk - 1) / kChunk;
   std::vector<double> partial(static_cast<size_t>(nchunks));
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 1) if (nchunks > 1)
   for (int64_t c = 0; c < nchunks; ++c) {
     const int64_t b = c * kChunk, e = std::min(n, b + kChunk);
     double s = 0;
@@ -215,7 +216,7 @@ void adamw_loop(float* p, const float* g, float* m, float* v, int64_t n, const o
   const float step_size = float(double(s.lr) / bc1);
   const float bc2_sqrt = float(std::sqrt(bc2));
   const float b1 = s.beta1, b2 = s.beta2, eps = s.eps, gs = s.grad_scale;
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(dynamic, 8192) if (n >= kParallelMinWork)
   for (int64_t i = 0; i < n; ++i) {
     const float gi = g[i] * gs;
     p[i] *= decay;
