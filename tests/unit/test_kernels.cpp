@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <cstdio>
 #include <functional>
@@ -10,6 +12,7 @@
 #include <vector>
 
 #include "finite_difference.h"
+#include "backend/cpu/vec_exp.h"
 #include "backend/ops.h"
 #include "optim/adamw.h"
 
@@ -257,6 +260,108 @@ TEST(Kernels, AttentionMultiHead) { check_attention(2, 9, 2, 2, 4, 4, 120); }
 TEST(Kernels, AttentionGroupedQuery) { check_attention(1, 11, 4, 2, 6, 6, 150); }
 TEST(Kernels, AttentionAcrossQueryBlocks) { check_attention(1, 150, 2, 1, 4, 4, 200); }
 TEST(Kernels, AttentionDifferentValueDim) { check_attention(2, 7, 2, 2, 6, 4, 120); }
+
+float bits_to_float(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+DS_TARGET_AVX2 void exp8_all(const float* x, float* y, size_t n) {
+  for (size_t i = 0; i < n; i += 8) _mm256_storeu_ps(y + i, cpu::exp8(_mm256_loadu_ps(x + i)));
+}
+
+// exp1 (and exp8, which must give the same bits) against exp in double, rounded: at most 2 ulp of
+// the result (the subnormal ulp below FLT_MIN), over a sweep of every 331st fp32 value from -110
+// to 90 and the special values.
+TEST(Kernels, VectorExpWithinTwoUlpAndTheSameBitsOneLaneOrEight) {
+  std::vector<float> xs;
+  for (uint32_t b = 0; bits_to_float(b) <= 90.0f; b += 331) xs.push_back(bits_to_float(b));
+  for (uint32_t b = 0x80000000u; bits_to_float(b) >= -110.0f; b += 331) xs.push_back(bits_to_float(b));
+  for (float x : {0.0f, -0.0f, 1.0f, -1.0f, 88.72f, 88.73f, -87.33f, -103.9f, -104.0f, 1e-30f, -1e-30f}) xs.push_back(x);
+  const float inf = std::numeric_limits<float>::infinity();
+  xs.insert(xs.end(), {inf, -inf, std::numeric_limits<float>::quiet_NaN()});
+  while (xs.size() % 8) xs.push_back(0.5f);
+  std::vector<float> one(xs.size()), eight(xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) one[i] = cpu::exp1(xs[i]);
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    exp8_all(xs.data(), eight.data(), xs.size());
+  } else {
+    std::printf("[ no AVX2  ] exp8 not run\n");
+    eight = one;
+  }
+  double worst = 0;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const float x = xs[i];
+    ASSERT_EQ(std::memcmp(&one[i], &eight[i], 4), 0) << "x = " << x << ": exp1 " << one[i] << ", exp8 " << eight[i];
+    if (std::isnan(x)) {
+      EXPECT_TRUE(std::isnan(one[i]));
+      continue;
+    }
+    const double want = std::exp(double(x));
+    const float wf = float(want);
+    if (std::isinf(wf) || wf == 0.0f) {
+      // Beyond the range, or below half the smallest subnormal: within an ulp of the edge.
+      EXPECT_TRUE(one[i] == wf || std::fabs(double(one[i]) - want) <= double(std::numeric_limits<float>::denorm_min()) ||
+                  (std::isinf(wf) && one[i] >= std::numeric_limits<float>::max() * 0.99999f))
+          << "x = " << x << " exp1 " << one[i] << " want " << want;
+      continue;
+    }
+    const double ulp = wf < std::numeric_limits<float>::min()
+                           ? double(std::numeric_limits<float>::denorm_min())
+                           : double(std::nextafter(wf, inf)) - double(wf);
+    const double err = std::fabs(double(one[i]) - want) / ulp;
+    worst = std::max(worst, err);
+    ASSERT_LE(err, 2.0) << "x = " << x << ": exp1 " << one[i] << ", exp " << want;
+  }
+  std::printf("[ exp       ] %zu values, worst %.2f ulp\n", xs.size(), worst);
+  EXPECT_EQ(cpu::exp1(-inf), 0.0f);
+  EXPECT_EQ(cpu::exp1(inf), inf);
+  EXPECT_EQ(cpu::exp1(0.0f), 1.0f);
+}
+
+// The kernels with AVX2 paths (SwiGLU, cross-entropy, attention's softmax) give the same bits
+// through their scalar paths, which CPUs without AVX2 run; rows are long enough for vector loops
+// and tails.
+TEST(Kernels, ScalarPathsGiveTheBitsOfTheAVX2Paths) {
+  if (!cpu::cpu_has_avx2()) GTEST_SKIP() << "no AVX2 on this CPU: only the scalar paths exist";
+  std::mt19937 rng(21);
+  const int64_t N = 5, I = 21, V = 37, B = 2, T = 70;
+  Host gu({N, 2 * I}, rng, 3.0f), dh({N, I}, rng), logits({N, V}, rng, 4.0f);
+  std::vector<int32_t> tg = {3, 36, ops::kIgnoreIndex, 0, 17};
+  Tensor tt(tg.data(), DType::I32, Shape{N});
+  ops::AttentionLayout L;
+  L.n_head = 2;
+  L.n_kv_head = 1;
+  L.qk_dim = L.v_dim = 16;
+  L.q_offset = 0;
+  L.k_offset = 32;
+  L.v_offset = 48;
+  L.row_stride = 64;
+  Host qkv({B, T, 64}, rng), dout({B, T, 32}, rng);
+  auto run = [&] {
+    std::vector<std::vector<float>> r;
+    Host h({N, I}), dgu({N, 2 * I}), losses({N}), lse({N}), dl({N, V}), out({B, T, 32}), alse({B, 2, T}),
+        dqkv({B, T, 64});
+    ops::swiglu_forward(h.t(), gu.t());
+    ops::swiglu_backward(dgu.t(), dh.t(), gu.t());
+    ops::cross_entropy_forward(losses.t(), lse.t(), logits.t(), tt);
+    ops::cross_entropy_backward(dl.t(), logits.t(), lse.t(), tt, 0.25f);
+    ops::attention_forward(out.t(), alse.t(), qkv.t(), L, 0.25f);
+    ops::attention_backward(dqkv.t(), dout.t(), qkv.t(), out.t(), alse.t(), L, 0.25f);
+    for (Host* x : {&h, &dgu, &losses, &lse, &dl, &out, &alse, &dqkv}) r.push_back(x->v);
+    return r;
+  };
+  const auto vec = run();
+  cpu::use_avx2_kernels(false);
+  const auto scalar = run();
+  cpu::use_avx2_kernels(true);
+  const char* names[] = {"swiglu", "dgate_up", "losses", "lse", "dlogits", "attention", "attention lse", "dqkv"};
+  for (size_t k = 0; k < vec.size(); ++k) {
+    ASSERT_EQ(vec[k].size(), scalar[k].size());
+    EXPECT_EQ(std::memcmp(vec[k].data(), scalar[k].data(), vec[k].size() * 4), 0) << names[k];
+  }
+}
 
 TEST(Kernels, SumSquaresIsExactAndOrderFixed) {
   std::vector<float> x(100000);

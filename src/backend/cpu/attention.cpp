@@ -6,10 +6,12 @@
 #include <cblas.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "backend/cpu/cpu_ops.h"
+#include "backend/cpu/vec_exp.h"
 
 namespace dstrain::cpu {
 namespace {
@@ -44,16 +46,53 @@ void for_tasks(int64_t n, F&& body) {
 }
 
 // Turns scores s (nq, nk; row i may see keys <= t0 + i) into probabilities with the stored
-// or computed log-sum-exp. Masked entries become 0.
-void causal_softmax_rows(float* s, int64_t nq, int64_t nk, int64_t t0, float* lse_out) {
+// or computed log-sum-exp. Masked entries become 0. exp is vec_exp.h's, the same bits in the
+// vector loops and their scalar tails; sums run in eight lanes, then across them in a fixed order.
+DS_TARGET_AVX2 void causal_softmax_rows_avx2(float* s, int64_t nq, int64_t nk, int64_t t0, float* lse_out) {
   for (int64_t i = 0; i < nq; ++i) {
     float* row = s + i * nk;
-    const int64_t valid = t0 + i + 1;
+    const int64_t valid = t0 + i + 1, v8 = valid & ~int64_t(7);
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < v8; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(row + j));
+    float mx = hmax8(m);
+    for (int64_t j = v8; j < valid; ++j) mx = std::max(mx, row[j]);
+    const __m256 mx8 = _mm256_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < v8; j += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), mx8));
+      _mm256_storeu_ps(row + j, e);
+      acc = _mm256_add_ps(acc, e);
+    }
+    float sum = hsum8(acc);
+    for (int64_t j = v8; j < valid; ++j) {
+      row[j] = exp1(row[j] - mx);
+      sum += row[j];
+    }
+    const float inv = 1.0f / sum;
+    const __m256 inv8 = _mm256_set1_ps(inv);
+    for (int64_t j = 0; j < v8; j += 8) _mm256_storeu_ps(row + j, _mm256_mul_ps(_mm256_loadu_ps(row + j), inv8));
+    for (int64_t j = v8; j < valid; ++j) row[j] *= inv;
+    for (int64_t j = valid; j < nk; ++j) row[j] = 0.0f;
+    lse_out[i] = mx + std::log(sum);
+  }
+}
+
+// The same arithmetic one lane at a time (CPUs without AVX2): eight partial sums, combined as
+// hsum8 combines them.
+void causal_softmax_rows_scalar(float* s, int64_t nq, int64_t nk, int64_t t0, float* lse_out) {
+  for (int64_t i = 0; i < nq; ++i) {
+    float* row = s + i * nk;
+    const int64_t valid = t0 + i + 1, v8 = valid & ~int64_t(7);
     float mx = -INFINITY;
     for (int64_t j = 0; j < valid; ++j) mx = std::max(mx, row[j]);
-    float sum = 0;
-    for (int64_t j = 0; j < valid; ++j) {
-      row[j] = std::exp(row[j] - mx);
+    float lane[8] = {};
+    for (int64_t j = 0; j < v8; ++j) {
+      row[j] = exp1(row[j] - mx);
+      lane[j % 8] += row[j];
+    }
+    float sum = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+    for (int64_t j = v8; j < valid; ++j) {
+      row[j] = exp1(row[j] - mx);
       sum += row[j];
     }
     const float inv = 1.0f / sum;
@@ -63,12 +102,36 @@ void causal_softmax_rows(float* s, int64_t nq, int64_t nk, int64_t t0, float* ls
   }
 }
 
+void causal_softmax_rows(float* s, int64_t nq, int64_t nk, int64_t t0, float* lse_out) {
+  if (cpu_has_avx2()) {
+    causal_softmax_rows_avx2(s, nq, nk, t0, lse_out);
+  } else {
+    causal_softmax_rows_scalar(s, nq, nk, t0, lse_out);
+  }
+}
+
+DS_TARGET_AVX2 void probabilities_from_lse_avx2(float* s, int64_t nq, int64_t nk, int64_t t0, const float* lse) {
+  for (int64_t i = 0; i < nq; ++i) {
+    float* row = s + i * nk;
+    const int64_t valid = t0 + i + 1, v8 = valid & ~int64_t(7);
+    const float l = lse[i];
+    const __m256 l8 = _mm256_set1_ps(l);
+    for (int64_t j = 0; j < v8; j += 8) _mm256_storeu_ps(row + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), l8)));
+    for (int64_t j = v8; j < valid; ++j) row[j] = exp1(row[j] - l);
+    for (int64_t j = valid; j < nk; ++j) row[j] = 0.0f;
+  }
+}
+
 void probabilities_from_lse(float* s, int64_t nq, int64_t nk, int64_t t0, const float* lse) {
+  if (cpu_has_avx2()) {
+    probabilities_from_lse_avx2(s, nq, nk, t0, lse);
+    return;
+  }
   for (int64_t i = 0; i < nq; ++i) {
     float* row = s + i * nk;
     const int64_t valid = t0 + i + 1;
     const float l = lse[i];
-    for (int64_t j = 0; j < valid; ++j) row[j] = std::exp(row[j] - l);
+    for (int64_t j = 0; j < valid; ++j) row[j] = exp1(row[j] - l);
     for (int64_t j = valid; j < nk; ++j) row[j] = 0.0f;
   }
 }

@@ -1,9 +1,66 @@
 // Softmax cross-entropy over the vocabulary, one row per token.
+#include <algorithm>
 #include <cmath>
 
 #include "backend/cpu/cpu_ops.h"
+#include "backend/cpu/parallel.h"
+#include "backend/cpu/vec_exp.h"
 
 namespace dstrain::cpu {
+namespace {
+
+// The log-sum-exp of a row: its maximum, plus the log of the sum of exp(x - max) taken in double,
+// in four lanes as the AVX2 form sums (so both give the same bits).
+float row_lse_scalar(const float* row, int64_t V) {
+  float mx = -INFINITY;
+  for (int64_t v = 0; v < V; ++v) mx = std::max(mx, row[v]);
+  const int64_t v8 = V & ~int64_t(7);
+  double s0[4] = {}, s1[4] = {};
+  for (int64_t v = 0; v < v8; ++v) {
+    const double e = double(exp1(row[v] - mx));
+    if (v % 8 < 4) {
+      s0[v % 4] += e;
+    } else {
+      s1[v % 4] += e;
+    }
+  }
+  double lanes[4];
+  for (int k = 0; k < 4; ++k) lanes[k] = s0[k] + s1[k];
+  double sum = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
+  for (int64_t v = v8; v < V; ++v) sum += double(exp1(row[v] - mx));
+  return mx + float(std::log(sum));
+}
+
+DS_TARGET_AVX2 float row_lse_avx2(const float* row, int64_t V) {
+  int64_t v = 0;
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  for (; v + 8 <= V; v += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(row + v));
+  float mx = hmax8(mv);
+  for (; v < V; ++v) mx = std::max(mx, row[v]);
+  const __m256 m8 = _mm256_set1_ps(mx);
+  __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+  for (v = 0; v + 8 <= V; v += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + v), m8));
+    s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, _mm256_add_pd(s0, s1));
+  double sum = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
+  for (; v < V; ++v) sum += double(exp1(row[v] - mx));
+  return mx + float(std::log(sum));
+}
+
+DS_TARGET_AVX2 void scaled_probs_avx2(float* drow, const float* row, int64_t V, float l, float scale) {
+  const __m256 l8 = _mm256_set1_ps(l), s8 = _mm256_set1_ps(scale);
+  int64_t v = 0;
+  for (; v + 8 <= V; v += 8) {
+    _mm256_storeu_ps(drow + v, _mm256_mul_ps(s8, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + v), l8))));
+  }
+  for (; v < V; ++v) drow[v] = scale * exp1(row[v] - l);
+}
+
+}  // namespace
 
 void cross_entropy_forward(Tensor losses, Tensor lse, Tensor logits, Tensor targets) {
   const int64_t V = logits.size(-1), N = logits.numel() / V;
@@ -17,16 +74,11 @@ void cross_entropy_forward(Tensor losses, Tensor lse, Tensor logits, Tensor targ
     DS_CHECK(tp[n] == ops::kIgnoreIndex || (tp[n] >= 0 && tp[n] < V),
              "target id {} at position {} is outside the vocabulary [0, {})", tp[n], n, V);
   }
-#pragma omp parallel for schedule(static)
+  const bool avx2 = cpu_has_avx2();
+#pragma omp parallel for schedule(dynamic, 16) if (N * V >= kParallelMinWork)
   for (int64_t n = 0; n < N; ++n) {
     const float* row = lp + n * V;
-    float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-    for (int64_t v = 0; v < V; ++v) mx = std::max(mx, row[v]);
-    double sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t v = 0; v < V; ++v) sum += double(std::exp(row[v] - mx));
-    const float l = mx + float(std::log(sum));
+    const float l = avx2 ? row_lse_avx2(row, V) : row_lse_scalar(row, V);
     lsep[n] = l;
     out[n] = tp[n] == ops::kIgnoreIndex ? 0.0f : l - row[tp[n]];
   }
@@ -40,7 +92,8 @@ void cross_entropy_backward(Tensor dlogits, Tensor logits, Tensor lse, Tensor ta
   const float* lsep = lse.data<float>();
   const int32_t* tp = targets.data<int32_t>();
   float* dp = dlogits.data<float>();
-#pragma omp parallel for schedule(static)
+  const bool avx2 = cpu_has_avx2();
+#pragma omp parallel for schedule(dynamic, 16) if (N * V >= kParallelMinWork)
   for (int64_t n = 0; n < N; ++n) {
     const float* row = lp + n * V;
     float* drow = dp + n * V;
@@ -49,8 +102,11 @@ void cross_entropy_backward(Tensor dlogits, Tensor logits, Tensor lse, Tensor ta
       continue;
     }
     const float l = lsep[n];
-#pragma omp simd
-    for (int64_t v = 0; v < V; ++v) drow[v] = scale * std::exp(row[v] - l);
+    if (avx2) {
+      scaled_probs_avx2(drow, row, V, l, scale);
+    } else {
+      for (int64_t v = 0; v < V; ++v) drow[v] = scale * exp1(row[v] - l);
+    }
     drow[tp[n]] -= scale;
   }
 }

@@ -6,6 +6,8 @@
 
 #include "backend/cpu/convert16.h"
 #include "backend/cpu/cpu_ops.h"
+#include "backend/cpu/parallel.h"
+#include "backend/cpu/vec_exp.h"
 #include "backend/cpu/widen.h"
 #include "core/philox.h"
 
@@ -44,7 +46,7 @@ void rope_apply(Tensor x, int64_t offset, int n_heads, int head_dim, Tensor cos,
   const float* cp = cos.data<float>();
   const float* sp = sin.data<float>();
   const float sign = inverse ? -1.0f : 1.0f;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 32) if (B * T * n_heads * head_dim >= kParallelMinWork)
   for (int64_t bt = 0; bt < B * T; ++bt) {
     const int64_t t = bt % T;
     const float* c = cp + t * half;
@@ -62,19 +64,62 @@ void rope_apply(Tensor x, int64_t offset, int n_heads, int head_dim, Tensor cos,
   }
 }
 
+namespace {
+// silu(g) * u and its gradients, row by row. sigmoid(g) = 1 / (1 + exp(-g)) as PyTorch's silu
+// computes it; exp is vec_exp.h's (the same bits in the vector loop and its scalar tail).
+inline void swiglu_forward_scalar(const float* g, const float* u, float* o, int64_t i0, int64_t I) {
+  for (int64_t i = i0; i < I; ++i) o[i] = g[i] / (1.0f + exp1(-g[i])) * u[i];
+}
+inline void swiglu_backward_scalar(const float* g, const float* u, const float* d, float* dg, float* du, int64_t i0,
+                                   int64_t I) {
+  for (int64_t i = i0; i < I; ++i) {
+    const float sig = 1.0f / (1.0f + exp1(-g[i]));
+    const float silu = g[i] * sig;
+    du[i] = d[i] * silu;
+    dg[i] = d[i] * u[i] * sig * std::fma(g[i], 1.0f - sig, 1.0f);
+  }
+}
+DS_TARGET_AVX2 void swiglu_forward_avx2(const float* g, const float* u, float* o, int64_t I) {
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  int64_t i = 0;
+  for (; i + 8 <= I; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 e = exp8(_mm256_xor_ps(gv, sign));
+    _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+  }
+  swiglu_forward_scalar(g, u, o, i, I);
+}
+DS_TARGET_AVX2 void swiglu_backward_avx2(const float* g, const float* u, const float* d, float* dg, float* du,
+                                         int64_t I) {
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  int64_t i = 0;
+  for (; i + 8 <= I; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i), dv = _mm256_loadu_ps(d + i);
+    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, sign))));
+    _mm256_storeu_ps(du + i, _mm256_mul_ps(dv, _mm256_mul_ps(gv, sig)));
+    // d * u * sig * (1 + g * (1 - sig)), in the scalar form's order
+    const __m256 t = _mm256_fmadd_ps(gv, _mm256_sub_ps(one, sig), one);
+    _mm256_storeu_ps(dg + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(dv, _mm256_loadu_ps(u + i)), sig), t));
+  }
+  swiglu_backward_scalar(g, u, d, dg, du, i, I);
+}
+}  // namespace
+
 void swiglu_forward(Tensor out, Tensor gate_up) {
   const int64_t I = out.size(-1), N = out.numel() / I;
   DS_CHECK(gate_up.numel() == 2 * N * I, "swiglu_forward: gate_up {} for out {}", gate_up.shape().str(),
            out.shape().str());
   const float* gu = gate_up.data<float>();
   float* op = out.data<float>();
-#pragma omp parallel for schedule(static)
+  const bool avx2 = cpu_has_avx2();
+#pragma omp parallel for schedule(dynamic, 16) if (N * I >= kParallelMinWork)
   for (int64_t n = 0; n < N; ++n) {
     const float* g = gu + n * 2 * I;
-    const float* u = g + I;
-    float* o = op + n * I;
-#pragma omp simd
-    for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    if (avx2) {
+      swiglu_forward_avx2(g, g + I, op + n * I, I);
+    } else {
+      swiglu_forward_scalar(g, g + I, op + n * I, 0, I);
+    }
   }
 }
 
@@ -84,19 +129,15 @@ void swiglu_backward(Tensor dgate_up, Tensor dout, Tensor gate_up) {
   const float* gu = gate_up.data<float>();
   const float* dp = dout.data<float>();
   float* dgu = dgate_up.data<float>();
-#pragma omp parallel for schedule(static)
+  const bool avx2 = cpu_has_avx2();
+#pragma omp parallel for schedule(dynamic, 16) if (N * I >= kParallelMinWork)
   for (int64_t n = 0; n < N; ++n) {
     const float* g = gu + n * 2 * I;
-    const float* u = g + I;
-    const float* d = dp + n * I;
     float* dg = dgu + n * 2 * I;
-    float* du = dg + I;
-#pragma omp simd
-    for (int64_t i = 0; i < I; ++i) {
-      const float sig = 1.0f / (1.0f + std::exp(-g[i]));
-      const float silu = g[i] * sig;
-      du[i] = d[i] * silu;
-      dg[i] = d[i] * u[i] * sig * (1.0f + g[i] * (1.0f - sig));
+    if (avx2) {
+      swiglu_backward_avx2(g, g + I, dp + n * I, dg, dg + I, I);
+    } else {
+      swiglu_backward_scalar(g, g + I, dp + n * I, dg, dg + I, 0, I);
     }
   }
 }
@@ -107,7 +148,7 @@ void add(Tensor out, Tensor a, Tensor b) {
   float* o = out.data<float>();
   const float* x = a.data<float>();
   const float* y = b.data<float>();
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(dynamic, 8192) if (n >= kParallelMinWork)
   for (int64_t i = 0; i < n; ++i) o[i] = x[i] + y[i];
 }
 
@@ -116,14 +157,14 @@ void add_inplace(Tensor out, Tensor a) { add(out, out, a); }
 void scale_inplace(Tensor x, float s) {
   float* p = x.data<float>();
   const int64_t n = x.numel();
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(dynamic, 8192) if (n >= kParallelMinWork)
   for (int64_t i = 0; i < n; ++i) p[i] *= s;
 }
 
 void fill(Tensor x, float value) {
   float* p = x.data<float>();
   const int64_t n = x.numel();
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(dynamic, 8192) if (n >= kParallelMinWork)
   for (int64_t i = 0; i < n; ++i) p[i] = value;
 }
 
@@ -151,7 +192,7 @@ void sum_squares(Tensor out, Tensor x) {
   const float* p = x.data<float>();
   const int64_t n = x.numel(), nchunks = (n + kChunk - 1) / kChunk;
   std::vector<double> partial(static_cast<size_t>(nchunks));
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 1) if (nchunks > 1)
   for (int64_t c = 0; c < nchunks; ++c) {
     const int64_t b = c * kChunk, e = std::min(n, b + kChunk);
     double s = 0;
@@ -176,7 +217,7 @@ void adamw_loop(float* p, const float* g, float* m, float* v, int64_t n, const o
   const float step_size = float(double(s.lr) / bc1);
   const float bc2_sqrt = float(std::sqrt(bc2));
   const float b1 = s.beta1, b2 = s.beta2, eps = s.eps, gs = s.grad_scale;
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(dynamic, 8192) if (n >= kParallelMinWork)
   for (int64_t i = 0; i < n; ++i) {
     const float gi = g[i] * gs;
     p[i] *= decay;

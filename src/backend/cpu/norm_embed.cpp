@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "backend/cpu/cpu_ops.h"
+#include "backend/cpu/parallel.h"
 
 namespace dstrain::cpu {
 
@@ -15,7 +16,7 @@ void rmsnorm_forward(Tensor out, Tensor rstd, Tensor x, Tensor weight, float eps
   const float* wp = weight.data<float>();
   float* op = out.data<float>();
   float* rp = rstd.data<float>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 32) if (N * C >= kParallelMinWork)
   for (int64_t n = 0; n < N; ++n) {
     const float* xr = xp + n * C;
     double ss = 0;
@@ -41,7 +42,7 @@ void rmsnorm_backward(Tensor dx, Tensor dweight, Tensor dout, Tensor x, Tensor w
   float* dwp = dweight.data<float>();
 
   // dx: rows are independent.
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 32) if (N * C >= kParallelMinWork)
   for (int64_t n = 0; n < N; ++n) {
     const float* xr = xp + n * C;
     const float* gr = gp + n * C;
@@ -58,7 +59,7 @@ void rmsnorm_backward(Tensor dx, Tensor dweight, Tensor dout, Tensor x, Tensor w
   // does not depend on the thread count.
   constexpr int64_t kBlock = 64;
   const int64_t nblocks = (C + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 1) if (N * C >= kParallelMinWork)
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t c0 = b * kBlock, c1 = std::min(C, c0 + kBlock);
     float acc[kBlock] = {};
@@ -82,7 +83,7 @@ void embedding_forward(Tensor out, Tensor tokens, Tensor table) {
   for (int64_t n = 0; n < N; ++n) {
     DS_CHECK(tp[n] >= 0 && tp[n] < V, "token id {} at position {} is outside the vocabulary [0, {})", tp[n], n, V);
   }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 64) if (N * C >= kParallelMinWork)
   for (int64_t n = 0; n < N; ++n) std::copy_n(wp + int64_t(tp[n]) * C, C, op + n * C);
 }
 
@@ -96,7 +97,7 @@ void embedding_backward(Tensor dtable, Tensor dout, Tensor tokens) {
   // accumulates its rows in token order (deterministic).
   constexpr int64_t kBlock = 64;
   const int64_t nblocks = (C + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 1) if (N * C >= kParallelMinWork)
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t c0 = b * kBlock, c1 = std::min(C, c0 + kBlock);
     for (int64_t n = 0; n < N; ++n) {
