@@ -9,10 +9,8 @@
 #include <Kokkos_Core.hpp>
 #include <mpi.h>
 #include <omp.h>
-#include <unistd.h>
 
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -207,24 +205,9 @@ int run(int argc, char** argv) {
   return cmd_generate(o);
 }
 
-// libgomp reads its wait policy from the environment once, as it loads (before main). By default
-// a thread that waits (for the next parallel region, at a barrier) spins first; on a CPU shared
-// with other work (other jobs, more ranks or threads than cores) the spinning thread holds a core
-// that the thread it waits for needs, and each of the few hundred parallel regions of a step (every
-// sgemm and element-wise op) can wait a time slice. Unless the user chose (OMP_WAIT_POLICY or
-// GOMP_SPINCOUNT set), dstrain starts itself again once, before MPI, with OMP_WAIT_POLICY=passive:
-// 1.9x the tokens/s of the default on a loaded 2-vCPU machine (4-layer d=256 model, 2 threads).
-void choose_openmp_wait_policy(char** argv) {
-  if (std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr) return;
-  ::setenv("OMP_WAIT_POLICY", "passive", 1);
-  ::execv("/proc/self/exe", argv);
-  ::unsetenv("OMP_WAIT_POLICY");  // no restart possible: carry on with libgomp's default
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  choose_openmp_wait_policy(argv);
   // MPI first, then Kokkos; torn down in reverse.
   // Communicators run their collectives on worker threads: MPI must allow every thread.
   int provided = 0;
