@@ -360,11 +360,16 @@ def train(a, precision, out, steps):
 
 
 def curve(records, window):
-    """Mean training loss per `window` steps (skipped steps left out)."""
+    """Mean training loss per `window` steps (skipped steps left out). Steps are counted in applied
+    updates: a step skipped for an fp16 overflow moves neither the weights nor the learning-rate
+    schedule (DeepSpeed's semantics), so fp16 step s after k overflow skips is compared with fp32
+    step s - k, the step that starts from as many updates at the same learning rate."""
     losses = {}
     for r in records:
-        if r.get("type") == "train" and r.get("loss") is not None and math.isfinite(r["loss"]):
-            losses[r["step"]] = r["loss"]
+        if r.get("type") != "train" or r.get("overflow"):
+            continue
+        if r.get("loss") is not None and math.isfinite(r["loss"]):
+            losses[r["step"] - int(r.get("overflow_skipped_total") or 0)] = r["loss"]
     last = max(losses) if losses else 0
     out = []
     for start in range(1, last + 1, window):
@@ -447,7 +452,8 @@ def check_training(a, parts):
                 step, ev = final_eval(recs)
                 rel = abs(ev - ref_eval) / ref_eval if ev is not None else float("nan")
                 report(bool(devs) and worst <= 0.02 and rel <= 0.02,
-                       f"fp16 vs fp32 loss curve, {a.steps} steps ({window}-step means after step {skip}): worst "
+                       f"fp16 vs fp32 loss curve, {a.steps} steps ({window}-step means by applied update, after "
+                       f"update {skip}): worst "
                        f"{worst:.2%} at steps {at}-{(at or 0) + window - 1} (<= 2%); validation loss at step {step} fp16 "
                        f"{ev if ev is None else round(ev, 4)}, fp32 {ref_eval:.4f}: {rel:.2%} apart (<= 2%)")
     finally:

@@ -11,39 +11,11 @@
 #include <vector>
 
 #include "backend/cpu/cpu_ops.h"
+#include "backend/cpu/attention_common.h"
 #include "backend/cpu/vec_exp.h"
 
 namespace dstrain::cpu {
 namespace {
-
-constexpr int64_t kQueryBlock = 64;
-
-struct Dims {
-  int64_t B, T, W, H, Hkv, Dqk, Dv, group;
-};
-
-Dims dims_of(const Tensor& qkv, const ops::AttentionLayout& L) {
-  DS_CHECK(qkv.ndim() == 3, "attention: qkv must be (B, T, W), got {}", qkv.shape().str());
-  DS_CHECK(L.n_head > 0 && L.n_kv_head > 0 && L.n_head % L.n_kv_head == 0,
-           "attention: {} query heads cannot share {} kv heads evenly", L.n_head, L.n_kv_head);
-  Dims d{qkv.size(0), qkv.size(1), qkv.size(2), L.n_head, L.n_kv_head, L.qk_dim, L.v_dim, L.n_head / L.n_kv_head};
-  DS_CHECK(L.row_stride == d.W, "attention: layout row stride {} but qkv rows have {}", L.row_stride, d.W);
-  DS_CHECK(L.q_offset + d.H * d.Dqk <= d.W && L.k_offset + d.Hkv * d.Dqk <= d.W && L.v_offset + d.Hkv * d.Dv <= d.W,
-           "attention: head ranges exceed the qkv row of {}", d.W);
-  return d;
-}
-
-// Runs body(task) for task in [0, n): across threads when there are enough tasks, otherwise
-// one after another so that each sgemm inside can use every thread.
-template <class F>
-void for_tasks(int64_t n, F&& body) {
-  if (n >= omp_get_max_threads()) {
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) body(i);
-  } else {
-    for (int64_t i = 0; i < n; ++i) body(i);
-  }
-}
 
 // Turns scores s (nq, nk; row i may see keys <= t0 + i) into probabilities with the stored
 // or computed log-sum-exp. Masked entries become 0. exp is vec_exp.h's, the same bits in the
@@ -102,7 +74,7 @@ void causal_softmax_rows_scalar(float* s, int64_t nq, int64_t nk, int64_t t0, fl
   }
 }
 
-void causal_softmax_rows(float* s, int64_t nq, int64_t nk, int64_t t0, float* lse_out) {
+void causal_softmax_rows_impl(float* s, int64_t nq, int64_t nk, int64_t t0, float* lse_out) {
   if (cpu_has_avx2()) {
     causal_softmax_rows_avx2(s, nq, nk, t0, lse_out);
   } else {
@@ -122,7 +94,7 @@ DS_TARGET_AVX2 void probabilities_from_lse_avx2(float* s, int64_t nq, int64_t nk
   }
 }
 
-void probabilities_from_lse(float* s, int64_t nq, int64_t nk, int64_t t0, const float* lse) {
+void probabilities_from_lse_impl(float* s, int64_t nq, int64_t nk, int64_t t0, const float* lse) {
   if (cpu_has_avx2()) {
     probabilities_from_lse_avx2(s, nq, nk, t0, lse);
     return;
@@ -137,6 +109,16 @@ void probabilities_from_lse(float* s, int64_t nq, int64_t nk, int64_t t0, const 
 }
 
 }  // namespace
+
+namespace attn {
+void causal_softmax_rows(float* s, int64_t nq, int64_t nk, int64_t t0, float* lse_out) {
+  causal_softmax_rows_impl(s, nq, nk, t0, lse_out);
+}
+void probabilities_from_lse(float* s, int64_t nq, int64_t nk, int64_t t0, const float* lse) {
+  probabilities_from_lse_impl(s, nq, nk, t0, lse);
+}
+}  // namespace attn
+using namespace attn;
 
 void attention_forward(Tensor out, Tensor lse, Tensor qkv, const ops::AttentionLayout& L, float scale) {
   const Dims d = dims_of(qkv, L);

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <vector>
 
+#include "backend/cpu/attention_common.h"
 #include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/kernels_16bit.h"
 #include "backend/cpu/widen.h"
@@ -18,60 +19,7 @@ namespace dstrain::cpu {
 namespace {
 
 using k16::at;
-constexpr int64_t kQueryBlock = 64;  // as attention.cpp
-
-struct Dims {
-  int64_t B, T, W, H, Hkv, Dqk, Dv, group;
-};
-
-Dims dims_of(const Tensor& qkv, const ops::AttentionLayout& L) {
-  DS_CHECK(qkv.ndim() == 3, "attention: qkv must be (B, T, W), got {}", qkv.shape().str());
-  DS_CHECK(L.n_head > 0 && L.n_kv_head > 0 && L.n_head % L.n_kv_head == 0,
-           "attention: {} query heads cannot share {} kv heads evenly", L.n_head, L.n_kv_head);
-  Dims d{qkv.size(0), qkv.size(1), qkv.size(2), L.n_head, L.n_kv_head, L.qk_dim, L.v_dim, L.n_head / L.n_kv_head};
-  DS_CHECK(L.row_stride == d.W, "attention: layout row stride {} but qkv rows have {}", L.row_stride, d.W);
-  DS_CHECK(L.q_offset + d.H * d.Dqk <= d.W && L.k_offset + d.Hkv * d.Dqk <= d.W && L.v_offset + d.Hkv * d.Dv <= d.W,
-           "attention: head ranges exceed the qkv row of {}", d.W);
-  return d;
-}
-
-template <class F>
-void for_tasks(int64_t n, F&& body) {
-  if (n >= omp_get_max_threads()) {
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) body(i);
-  } else {
-    for (int64_t i = 0; i < n; ++i) body(i);
-  }
-}
-
-void causal_softmax_rows(float* s, int64_t nq, int64_t nk, int64_t t0, float* lse_out) {
-  for (int64_t i = 0; i < nq; ++i) {
-    float* row = s + i * nk;
-    const int64_t valid = t0 + i + 1;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < valid; ++j) mx = std::max(mx, row[j]);
-    float sum = 0;
-    for (int64_t j = 0; j < valid; ++j) {
-      row[j] = std::exp(row[j] - mx);
-      sum += row[j];
-    }
-    const float inv = 1.0f / sum;
-    for (int64_t j = 0; j < valid; ++j) row[j] *= inv;
-    for (int64_t j = valid; j < nk; ++j) row[j] = 0.0f;
-    lse_out[i] = mx + std::log(sum);
-  }
-}
-
-void probabilities_from_lse(float* s, int64_t nq, int64_t nk, int64_t t0, const float* lse) {
-  for (int64_t i = 0; i < nq; ++i) {
-    float* row = s + i * nk;
-    const int64_t valid = t0 + i + 1;
-    const float l = lse[i];
-    for (int64_t j = 0; j < valid; ++j) row[j] = std::exp(row[j] - l);
-    for (int64_t j = valid; j < nk; ++j) row[j] = 0.0f;
-  }
-}
+using namespace attn;
 
 // A (rows, cols) block of a tensor whose rows are `ld` elements apart, starting at element
 // `offset`, as an fp32 matrix: the tensor's memory when it is fp32, else converted into `tile`.

@@ -25,6 +25,11 @@ void rope_apply(Tensor x, int64_t offset, int n_heads, int head_dim, Tensor cos,
 void rope_apply_interleaved(Tensor x, int64_t offset, int n_heads, int64_t head_stride, int dim, Tensor cos, Tensor sin,
                             bool inverse);
 
+// One row of SwiGLU (gate g, up u, both I long) and of its backward (d: the output's gradient),
+// shared by the fp32 and 16-bit kernels so that both compute the same bits.
+void swiglu_forward_row(const float* g, const float* u, float* o, int64_t I);
+void swiglu_backward_row(const float* g, const float* u, const float* d, float* dg, float* du, int64_t I);
+
 // Register the fused 16-bit kernels over the generic ones of widen.h: the GEMMs (linear.cpp)
 // and the element-wise kernels (kernels_16bit.cpp).
 void fill_gemm_16bit(ops::OpTable& table);

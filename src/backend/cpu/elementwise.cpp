@@ -105,6 +105,21 @@ DS_TARGET_AVX2 void swiglu_backward_avx2(const float* g, const float* u, const f
 }
 }  // namespace
 
+void swiglu_forward_row(const float* g, const float* u, float* o, int64_t I) {
+  if (cpu_has_avx2()) {
+    swiglu_forward_avx2(g, u, o, I);
+  } else {
+    swiglu_forward_scalar(g, u, o, 0, I);
+  }
+}
+void swiglu_backward_row(const float* g, const float* u, const float* d, float* dg, float* du, int64_t I) {
+  if (cpu_has_avx2()) {
+    swiglu_backward_avx2(g, u, d, dg, du, I);
+  } else {
+    swiglu_backward_scalar(g, u, d, dg, du, 0, I);
+  }
+}
+
 void swiglu_forward(Tensor out, Tensor gate_up) {
   const int64_t I = out.size(-1), N = out.numel() / I;
   DS_CHECK(gate_up.numel() == 2 * N * I, "swiglu_forward: gate_up {} for out {}", gate_up.shape().str(),

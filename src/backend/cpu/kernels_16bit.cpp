@@ -242,20 +242,11 @@ DS_CPU_CLONES void rmsnorm_dweight_block(float* dw, const void* g, DType gt, con
   for (int64_t c = c0; c < c1; ++c) dw[c] += acc[c - c0];
 }
 
-DS_CPU_CLONES void swiglu_row(float* o, const float* g, const float* u, int64_t I) {
-#pragma omp simd
-  for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-}
+// SwiGLU's rows are the fp32 kernel's (the same exp, the same bits).
+inline void swiglu_row(float* o, const float* g, const float* u, int64_t I) { swiglu_forward_row(g, u, o, I); }
 
-DS_CPU_CLONES void swiglu_backward_row(float* dg, float* du, const float* g, const float* u, const float* d,
-                                       int64_t I) {
-#pragma omp simd
-  for (int64_t i = 0; i < I; ++i) {
-    const float sig = 1.0f / (1.0f + std::exp(-g[i]));
-    const float silu = g[i] * sig;
-    du[i] = d[i] * silu;
-    dg[i] = d[i] * u[i] * sig * (1.0f + g[i] * (1.0f - sig));
-  }
+inline void swiglu_backward_row(float* dg, float* du, const float* g, const float* u, const float* d, int64_t I) {
+  cpu::swiglu_backward_row(g, u, d, dg, du, I);
 }
 
 DS_CPU_CLONES void rope_row(float* v, const float* c, const float* s, float sign, int64_t half) {

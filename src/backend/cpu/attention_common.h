@@ -1,0 +1,47 @@
+// What the fp32 attention kernel (attention.cpp) and its 16-bit form (attention_16bit.cpp) share:
+// the layout checks, the task loop and the softmax rows, so that both compute the same bits.
+#pragma once
+
+#include <omp.h>
+
+#include <cstdint>
+
+#include "backend/cpu/cpu_ops.h"
+
+namespace dstrain::cpu::attn {
+
+constexpr int64_t kQueryBlock = 64;
+
+struct Dims {
+  int64_t B, T, W, H, Hkv, Dqk, Dv, group;
+};
+
+inline Dims dims_of(const Tensor& qkv, const ops::AttentionLayout& L) {
+  DS_CHECK(qkv.ndim() == 3, "attention: qkv must be (B, T, W), got {}", qkv.shape().str());
+  DS_CHECK(L.n_head > 0 && L.n_kv_head > 0 && L.n_head % L.n_kv_head == 0,
+           "attention: {} query heads cannot share {} kv heads evenly", L.n_head, L.n_kv_head);
+  Dims d{qkv.size(0), qkv.size(1), qkv.size(2), L.n_head, L.n_kv_head, L.qk_dim, L.v_dim, L.n_head / L.n_kv_head};
+  DS_CHECK(L.row_stride == d.W, "attention: layout row stride {} but qkv rows have {}", L.row_stride, d.W);
+  DS_CHECK(L.q_offset + d.H * d.Dqk <= d.W && L.k_offset + d.Hkv * d.Dqk <= d.W && L.v_offset + d.Hkv * d.Dv <= d.W,
+           "attention: head ranges exceed the qkv row of {}", d.W);
+  return d;
+}
+
+// Runs body(task) for task in [0, n): across threads when there are enough tasks, otherwise
+// one after another so that each sgemm inside can use every thread.
+template <class F>
+inline void for_tasks(int64_t n, F&& body) {
+  if (n >= omp_get_max_threads()) {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) body(i);
+  } else {
+    for (int64_t i = 0; i < n; ++i) body(i);
+  }
+}
+
+// Turns scores s (nq, nk; row i may see keys <= t0 + i) into probabilities, computing the
+// log-sum-exp of each row into lse_out, or from the stored one. Masked entries become 0.
+void causal_softmax_rows(float* s, int64_t nq, int64_t nk, int64_t t0, float* lse_out);
+void probabilities_from_lse(float* s, int64_t nq, int64_t nk, int64_t t0, const float* lse);
+
+}  // namespace dstrain::cpu::attn
