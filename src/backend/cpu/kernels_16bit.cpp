@@ -448,15 +448,8 @@ void rope_16bit(Tensor x, int64_t offset, int n_heads, int head_dim, Tensor cos,
 
 void rope_interleaved_16bit(Tensor x, int64_t offset, int n_heads, int64_t head_stride, int dim, Tensor cos,
                             Tensor sin, bool inverse) {
-  DS_CHECK(x.ndim() == 3, "rope_interleaved: expected (B, T, W), got {}", x.shape().str());
+  check_rope_interleaved(x, offset, n_heads, head_stride, dim, cos, sin);
   const int64_t B = x.size(0), T = x.size(1), W = x.size(2), half = dim / 2;
-  DS_CHECK(dim > 0 && dim % 2 == 0 && n_heads > 0 && (n_heads == 1 || head_stride >= dim),
-           "rope_interleaved: {} heads of dim {} with a stride of {} columns", n_heads, dim, head_stride);
-  DS_CHECK(offset >= 0 && offset + int64_t(n_heads - 1) * head_stride + dim <= W,
-           "rope_interleaved: {} heads of {} at column {} (stride {}) do not fit rows of {}", n_heads, dim, offset,
-           head_stride, W);
-  DS_CHECK(cos.ndim() == 2 && cos.size(0) >= T && cos.size(1) == half && sin.shape() == cos.shape(),
-           "rope_interleaved: tables {} for T = {} and dim {}", cos.shape().str(), T, dim);
   const float* cp = cos.data<float>();
   const float* sp = sin.data<float>();
 #pragma omp parallel for schedule(static)
@@ -572,16 +565,9 @@ void copy_blocks_16bit(Tensor dst, int64_t dst_offset, int64_t dst_step, Tensor 
     return DS_CPU_WIDENED(copy_blocks)(dst, dst_offset, dst_step, src, src_offset, src_step, blocks, width,
                                        accumulate);
   }
-  DS_CHECK(dst.ndim() >= 1 && src.ndim() >= 1, "copy_blocks: scalar tensors");
+  if (!check_copy_blocks(dst, dst_offset, dst_step, src, src_offset, src_step, blocks, width)) return;
   const int64_t dcols = dst.size(-1), scols = src.size(-1);
   const int64_t rows = dst.numel() / dcols;
-  DS_CHECK(src.numel() / scols == rows, "copy_blocks: {} rows from {} rows", rows, src.numel() / scols);
-  DS_CHECK(blocks >= 0 && width >= 0 && dst_offset >= 0 && src_offset >= 0 && dst_step >= 0 && src_step >= 0,
-           "copy_blocks: negative offset, step or size");
-  if (blocks == 0 || width == 0 || rows == 0) return;
-  DS_CHECK(dst_offset + (blocks - 1) * dst_step + width <= dcols && src_offset + (blocks - 1) * src_step + width <= scols,
-           "copy_blocks: {} blocks of {} at {}+j*{} (dst {} columns) from {}+j*{} (src {} columns) run past a row",
-           blocks, width, dst_offset, dst_step, dcols, src_offset, src_step, scols);
   const DType dt = dst.dtype(), st = src.dtype();
   // The dst columns the blocks cover, [lo, hi): accumulation runs over them in fp32 and rounds
   // once, also when several blocks sum into one place.
