@@ -70,6 +70,13 @@ class Communicator {
   virtual Work all_gather_async(Tensor out, Tensor in) = 0;
   // out (n) = reduction of piece `rank` of every rank's in (size * n).
   virtual Work reduce_scatter_async(Tensor out, Tensor in, ReduceOp op = ReduceOp::Sum) = 0;
+  // Pieces of varying sizes (ZeRO's row pieces): out (the sum of counts) = every rank's in
+  // (counts[rank] elements) in rank order. `in` may be this rank's own piece of out.
+  virtual Work all_gather_v_async(Tensor out, Tensor in, const std::vector<int64_t>& counts) = 0;
+  // out (counts[rank] elements) = the reduction of piece `rank` of every rank's in (the sum of
+  // counts, pieces in rank order).
+  virtual Work reduce_scatter_v_async(Tensor out, Tensor in, const std::vector<int64_t>& counts,
+                                      ReduceOp op = ReduceOp::Sum) = 0;
   virtual Work broadcast_async(Tensor t, int root) = 0;
   // in and out hold size equal pieces; piece j of in goes to rank j, piece i of out came from rank i.
   virtual Work all_to_all_async(Tensor out, Tensor in) = 0;

@@ -224,6 +224,51 @@ Work MpiCommunicator::reduce_scatter_async(Tensor out, Tensor in, ReduceOp op) {
   });
 }
 
+namespace {
+// MPI's int counts and displacements of pieces of `counts` elements laid end to end.
+std::pair<std::vector<int>, std::vector<int>> counts_and_displs(const std::vector<int64_t>& counts, int size,
+                                                                 int64_t total, const std::string& comm,
+                                                                 const char* op) {
+  DS_CHECK(int(counts.size()) == size, "{} on '{}': {} counts for {} ranks", op, comm, counts.size(), size);
+  std::vector<int> c(counts.size()), d(counts.size());
+  int64_t off = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    DS_CHECK(counts[i] >= 0, "{} on '{}': negative count {} for rank {}", op, comm, counts[i], i);
+    c[i] = as_count(counts[i], op);
+    d[i] = as_count(off, op);
+    off += counts[i];
+  }
+  DS_CHECK(off == total, "{} on '{}': the counts add up to {} but the tensor holds {}", op, comm, off, total);
+  return {c, d};
+}
+}  // namespace
+
+Work MpiCommunicator::all_gather_v_async(Tensor out, Tensor in, const std::vector<int64_t>& counts) {
+  auto [c, d] = counts_and_displs(counts, size_, out.numel(), name_, "all_gather_v");
+  DS_CHECK(out.dtype() == in.dtype() && in.numel() == counts[size_t(rank_)],
+           "all_gather_v on '{}': this rank sends {} elements of {}, its count is {} of {}", name_, in.numel(),
+           dtype_name(in.dtype()), counts[size_t(rank_)], dtype_name(out.dtype()));
+  const bool in_place =
+      static_cast<const char*>(in.raw()) == static_cast<const char*>(out.raw()) + size_t(d[size_t(rank_)]) * dtype_size(out.dtype());
+  return enqueue("all_gather_v", double(out.nbytes()), [this, out, in, c, d, in_place] {
+    const MPI_Datatype type = mpi_datatype(in.dtype());
+    DS_MPI_CHECK(MPI_Allgatherv(in_place ? MPI_IN_PLACE : in.raw(), c[size_t(rank_)], type, out.raw(), c.data(),
+                                d.data(), type, comm_.get()));
+  });
+}
+
+Work MpiCommunicator::reduce_scatter_v_async(Tensor out, Tensor in, const std::vector<int64_t>& counts, ReduceOp op) {
+  check_reducible(in, "reduce_scatter_v", op);
+  auto [c, d] = counts_and_displs(counts, size_, in.numel(), name_, "reduce_scatter_v");
+  DS_CHECK(out.dtype() == in.dtype() && out.numel() == counts[size_t(rank_)],
+           "reduce_scatter_v on '{}': out holds {} elements, this rank's count is {}", name_, out.numel(),
+           counts[size_t(rank_)]);
+  return enqueue("reduce_scatter_v", double(in.nbytes()), [this, out, in, op, c = c] {
+    DS_MPI_CHECK(MPI_Reduce_scatter(in.raw(), out.raw(), c.data(), mpi_datatype(in.dtype()), mpi_op(op, in.dtype()),
+                                    comm_.get()));
+  });
+}
+
 Work MpiCommunicator::broadcast_async(Tensor t, int root) {
   DS_CHECK(root >= 0 && root < size_, "broadcast on '{}': root {} outside [0, {})", name_, root, size_);
   return enqueue("broadcast", double(t.nbytes()), [this, t, root] {

@@ -54,6 +54,8 @@ class MpiCommunicator final : public Communicator {
   Work reduce_scatter_async(Tensor out, Tensor in, ReduceOp op) override;
   Work broadcast_async(Tensor t, int root) override;
   Work all_to_all_async(Tensor out, Tensor in) override;
+  Work all_gather_v_async(Tensor out, Tensor in, const std::vector<int64_t>& counts) override;
+  Work reduce_scatter_v_async(Tensor out, Tensor in, const std::vector<int64_t>& counts, ReduceOp op) override;
   Work all_to_all_v_async(Tensor out, const std::vector<int64_t>& out_counts, Tensor in,
                           const std::vector<int64_t>& in_counts) override;
   Work send_async(Tensor t, int peer, int tag) override;

@@ -1,9 +1,13 @@
 #include "core/allocator.h"
 
 #include <Kokkos_Core.hpp>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -44,6 +48,37 @@ class HostAllocator final : public Allocator {
   }
   void free(Device, void* p, size_t) override { Kokkos::kokkos_free<Kokkos::HostSpace>(p); }
   void zero(Device, void* p, size_t bytes) override { parallel_zero(p, bytes); }
+
+  // Anonymous private mappings: the kernel commits a zero page at the first write and takes
+  // it back at madvise(MADV_DONTNEED), after which it reads as zeros again.
+  void* reserve(Device device, size_t bytes, const std::string& label) override {
+    DS_CHECK(device.is_cpu(), "the {} allocator hands out host memory, not memory on {}", name_, device.str());
+    if (bytes == 0) return nullptr;
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) {
+      throw OutOfMemory(fmt::format("reserving {} bytes of address space for '{}' failed: {}", bytes, label,
+                                    std::strerror(errno)));
+    }
+    return p;
+  }
+  void unreserve(Device, void* p, size_t bytes) override {
+    if (p) ::munmap(p, bytes);
+  }
+  void release_pages(Device, void* p, size_t bytes) override {
+    static const size_t page = size_t(::sysconf(_SC_PAGESIZE));
+    auto* b = static_cast<unsigned char*>(p);
+    unsigned char* e = b + bytes;
+    auto* pb = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(b) + page - 1) / page * page);
+    auto* pe = reinterpret_cast<unsigned char*>(reinterpret_cast<uintptr_t>(e) / page * page);
+    if (pb >= pe) {
+      std::memset(b, 0, bytes);
+      return;
+    }
+    std::memset(b, 0, size_t(pb - b));  // the partial pages at the ends are shared with neighbours
+    std::memset(pe, 0, size_t(e - pe));
+    DS_CHECK(::madvise(pb, size_t(pe - pb), MADV_DONTNEED) == 0, "madvise(MADV_DONTNEED) failed: {}",
+             std::strerror(errno));
+  }
 
  private:
   std::string name_;

@@ -29,6 +29,16 @@ class Allocator {
   virtual void free(Device device, void* p, size_t bytes) = 0;
   // Sets `bytes` bytes at p (memory from allocate) to zero.
   virtual void zero(Device device, void* p, size_t bytes) = 0;
+
+  // Address space whose memory is committed page by page as it is first written, and handed
+  // back by release_pages: ZeRO's gathered parameters and transient gradients live at their
+  // offsets of a whole-model range while only the pieces in use hold memory. Reads of a page
+  // never written, or released, give zeros. An allocator without such address space (the
+  // default) commits everything at once: release_pages then only zeroes.
+  virtual void* reserve(Device device, size_t bytes, const std::string& label) { return allocate(device, bytes, label); }
+  virtual void unreserve(Device device, void* p, size_t bytes) { free(device, p, bytes); }
+  // Zeroes [p, p + bytes) of reserved memory and returns the whole pages inside it.
+  virtual void release_pages(Device device, void* p, size_t bytes) { zero(device, p, bytes); }
 };
 
 // The allocator for memory on `device`. A device type with none registered is an error that

@@ -12,7 +12,20 @@
 
 namespace dstrain {
 
-enum class MemCategory { Parameters, Gradients, OptimizerState, Activations, Workspace, Data, Checkpoint, kCount };
+// GatheredParameters: ZeRO-3's whole weights while a layer uses them; CommBuffers: memory that
+// only carries data between ranks.
+enum class MemCategory {
+  Parameters,
+  Gradients,
+  OptimizerState,
+  GatheredParameters,
+  CommBuffers,
+  Activations,
+  Workspace,
+  Data,
+  Checkpoint,
+  kCount
+};
 std::string_view mem_category_name(MemCategory c);
 
 // Bytes currently held per category by live Buffers of this process: on every device
@@ -24,6 +37,9 @@ struct MemoryStats {
 };
 MemoryStats memory_stats();
 MemoryStats memory_stats(DeviceType device);
+// Accounts memory that Buffers cannot see for themselves: the pages of a reserved buffer that
+// are in use (its owner knows which). delta may be negative.
+void memory_account(DeviceType device, MemCategory category, int64_t delta);
 
 class Buffer {
  public:
@@ -32,6 +48,15 @@ class Buffer {
   Buffer(std::string label, MemCategory category, DType dtype, int64_t numel, Device device = Device::cpu());
   // Zero-filled page-locked host memory (for transfers to and from a device).
   static Buffer pinned_host(std::string label, MemCategory category, DType dtype, int64_t numel);
+  // Reserved address space for numel elements (Allocator::reserve): memory is committed where
+  // it is written and handed back by release_range. It reads as zeros. The buffer accounts no
+  // bytes itself; its owner accounts the parts in use (memory_account).
+  static Buffer reserved(std::string label, MemCategory category, DType dtype, int64_t numel,
+                         Device device = Device::cpu());
+  bool is_reserved() const { return reserved_; }
+  // Zeroes elements [offset, offset + numel); in a reserved buffer the whole pages inside are
+  // handed back as well.
+  void release_range(int64_t offset, int64_t numel);
   Buffer(Buffer&&) noexcept;
   Buffer& operator=(Buffer&&) noexcept;
   Buffer(const Buffer&) = delete;
@@ -57,7 +82,8 @@ class Buffer {
   void zero();
 
  private:
-  Buffer(std::string label, MemCategory category, DType dtype, int64_t numel, Device device, Allocator& allocator);
+  Buffer(std::string label, MemCategory category, DType dtype, int64_t numel, Device device, Allocator& allocator,
+         bool reserve = false);
   void release();
   void* data_ = nullptr;
   Allocator* allocator_ = nullptr;
@@ -66,6 +92,7 @@ class Buffer {
   int64_t numel_ = 0;
   Device device_;
   MemCategory category_ = MemCategory::Workspace;
+  bool reserved_ = false;
 };
 
 }  // namespace dstrain

@@ -17,6 +17,10 @@ void ParamHookChain::before_use(int first, int last) {
   for (ParamHooks* h : hooks_) h->before_use(first, last);
 }
 
+void ParamHookChain::after_use(int first, int last) {
+  for (ParamHooks* h : hooks_) h->after_use(first, last);
+}
+
 void ParamHookChain::grad_ready(int first, int last) {
   for (ParamHooks* h : hooks_) h->grad_ready(first, last);
 }

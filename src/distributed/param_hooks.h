@@ -21,6 +21,7 @@ class ParamHookChain final : public ParamHooks {
   int size() const { return int(hooks_.size()); }
 
   void before_use(int first, int last) override;
+  void after_use(int first, int last) override;
   void grad_ready(int first, int last) override;
 
  private:

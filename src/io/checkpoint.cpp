@@ -57,19 +57,16 @@ constexpr const char* kGroups[3] = {"model", "optimizer/exp_avg", "optimizer/exp
 
 // Rank r of n owns rows [R*r/n, R*(r+1)/n) of a tensor with R rows along dimension 0: a
 // contiguous range of the flattened tensor, in rank order.
-struct Piece {
-  int64_t row_begin = 0, rows = 0, row_elems = 1;
-  int64_t elem_begin() const { return row_begin * row_elems; }
-  int64_t elems() const { return rows * row_elems; }
-};
+// Each rank writes and reads rows [R*r/N, R*(r+1)/N) of every tensor (state/params.h), the
+// pieces ZeRO shards by.
+using Piece = RowPiece;
+Piece piece_of(const Shape& global, int rank, int n) { return row_piece(global, rank, n); }
 
-Piece piece_of(const Shape& global, int rank, int n) {
-  Piece p;
-  const int64_t R = global.ndim() ? global[0] : 1;
-  p.row_elems = global.ndim() ? global.numel() / std::max<int64_t>(R, 1) : 1;
-  p.row_begin = R * rank / n;
-  p.rows = R * (rank + 1) / n - p.row_begin;
-  return p;
+// Where parameter id's piece of this rank lies in a buffer: in the registry's whole layout, or
+// at its offset of a shard.
+int64_t piece_start(const ParamInfo& p, int id, const Piece& pc,
+                    const std::shared_ptr<const std::vector<int64_t>>& piece_offsets) {
+  return piece_offsets ? (*piece_offsets)[size_t(id)] : p.offset + pc.elem_begin();
 }
 
 std::vector<hsize_t> dims_of(const Shape& s) {
@@ -425,10 +422,12 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
   std::vector<std::pair<const void*, size_t>> ranges;
   for (int g = 0; g < 3; ++g) {
     if (!buffers[size_t(g)]) continue;
-    for (const ParamInfo& p : reg.all()) {
+    for (int id = 0; id < reg.size(); ++id) {
+      const ParamInfo& p = reg.info(id);
       DS_CHECK(p.placement.kind == Placement::Kind::Whole, "checkpoint: '{}' is not held whole on this rank", p.name);
       const Piece pc = piece_of(p.global_shape, rank, n);
-      ranges.emplace_back(buffers[size_t(g)] + p.offset + pc.elem_begin(), size_t(pc.elems()) * sizeof(float));
+      ranges.emplace_back(buffers[size_t(g)] + piece_start(p, id, pc, bufs.piece_offsets),
+                          size_t(pc.elems()) * sizeof(float));
     }
   }
   std::vector<uint64_t> local;
@@ -513,7 +512,8 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
     const float* base = buffers[size_t(g)];
     if (!base) continue;
     h5::Handle group = h5::open_group(file, kGroups[g]);
-    for (const ParamInfo& p : reg.all()) {
+    for (int id = 0; id < reg.size(); ++id) {
+      const ParamInfo& p = reg.info(id);
       const Piece pc = piece_of(p.global_shape, rank, n);
       const auto dims = dims_of(p.global_shape);
       h5::Handle space(H5Screate_simple(int(dims.size()), dims.data(), nullptr), "H5Screate_simple");
@@ -521,7 +521,7 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
                       "H5Dcreate2");
       h5::write_attr(dset, "crc32", int64_t(crcs[t++]));
       h5::write_attr(dset, "kind", std::string(param_kind_name(p.kind)));
-      writes.push_back({std::move(dset), base + p.offset + pc.elem_begin(), pc, p.global_shape});
+      writes.push_back({std::move(dset), base + piece_start(p, id, pc, bufs.piece_offsets), pc, p.global_shape});
     }
   }
   write_json_group(file, "scheduler", state.scheduler);
@@ -596,12 +596,15 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
 
 TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry& reg, float* exp_avg,
                            float* exp_avg_sq) {
+  return read_checkpoint(path, comm, reg, CheckpointTargets{reg.values().data<float>(), exp_avg, exp_avg_sq, nullptr});
+}
+
+TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry& reg, const CheckpointTargets& into) {
   std::lock_guard lock(h5::hdf5_lock());
   int rank = 0, n = 1;
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &n);
-  float* values = reg.values().data<float>();
-  const std::vector<float*> buffers = {values, exp_avg, exp_avg_sq};
+  const std::vector<float*> buffers = {into.values, into.exp_avg, into.exp_avg_sq};
 
   // Opening is collective and fails alike on every rank (a truncated or foreign file).
   std::string error;
@@ -660,7 +663,8 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
       DS_CHECK(h5::exists(file, kGroups[g]), "'{}' has no /{} group: it holds no optimizer state to resume from",
                path, kGroups[g]);
       h5::Handle group = h5::open_group(file, kGroups[g]);
-      for (const ParamInfo& p : reg.all()) {
+      for (int id = 0; id < reg.size(); ++id) {
+        const ParamInfo& p = reg.info(id);
         const std::string where = fmt::format("/{}/{}", kGroups[g], p.name);
         DS_CHECK(h5::exists(group, p.name), "'{}' has no tensor {}: was it written for another model?", path, where);
         h5::Handle dset(H5Dopen2(group, p.name.c_str(), H5P_DEFAULT), "H5Dopen2");
@@ -670,7 +674,7 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
         const Piece pc = piece_of(p.global_shape, rank, n);
         h5::Handle space(H5Dget_space(dset), "H5Dget_space");
         auto [fsel, msel] = selections(space, p.global_shape, pc);
-        float* dst = base + p.offset + pc.elem_begin();
+        float* dst = base + piece_start(p, id, pc, into.piece_offsets);
         DS_H5_CHECK(H5Dread(dset, H5T_NATIVE_FLOAT, msel, fsel, xfer, dst));
         ranges.emplace_back(dst, size_t(pc.elems()) * sizeof(float));
         stored.push_back(uint32_t(h5::read_attr_int(dset, "crc32")));
@@ -706,11 +710,12 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
                             bad.size(), list, bad.size() > 5 ? fmt::format("\n    and {} more", bad.size() - 5) : ""));
   }
 
-  // Every rank holds whole tensors: assemble them from the pieces in place.
+  // Every rank holds whole tensors: assemble them from the pieces in place (sharded targets
+  // keep their pieces).
   std::vector<int> counts(static_cast<size_t>(n)), displs(static_cast<size_t>(n));
   for (int g = 0; g < 3; ++g) {
     float* base = buffers[size_t(g)];
-    if (!base || n == 1) continue;
+    if (!base || n == 1 || into.piece_offsets) continue;
     for (const ParamInfo& p : reg.all()) {
       for (int r = 0; r < n; ++r) {
         const Piece pc = piece_of(p.global_shape, r, n);

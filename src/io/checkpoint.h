@@ -7,6 +7,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -35,10 +36,25 @@ struct TrainState {
 
 // The flat buffers to write (laid out as the registry says); exp_avg/exp_avg_sq may be null
 // when a file holds the model only.
+//
+// Sharded state (ZeRO): each buffer holds only this rank's pieces, the rows of every tensor the
+// checkpoint has this rank write (RowPiece over the checkpoint's communicator); parameter id's
+// piece starts at element (*piece_offsets)[id], and each buffer holds `numel` elements.
 struct CheckpointBuffers {
   const float* values = nullptr;
   const float* exp_avg = nullptr;
   const float* exp_avg_sq = nullptr;
+  std::shared_ptr<const std::vector<int64_t>> piece_offsets;  // null: whole buffers
+  int64_t numel = 0;                                          // with piece_offsets
+};
+
+// Where read_checkpoint puts what it reads: whole buffers in the registry's layout (assembled
+// from every rank's rows), or, with piece_offsets, this rank's pieces only (ZeRO's shards).
+struct CheckpointTargets {
+  float* values = nullptr;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  std::shared_ptr<const std::vector<int64_t>> piece_offsets;
 };
 
 // A write that failed for lack of storage: the disk or quota is full (ENOSPC, EDQUOT), or
@@ -75,6 +91,7 @@ void throw_if_any_rank_failed(MPI_Comm comm, const std::string& error);
 // checksum, HDF5 error on any rank) throws the same error on every rank.
 TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry& reg, float* exp_avg,
                            float* exp_avg_sq);
+TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry& reg, const CheckpointTargets& into);
 
 // What `dstrain-ckpt info` shows: read by one process, checksums verified.
 struct CheckpointTensorInfo {

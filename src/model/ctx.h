@@ -154,12 +154,15 @@ class WeightGradStore {
 };
 
 // Where ZeRO-3 gathers and gradient buckets plug into the model: before_use before a range of
-// parameters is read by a forward or backward, grad_ready once their gradients of this
-// micro-batch are final. Ranges are inclusive parameter ids.
+// parameters is read by a forward or backward, after_use once that use is over (each
+// before_use has its after_use; uses nest, as an MTP module's use of the embedding inside its
+// own), grad_ready once their gradients of this micro-batch are final. Ranges are inclusive
+// parameter ids.
 class ParamHooks {
  public:
   virtual ~ParamHooks() = default;
   virtual void before_use(int first, int last) {}
+  virtual void after_use(int first, int last) {}
   virtual void grad_ready(int first, int last) {}
 };
 
@@ -195,6 +198,9 @@ struct Ctx {
   void tp_all_reduce(Tensor t) const;
   void before_use(int first, int last) const {
     if (hooks) hooks->before_use(first, last);
+  }
+  void after_use(int first, int last) const {
+    if (hooks) hooks->after_use(first, last);
   }
   void grad_ready(int first, int last) const {
     if (hooks) hooks->grad_ready(first, last);

@@ -195,6 +195,7 @@ void DecoderLayer::forward(const Ctx& ctx, int mb, Tensor x_in, Tensor x_out) {
   ops::rmsnorm_forward(ln2, rstd2, x_mid, reg_.param(ln2_), eps_);
   ops::copy(x_out, x_mid);
   ffn_->forward(ctx, mb, ln2, x_out);
+  ctx.after_use(first_param_, last_param_);
 }
 
 void DecoderLayer::backward(const Ctx& ctx, int mb, Tensor dx) {
@@ -212,6 +213,7 @@ void DecoderLayer::backward(const Ctx& ctx, int mb, Tensor dx) {
   attn_->backward(ctx, mb, ctx.acts->get(mb, key_ + "input_layernorm.out"), dx, dln);
   ops::rmsnorm_backward(dx, reg_.grad(ln1_), dln, x_in, reg_.param(ln1_),
                         ctx.acts->get(mb, key_ + "input_layernorm.rstd"));
+  ctx.after_use(first_param_, last_param_);
 }
 
 }  // namespace dstrain

@@ -202,6 +202,7 @@ void Transformer::forward_body(int mb, Tensor tokens) {
   Tensor x = residual(0);
   ctx_.before_use(embed_, embed_);
   ops::embedding_forward(x.view({B * T, C}), tok.view({B * T}), reg_.param(embed_));
+  ctx_.after_use(embed_, embed_);
   for (size_t l = 0; l < layers_.size(); ++l) {
     Tensor next = residual(l + 1);
     layers_[l].forward(ctx_, mb, x, next);
@@ -211,6 +212,7 @@ void Transformer::forward_body(int mb, Tensor tokens) {
   ops::rmsnorm_forward(acts_.put(mb, "final_norm.out", {B, T, C}, ctx_.compute_dtype),
                        acts_.put(mb, "final_norm.rstd", {B, T}), x, reg_.param(final_norm_),
                        float(config_.rms_norm_eps));
+  ctx_.after_use(final_norm_, final_norm_);
 }
 
 void Transformer::head(Tensor x, Tensor targets, bool backward, float scale, Tensor dx, Tensor sums) {
@@ -243,6 +245,7 @@ void Transformer::head(Tensor x, Tensor targets, bool backward, float scale, Ten
     }
   }
   ops::loss_sums(sums, losses, tg);
+  ctx_.after_use(head_param(), head_param());
 }
 
 Tensor Transformer::zeroed_sums(int mb) {
@@ -311,6 +314,7 @@ void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor 
     Tensor emb = act(m, "emb", {N, C}), cat = act(m, "cat", {N, 2 * C}, cd);
     ctx_.before_use(embed_, embed_);  // shared with the main model
     ops::embedding_forward(emb, inputs.view({N}), reg_.param(embed_));
+    ctx_.after_use(embed_, embed_);
     Tensor en = scratch_.get("mtp.enorm", {N, C}, cd), hn = act(m, "hnorm", {N, C}, cd);
     ops::rmsnorm_forward(en, act(m, "e_rstd", {N}), emb, reg_.param(m.enorm), eps);
     ops::rmsnorm_forward(hn, act(m, "h_rstd", {N}), h_prev.view({N, C}), reg_.param(m.hnorm), eps);
@@ -324,6 +328,7 @@ void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor 
     ops::rmsnorm_forward(on, act(m, "out_rstd", {N}), h_out.view({N, C}), reg_.param(m.head_norm), eps);
     h_prevs[k] = h_prev;
     h_prev = h_out;
+    ctx_.after_use(m.first_param, m.last_param);
   }
   auto get = [&](const MtpModule& m, const char* what) {
     return acts_.get(mb, fmt::format("layers.{}.mtp.{}", m.layer_index, what));
@@ -362,6 +367,7 @@ void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor 
     if (k > 0) ops::fill(dprev, 0.0f);
     ops::rmsnorm_backward(dprev, reg_.grad(m.hnorm), dhn, h_prevs[k].view({N, C}), reg_.param(m.hnorm),
                           get(m, "h_rstd"));
+    ctx_.after_use(m.first_param, m.last_param);
     ctx_.grad_ready(m.first_param, m.last_param);
   }
   early_backward_s_ += seconds_since(t0);
@@ -398,6 +404,9 @@ class ReadyFnHooks final : public ParamHooks {
   ReadyFnHooks(ParamHooks* inner, const GradReadyFn& ready) : inner_(inner), ready_(ready) {}
   void before_use(int first, int last) override {
     if (inner_) inner_->before_use(first, last);
+  }
+  void after_use(int first, int last) override {
+    if (inner_) inner_->after_use(first, last);
   }
   void grad_ready(int first, int last) override {
     if (inner_) inner_->grad_ready(first, last);
@@ -474,6 +483,7 @@ void Transformer::backward(int mb, BackwardPart part) {
     ops::rmsnorm_backward(dx, reg_.grad(final_norm_), acts_.get(mb, "head.dxf").view({B, T, C}),
                           acts_.get(mb, fmt::format("residual.{}", layers_.size())), reg_.param(final_norm_),
                           acts_.get(mb, "final_norm.rstd"));
+    ctx_.after_use(final_norm_, final_norm_);
     grad_ready(mb, final_norm_, final_norm_);
     if (lm_head_ >= 0) grad_ready(mb, lm_head_, lm_head_);
     for (size_t l = layers_.size(); l-- > 0;) {
@@ -482,6 +492,7 @@ void Transformer::backward(int mb, BackwardPart part) {
     }
     ctx_.before_use(embed_, embed_);
     ops::embedding_backward(reg_.grad(embed_), dx.view({B * T, C}), tokens.view({B * T}));
+    ctx_.after_use(embed_, embed_);
     grad_ready(mb, embed_, embed_);
   } catch (...) {
     wgrad_.end_deferral();
@@ -512,6 +523,7 @@ void Transformer::forward_logits(Tensor tokens, Tensor logits) {
            V);
   ctx_.before_use(head_param(), head_param());
   ops::linear_forward(logits.view({N, V}), acts_.get(kInferenceMb, "final_norm.out").view({N, C}), head_weight());
+  ctx_.after_use(head_param(), head_param());
   acts_.release(kInferenceMb);
 }
 
@@ -524,6 +536,7 @@ void Transformer::last_logits(Tensor tokens, Tensor logits) {
   for (int64_t b = 0; b < B; ++b) {
     ops::linear_forward(logits.view({B, V}).slice(b, b + 1), xf.row(b).slice(T - 1, T), head_weight());
   }
+  ctx_.after_use(head_param(), head_param());
   acts_.release(kInferenceMb);
 }
 

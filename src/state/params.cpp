@@ -1,5 +1,7 @@
 #include "state/params.h"
 
+#include <algorithm>
+
 #include "backend/ops.h"
 
 namespace dstrain {
@@ -60,6 +62,29 @@ void ParamRegistry::allocate(Device device) {
   const int64_t n = (flat_numel_ + kAlign - 1) / kAlign * kAlign;
   values_ = Buffer("parameters", MemCategory::Parameters, DType::F32, n, device);
   grads_ = Buffer("gradients", MemCategory::Gradients, DType::F32, n, device);
+}
+
+void ParamRegistry::reserve_values() {
+  const int64_t n = values_.numel();
+  values_ = Buffer::reserved("parameters (gathered)", MemCategory::GatheredParameters, DType::F32, n, values_.device());
+  if (has_compute_copy()) {
+    compute_ = Buffer::reserved("parameters (gathered compute copy)", MemCategory::GatheredParameters,
+                                compute_.dtype(), n, values_.device());
+  }
+}
+
+void ParamRegistry::reserve_grads() {
+  grads_ = Buffer::reserved("gradients (transient)", MemCategory::Gradients, DType::F32, grads_.numel(),
+                            grads_.device());
+}
+
+RowPiece row_piece(const Shape& global, int rank, int n) {
+  RowPiece p;
+  const int64_t R = global.ndim() ? global[0] : 1;
+  p.row_elems = global.ndim() ? global.numel() / std::max<int64_t>(R, 1) : 1;
+  p.row_begin = R * rank / n;
+  p.rows = R * (rank + 1) / n - p.row_begin;
+  return p;
 }
 
 int ParamRegistry::find(const std::string& name) const {
@@ -131,13 +156,24 @@ void ParamRegistry::allocate_compute(DType dtype) {
     return;
   }
   if (!has_compute_copy() || compute_.dtype() != dtype) {
-    compute_ = Buffer("parameters (compute copy)", MemCategory::Parameters, dtype, values_.numel(), values_.device());
+    compute_ = values_.is_reserved()
+                   ? Buffer::reserved("parameters (gathered compute copy)", MemCategory::GatheredParameters, dtype,
+                                      values_.numel(), values_.device())
+                   : Buffer("parameters (compute copy)", MemCategory::Parameters, dtype, values_.numel(),
+                            values_.device());
   }
   refresh_compute();
 }
 
 void ParamRegistry::refresh_compute() {
-  if (has_compute_copy()) ops::cast(compute_.tensor(), values_.tensor());
+  // Reserved weights hold only what ZeRO-3 gathered, and it refreshes what it gathers.
+  if (has_compute_copy() && !values_.is_reserved()) ops::cast(compute_.tensor(), values_.tensor());
+}
+
+void ParamRegistry::refresh_compute(int first, int last) {
+  if (!has_compute_copy()) return;
+  const int64_t b = info(first).offset, e = info(last).offset + info(last).numel();
+  ops::cast(compute_.tensor(b, {e - b}), values_.tensor(b, {e - b}));
 }
 
 Tensor ParamRegistry::compute(int id) const {

@@ -32,6 +32,17 @@ struct Placement {
   int64_t begin = 0, length = 0;
 };
 
+// The rows of a tensor of global shape `global` that rank `rank` of `n` holds when the tensor
+// is split along its first dimension: rows [R * rank / n, R * (rank + 1) / n). Checkpoints
+// write and read tensors in these pieces, and ZeRO shards every parameter by them, so that a
+// sharded rank writes its own state and nothing else.
+struct RowPiece {
+  int64_t row_begin = 0, rows = 0, row_elems = 1;
+  int64_t elem_begin() const { return row_begin * row_elems; }
+  int64_t elems() const { return rows * row_elems; }
+};
+RowPiece row_piece(const Shape& global, int rank, int n);
+
 // Which data-parallel communicator reduces a parameter's gradient: dense parameters are
 // replicated over all data-parallel ranks, routed experts only over the ranks that hold the
 // same experts (ProcessGrid::expert_data()).
@@ -80,6 +91,14 @@ class ParamRegistry {
           bool trainable = true);
   // Allocates the flat parameter and gradient buffers (zero-filled).
   void allocate(Device device);
+  // ZeRO: the whole-model buffers become reserved address space (Buffer::reserved) that holds
+  // memory only where a piece is in use: the weights (and their compute copy) at stage 3, the
+  // gradients at stages 2 and 3. Their contents are dropped (zeros).
+  void reserve_values();
+  void reserve_grads();
+  bool values_reserved() const { return values_.is_reserved(); }
+  // Zeroes every gradient (in reserved gradients, handing their pages back).
+  void zero_grads() { grads_.zero(); }
 
   int size() const { return int(params_.size()); }
   const ParamInfo& info(int id) const { return params_[size_t(id)]; }
@@ -112,10 +131,13 @@ class ParamRegistry {
   bool has_compute_copy() const { return compute_.numel() > 0; }
   DType compute_dtype() const { return has_compute_copy() ? compute_.dtype() : DType::F32; }
   void refresh_compute();
+  // The compute copy of parameters first..last only (ZeRO-3 after gathering them).
+  void refresh_compute(int first, int last);
   // The weights as the compute reads them: the copy's, or the fp32 master's without one.
   Tensor compute(int id) const;
   Tensor compute_rows(int first, int last) const;
   const Buffer& compute_values() const { return compute_; }
+  Buffer& compute_values() { return compute_; }
 
   Buffer& values() { return values_; }
   Buffer& grads() { return grads_; }

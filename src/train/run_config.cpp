@@ -108,6 +108,54 @@ PrecisionConfig read_precision(const JsonReader& r) {
   return p;
 }
 
+ZeroConfig read_zero(const JsonReader& z) {
+  ZeroConfig c;
+  c.stage = z.get<int64_t>("stage", c.stage);
+  if (c.stage < 0 || c.stage > 3) {
+    z.error("stage", fmt::format("is {}; ZeRO stages are 0 (nothing sharded), 1 (optimizer state), 2 (and gradients) "
+                                 "and 3 (and parameters)",
+                                 c.stage));
+  }
+  auto positive = [&](const char* key, int64_t& v) {
+    v = z.get<int64_t>(key, v);
+    if (v <= 0) z.error(key, "must be positive (elements)");
+  };
+  positive("reduce_bucket_size", c.reduce_bucket_size);
+  positive("allgather_bucket_size", c.allgather_bucket_size);
+  positive("stage3_prefetch_bucket_size", c.stage3_prefetch_bucket_size);
+  positive("stage3_max_live_parameters", c.stage3_max_live_parameters);
+  c.stage3_param_persistence_threshold =
+      z.get<int64_t>("stage3_param_persistence_threshold", c.stage3_param_persistence_threshold);
+  if (c.stage3_param_persistence_threshold < 0) z.error("stage3_param_persistence_threshold", "must be >= 0 (elements)");
+  c.overlap_comm = z.get<bool>("overlap_comm", c.overlap_comm);
+  c.contiguous_gradients = z.get<bool>("contiguous_gradients", c.contiguous_gradients);
+  auto offload = [&](const char* key, std::string& device, bool& pin) {
+    if (!z.has(key) || z.is_null(key)) return;
+    JsonReader o = z.child(key);
+    device = o.get<std::string>("device", device);
+    if (device != "none" && device != "cpu") {
+      o.error("device", fmt::format("is \"{}\"; it must be \"none\" or \"cpu\" (NVMe offload is not implemented)",
+                                    device));
+    }
+    pin = o.get<bool>("pin_memory", pin);
+    o.done();
+  };
+  offload("offload_optimizer", c.offload_optimizer, c.offload_optimizer_pin_memory);
+  offload("offload_param", c.offload_param, c.offload_param_pin_memory);
+  if (c.offloads_optimizer() && c.stage == 0) {
+    z.error("offload_optimizer", "needs a sharded optimizer: set zero_optimization.stage to 1, 2 or 3");
+  }
+  if (c.offloads_params() && c.stage != 3) {
+    z.error("offload_param", fmt::format("needs stage 3 (parameters sharded at rest), not stage {}", c.stage));
+  }
+  if (c.offloads_params() && !c.offloads_optimizer()) {
+    z.error("offload_param", "needs offload_optimizer.device \"cpu\" as well: the host masters are the parameters "
+                             "at rest");
+  }
+  z.done();
+  return c;
+}
+
 TrainConfig read_train(const JsonReader& r) {
   TrainConfig t;
   // 0 stands for "derive from the other two" inside TrainConfig only: a 0 or a negative number
@@ -178,18 +226,17 @@ TrainConfig read_train(const JsonReader& r) {
     r.error("micro_batch_schedule", "must be \"grad_accumulation\" or \"all_forward_all_backward\" (pipeline schedules need "
             "pipeline stages)");
   }
-  if (r.has("zero_optimization")) {
-    JsonReader z = r.child("zero_optimization");
-    t.zero_stage = z.get<int64_t>("stage", t.zero_stage);
-    if (t.zero_stage != 0) {
-      z.error("stage", fmt::format("is {}; this build implements stage 0 (replicated optimizer state)", t.zero_stage));
-    }
-    t.reduce_bucket_size = z.get<int64_t>("reduce_bucket_size", t.reduce_bucket_size);
-    if (t.reduce_bucket_size <= 0) z.error("reduce_bucket_size", "must be positive (elements per bucket)");
-    t.overlap_comm = z.get<bool>("overlap_comm", t.overlap_comm);
-    z.done();
-  }
+  if (r.has("zero_optimization")) t.zero = read_zero(r.child("zero_optimization"));
   t.precision = read_precision(r);
+  if (t.zero.stage >= 2 && t.precision.communication_dtype() != DType::F32) {
+    // ZeRO-2/3 reduce-scatter their gradients in fp32.
+    if (r.has("communication_data_type") && !r.is_null("communication_data_type")) {
+      r.error("communication_data_type",
+              fmt::format("is \"{}\"; ZeRO stage {} reduce-scatters gradients in fp32: set it to \"fp32\" or remove it",
+                          t.precision.communication_data_type, t.zero.stage));
+    }
+    t.precision.communication_data_type = "fp32";
+  }
   t.eval_interval = r.get<int64_t>("eval_interval", t.eval_interval);
   t.eval_batches = r.get<int64_t>("eval_batches", t.eval_batches);
   if (t.eval_interval < 0) r.error("eval_interval", "must be >= 0");
@@ -329,9 +376,17 @@ json RunConfig::to_json() const {
   t["mtp_loss_weight"] = train.mtp_loss_weight;
   t["router_bias_update_rate"] = train.router_bias_update_rate;
   t["micro_batch_schedule"] = train.micro_batch_schedule;
-  t["zero_optimization"] = {{"stage", train.zero_stage},
-                            {"reduce_bucket_size", train.reduce_bucket_size},
-                            {"overlap_comm", train.overlap_comm}};
+  const ZeroConfig& z = train.zero;
+  t["zero_optimization"] = {{"stage", z.stage},
+                            {"reduce_bucket_size", z.reduce_bucket_size},
+                            {"allgather_bucket_size", z.allgather_bucket_size},
+                            {"overlap_comm", z.overlap_comm},
+                            {"contiguous_gradients", z.contiguous_gradients},
+                            {"offload_optimizer", {{"device", z.offload_optimizer}, {"pin_memory", z.offload_optimizer_pin_memory}}},
+                            {"offload_param", {{"device", z.offload_param}, {"pin_memory", z.offload_param_pin_memory}}},
+                            {"stage3_prefetch_bucket_size", z.stage3_prefetch_bucket_size},
+                            {"stage3_param_persistence_threshold", z.stage3_param_persistence_threshold},
+                            {"stage3_max_live_parameters", z.stage3_max_live_parameters}};
   const PrecisionConfig& p = train.precision;
   t["bf16"] = {{"enabled", p.bf16}};
   const LossScalerConfig& s = p.fp16_scaler;

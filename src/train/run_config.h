@@ -13,6 +13,7 @@
 #include "model/model_config.h"
 #include "optim/adamw.h"
 #include "optim/loss_scaler.h"
+#include "optim/zero.h"
 #include "optim/lr_schedule.h"
 #include "train/checkpointing.h"
 #include "train/metrics.h"
@@ -56,10 +57,8 @@ struct TrainConfig {
   // The order of the micro-batches' forwards and backwards (distributed/schedule.h):
   // "grad_accumulation" (F0 B0 F1 B1 ...) or "all_forward_all_backward" (every forward first).
   std::string micro_batch_schedule = "grad_accumulation";
-  // DeepSpeed's zero_optimization block: stage 0 (no sharding) for now.
-  int64_t zero_stage = 0;
-  int64_t reduce_bucket_size = 500'000'000;  // elements per gradient bucket
-  bool overlap_comm = true;                   // all-reduce buckets during the backward
+  // DeepSpeed's zero_optimization block (distributed/zero.h); stage 0 replicates everything.
+  ZeroConfig zero;
   PrecisionConfig precision;
 
   // Fills micro_batch / grad_accum / train_batch_size for `dp` data-parallel ranks.

@@ -30,20 +30,57 @@ Tensor tokens_tensor(std::vector<int32_t>& v, int64_t B, int64_t T) { return Ten
 // Every data-parallel rank holds the whole model state: fp32 weights, gradients and both
 // AdamW moments, 16 bytes per parameter. A model that cannot fit is an error that says so,
 // before anything is allocated.
+}  // namespace
+
+double model_state_bytes_per_rank(const RunConfig& config, int64_t dp) {
+  const double params = double(config.model.num_parameters());
+  const double n = double(std::max<int64_t>(dp, 1));
+  const PrecisionConfig& pc = config.train.precision;
+  // Whole weights (4) and their 16-bit compute copy; gradients (4) and a 16-bit all-reduce's
+  // wire buffer; fp32 masters and AdamW's two moments (12, the ZeRO paper's K). Stage 0 keeps
+  // the weights as the masters (16 bytes in all); ZeRO shards the masters and moments (stage
+  // 1), the gradients (2) and the weights (3) over the data-parallel ranks.
+  const double compute = pc.compute_dtype() != DType::F32 ? 2 : 0;
+  const double wire = pc.communication_dtype() != DType::F32 ? 2 : 0;
+  switch (config.train.zero.stage) {
+    case 0: return params * (16 + compute + wire);
+    case 1: return params * (4 + compute + 4 + wire + 12 / n);
+    case 2: return params * (4 + compute + 16 / n);
+    default: return params * (16 / n);
+  }
+}
+
+namespace {
+
+// ZeRO's shards as checkpoints write and read them: every rank its own rows of every tensor.
+CheckpointBuffers zero_checkpoint_buffers(ZeroOptimizer& z) {
+  CheckpointBuffers b{z.master().data<float>(), z.exp_avg().data<float>(), z.exp_avg_sq().data<float>()};
+  b.piece_offsets = std::make_shared<const std::vector<int64_t>>(z.shard_offsets());
+  b.numel = z.shard_numel();
+  return b;
+}
+
+CheckpointTargets zero_checkpoint_targets(ZeroOptimizer& z) {
+  return {z.master().data<float>(), z.exp_avg().data<float>(), z.exp_avg_sq().data<float>(),
+          std::make_shared<const std::vector<int64_t>>(z.shard_offsets())};
+}
+
 void check_model_state_fits(const RunConfig& config, const ProcessGrid& grid) {
   const double params = double(config.model.num_parameters());
-  // Mixed precision adds the 16-bit compute copy of the weights, and a 16-bit gradient
-  // all-reduce its wire buffer.
-  const PrecisionConfig& pc = config.train.precision;
-  const int bytes = 16 + (pc.compute_dtype() != DType::F32 ? 2 : 0) + (pc.communication_dtype() != DType::F32 ? 2 : 0);
-  const double need = double(bytes) * params, have = node_memory_bytes() / double(std::max(grid.local_size(), 1));
+  const int64_t dp = grid.size(Axis::Data);
+  const double need = model_state_bytes_per_rank(config, dp);
+  const double budget = config.metrics.memory_budget_gb * 1e9;
+  const double have = budget > 0 ? budget : node_memory_bytes() / double(std::max(grid.local_size(), 1));
+  const int64_t stage = config.train.zero.stage;
   DS_CHECK(have <= 0 || need < have,
-           "{}: the model has {:.2f}B parameters, whose weights, gradients and AdamW moments ({} bytes per "
-           "parameter, held whole by every data-parallel rank) need {:.1f} GB, more than the {:.1f} GB of memory "
-           "each of the {} rank(s) on this node has; train a smaller model or run fewer ranks per node on nodes "
-           "with more memory (sharded optimizer state and tensor, pipeline and expert parallelism are not in this "
-           "build)",
-           config.source, params / 1e9, bytes, need / 1e9, have / 1e9, grid.local_size());
+           "{}: the model has {:.2f}B parameters, whose weights, gradients and AdamW state need {:.1f} GB per rank at "
+           "ZeRO stage {} over {} data-parallel rank(s) ({:.1f} bytes per parameter), more than the {:.1f} GB {}; "
+           "{}",
+           config.source, params / 1e9, need / 1e9, stage, dp, need / params, have / 1e9,
+           budget > 0 ? "of metrics.memory_budget_gb" : fmt::format("each of the {} rank(s) on this node has", grid.local_size()),
+           stage < 3 ? "shard more with zero_optimization.stage (up to 3), run more data-parallel ranks, or train a "
+                       "smaller model"
+                     : "run more data-parallel ranks or train a smaller model");
 }
 
 // Every rank must train the same thing: a rank whose resolved configuration differs from
@@ -80,13 +117,25 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
   }
   check_model_state_fits(config_, grid_);
   model_ = std::make_unique<Transformer>(config_.model, device);
-  optimizer_ = std::make_unique<AdamW>(config_.train.adamw, model_->params());
+  const ZeroConfig& zc = config_.train.zero;
   const PrecisionConfig& precision = config_.train.precision;
   scaler_ = std::make_unique<LossScaler>(precision.fp16_scaler, precision.fp16);
-  reducer_ = std::make_unique<GradReducer>(model_->params(), ParamGroupComms::from_grid(grid_),
-                                           config_.train.reduce_bucket_size, config_.train.overlap_comm,
-                                           precision.communication_dtype());
-  param_hooks_.add(*reducer_);
+  if (zc.stage == 0) optimizer_ = std::make_unique<AdamW>(config_.train.adamw, model_->params());
+  if (zc.stage <= 1) {
+    reducer_ = std::make_unique<GradReducer>(model_->params(), ParamGroupComms::from_grid(grid_), zc.reduce_bucket_size,
+                                             zc.overlap_comm, precision.communication_dtype());
+    param_hooks_.add(*reducer_);
+  }
+  if (zc.stage >= 1) {
+    // Checkpoints split every tensor over the world's ranks and ZeRO over the data-parallel
+    // ones: with the two the same, each rank writes and reads exactly its own shard.
+    DS_CHECK(grid_.world_size() == dp_.size() && dp_.rank() == grid_.world_rank(),
+             "zero_optimization.stage {} needs every rank on the data-parallel axis ({} of {} are)", zc.stage,
+             dp_.size(), grid_.world_size());
+    zero_ = std::make_unique<ZeroOptimizer>(zc, config_.train.adamw, model_->params(), dp_);
+    param_hooks_.add(*zero_);
+    log::info("{}", zero_->describe());
+  }
   model_->set_hooks(&param_hooks_);
   schedule_ = make_schedule(config_.train.micro_batch_schedule);
   ckpt_ = std::make_unique<CheckpointManager>(config_.checkpoint, grid_);
@@ -341,6 +390,7 @@ void Trainer::init_weights(const std::string& init_from) {
                      init_from.empty() ? fmt::format("initialised from train.seed {}", config_.train.seed)
                                        : "--init-from " + init_from);
   apply_precision();
+  if (zero_) zero_->adopt_weights();  // each rank keeps its pieces (stage 3: and hands the rest back)
 }
 
 void Trainer::apply_precision() {
@@ -492,12 +542,12 @@ std::string Trainer::forward_backward(StepData& data, const LossScales& scales, 
         }
         case ScheduleAction::Kind::Backward:
         case ScheduleAction::Kind::BackwardInput:
-          reducer_->begin_micro_step(/*communicates=*/i == last_backward);
+          begin_micro_step(/*communicates=*/i == last_backward);
           model_->backward(a.micro_batch, a.kind == ScheduleAction::Kind::Backward ? BackwardPart::Full
                                                                                     : BackwardPart::Input);
           break;
         case ScheduleAction::Kind::BackwardWeight:
-          reducer_->begin_micro_step(/*communicates=*/i == last_backward);
+          begin_micro_step(/*communicates=*/i == last_backward);
           model_->backward_weights(a.micro_batch);
           break;
       }
@@ -505,9 +555,16 @@ std::string Trainer::forward_backward(StepData& data, const LossScales& scales, 
   } catch (const OutOfMemory& e) {
     // Micro-batches in flight are dropped. This rank still takes part in every gradient
     // bucket the others reduce; the step is then discarded everywhere.
+    if (zero_ && zero_->stage() >= 2) {
+      // The other ranks go on reducing every micro-step's gradients: this rank cannot match
+      // them with a smaller micro-batch, so the run ends (on every rank, through the error).
+      throw Error(fmt::format("{}; ZeRO stage {} reduces gradients every micro-step and cannot retry the step with a "
+                              "smaller micro-batch: lower train.train_micro_batch_size_per_gpu",
+                              e.what(), zero_->stage()));
+    }
     model_->release_activations();
     sums[2] = 1;
-    reducer_->begin_micro_step(/*communicates=*/true);
+    begin_micro_step(/*communicates=*/true);
     return e.what();
   }
   return "";
@@ -572,10 +629,22 @@ void Trainer::update_weights(StepRecord& r) {
   // The clipping coefficient (of the unscaled norm) and the loss-scale unscale are applied by
   // AdamW as it reads each gradient: no pass over the gradients of their own.
   const double clip = tc.gradient_clipping > 0 ? clip_coefficient(tc.gradient_clipping, r.grad_norm) : 1.0;
-  optimizer_->step(r.lr, scaler_->enabled() ? clip / r.loss_scale : clip);
+  const double grad_scale = scaler_->enabled() ? clip / r.loss_scale : clip;
+  if (zero_) {
+    zero_->step(r.lr, grad_scale);
+    collective_wait_seconds_ += zero_->take_exposed_seconds();  // the weights' all-gather
+  } else {
+    optimizer_->step(r.lr, grad_scale);
+  }
   // DeepSeek-V3's auxiliary-loss-free balancing: routing biases follow the global loads.
   const auto moe = model_->moe_layers();
   for (size_t i = 0; i < moe.size(); ++i) moe[i].second->update_routing_bias(r.moe[i].tokens, tc.router_bias_update_rate);
+  if (zero_ && !moe.empty()) {
+    const ParamRegistry& reg = model_->params();
+    for (int id = 0; id < reg.size(); ++id) {
+      if (!reg.info(id).trainable) zero_->take_rule_update(id);
+    }
+  }
   r.optimizer_seconds = seconds_since(o0);
 }
 
@@ -585,6 +654,11 @@ bool Trainer::gradients_overflowed(double scaled_norm) {
   int32_t mine = std::isfinite(scaled_norm) ? 0 : 1;
   timed_collective([&] { mine = grid_.world().all_reduce_value<int32_t>(mine, ReduceOp::Max); });
   return mine != 0;
+}
+
+void Trainer::begin_micro_step(bool communicates) {
+  if (reducer_) reducer_->begin_micro_step(communicates);
+  if (zero_) zero_->begin_micro_step(communicates);
 }
 
 void Trainer::gather_rank_timings(StepRecord& r) {
@@ -616,12 +690,22 @@ bool Trainer::train_step(StepRecord& r) {
   const LossScales scales = loss_scales(counts);
   for (auto& [l, ffn] : model_->moe_layers()) ffn->routing()->reset();
 
-  model_->params().grads().zero();
+  if (zero_) {
+    zero_->begin_step();
+  } else {
+    model_->params().grads().zero();
+  }
   const int D = model_->mtp_depth();
   // loss sum, target count, ranks out of memory, then the MTP loss sum per depth
   std::vector<double> sums(size_t(3 + D), 0.0);
   const std::string oom = forward_backward(data, scales, sums);
-  const ReduceTimings rt = reducer_->finish();
+  ReduceTimings rt = reducer_ ? reducer_->finish() : ReduceTimings{};
+  if (zero_) {
+    const ReduceTimings z = zero_->finish();
+    rt.comm_seconds += z.comm_seconds;
+    rt.exposed_seconds += z.exposed_seconds;
+    rt.buckets += z.buckets;
+  }
   timed_collective([&] { dp_.all_reduce(Tensor(sums.data(), DType::F64, Shape{int64_t(sums.size())})); });
   if (sums[2] > 0) {
     shrink_micro_batch(oom.empty() ? fmt::format("{:.0f} rank(s) ran out of memory", sums[2])
@@ -640,7 +724,7 @@ bool Trainer::train_step(StepRecord& r) {
   }
   reduce_routing_stats(r);
   r.loss = r.ce_loss + r.aux_loss + r.mtp_loss;
-  r.grad_norm = grad_norm(model_->params());
+  r.grad_norm = zero_ ? zero_->grad_norm() : grad_norm(model_->params());
   // As DeepSpeed, a step skipped for an fp16 overflow does not advance the learning-rate
   // schedule (one skipped as a fault does).
   r.lr = tc.schedule.lr_at(step_ - overflow_steps_, tc.adamw.lr);
@@ -790,9 +874,12 @@ Trainer::Outcome Trainer::train() {
               tc.max_steps - step_, step_ + 1, tc.max_steps, tc.train_batch_size, config_.data.seq_len, tc.micro_batch,
               tc.grad_accum, dp_.size());
   }
-  if (dp_.size() > 1) {
+  if (dp_.size() > 1 && reducer_) {
     log::info("gradients: {} bucket(s) of up to {} elements, all-reduce {}", reducer_->num_buckets(),
-              tc.reduce_bucket_size, tc.overlap_comm ? "overlapped with the backward" : "after the backward");
+              tc.zero.reduce_bucket_size, tc.zero.overlap_comm ? "overlapped with the backward" : "after the backward");
+  } else if (dp_.size() > 1) {
+    log::info("gradients: reduce-scattered per parameter in buckets of up to {} elements, {}",
+              tc.zero.reduce_bucket_size, tc.zero.overlap_comm ? "overlapped with the backward" : "after the backward");
   }
   if (grid_.world_rank() == 0) std::filesystem::create_directories(config_.output.dir);
   grid_.world().barrier();
@@ -881,7 +968,7 @@ TrainState Trainer::state() {
   st.step = step_;
   st.consumed_samples = consumed_samples_;
   st.consumed_tokens = consumed_samples_ * config_.data.seq_len;
-  st.optimizer_steps = optimizer_->steps_taken();
+  st.optimizer_steps = optimizer_steps();
   st.scheduler = config_.train.schedule.to_json();
   st.scheduler["last_batch_iteration"] = step_ - 1 - overflow_steps_;
   if (overflow_steps_ > 0) st.scheduler["skipped_for_overflow"] = overflow_steps_;
@@ -926,9 +1013,12 @@ std::string Trainer::unsafe_to_save() {
   if (skipped_in_a_row_ > 0) {
     return fmt::format("step {} was skipped ({}, {} in a row)", step_, last_skip_reason_, skipped_in_a_row_);
   }
-  // Every rank holds the whole state; each looks at it, and all agree.
-  int64_t bad[3] = {ops::read_count_non_finite(model_->params().values().tensor()), ops::read_count_non_finite(optimizer_->exp_avg().tensor()),
-                    ops::read_count_non_finite(optimizer_->exp_avg_sq().tensor())};
+  // Every rank holds the whole state (with ZeRO: its shard); each looks at it, and all agree.
+  const Buffer& weights = zero_ ? zero_->master() : model_->params().values();
+  const Buffer& m = zero_ ? zero_->exp_avg() : optimizer_->exp_avg();
+  const Buffer& v = zero_ ? zero_->exp_avg_sq() : optimizer_->exp_avg_sq();
+  int64_t bad[3] = {ops::read_count_non_finite(weights.tensor()), ops::read_count_non_finite(m.tensor()),
+                    ops::read_count_non_finite(v.tensor())};
   grid_.world().all_reduce(Tensor(bad, DType::I64, Shape{3}), ReduceOp::Max);
   if (bad[0]) return fmt::format("the weights after step {} hold non-finite values", step_);
   if (bad[1] || bad[2]) return fmt::format("AdamW's moments after step {} hold non-finite values", step_);
@@ -947,8 +1037,9 @@ double Trainer::save_checkpoint() {
   }
   save_deferred_ = false;
   ParamRegistry& reg = model_->params();
-  CheckpointBuffers live{reg.values().data<float>(), optimizer_->exp_avg().data<float>(),
-                         optimizer_->exp_avg_sq().data<float>()};
+  CheckpointBuffers live{reg.values().data<float>(), optimizer_ ? optimizer_->exp_avg().data<float>() : nullptr,
+                         optimizer_ ? optimizer_->exp_avg_sq().data<float>() : nullptr};
+  if (zero_) live = zero_checkpoint_buffers(*zero_);
   const double stall = ckpt_->save(reg, live, state());
   last_saved_step_ = step_;
   last_save_time_ = clock();
@@ -1009,20 +1100,34 @@ bool Trainer::resume(const std::string& spec) {
     check_same_file_on_every_rank(grid_.world(), "--resume", path);
     throw_if_root_failed(grid_.world(), grid_.world_rank() == 0 ? model_mismatch(path, reg, config_.model) : "");
     try {
-      st = read_checkpoint(path, ckpt_->io_comm(), reg, optimizer_->exp_avg().data<float>(),
-                           optimizer_->exp_avg_sq().data<float>());
+      if (zero_) {
+        st = read_checkpoint(path, ckpt_->io_comm(), reg, zero_checkpoint_targets(*zero_));
+      } else {
+        st = read_checkpoint(path, ckpt_->io_comm(), reg, optimizer_->exp_avg().data<float>(),
+                             optimizer_->exp_avg_sq().data<float>());
+      }
     } catch (const Error& e) {
       if (spec != "auto") throw;
       if (grid_.world_rank() == 0) log::warn("skipping invalid checkpoint: {}", e.what());
       continue;
     }
-    check_finite_weights(reg, "checkpoint '" + path + "'");
+    if (zero_) {
+      // The masters are this rank's pieces only: the check is over every rank's.
+      const int64_t bad = dp_.all_reduce_value<int64_t>(ops::read_count_non_finite(zero_->master().tensor()));
+      DS_CHECK(bad == 0, "checkpoint '{}': {} weight values are NaN or Inf; resume from an earlier checkpoint", path, bad);
+    } else {
+      check_finite_weights(reg, "checkpoint '" + path + "'");
+    }
     restore_precision_state(st, path);
     step_ = st.step;
     overflow_steps_ = st.scheduler.is_object() ? st.scheduler.value("skipped_for_overflow", int64_t(0)) : 0;
     resumed_ = true;
     consumed_samples_ = st.consumed_samples;
-    optimizer_->set_steps_taken(st.optimizer_steps);
+    if (zero_) {
+      zero_->set_steps_taken(st.optimizer_steps);
+    } else {
+      optimizer_->set_steps_taken(st.optimizer_steps);
+    }
     last_saved_step_ = step_;
     last_save_time_ = Clock::now();
     DataPipeline& data = pipeline();
@@ -1050,6 +1155,7 @@ bool Trainer::resume(const std::string& spec) {
               path, step_, consumed_samples_, st.layout.value("world_size", 0), grid_.world_size(), mb, secs,
               mb / std::max(secs, 1e-9));
     apply_precision();
+    if (zero_) zero_->publish_weights();  // the whole weights (stage 3: the persistent ones) from the shards
     return true;
   }
   throw Error(fmt::format("none of the {} checkpoint(s) in {} is valid (see the warnings above); move them away or "
@@ -1148,8 +1254,10 @@ std::string Trainer::sample(const std::string& prompt) {
 
 void Trainer::save_hf(const std::string& dir) {
   const DType dtype = dtype_from_torch_name(config_.output.save_hf_dtype);
+  if (zero_) zero_->gather_all();  // stage 3: whole weights for the export, handed back after it
   if (grid_.world_rank() == 0) save_hf_weights(dir, model_->params(), config_.model.to_hf_json(), int64_t(5) << 30, dtype);
   grid_.world().barrier();
+  if (zero_) zero_->release_unused();
   log::info("saved Hugging Face weights ({}) to {}", config_.output.save_hf_dtype, dir);
 }
 

@@ -20,6 +20,7 @@
 #include "distributed/grad_reducer.h"
 #include "distributed/param_hooks.h"
 #include "distributed/schedule.h"
+#include "optim/zero.h"
 #include "model/transformer.h"
 #include "optim/adamw.h"
 #include "optim/loss_scaler.h"
@@ -73,6 +74,12 @@ struct StepRecord {
   std::vector<double> rank_step_seconds, rank_compute_seconds, rank_peak_rss_bytes;
 };
 
+// Bytes per rank of the weights, gradients and AdamW state at the configured precision and
+// ZeRO stage over `dp` data-parallel ranks (the ZeRO paper's (2 + 2 + K)Psi and its sharded
+// forms, with dstrain's fp32 weights and gradients): what the run checks against the memory
+// budget before it allocates anything.
+double model_state_bytes_per_rank(const RunConfig& config, int64_t dp);
+
 class Trainer {
  public:
   // The grid's data axis gives the data-parallel ranks; the trainer keeps a reference.
@@ -114,7 +121,13 @@ class Trainer {
   void save_hf(const std::string& dir);
 
   Transformer& model() { return *model_; }
-  AdamW& optimizer() { return *optimizer_; }
+  // Stage 0's AdamW over the whole buffers; with ZeRO (stage >= 1) zero() steps the shards.
+  AdamW& optimizer() {
+    DS_CHECK(optimizer_, "ZeRO stage {} shards the optimizer: use zero()", config_.train.zero.stage);
+    return *optimizer_;
+  }
+  ZeroOptimizer* zero() { return zero_.get(); }
+  int64_t optimizer_steps() const { return zero_ ? zero_->steps_taken() : optimizer_->steps_taken(); }
   const LossScaler& loss_scaler() const { return *scaler_; }
   const RunConfig& config() const { return config_; }
   const std::vector<StepRecord>& history() const { return history_; }
@@ -154,6 +167,7 @@ class Trainer {
   // precision.
   void restore_precision_state(const TrainState& st, const std::string& path);
   void gather_rank_timings(StepRecord& r);
+  void begin_micro_step(bool communicates);
   // Runs a blocking collective of the step, counting its wait as exposed communication.
   template <class F>
   void timed_collective(F&& f) {
@@ -183,7 +197,8 @@ class Trainer {
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<LossScaler> scaler_;  // fp16's loss scale (1, unchanging, otherwise)
   bool precision_logged_ = false;
-  std::unique_ptr<GradReducer> reducer_;
+  std::unique_ptr<GradReducer> reducer_;   // stages 0 and 1: the whole gradients all-reduced
+  std::unique_ptr<ZeroOptimizer> zero_;    // stages 1 to 3
   std::unique_ptr<Schedule> schedule_;  // the order of the micro-batches' forwards and backwards
   ParamHookChain param_hooks_;  // the model's ParamHooks: the reducer's grad_ready (later ZeRO-3's gathers)
   std::unique_ptr<CheckpointManager> ckpt_;

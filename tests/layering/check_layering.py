@@ -22,7 +22,7 @@ ORDER = [
     ("state", "the parameter registry, its groups and flat buffers: core (backend may serve casts later)"),
     ("model", "layers, Ctx, ShardSpec: ops from backend, collectives from comm, parameters from state"),
     ("distributed", "gradient reducers, parameter-group communicators, hook chains: the model's hooks, state's groups"),
-    ("optim", "AdamW and learning-rate schedules: steps state's flat buffers with backend ops"),
+    ("optim", "AdamW, ZeRO's sharded optimizer and learning-rate schedules: state's flat buffers, backend ops, distributed's hooks"),
     ("io", "checkpoints, safetensors, Hugging Face weights: reads and writes state's registry"),
     ("data", "datasets, tokenizers, the pipeline: core, and comm for ranks that share reads"),
     ("train", "the trainer, its configuration and checkpointing: drives everything below"),

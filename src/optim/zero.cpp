@@ -1,0 +1,506 @@
+#include "optim/zero.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "backend/ops.h"
+#include "core/clock.h"
+#include "core/error.h"
+#include "core/log.h"
+
+namespace dstrain {
+namespace {
+
+constexpr int64_t kShardAlign = 16;  // elements: each piece starts 64-byte aligned in the shard
+
+int64_t align_up(int64_t n) { return (n + kShardAlign - 1) / kShardAlign * kShardAlign; }
+
+Buffer shard_buffer(const std::string& label, MemCategory category, int64_t n, bool host, Device device) {
+  return host ? Buffer::pinned_host(label, category, DType::F32, n) : Buffer(label, category, DType::F32, n, device);
+}
+
+}  // namespace
+
+ZeroOptimizer::ZeroOptimizer(const ZeroConfig& config, const AdamWConfig& adamw, ParamRegistry& params,
+                             Communicator& dp)
+    : config_(config), adamw_(adamw), params_(params), dp_(dp), rank_(dp.rank()), size_(dp.size()) {
+  DS_CHECK(config_.stage >= 1 && config_.stage <= 3, "ZeRO stage {} (the optimizer handles stages 1 to 3)",
+           config_.stage);
+  DS_CHECK(!config_.offloads_params() || (config_.stage == 3 && config_.offloads_optimizer()),
+           "zero_optimization.offload_param needs stage 3 and offload_optimizer on the cpu");
+  const int n = params_.size();
+  pieces_.resize(size_t(n));
+  shard_offsets_.resize(size_t(n));
+  persistent_.assign(size_t(n), 0);
+  int64_t max_piece = 0;
+  for (int id = 0; id < n; ++id) {
+    const ParamInfo& p = params_.info(id);
+    DS_CHECK(p.placement.kind == Placement::Kind::Whole,
+             "ZeRO shards whole parameters; '{}' is already split over a grid axis ({})", p.name, p.placement.axis);
+    pieces_[size_t(id)] = row_piece(p.shape, rank_, size_);
+    shard_offsets_[size_t(id)] = shard_numel_;
+    shard_numel_ += align_up(pieces_[size_t(id)].elems());
+    max_piece = std::max(max_piece, pieces_[size_t(id)].elems());
+    persistent_[size_t(id)] =
+        config_.stage == 3 && (p.numel() < config_.stage3_param_persistence_threshold || !p.trainable);
+  }
+  const Device device = params_.device();
+  const bool host = config_.offloads_optimizer();
+  master_ = shard_buffer("zero.master_weights", MemCategory::Parameters, shard_numel_, host, device);
+  exp_avg_ = shard_buffer("zero.exp_avg", MemCategory::OptimizerState, shard_numel_, host, device);
+  exp_avg_sq_ = shard_buffer("zero.exp_avg_sq", MemCategory::OptimizerState, shard_numel_, host, device);
+  if (host) host_grads_ = Buffer::pinned_host("zero.gradient_shard (host)", MemCategory::Gradients, DType::F32, shard_numel_);
+  if (config_.stage >= 2) {
+    grad_shard_ = Buffer("zero.gradient_shard", MemCategory::Gradients, DType::F32, shard_numel_, device);
+    params_.reserve_grads();
+  }
+  if (config_.stage == 3) {
+    if (host && !config_.offloads_params()) {
+      device_shard_ = Buffer("zero.parameter_shard", MemCategory::Parameters, DType::F32, shard_numel_, device);
+    }
+    if (config_.offloads_params()) {
+      staging_ = Buffer("zero.gather_staging", MemCategory::CommBuffers, DType::F32, std::max<int64_t>(max_piece, 1),
+                        device);
+    }
+    params_.reserve_values();
+  }
+  state_.assign(size_t(n), config_.stage == 3 ? State::Released : State::Resident);
+  uses_.assign(size_t(n), 0);
+  gathers_.resize(size_t(n));
+  reduced_once_.assign(size_t(n), 0);
+}
+
+ZeroOptimizer::~ZeroOptimizer() {
+  // Nothing may still write into the buffers about to go.
+  for (Work& w : gathers_) {
+    if (!w.valid()) continue;
+    try {
+      w.wait();
+    } catch (...) {
+    }
+  }
+  for (Pending& p : reductions_) {
+    try {
+      p.work.wait();
+    } catch (...) {
+    }
+  }
+}
+
+std::string ZeroOptimizer::describe() const {
+  int64_t persistent = 0;
+  for (int id = 0; id < params_.size(); ++id) persistent += persistent_[size_t(id)] ? params_.info(id).numel() : 0;
+  std::string s = fmt::format("ZeRO stage {} over {} data-parallel rank(s) of '{}': {} of {} elements per rank", stage(),
+                              size_, dp_.name(), shard_numel_, params_.flat_numel());
+  if (config_.offloads_optimizer()) s += ", optimizer offloaded to the host";
+  if (config_.offloads_params()) s += ", parameters at rest on the host";
+  if (stage() == 3) s += fmt::format(", {} elements persistent", persistent);
+  return s;
+}
+
+std::vector<int64_t> ZeroOptimizer::counts(int id) const {
+  std::vector<int64_t> c(static_cast<size_t>(size_));
+  const Shape& shape = params_.info(id).shape;
+  for (int r = 0; r < size_; ++r) c[size_t(r)] = row_piece(shape, r, size_).elems();
+  return c;
+}
+
+Tensor ZeroOptimizer::master_piece(int id) const {
+  return master_.tensor(shard_offsets_[size_t(id)], {pieces_[size_t(id)].elems()});
+}
+
+Tensor ZeroOptimizer::grad_piece(int id) const {
+  const RowPiece& pc = pieces_[size_t(id)];
+  if (config_.stage == 1) return params_.grads().tensor(params_.info(id).offset + pc.elem_begin(), {pc.elems()});
+  return grad_shard_.tensor(shard_offsets_[size_t(id)], {pc.elems()});
+}
+
+void ZeroOptimizer::account_gathered(int64_t delta) {
+  gathered_bytes_ += delta;
+  gathered_peak_ = std::max(gathered_peak_, gathered_bytes_);
+  memory_account(params_.device().type, MemCategory::GatheredParameters, delta);
+}
+
+void ZeroOptimizer::account_transient(int64_t delta) {
+  transient_bytes_ += delta;
+  transient_peak_ = std::max(transient_peak_, transient_bytes_);
+  memory_account(params_.device().type, MemCategory::Gradients, delta);
+}
+
+// ---- whole weights ----------------------------------------------------------------------
+
+void ZeroOptimizer::adopt_weights() {
+  for (int id = 0; id < params_.size(); ++id) {
+    const RowPiece& pc = pieces_[size_t(id)];
+    if (pc.elems() == 0) continue;
+    ops::copy(master_piece(id), params_.values().tensor(params_.info(id).offset + pc.elem_begin(), {pc.elems()}));
+  }
+  publish_weights();
+}
+
+void ZeroOptimizer::publish_weights() {
+  if (config_.stage < 3) {
+    gather_whole(/*persistent_only=*/false);
+    return;
+  }
+  // Stage 3: the parameters at rest on the device follow the masters; then only the persistent
+  // ones are whole.
+  for (int id = 0; id < params_.size(); ++id) {
+    DS_CHECK(uses_[size_t(id)] == 0, "ZeRO-3: '{}' is in use while the weights are replaced", params_.info(id).name);
+    if (gathers_[size_t(id)].valid()) gathers_[size_t(id)].wait();
+    if (state_[size_t(id)] != State::Released) release_param(id);
+  }
+  if (device_shard_.allocated()) ops::copy(device_shard_.tensor(), master_.tensor());
+  gather_whole(/*persistent_only=*/true);
+}
+
+void ZeroOptimizer::gather_whole(bool persistent_only) {
+  // Launched in groups of up to allgather_bucket_size elements, each group waited before the
+  // next starts.
+  std::vector<int> group;
+  int64_t group_elems = 0;
+  auto wait_group = [&] {
+    for (int id : group) wait_gather(id);
+    group.clear();
+    group_elems = 0;
+  };
+  for (int id = 0; id < params_.size(); ++id) {
+    if (persistent_only && !persistent_[size_t(id)]) continue;
+    const int64_t numel = params_.info(id).numel();
+    if (!group.empty() && group_elems + numel > config_.allgather_bucket_size) wait_group();
+    if (config_.stage == 3 && state_[size_t(id)] != State::Released) continue;  // already whole
+    launch_gather(id);
+    group.push_back(id);
+    group_elems += numel;
+  }
+  wait_group();
+  if (config_.stage < 3) params_.refresh_compute();
+}
+
+void ZeroOptimizer::launch_gather(int id) {
+  const ParamInfo& p = params_.info(id);
+  const RowPiece& pc = pieces_[size_t(id)];
+  Tensor whole = params_.values().tensor(p.offset, {p.numel()});
+  Tensor mine = whole.slice(pc.elem_begin(), pc.elem_begin() + pc.elems());
+  bool blocking = false;
+  if (config_.stage < 3) {
+    // The whole weights are always there: this rank's piece goes to its place first (from the
+    // host masters when offloaded) and is gathered in place.
+    if (pc.elems()) ops::copy(mine, master_piece(id));
+  } else if (config_.offloads_params()) {
+    // At rest on the host: through the device staging buffer, one parameter at a time.
+    Tensor st = staging_.tensor(0, {pc.elems()});
+    if (pc.elems()) ops::copy(st, master_piece(id));
+    mine = st;
+    blocking = true;
+  } else if (device_shard_.allocated()) {
+    mine = device_shard_.tensor(shard_offsets_[size_t(id)], {pc.elems()});
+  } else {
+    mine = master_piece(id);
+  }
+  gathers_[size_t(id)] = dp_.all_gather_v_async(whole, mine, counts(id));
+  if (blocking) gathers_[size_t(id)].wait();
+  if (config_.stage == 3) {
+    state_[size_t(id)] = State::InFlight;
+    const int64_t bytes = p.numel() * (4 + (params_.has_compute_copy() ? int64_t(dtype_size(params_.compute_dtype())) : 0));
+    account_gathered(bytes);
+    live_elems_ += p.numel();
+  }
+}
+
+void ZeroOptimizer::wait_gather(int id) {
+  if (gathers_[size_t(id)].valid()) {
+    const auto t0 = Clock::now();
+    gathers_[size_t(id)].wait();
+    gathers_[size_t(id)] = Work();
+    exposed_seconds_ += seconds_since(t0);
+  }
+  if (config_.stage == 3 && state_[size_t(id)] == State::InFlight) {
+    params_.refresh_compute(id, id);
+    state_[size_t(id)] = State::Resident;
+  }
+}
+
+void ZeroOptimizer::release_param(int id) {
+  wait_gather(id);
+  const ParamInfo& p = params_.info(id);
+  params_.values().release_range(p.offset, p.numel());
+  if (params_.has_compute_copy()) params_.compute_values().release_range(p.offset, p.numel());
+  state_[size_t(id)] = State::Released;
+  const int64_t bytes = p.numel() * (4 + (params_.has_compute_copy() ? int64_t(dtype_size(params_.compute_dtype())) : 0));
+  account_gathered(-bytes);
+  live_elems_ -= p.numel();
+}
+
+void ZeroOptimizer::gather_all() {
+  if (config_.stage < 3) return;
+  for (int id = 0; id < params_.size(); ++id) {
+    if (state_[size_t(id)] == State::Released) launch_gather(id);
+  }
+  for (int id = 0; id < params_.size(); ++id) wait_gather(id);
+}
+
+void ZeroOptimizer::release_unused() {
+  if (config_.stage < 3) return;
+  for (int id = 0; id < params_.size(); ++id) {
+    if (!persistent_[size_t(id)] && uses_[size_t(id)] == 0 && state_[size_t(id)] != State::Released) release_param(id);
+  }
+}
+
+// ---- stage 3: the model's uses -----------------------------------------------------------
+
+void ZeroOptimizer::before_use(int first, int last) {
+  if (config_.stage < 3) return;
+  bool prefetch = false;
+  if (in_step_) {
+    if (recording_) {
+      trace_.emplace_back(first, last);
+    } else {
+      // The next use in the recorded order, or (a use out of order) the next one that matches.
+      for (size_t j = trace_pos_; j < trace_.size(); ++j) {
+        if (trace_[j] == std::pair(first, last)) {
+          trace_pos_ = j + 1;
+          prefetch = true;
+          break;
+        }
+      }
+    }
+  }
+  for (int id = first; id <= last; ++id) {
+    ++uses_[size_t(id)];
+    if (state_[size_t(id)] == State::Released) launch_gather(id);
+  }
+  for (int id = first; id <= last; ++id) wait_gather(id);
+  if (prefetch) prefetch_after(trace_pos_);
+}
+
+void ZeroOptimizer::prefetch_after(size_t pos) {
+  int64_t launched = 0;
+  for (size_t j = pos; j < trace_.size(); ++j) {
+    for (int id = trace_[j].first; id <= trace_[j].second; ++id) {
+      if (state_[size_t(id)] != State::Released) continue;
+      const int64_t numel = params_.info(id).numel();
+      if (launched + numel > config_.stage3_prefetch_bucket_size ||
+          live_elems_ + numel > config_.stage3_max_live_parameters) {
+        return;
+      }
+      launch_gather(id);
+      launched += numel;
+    }
+  }
+}
+
+void ZeroOptimizer::after_use(int first, int last) {
+  if (config_.stage < 3) return;
+  for (int id = first; id <= last; ++id) {
+    DS_CHECK(uses_[size_t(id)] > 0, "ZeRO-3: '{}' released more often than it was used", params_.info(id).name);
+    if (--uses_[size_t(id)] == 0 && !persistent_[size_t(id)]) release_param(id);
+  }
+}
+
+// ---- gradients ----------------------------------------------------------------------------
+
+void ZeroOptimizer::begin_step() {
+  in_step_ = true;
+  trace_pos_ = 0;
+  first_micro_ = true;
+  std::fill(reduced_once_.begin(), reduced_once_.end(), 0);
+  buckets_ = 0;
+  exposed_seconds_ = 0;
+  stats_before_ = dp_.stats();
+  reset_peaks();
+  if (config_.stage == 1) {
+    params_.zero_grads();
+  } else {
+    // Whole gradients are handed back as they are reduced; the shard restarts from zero.
+    params_.zero_grads();
+    grad_shard_.zero();
+  }
+}
+
+void ZeroOptimizer::begin_micro_step(bool) {
+  if (config_.stage < 2) return;
+  if (!first_micro_) {
+    // The previous micro-step's gradients must be reduced (and their memory handed back)
+    // before this backward writes the whole-gradient buffer again.
+    flush_pending_grads();
+    retire_reductions(/*wait_all=*/true);
+  }
+  first_micro_ = false;
+}
+
+void ZeroOptimizer::grad_ready(int first, int last) {
+  if (config_.stage < 2) return;
+  for (int id = first; id <= last; ++id) {
+    const ParamInfo& p = params_.info(id);
+    if (!p.trainable) continue;  // updated by a rule, never by its gradient
+    pending_grads_.push_back(id);
+    pending_elems_ += p.numel();
+    account_transient(p.numel() * 4);
+  }
+  if (config_.overlap_comm && pending_elems_ >= config_.reduce_bucket_size) flush_pending_grads();
+}
+
+void ZeroOptimizer::flush_pending_grads() {
+  if (pending_grads_.empty()) return;
+  for (int id : pending_grads_) launch_reduce(id);
+  pending_grads_.clear();
+  pending_elems_ = 0;
+  ++buckets_;
+  retire_reductions(/*wait_all=*/false);
+}
+
+void ZeroOptimizer::launch_reduce(int id) {
+  const ParamInfo& p = params_.info(id);
+  const RowPiece& pc = pieces_[size_t(id)];
+  Tensor whole = params_.grads().tensor(p.offset, {p.numel()});
+  Tensor out = grad_piece(id);
+  if (reduced_once_[size_t(id)] && pc.elems()) {
+    // The shard already holds the sum of earlier micro-steps: adding it to this rank's own
+    // rows makes the reduction the running total.
+    ops::add_inplace(whole.slice(pc.elem_begin(), pc.elem_begin() + pc.elems()), out);
+  }
+  reductions_.push_back({id, dp_.reduce_scatter_v_async(out, whole, counts(id))});
+  reduced_once_[size_t(id)] = 1;
+}
+
+void ZeroOptimizer::retire_reductions(bool wait_all) {
+  const auto t0 = Clock::now();
+  size_t kept = 0;
+  for (size_t i = 0; i < reductions_.size(); ++i) {
+    Pending& r = reductions_[i];
+    const bool done = wait_all ? (r.work.wait(), true) : r.work.test();
+    if (!done) {
+      reductions_[kept++] = std::move(r);
+      continue;
+    }
+    const ParamInfo& p = params_.info(r.id);
+    params_.grads().release_range(p.offset, p.numel());
+    account_transient(-p.numel() * 4);
+  }
+  reductions_.resize(kept);
+  if (wait_all) exposed_seconds_ += seconds_since(t0);
+}
+
+ReduceTimings ZeroOptimizer::finish() {
+  ReduceTimings t;
+  if (config_.stage == 1) {
+    // The whole gradients were all-reduced by the GradReducer, which reports its own time.
+    recording_ = false;
+    in_step_ = false;
+    exposed_seconds_ = 0;
+    return t;
+  }
+  if (config_.stage >= 2) {
+    flush_pending_grads();
+    retire_reductions(/*wait_all=*/true);
+  }
+  if (config_.stage == 3) {
+    // Prefetches the step did not use, and anything a failed micro-step left in use.
+    std::fill(uses_.begin(), uses_.end(), 0);
+    release_unused();
+  }
+  recording_ = recording_ && !in_step_;
+  in_step_ = false;
+  const CommStats now = dp_.stats();
+  t.comm_seconds = now.busy_seconds - stats_before_.busy_seconds;
+  t.exposed_seconds = exposed_seconds_;
+  exposed_seconds_ = 0;
+  t.buckets = buckets_;
+  return t;
+}
+
+double ZeroOptimizer::grad_norm() {
+  double local = 0;
+  if (config_.stage == 1) {
+    for (int id = 0; id < params_.size(); ++id) {
+      if (pieces_[size_t(id)].elems()) local += ops::read_sum_squares(grad_piece(id));
+    }
+  } else {
+    local = ops::read_sum_squares(grad_shard_.tensor());  // the padding between pieces is zero
+  }
+  return std::sqrt(dp_.all_reduce_value(local));
+}
+
+// ---- the update ---------------------------------------------------------------------------
+
+void ZeroOptimizer::step(double lr, double grad_scale) {
+  ++step_;
+  ops::AdamWStep s;
+  s.lr = float(lr);
+  s.beta1 = float(adamw_.beta1);
+  s.beta2 = float(adamw_.beta2);
+  s.eps = float(adamw_.eps);
+  s.step = step_;
+  s.grad_scale = float(grad_scale);
+  const bool host = config_.offloads_optimizer();
+  for (int id = 0; id < params_.size(); ++id) {
+    const ParamInfo& p = params_.info(id);
+    const int64_t n = pieces_[size_t(id)].elems();
+    if (!p.trainable || n == 0) continue;
+    const int64_t off = shard_offsets_[size_t(id)];
+    Tensor grad = grad_piece(id);
+    if (host) {
+      // device -> host
+      Tensor hg = host_grads_.tensor(off, {n});
+      ops::copy(hg, grad);
+      grad = hg;
+    }
+    s.weight_decay = float(adamw_.no_decay.count(p.kind) ? 0.0 : adamw_.weight_decay);
+    ops::adamw_update(master_.tensor(off, {n}), grad, exp_avg_.tensor(off, {n}), exp_avg_sq_.tensor(off, {n}), Tensor(),
+                      s);
+  }
+  if (config_.stage < 3) {
+    gather_whole(/*persistent_only=*/false);
+    return;
+  }
+  // host -> device: the pieces at rest on the device follow the updated masters.
+  if (device_shard_.allocated()) ops::copy(device_shard_.tensor(), master_.tensor());
+  for (int id = 0; id < params_.size(); ++id) {
+    if (persistent_[size_t(id)] && state_[size_t(id)] != State::Released) release_param(id);
+  }
+  gather_whole(/*persistent_only=*/true);
+}
+
+void ZeroOptimizer::take_rule_update(int id) {
+  const RowPiece& pc = pieces_[size_t(id)];
+  if (pc.elems() == 0) return;
+  DS_CHECK(state_[size_t(id)] != State::Released, "ZeRO: '{}' was updated by a rule while not whole",
+           params_.info(id).name);
+  Tensor whole = params_.values().tensor(params_.info(id).offset + pc.elem_begin(), {pc.elems()});
+  ops::copy(master_piece(id), whole);
+  if (device_shard_.allocated()) ops::copy(device_shard_.tensor(shard_offsets_[size_t(id)], {pc.elems()}), whole);
+}
+
+int64_t ZeroOptimizer::count_non_finite() {
+  return ops::read_count_non_finite(master_.tensor()) + ops::read_count_non_finite(exp_avg_.tensor()) +
+         ops::read_count_non_finite(exp_avg_sq_.tensor());
+}
+
+ZeroMemory ZeroOptimizer::memory() const {
+  ZeroMemory m;
+  m.master = int64_t(master_.nbytes() + device_shard_.nbytes());
+  m.optimizer = int64_t(exp_avg_.nbytes() + exp_avg_sq_.nbytes());
+  m.grad_shard = int64_t(grad_shard_.nbytes() + host_grads_.nbytes());
+  if (config_.stage < 3) {
+    m.gathered = m.gathered_peak = int64_t(params_.values().nbytes() + params_.compute_values().nbytes());
+  } else {
+    m.gathered = gathered_bytes_;
+    m.gathered_peak = gathered_peak_;
+  }
+  if (config_.stage < 2) {
+    m.transient_grads = m.transient_grads_peak = int64_t(params_.grads().nbytes());
+  } else {
+    m.transient_grads = transient_bytes_;
+    m.transient_grads_peak = transient_peak_;
+  }
+  m.comm_buffers = int64_t(staging_.nbytes());
+  return m;
+}
+
+void ZeroOptimizer::reset_peaks() {
+  gathered_peak_ = gathered_bytes_;
+  transient_peak_ = transient_bytes_;
+}
+
+}  // namespace dstrain

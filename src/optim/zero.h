@@ -1,0 +1,211 @@
+// ZeRO (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+// Models", 2020) over the parameter registry's flat buffers, with DeepSpeed's configuration.
+//
+// Partition. Every parameter is split by rows over the data-parallel ranks exactly as a
+// checkpoint splits it (RowPiece: rank r holds rows [R r/N, R (r+1)/N)). A rank's shard is its
+// pieces of every parameter, in id order, end to end: its fp32 master weights, its AdamW
+// moments and (stages 2 and 3) its reduced gradients live there, 1/N of the model each. The
+// same layout serves every stage, and a sharded checkpoint is each rank writing its own pieces
+// of the global tensors.
+//
+// Stages (the paper's P_os, P_os+g, P_os+g+p):
+//   1  the whole gradients are all-reduced (GradReducer, overlapped with the backward); each
+//      rank steps its pieces and the whole weights are all-gathered from the pieces;
+//   2  the gradients are reduce-scattered instead, per parameter as the backward finishes it,
+//      into the gradient shard; the whole-model gradient buffer is reserved address space
+//      whose pages are handed back as soon as a parameter's reduction is done, so only the
+//      gradients the backward is still forming hold memory;
+//   3  the whole weights are reserved address space as well: a parameter is all-gathered by the
+//      model's before_use hook (and the next ones prefetched, in the order recorded in the first
+//      step), and handed back by after_use once no use is left. Parameters under
+//      stage3_param_persistence_threshold elements stay whole (gathered again after each step).
+// With gradient accumulation, stages 2 and 3 reduce every micro-step (the gradients of one
+// micro-step are not kept whole until the next), adding the shard's running sum into this
+// rank's own rows before the reduction: the communication volume grows with the micro-steps,
+// as in DeepSpeed.
+//
+// Offload (offload_optimizer.device = "cpu"): the masters, the moments and a host copy of the
+// gradient shard live in pinned host memory and AdamW runs on the host: gradient pieces go
+// device -> host, updated weights host -> device. In a CPU-only build the "device" is the host
+// as well: the same buffers and copies run, costing two memory passes over the shard per step.
+// offload_param.device = "cpu" (stage 3) keeps the parameters at rest in that host memory too
+// (the masters): a gather first copies the piece to a device buffer.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/comm.h"
+#include "core/buffer.h"
+#include "distributed/grad_reducer.h"
+#include "model/ctx.h"
+#include "optim/adamw.h"
+#include "state/params.h"
+
+namespace dstrain {
+
+// DeepSpeed's zero_optimization block.
+struct ZeroConfig {
+  int64_t stage = 0;
+  int64_t reduce_bucket_size = 500'000'000;     // elements per gradient bucket
+  int64_t allgather_bucket_size = 500'000'000;  // elements gathered after a step before waiting
+  bool overlap_comm = true;                     // reduce buckets during the backward
+  bool contiguous_gradients = true;             // dstrain's gradients are always one flat buffer
+  std::string offload_optimizer = "none";       // "none" | "cpu"
+  bool offload_optimizer_pin_memory = false;
+  std::string offload_param = "none";  // "none" | "cpu" (stage 3)
+  bool offload_param_pin_memory = false;
+  int64_t stage3_prefetch_bucket_size = 50'000'000;        // elements gathered ahead of their use
+  int64_t stage3_param_persistence_threshold = 100'000;    // parameters under it stay whole
+  int64_t stage3_max_live_parameters = 1'000'000'000;      // gathered elements, in use or prefetched
+  bool offloads_optimizer() const { return offload_optimizer == "cpu"; }
+  bool offloads_params() const { return offload_param == "cpu"; }
+};
+
+// Bytes this rank holds for ZeRO's parts, now and at their peak since the last reset.
+struct ZeroMemory {
+  int64_t master = 0;     // fp32 master pieces
+  int64_t optimizer = 0;  // AdamW moments
+  int64_t grad_shard = 0;
+  int64_t gathered = 0, gathered_peak = 0;    // whole weights held (stage 3; stages 1/2: all)
+  int64_t transient_grads = 0, transient_grads_peak = 0;  // whole gradients held (stages 2/3)
+  int64_t comm_buffers = 0;
+};
+
+class ZeroOptimizer final : public ParamHooks {
+ public:
+  // `params` is allocated (whole, as the model made it). `dp` is the data-parallel
+  // communicator over which every parameter is sharded.
+  ZeroOptimizer(const ZeroConfig& config, const AdamWConfig& adamw, ParamRegistry& params, Communicator& dp);
+  ~ZeroOptimizer() override;
+  ZeroOptimizer(const ZeroOptimizer&) = delete;
+  ZeroOptimizer& operator=(const ZeroOptimizer&) = delete;
+
+  int stage() const { return int(config_.stage); }
+  const ZeroConfig& config() const { return config_; }
+  const AdamWConfig& adamw() const { return adamw_; }
+  // This rank's piece of parameter id, and where it starts in the shard buffers.
+  const RowPiece& piece(int id) const { return pieces_[size_t(id)]; }
+  int64_t shard_offset(int id) const { return shard_offsets_[size_t(id)]; }
+  const std::vector<int64_t>& shard_offsets() const { return shard_offsets_; }
+  int64_t shard_numel() const { return shard_numel_; }
+  // Stage 3: stays whole (small, or updated by a rule on every rank rather than by AdamW).
+  bool persistent(int id) const { return persistent_[size_t(id)]; }
+  std::string describe() const;
+
+  // The registry's whole weights (from initialisation, --init-from or a checkpoint's model
+  // tensors) become the masters: each rank keeps its pieces; at stage 3 the whole weights are
+  // then handed back but for the persistent ones.
+  void adopt_weights();
+  // After the shards were written directly (a checkpoint): the whole weights are gathered from
+  // them (stages 1 and 2) or the persistent ones (stage 3).
+  void publish_weights();
+  // Stage 3: every whole weight gathered (export, evaluation of the weights as a whole), and
+  // handed back again. Other stages hold them whole anyway.
+  void gather_all();
+  void release_unused();
+
+  // ---- one step -----------------------------------------------------------------------
+  // Zeroes the gradients and starts the step's hook bookkeeping.
+  void begin_step();
+  // Before each micro-step's backward; `last` is true for the step's last one.
+  void begin_micro_step(bool last);
+  void before_use(int first, int last) override;
+  void after_use(int first, int last) override;
+  void grad_ready(int first, int last) override;
+  // Every gradient reduced into the shard (stage 1: the all-reduced whole gradients are read
+  // in place); prefetches no longer needed are handed back.
+  ReduceTimings finish();
+  // The L2 norm of the whole gradient, from the shards (collective over dp).
+  double grad_norm();
+  // AdamW on this rank's pieces with learning rate lr, each gradient multiplied by grad_scale
+  // as it is read; then the whole weights (stage 3: the persistent ones) are gathered again.
+  void step(double lr, double grad_scale = 1.0);
+  // A parameter a rule updated identically on every rank (routing biases): its master piece
+  // follows the whole weights.
+  void take_rule_update(int id);
+  // Time spent waiting for collectives outside finish() (the weights' gathers after a step),
+  // since the last call.
+  double take_exposed_seconds() {
+    const double s = exposed_seconds_;
+    exposed_seconds_ = 0;
+    return s;
+  }
+  int64_t steps_taken() const { return step_; }
+  void set_steps_taken(int64_t s) { step_ = s; }
+
+  // The shard buffers, in the layout of shard_offset(): what checkpoints write and read.
+  Buffer& master() { return master_; }
+  Buffer& exp_avg() { return exp_avg_; }
+  Buffer& exp_avg_sq() { return exp_avg_sq_; }
+  // Non-finite values in this rank's masters and moments (the caller reduces over ranks).
+  int64_t count_non_finite();
+
+  ZeroMemory memory() const;
+  void reset_peaks();
+
+ private:
+  enum class State { Released, InFlight, Resident };
+  struct Pending {
+    int id = 0;
+    Work work;
+  };
+  Tensor grad_piece(int id) const;    // this rank's reduced gradient of parameter id
+  Tensor master_piece(int id) const;  // this rank's master piece of parameter id
+  std::vector<int64_t> counts(int id) const;
+  // Stage 3 gathers.
+  void launch_gather(int id);
+  void wait_gather(int id);
+  void release_param(int id);
+  void prefetch_after(size_t trace_pos);
+  // Stages 2 and 3: reduce-scatter of one parameter's gradient.
+  void launch_reduce(int id);
+  void retire_reductions(bool wait_all);
+  void flush_pending_grads();
+  // Stages 1 and 2: the whole weights of every parameter from the pieces.
+  void gather_whole(bool persistent_only);
+  void account_gathered(int64_t delta);
+  void account_transient(int64_t delta);
+
+  ZeroConfig config_;
+  AdamWConfig adamw_;
+  ParamRegistry& params_;
+  Communicator& dp_;
+  int rank_ = 0, size_ = 1;
+  std::vector<RowPiece> pieces_;
+  std::vector<int64_t> shard_offsets_;
+  std::vector<char> persistent_;
+  int64_t shard_numel_ = 0;
+  Buffer master_, exp_avg_, exp_avg_sq_;
+  Buffer grad_shard_;     // stages 2 and 3 (on the device)
+  Buffer host_grads_;     // offload: the gradient pieces on the host
+  Buffer device_shard_;   // offload at stage 3 without offload_param: the pieces at rest on the device
+  Buffer staging_;        // offload_param: a piece on its way to a gather
+  int64_t step_ = 0;
+
+  // Stage 3 state per parameter.
+  std::vector<State> state_;
+  std::vector<int> uses_;
+  std::vector<Work> gathers_;
+  int64_t live_elems_ = 0;
+  // The order of before_use calls of a training step, recorded in the first one.
+  std::vector<std::pair<int, int>> trace_;
+  bool recording_ = true;
+  bool in_step_ = false;
+  size_t trace_pos_ = 0;
+
+  // Stages 2 and 3: gradients handed over, waiting to fill a bucket, and reductions in flight.
+  std::vector<int> pending_grads_;
+  int64_t pending_elems_ = 0;
+  std::vector<Pending> reductions_;
+  bool first_micro_ = true;  // the step's first micro-step: the shard gets the reduction as it is
+  std::vector<char> reduced_once_;  // per parameter: reduced in an earlier micro-step of this step
+  CommStats stats_before_;
+  double exposed_seconds_ = 0;
+  int buckets_ = 0;
+
+  int64_t gathered_bytes_ = 0, gathered_peak_ = 0, transient_bytes_ = 0, transient_peak_ = 0;
+};
+
+}  // namespace dstrain
