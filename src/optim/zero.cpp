@@ -304,6 +304,7 @@ void ZeroOptimizer::begin_step() {
   in_step_ = true;
   trace_pos_ = 0;
   first_micro_ = true;
+  first_forward_ = true;
   std::fill(reduced_once_.begin(), reduced_once_.end(), 0);
   buckets_ = 0;
   exposed_seconds_ = 0;
@@ -318,11 +319,21 @@ void ZeroOptimizer::begin_step() {
   }
 }
 
+void ZeroOptimizer::begin_forward() {
+  if (config_.stage < 2) return;
+  if (!first_forward_) {
+    flush_pending_grads();
+    retire_reductions(/*wait_all=*/true);
+  }
+  first_forward_ = false;
+}
+
 void ZeroOptimizer::begin_micro_step(bool) {
   if (config_.stage < 2) return;
   if (!first_micro_) {
-    // The previous micro-step's gradients must be reduced (and their memory handed back)
-    // before this backward writes the whole-gradient buffer again.
+    // The gradients reduced so far must be done (and their memory handed back) before this
+    // backward writes the whole-gradient buffer again: a reduction still in flight would see
+    // part of this micro-step, and its release would then drop that part.
     flush_pending_grads();
     retire_reductions(/*wait_all=*/true);
   }

@@ -109,6 +109,10 @@ class ZeroOptimizer final : public ParamHooks {
   // ---- one step -----------------------------------------------------------------------
   // Zeroes the gradients and starts the step's hook bookkeeping.
   void begin_step();
+  // Before each micro-batch's forward: the forward already writes gradients (the head's and
+  // the MTP modules' are formed as soon as their losses are), so every reduction of the
+  // micro-steps before is completed (and its gradients zeroed) first.
+  void begin_forward();
   // Before each micro-step's backward; `last` is true for the step's last one.
   void begin_micro_step(bool last);
   void before_use(int first, int last) override;
@@ -199,7 +203,8 @@ class ZeroOptimizer final : public ParamHooks {
   std::vector<int> pending_grads_;
   int64_t pending_elems_ = 0;
   std::vector<Pending> reductions_;
-  bool first_micro_ = true;  // the step's first micro-step: the shard gets the reduction as it is
+  bool first_micro_ = true;  // the step's first backward has not begun
+  bool first_forward_ = true;
   std::vector<char> reduced_once_;  // per parameter: reduced in an earlier micro-step of this step
   CommStats stats_before_;
   double exposed_seconds_ = 0;

@@ -533,6 +533,7 @@ std::string Trainer::forward_backward(StepData& data, const LossScales& scales, 
             oom_fault_fired_ = true;  // once: the retried step gets through
             throw OutOfMemory(fmt::format("fault injection: allocation failure at step {}", step_ + 1));
           }
+          if (zero_) zero_->begin_forward();
           const LossSums s =
               model_->forward(a.micro_batch, tokens_tensor(b.inputs, mb, T), tokens_tensor(b.targets, mb, T), scales);
           sums[0] += s.sum;

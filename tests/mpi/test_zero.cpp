@@ -1,0 +1,387 @@
+// ZeRO stages 1, 2 and 3 (with and without CPU offload) at 1, 2 and 4 ranks: the same losses
+// and weights as stage 0 within 1e-5 on the dense, DeepSeek-V2 and DeepSeek-V3 models; a
+// stage-3 resume is bitwise exact; a sharded checkpoint restarts at another stage and rank
+// count with the same losses and exports the same Hugging Face weights; the sharded parts of
+// the memory fall as 1/N; and the memory check refuses at stage 0 what fits at stage 3.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+
+#include "resume_check.h"
+#include "run_files.h"
+#include "train/trainer.h"
+
+namespace dstrain {
+namespace {
+
+constexpr int kSteps = 4;
+
+// Small buckets, prefetches and persistence threshold, so that the tiny models exercise many
+// buckets, prefetches and sharded (not persistent) parameters.
+std::vector<std::string> zero_overrides(int stage, std::vector<std::string> more = {}) {
+  std::vector<std::string> o = {"train.zero_optimization.stage=" + std::to_string(stage),
+                                "train.zero_optimization.reduce_bucket_size=1500",
+                                "train.zero_optimization.allgather_bucket_size=2000",
+                                "train.zero_optimization.stage3_prefetch_bucket_size=1200",
+                                "train.zero_optimization.stage3_param_persistence_threshold=40"};
+  o.insert(o.end(), more.begin(), more.end());
+  return o;
+}
+
+json v2_model() {
+  return {{"model",
+           {{"model_type", "deepseek_v2"},
+            {"hidden_size", 32},
+            {"intermediate_size", 48},
+            {"num_hidden_layers", 2},
+            {"num_attention_heads", 4},
+            {"num_key_value_heads", 4},
+            {"vocab_size", 64},
+            {"max_position_embeddings", 64},
+            {"q_lora_rank", nullptr},
+            {"kv_lora_rank", 16},
+            {"qk_nope_head_dim", 8},
+            {"qk_rope_head_dim", 8},
+            {"v_head_dim", 8},
+            {"n_routed_experts", 8},
+            {"n_shared_experts", 1},
+            {"num_experts_per_tok", 2},
+            {"moe_intermediate_size", 16},
+            {"first_k_dense_replace", 1},
+            {"n_group", 2},
+            {"topk_group", 1},
+            {"topk_method", "group_limited_greedy"},
+            {"scoring_func", "softmax"},
+            {"norm_topk_prob", false},
+            {"routed_scaling_factor", 1.0},
+            {"aux_loss_alpha", 0.01},
+            {"seq_aux", true},
+            {"initializer_range", 0.1}}}};
+}
+
+json v3_model() {
+  return {{"model",
+           {{"model_type", "deepseek_v3"},
+            {"hidden_size", 32},
+            {"intermediate_size", 48},
+            {"num_hidden_layers", 2},
+            {"num_attention_heads", 4},
+            {"num_key_value_heads", 4},
+            {"vocab_size", 64},
+            {"max_position_embeddings", 64},
+            {"q_lora_rank", 16},
+            {"kv_lora_rank", 16},
+            {"qk_nope_head_dim", 8},
+            {"qk_rope_head_dim", 8},
+            {"v_head_dim", 8},
+            {"rope_scaling",
+             {{"type", "yarn"}, {"factor", 2.0}, {"original_max_position_embeddings", 16}, {"mscale", 1.0},
+              {"mscale_all_dim", 1.0}, {"beta_fast", 32}, {"beta_slow", 1}}},
+            {"n_routed_experts", 8},
+            {"n_shared_experts", 1},
+            {"num_experts_per_tok", 2},
+            {"moe_intermediate_size", 16},
+            {"first_k_dense_replace", 1},
+            {"n_group", 2},
+            {"topk_group", 1},
+            {"topk_method", "noaux_tc"},
+            {"scoring_func", "sigmoid"},
+            {"norm_topk_prob", true},
+            {"routed_scaling_factor", 2.5},
+            {"aux_loss_alpha", 0.01},
+            {"seq_aux", true},
+            {"num_nextn_predict_layers", 1},
+            {"initializer_range", 0.1}}},
+          {"train", {{"router_bias_update_rate", 0.01}, {"mtp_loss_weight", 0.3}}}};
+}
+
+json model_of(const std::string& name) {
+  if (name == "v2") return v2_model();
+  if (name == "v3") return v3_model();
+  return json::object();  // RunFiles' dense GQA model
+}
+
+double rel_error(const float* a, const float* b, int64_t n) {
+  double diff = 0, scale = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    diff = std::max(diff, double(std::fabs(a[i] - b[i])));
+    scale = std::max(scale, double(std::fabs(b[i])));
+  }
+  return diff / std::max(scale, 1e-30);
+}
+
+// The whole weights of a trainer, whatever its stage (stage 3 gathers them for the look).
+std::vector<float> whole_weights(Trainer& t) {
+  if (t.zero()) t.zero()->gather_all();
+  const Buffer& v = t.model().params().values();
+  std::vector<float> out(v.data<float>(), v.data<float>() + v.numel());
+  if (t.zero()) t.zero()->release_unused();
+  return out;
+}
+
+void expect_same_training(Trainer& ref, Trainer& z, const std::string& what) {
+  ASSERT_EQ(ref.history().size(), z.history().size());
+  for (size_t i = 0; i < ref.history().size(); ++i) {
+    const double a = z.history()[i].loss, b = ref.history()[i].loss;
+    EXPECT_NEAR(a, b, 1e-5 * std::fabs(b)) << what << ": loss of step " << i + 1;
+    EXPECT_NEAR(z.history()[i].grad_norm, ref.history()[i].grad_norm, 1e-5 * ref.history()[i].grad_norm)
+        << what << ": gradient norm of step " << i + 1;
+  }
+  const std::vector<float> wr = whole_weights(ref), wz = whole_weights(z);
+  const ParamRegistry& reg = ref.model().params();
+  double worst = 0;
+  for (int id = 0; id < reg.size(); ++id) {
+    const ParamInfo& p = reg.info(id);
+    const double e = rel_error(wz.data() + p.offset, wr.data() + p.offset, p.numel());
+    EXPECT_LE(e, 1e-5) << what << ": " << p.name << " after " << ref.history().size() << " steps";
+    worst = std::max(worst, e);
+  }
+  if (world_rank() == 0) {
+    std::printf("[ %d ranks ] %s: loss %.6f vs %.6f (stage 0), worst weight error %.2e\n", world_size(), what.c_str(),
+                z.history().back().loss, ref.history().back().loss, worst);
+  }
+}
+
+class ZeroMatchesStageZero : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ZeroMatchesStageZero, InLossesAndWeights) {
+  RunFiles files(kSteps, model_of(GetParam()));
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  Trainer ref(files.config(), grid);
+  ref.init_weights("");
+  ref.train();
+  for (int stage : {1, 2, 3}) {
+    Trainer z(files.config(zero_overrides(stage)), grid);
+    ASSERT_NE(z.zero(), nullptr);
+    // Every rank's weights stay the same bits (each rank steps its pieces; the gathers
+    // hand every rank the same result).
+    z.on_step = [&](const StepRecord&) {
+      const std::vector<float> w = whole_weights(z);
+      uint64_t mine = checksum(w.data(), w.size() * sizeof(float));
+      std::vector<uint64_t> all(static_cast<size_t>(world_size()));
+      MPI_Allgather(&mine, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, MPI_COMM_WORLD);
+      for (size_t r = 0; r < all.size(); ++r) EXPECT_EQ(all[r], all[0]) << "weights of rank " << r;
+    };
+    z.init_weights("");
+    z.train();
+    expect_same_training(ref, z, GetParam() + " stage " + std::to_string(stage));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, ZeroMatchesStageZero, ::testing::Values("dense", "v2", "v3"));
+
+TEST(Zero, OffloadMatchesStageZero) {
+  RunFiles files(kSteps, v3_model());
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  Trainer ref(files.config(), grid);
+  ref.init_weights("");
+  ref.train();
+  const std::vector<std::vector<std::string>> cases = {
+      zero_overrides(1, {"train.zero_optimization.offload_optimizer.device=cpu"}),
+      zero_overrides(2, {"train.zero_optimization.offload_optimizer.device=cpu"}),
+      zero_overrides(3, {"train.zero_optimization.offload_optimizer.device=cpu"}),
+      zero_overrides(3, {"train.zero_optimization.offload_optimizer.device=cpu",
+                         "train.zero_optimization.offload_param.device=cpu"})};
+  for (size_t c = 0; c < cases.size(); ++c) {
+    Trainer z(files.config(cases[c]), grid);
+    // The optimizer state lives in the pinned host allocator's memory.
+    ASSERT_STREQ(std::string(z.zero()->master().allocator()->name()).c_str(), "pinned_host");
+    z.init_weights("");
+    z.train();
+    expect_same_training(ref, z, "offload case " + std::to_string(c));
+  }
+}
+
+TEST(Zero, Stage3WithoutOverlapOrPrefetchMatches) {
+  RunFiles files(kSteps);
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  Trainer ref(files.config(), grid);
+  ref.init_weights("");
+  ref.train();
+  Trainer z(files.config(zero_overrides(3, {"train.zero_optimization.overlap_comm=false",
+                                            "train.zero_optimization.stage3_prefetch_bucket_size=1",
+                                            "train.zero_optimization.stage3_param_persistence_threshold=0"})),
+            grid);
+  z.init_weights("");
+  z.train();
+  expect_same_training(ref, z, "stage 3, blocking, no prefetch, nothing persistent");
+}
+
+TEST(Zero, BF16Stage3MatchesBF16StageZero) {
+  RunFiles files(kSteps, v3_model());
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  Trainer ref(files.config({"train.bf16.enabled=true", "train.communication_data_type=fp32"}), grid);
+  ref.init_weights("");
+  ref.train();
+  Trainer z(files.config(zero_overrides(3, {"train.bf16.enabled=true"})), grid);
+  z.init_weights("");
+  z.train();
+  ASSERT_EQ(ref.history().size(), z.history().size());
+  for (size_t i = 0; i < ref.history().size(); ++i) {
+    // The compute copy is rounded from the same masters; only the order of the gradient sums
+    // differs, and bf16 activations pass those last bits on.
+    EXPECT_NEAR(z.history()[i].loss, ref.history()[i].loss, 1e-3 * std::fabs(ref.history()[i].loss))
+        << "bf16 loss of step " << i + 1;
+  }
+}
+
+TEST(Zero, Stage3ResumeIsBitwiseExact) {
+  RunFiles files(5, v3_model());
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  expect_resume_is_bitwise(files, grid, 2, zero_overrides(3));
+}
+
+TEST(Zero, Stage2OffloadResumeIsBitwiseExact) {
+  RunFiles files(5);
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  expect_resume_is_bitwise(files, grid, 3, zero_overrides(2, {"train.zero_optimization.offload_optimizer.device=cpu"}));
+}
+
+// A stage-3 checkpoint of every rank resumes at stage 0 on one rank and at stage 2 on two,
+// with the losses of the uninterrupted run, and exports the same Hugging Face weights.
+TEST(Zero, Stage3CheckpointRestartsAtOtherStagesAndRankCounts) {
+  RunFiles files(6);
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  const int rank = world_rank();
+  const auto dir_of = [&](const std::string& name) {
+    return "checkpoint.dir=" + json((files.dir() / name).string()).dump();
+  };
+  Trainer full(files.config({dir_of("full")}), grid);
+  full.init_weights("");
+  full.train();
+  {
+    Trainer a(files.config(zero_overrides(3, {"train.max_steps=3", "checkpoint.save_final=true", dir_of("z3")})), grid);
+    a.init_weights("");
+    a.train();
+    a.save_hf((files.dir() / "hf_stage3").string());
+  }
+  const std::string ckpt = (files.dir() / "z3" / "step_00000003.h5").string();
+  ASSERT_TRUE(std::filesystem::exists(ckpt)) << ckpt;
+
+  auto expect_continues = [&](Trainer& b, const std::string& what) {
+    ASSERT_EQ(b.step(), 3);
+    b.train();
+    ASSERT_EQ(b.history().size(), 3u);
+    for (size_t i = 0; i < 3; ++i) {
+      const double x = b.history()[i].loss, y = full.history()[3 + i].loss;
+      EXPECT_NEAR(x, y, 1e-5 * std::fabs(y)) << what << ": loss of step " << 4 + i;
+    }
+  };
+  {
+    // Stage 0 on one rank (every rank alone, reading the same file).
+    ProcessGrid solo(MPI_COMM_SELF, {});
+    Trainer b(files.config({dir_of("solo_" + std::to_string(rank))}), solo);
+    ASSERT_TRUE(b.resume(ckpt));
+    if (rank == 0) b.save_hf((files.dir() / "hf_stage0").string());
+    expect_continues(b, "stage 0 on 1 rank");
+  }
+  MPI_Comm two = first_ranks(2);
+  if (two != MPI_COMM_NULL) {
+    ProcessGrid g2(two, {});
+    Trainer b(files.config(zero_overrides(2, {dir_of("two")})), g2);
+    ASSERT_TRUE(b.resume(ckpt));
+    expect_continues(b, "stage 2 on " + std::to_string(g2.world_size()) + " rank(s)");
+    MPI_Comm_free(&two);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (rank == 0) {
+    for (const char* f : {"model.safetensors", "config.json"}) {
+      std::ifstream x(files.dir() / "hf_stage3" / f, std::ios::binary), y(files.dir() / "hf_stage0" / f, std::ios::binary);
+      const std::string a((std::istreambuf_iterator<char>(x)), {}), b((std::istreambuf_iterator<char>(y)), {});
+      EXPECT_FALSE(a.empty()) << f;
+      EXPECT_TRUE(a == b) << f << " exported at stage 3 differs from the export of its checkpoint at stage 0";
+    }
+  }
+}
+
+// The sharded parts hold 1/N of the model per rank, and the whole weights (stage 3) and whole
+// gradients (stages 2 and 3) are only held while they are in use.
+TEST(Zero, ShardedMemoryFallsWithRanks) {
+  RunFiles files(2, v3_model());
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  const int n = world_size();
+  for (int stage : {1, 2, 3}) {
+    Trainer z(files.config(zero_overrides(stage)), grid);
+    const ParamRegistry& reg = z.model().params();
+    int64_t params = 0, bound = 0;
+    for (int id = 0; id < reg.size(); ++id) {
+      const ParamInfo& p = reg.info(id);
+      params += p.numel();
+      const int64_t rows = p.shape[0];
+      bound += ((rows + n - 1) / n) * (p.numel() / rows) + 16;  // a piece of at most ceil(R/N) rows, aligned
+    }
+    const ZeroOptimizer& zo = *z.zero();
+    EXPECT_LE(zo.shard_numel(), bound) << "stage " << stage;
+    EXPECT_LE(double(zo.shard_numel()), double(params) / n * 1.25 + 16.0 * reg.size()) << "stage " << stage;
+    int64_t total = 0, mine = zo.shard_numel();
+    MPI_Allreduce(&mine, &total, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+    EXPECT_GE(total, params) << "the shards cover every element";
+    z.init_weights("");
+    int64_t peak_gathered = 0, peak_grads = 0;
+    z.on_step = [&](const StepRecord&) {
+      const ZeroMemory m = z.zero()->memory();
+      peak_gathered = std::max(peak_gathered, m.gathered_peak);
+      peak_grads = std::max(peak_grads, m.transient_grads_peak);
+      EXPECT_EQ(m.optimizer, 2 * m.master) << "two moments per master element";
+      EXPECT_EQ(m.master, zo.shard_numel() * 4);
+      if (stage == 3) {
+        // Between steps only the persistent parameters are whole.
+        int64_t persistent = 0;
+        for (int id = 0; id < reg.size(); ++id) persistent += zo.persistent(id) ? reg.info(id).numel() * 4 : 0;
+        EXPECT_EQ(m.gathered, persistent);
+      }
+    };
+    z.train();
+    const int64_t whole = int64_t(reg.values().numel()) * 4;
+    if (stage == 3) {
+      EXPECT_GT(peak_gathered, 0);
+      EXPECT_LT(peak_gathered, whole) << "stage 3 never holds every weight at once";
+    }
+    if (stage >= 2) {
+      EXPECT_GT(peak_grads, 0);
+      EXPECT_LT(peak_grads, whole) << "stage " << stage << " never holds every gradient at once";
+    }
+    // The memory categories of metrics see the same.
+    const MemoryStats ms = memory_stats();
+    EXPECT_GE(ms.bytes[size_t(MemCategory::OptimizerState)], 2 * zo.shard_numel() * 4);
+  }
+}
+
+// A model whose state does not fit metrics.memory_budget_gb at stage 0 trains at stage 3 when
+// the ranks' shards do.
+TEST(Zero, MemoryBudgetRefusesStageZeroAndAdmitsStage3) {
+  RunFiles files(1);
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  const int n = world_size();
+  const RunConfig base = files.config();
+  const double params = double(base.model.num_parameters());
+  EXPECT_DOUBLE_EQ(model_state_bytes_per_rank(base, n), 16 * params);
+  RunConfig z3 = files.config(zero_overrides(3));
+  EXPECT_DOUBLE_EQ(model_state_bytes_per_rank(z3, n), 16 * params / n);
+  // A budget between the two: 60% of stage 0's need.
+  const std::string budget = fmt::format("metrics.memory_budget_gb={:.9f}", 16 * params * 0.6 / 1e9);
+  try {
+    Trainer t(files.config({budget}), grid);
+    FAIL() << "stage 0 fitted a budget below its need";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("metrics.memory_budget_gb"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("zero_optimization.stage"), std::string::npos) << msg;
+  }
+  if (n >= 2) {
+    Trainer t(files.config(zero_overrides(3, {budget})), grid);
+    t.init_weights("");
+    t.train();
+    EXPECT_EQ(t.history().size(), 1u);
+    EXPECT_TRUE(std::isfinite(t.history().back().loss));
+  } else {
+    EXPECT_THROW(Trainer(files.config(zero_overrides(3, {budget})), grid), Error) << "one rank shards nothing";
+  }
+}
+
+}  // namespace
+}  // namespace dstrain
