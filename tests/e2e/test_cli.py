@@ -195,7 +195,7 @@ class CommandLine(unittest.TestCase):
                  f'model="{os.path.join(ROOT, "inputs", "models", "deepseek-v3.json")}"'], check=False)
         self.assertNotEqual(p.returncode, 0)
         self.assertRegex(p.stderr, r"the model has 68\d\.\d\dB parameters, whose weights, gradients and AdamW "
-                                   r"moments .* need 1\d{4}\.\d GB, more than the")
+                                   r"state need 1\d{4}\.\d GB per rank at ZeRO stage 0 .* more than the")
 
 
 class BadCommandLine(unittest.TestCase):

@@ -390,6 +390,66 @@ TEST(Config, MixedPrecisionMistakesAreErrorsNamingTheKey) {
   EXPECT_THAT(msg({"output.save_hf_dtype=half"}), HasSubstr("'output.save_hf_dtype' is \"half\""));
 }
 
+TEST(Config, ZeroOptimizationKeysWithDeepSpeedsNames) {
+  TempDir d;
+  const std::string path = d.write("zero.json", run_json());
+  RunConfig c = RunConfig::load(path, {});
+  EXPECT_EQ(c.train.zero.stage, 0);
+  EXPECT_EQ(c.train.zero.stage3_param_persistence_threshold, 100000);  // DeepSpeed's defaults
+  EXPECT_EQ(c.train.zero.stage3_prefetch_bucket_size, 50000000);
+  c = RunConfig::load(path, {"train.zero_optimization={\"stage\": 3, \"reduce_bucket_size\": 1000, "
+                             "\"allgather_bucket_size\": 2000, \"overlap_comm\": false, \"contiguous_gradients\": true, "
+                             "\"offload_optimizer\": {\"device\": \"cpu\", \"pin_memory\": true}, "
+                             "\"offload_param\": {\"device\": \"cpu\"}, \"stage3_prefetch_bucket_size\": 300, "
+                             "\"stage3_param_persistence_threshold\": 10, \"stage3_max_live_parameters\": 5000}",
+                             "train.bf16={\"enabled\": true}"});
+  const ZeroConfig& z = c.train.zero;
+  EXPECT_EQ(z.stage, 3);
+  EXPECT_EQ(z.reduce_bucket_size, 1000);
+  EXPECT_EQ(z.allgather_bucket_size, 2000);
+  EXPECT_FALSE(z.overlap_comm);
+  EXPECT_TRUE(z.offloads_optimizer());
+  EXPECT_TRUE(z.offload_optimizer_pin_memory);
+  EXPECT_TRUE(z.offloads_params());
+  EXPECT_EQ(z.stage3_prefetch_bucket_size, 300);
+  EXPECT_EQ(z.stage3_param_persistence_threshold, 10);
+  EXPECT_EQ(z.stage3_max_live_parameters, 5000);
+  // bf16 would reduce in bf16 by default; ZeRO-2/3 reduce-scatter in fp32.
+  EXPECT_EQ(c.train.precision.communication_data_type, "fp32");
+  // The resolved configuration reads back to itself.
+  const json j = c.to_json();
+  json again = json::parse(run_json());
+  again["train"]["zero_optimization"] = j["train"]["zero_optimization"];
+  again["train"]["bf16"] = j["train"]["bf16"];
+  const RunConfig c2 = RunConfig::load(d.write("again.json", again.dump()), {});
+  EXPECT_EQ(c2.to_json()["train"]["zero_optimization"], j["train"]["zero_optimization"]);
+}
+
+TEST(Config, ZeroMistakesAreErrorsNamingTheKey) {
+  TempDir d;
+  const std::string path = d.write("zero.json", run_json());
+  auto msg = [&](std::vector<std::string> o) { return error_of([&] { RunConfig::load(path, o); }); };
+  EXPECT_THAT(msg({"train.zero_optimization.stage=4"}), HasSubstr("'train.zero_optimization.stage' is 4"));
+  EXPECT_THAT(msg({"train.zero_optimization.stage=\"2\""}), HasSubstr("'train.zero_optimization.stage' must be an integer"));
+  EXPECT_THAT(msg({"train.zero_optimization.reduce_bucket_size=0"}), HasSubstr("train.zero_optimization.reduce_bucket_size"));
+  EXPECT_THAT(msg({"train.zero_optimization.stage3_max_live_parameters=-1"}),
+              HasSubstr("train.zero_optimization.stage3_max_live_parameters"));
+  EXPECT_THAT(msg({"train.zero_optimization.overlap_com=true"}), HasSubstr("unknown key 'train.zero_optimization.overlap_com'"));
+  EXPECT_THAT(msg({"train.zero_optimization.offload_optimizer={\"device\": \"nvme\"}", "train.zero_optimization.stage=2"}),
+              HasSubstr("'train.zero_optimization.offload_optimizer.device' is \"nvme\""));
+  EXPECT_THAT(msg({"train.zero_optimization.offload_optimizer={\"device\": \"cpu\"}"}),
+              HasSubstr("needs a sharded optimizer"));
+  EXPECT_THAT(msg({"train.zero_optimization.offload_param={\"device\": \"cpu\"}", "train.zero_optimization.stage=2"}),
+              HasSubstr("needs stage 3"));
+  EXPECT_THAT(msg({"train.zero_optimization.offload_param={\"device\": \"cpu\"}", "train.zero_optimization.stage=3"}),
+              HasSubstr("needs offload_optimizer.device \"cpu\" as well"));
+  EXPECT_THAT(msg({"train.zero_optimization.offload_param={\"device\": \"cpu\", \"nvme_path\": \"/x\"}",
+                   "train.zero_optimization.stage=3"}),
+              HasSubstr("unknown key 'train.zero_optimization.offload_param.nvme_path'"));
+  EXPECT_THAT(msg({"train.zero_optimization.stage=2", "train.communication_data_type=bf16"}),
+              HasSubstr("ZeRO stage 2 reduce-scatters gradients in fp32"));
+}
+
 TEST(LrSchedule, DeepSpeedFormulas) {
   auto sched = [](const std::string& text) {
     json j = json::parse(text);
