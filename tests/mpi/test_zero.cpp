@@ -211,6 +211,52 @@ TEST(Zero, Stage3WithoutOverlapOrPrefetchMatches) {
   expect_same_training(ref, z, "stage 3, blocking, no prefetch, nothing persistent");
 }
 
+TEST(Zero, AllForwardsFirstScheduleMatches) {
+  // Every forward (which already writes the head's gradients) before any backward.
+  RunFiles files(kSteps, v3_model());
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  Trainer ref(files.config({"train.micro_batch_schedule=all_forward_all_backward"}), grid);
+  ref.init_weights("");
+  ref.train();
+  for (int stage : {2, 3}) {
+    Trainer z(files.config(zero_overrides(stage, {"train.micro_batch_schedule=all_forward_all_backward"})), grid);
+    z.init_weights("");
+    z.train();
+    expect_same_training(ref, z, "all forwards first, stage " + std::to_string(stage));
+  }
+}
+
+TEST(Zero, FP16OverflowsSkipTheStepOnEveryRankAsAtStageZero) {
+  // A loss scale of 2^22 overflows fp16 at once: the shards' norm must see it on every rank,
+  // and the skipped steps and the lowered scale must be those of stage 0.
+  RunFiles files(10);
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  const std::vector<std::string> fp16 = {"train.fp16={\"enabled\": true, \"initial_scale_power\": 22, "
+                                         "\"hysteresis\": 1}",
+                                         "train.communication_data_type=fp32"};
+  Trainer ref(files.config(fp16), grid);
+  ref.init_weights("");
+  ref.train();
+  std::vector<std::string> o = fp16;
+  o.pop_back();  // ZeRO-2/3 reduce in fp32 anyway
+  for (int stage : {2, 3}) {
+    Trainer z(files.config(zero_overrides(stage, o)), grid);
+    z.init_weights("");
+    z.train();
+    ASSERT_EQ(z.history().size(), ref.history().size());
+    int overflows = 0;
+    for (size_t i = 0; i < ref.history().size(); ++i) {
+      EXPECT_EQ(z.history()[i].overflow, ref.history()[i].overflow) << "stage " << stage << ", step " << i + 1;
+      EXPECT_EQ(z.history()[i].loss_scale, ref.history()[i].loss_scale) << "stage " << stage << ", step " << i + 1;
+      EXPECT_NEAR(z.history()[i].loss, ref.history()[i].loss, 1e-4 * std::fabs(ref.history()[i].loss));
+      overflows += ref.history()[i].overflow;
+    }
+    EXPECT_GT(overflows, 0) << "the scale was meant to overflow";
+    EXPECT_LT(overflows, int(ref.history().size())) << "and then to train";
+    EXPECT_EQ(z.optimizer_steps(), ref.optimizer_steps());
+  }
+}
+
 TEST(Zero, BF16Stage3MatchesBF16StageZero) {
   RunFiles files(kSteps, v3_model());
   ProcessGrid grid(MPI_COMM_WORLD, {});
