@@ -275,17 +275,19 @@ void ZeroOptimizer::before_use(int first, int last) {
 }
 
 void ZeroOptimizer::prefetch_after(size_t pos) {
-  int64_t launched = 0;
+  // The parameters the next uses need, in order, until stage3_prefetch_bucket_size elements are
+  // gathered ahead: those a previous prefetch already brought count against it, so the window
+  // ahead stays bounded however many uses there are.
+  int64_t ahead = 0;
   for (size_t j = pos; j < trace_.size(); ++j) {
     for (int id = trace_[j].first; id <= trace_[j].second; ++id) {
-      if (state_[size_t(id)] != State::Released) continue;
+      if (persistent_[size_t(id)] || uses_[size_t(id)] > 0) continue;
       const int64_t numel = params_.info(id).numel();
-      if (launched + numel > config_.stage3_prefetch_bucket_size ||
-          live_elems_ + numel > config_.stage3_max_live_parameters) {
-        return;
-      }
+      if (ahead + numel > config_.stage3_prefetch_bucket_size) return;
+      ahead += numel;
+      if (state_[size_t(id)] != State::Released) continue;
+      if (live_elems_ + numel > config_.stage3_max_live_parameters) return;
       launch_gather(id);
-      launched += numel;
     }
   }
 }

@@ -14,7 +14,8 @@
 //   2  the gradients are reduce-scattered instead, per parameter as the backward finishes it,
 //      into the gradient shard; the whole-model gradient buffer is reserved address space
 //      whose pages are handed back as soon as a parameter's reduction is done, so only the
-//      gradients the backward is still forming hold memory;
+//      gradients of buckets not yet reduced hold memory (reduce_bucket_size bounds them while
+//      the backward runs; DeepSpeed's default of 5e8 elements is one bucket for a small model);
 //   3  the whole weights are reserved address space as well: a parameter is all-gathered by the
 //      model's before_use hook (and the next ones prefetched, in the order recorded in the first
 //      step), and handed back by after_use once no use is left. Parameters under

@@ -27,9 +27,6 @@ namespace {
 
 Tensor tokens_tensor(std::vector<int32_t>& v, int64_t B, int64_t T) { return Tensor(v.data(), DType::I32, Shape{B, T}); }
 
-// Every data-parallel rank holds the whole model state: fp32 weights, gradients and both
-// AdamW moments, 16 bytes per parameter. A model that cannot fit is an error that says so,
-// before anything is allocated.
 }  // namespace
 
 double model_state_bytes_per_rank(const RunConfig& config, int64_t dp) {
@@ -65,6 +62,8 @@ CheckpointTargets zero_checkpoint_targets(ZeroOptimizer& z) {
           std::make_shared<const std::vector<int64_t>>(z.shard_offsets())};
 }
 
+// A model whose state per rank (model_state_bytes_per_rank) cannot fit the rank's memory
+// budget is an error that says so, before anything is allocated.
 void check_model_state_fits(const RunConfig& config, const ProcessGrid& grid) {
   const double params = double(config.model.num_parameters());
   const int64_t dp = grid.size(Axis::Data);
@@ -836,6 +835,20 @@ StepMetrics Trainer::step_metrics(const StepRecord& r, double elapsed, int64_t s
   m.rank_compute_s = r.rank_compute_seconds;
   m.rank_peak_rss_bytes = r.rank_peak_rss_bytes;
   if (config_.data.train.size() > 1) m.extra["data_mix"] = pipeline().drawn();
+  if (zero_) {
+    // Rank 0's ZeRO state, with the step's peaks of what is only held while in use.
+    const ZeroMemory z = zero_->memory();
+    m.extra["zero"] = {{"stage", zero_->stage()},
+                       {"shard_elements", zero_->shard_numel()},
+                       {"master_bytes", z.master},
+                       {"optimizer_bytes", z.optimizer},
+                       {"grad_shard_bytes", z.grad_shard},
+                       {"gathered_bytes", z.gathered},
+                       {"gathered_peak_bytes", z.gathered_peak},
+                       {"transient_grad_bytes", z.transient_grads},
+                       {"transient_grad_peak_bytes", z.transient_grads_peak},
+                       {"comm_buffer_bytes", z.comm_buffers}};
+  }
   if (!r.moe.empty()) {
     m.extra["ce_loss"] = r.ce_loss;
     m.extra["aux_loss"] = r.aux_loss;

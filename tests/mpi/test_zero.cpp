@@ -397,6 +397,44 @@ TEST(Zero, ShardedMemoryFallsWithRanks) {
   }
 }
 
+// Stage 3 holds the layers in use and at most stage3_prefetch_bucket_size elements gathered
+// ahead of their use, however many layers there are.
+TEST(Zero, Stage3PrefetchStaysWithinItsBucket) {
+  RunFiles files(2, {{"model", {{"num_hidden_layers", 6}}}});
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  int64_t layer = 0;  // non-persistent elements of one decoder layer
+  {
+    Trainer probe(files.config(zero_overrides(3)), grid);
+    const ParamRegistry& reg = probe.model().params();
+    for (int id = 0; id < reg.size(); ++id) {
+      if (reg.info(id).layer == 0 && !probe.zero()->persistent(id)) layer += reg.info(id).numel();
+    }
+  }
+  ASSERT_GT(layer, 0);
+  Trainer z(files.config(zero_overrides(3, {"train.zero_optimization.stage3_prefetch_bucket_size=" +
+                                            std::to_string(layer)})),
+            grid);
+  const ParamRegistry& reg = z.model().params();
+  int64_t persistent = 0, outside = 0, whole = 0;
+  for (int id = 0; id < reg.size(); ++id) {
+    const int64_t n = reg.info(id).numel();
+    whole += n;
+    if (z.zero()->persistent(id)) {
+      persistent += n;
+    } else if (reg.info(id).layer < 0) {
+      outside += n;  // embedding, head
+    }
+  }
+  z.init_weights("");
+  int64_t peak = 0;
+  z.on_step = [&](const StepRecord&) { peak = std::max(peak, z.zero()->memory().gathered_peak / 4); };
+  z.train();
+  // In use: a layer, or the embedding or head; ahead: one bucket; always: the persistent ones.
+  const int64_t bound = persistent + std::max(layer, outside) + layer;
+  EXPECT_LE(peak, bound) << "gathered at once, of " << whole << " elements in all";
+  EXPECT_LT(bound, whole * 3 / 4) << "the bound must say something";
+}
+
 // A model whose state does not fit metrics.memory_budget_gb at stage 0 trains at stage 3 when
 // the ranks' shards do.
 TEST(Zero, MemoryBudgetRefusesStageZeroAndAdmitsStage3) {
