@@ -71,11 +71,12 @@ void check_model_state_fits(const RunConfig& config, const ProcessGrid& grid) {
   const double budget = config.metrics.memory_budget_gb * 1e9;
   const double have = budget > 0 ? budget : node_memory_bytes() / double(std::max(grid.local_size(), 1));
   const int64_t stage = config.train.zero.stage;
+  auto count = [](double p) { return p >= 1e9 ? fmt::format("{:.2f}B", p / 1e9) : fmt::format("{:.2f}M", p / 1e6); };
+  auto size = [](double b) { return b >= 1e9 ? fmt::format("{:.1f} GB", b / 1e9) : fmt::format("{:.1f} MB", b / 1e6); };
   DS_CHECK(have <= 0 || need < have,
-           "{}: the model has {:.2f}B parameters, whose weights, gradients and AdamW state need {:.1f} GB per rank at "
-           "ZeRO stage {} over {} data-parallel rank(s) ({:.1f} bytes per parameter), more than the {:.1f} GB {}; "
-           "{}",
-           config.source, params / 1e9, need / 1e9, stage, dp, need / params, have / 1e9,
+           "{}: the model has {} parameters, whose weights, gradients and AdamW state need {} per rank at ZeRO stage "
+           "{} over {} data-parallel rank(s) ({:.1f} bytes per parameter), more than the {} {}; {}",
+           config.source, count(params), size(need), stage, dp, need / params, size(have),
            budget > 0 ? "of metrics.memory_budget_gb" : fmt::format("each of the {} rank(s) on this node has", grid.local_size()),
            stage < 3 ? "shard more with zero_optimization.stage (up to 3), run more data-parallel ranks, or train a "
                        "smaller model"

@@ -69,6 +69,42 @@ TEST_F(Collectives, AllToAllAndVariableCounts) {
     for (int c = 0; c <= r; ++c) EXPECT_EQ(vout[size_t(k * (r + 1) + c)], k);
 }
 
+TEST_F(Collectives, GatherAndReduceScatterOfUnevenPieces) {
+  // Rank k's piece has k elements (rank 0's none), as ZeRO's row pieces can be uneven.
+  std::vector<int64_t> counts(static_cast<size_t>(n));
+  int64_t total = 0, offset = 0;
+  for (int k = 0; k < n; ++k) {
+    counts[size_t(k)] = k;
+    if (k < r) offset += k;
+    total += k;
+  }
+  std::vector<float> mine(static_cast<size_t>(r), float(r)), all(static_cast<size_t>(total), -1.0f);
+  comm.all_gather_v_async(Tensor(all.data(), DType::F32, Shape{total}), Tensor(mine.data(), DType::F32, Shape{r}), counts)
+      .wait();
+  for (int k = 0, i = 0; k < n; ++k)
+    for (int c = 0; c < k; ++c) EXPECT_EQ(all[size_t(i++)], float(k));
+  // In place: this rank's piece already at its place in out.
+  std::vector<float> inplace(static_cast<size_t>(total), 0.0f);
+  for (int c = 0; c < r; ++c) inplace[size_t(offset + c)] = float(10 + r);
+  Tensor whole(inplace.data(), DType::F32, Shape{total});
+  comm.all_gather_v_async(whole, whole.slice(offset, offset + r), counts).wait();
+  for (int k = 0, i = 0; k < n; ++k)
+    for (int c = 0; c < k; ++c) EXPECT_EQ(inplace[size_t(i++)], float(10 + k));
+  // reduce_scatter_v: element i of every rank's input is i + rank; rank r gets its piece summed.
+  std::vector<float> in(static_cast<size_t>(total)), out(static_cast<size_t>(std::max(r, 1)), -1.0f);
+  for (int64_t i = 0; i < total; ++i) in[size_t(i)] = float(i + r);
+  comm.reduce_scatter_v_async(Tensor(out.data(), DType::F32, Shape{r}), Tensor(in.data(), DType::F32, Shape{total}),
+                              counts)
+      .wait();
+  for (int c = 0; c < r; ++c) EXPECT_EQ(out[size_t(c)], float(n * (offset + c) + n * (n - 1) / 2));
+  // Counts that do not add up to the tensor are an error.
+  std::vector<int64_t> bad = counts;
+  bad[0] += 1;
+  EXPECT_THROW(comm.all_gather_v_async(Tensor(all.data(), DType::F32, Shape{total}),
+                                       Tensor(mine.data(), DType::F32, Shape{r}), bad),
+               Error);
+}
+
 TEST_F(Collectives, SendRecvRingDoesNotDeadlock) {
   // Everyone sends first and receives second: point-to-point starts at once, not queued.
   std::vector<float> send(1 << 16, float(r)), recv(1 << 16, -1.0f);

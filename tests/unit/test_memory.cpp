@@ -2,6 +2,9 @@
 // device, are accounted per category and device, and host code cannot read device memory.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <cstdio>
 #include <string>
 
 #include "core/allocator.h"
@@ -43,6 +46,52 @@ TEST(Memory, HostBuffersComeZeroedFromTheHostAllocatorAndAreAccounted) {
   }
   EXPECT_EQ(memory_stats(DeviceType::CPU).bytes[kActivations], cpu0.bytes[kActivations]);
   EXPECT_EQ(memory_stats().bytes[kActivations], all0.bytes[kActivations]);
+}
+
+// Resident set size of this process, from /proc/self/statm (pages).
+int64_t resident_bytes() {
+  long pages = 0, resident = 0;
+  FILE* f = std::fopen("/proc/self/statm", "r");
+  if (!f) return -1;
+  const int got = std::fscanf(f, "%ld %ld", &pages, &resident);
+  std::fclose(f);
+  return got == 2 ? int64_t(resident) * int64_t(sysconf(_SC_PAGESIZE)) : -1;
+}
+
+TEST(Memory, ReservedBuffersHoldMemoryOnlyWhereWrittenAndHandItBack) {
+  const MemoryStats before = memory_stats(DeviceType::CPU);
+  const int64_t n = int64_t(64) << 20;  // 256 MB of address space
+  Buffer b = Buffer::reserved("test.reserved", MemCategory::GatheredParameters, DType::F32, n);
+  EXPECT_TRUE(b.is_reserved());
+  // The buffer accounts nothing itself: its owner accounts what it uses.
+  EXPECT_EQ(memory_stats(DeviceType::CPU).bytes[size_t(MemCategory::GatheredParameters)],
+            before.bytes[size_t(MemCategory::GatheredParameters)]);
+  const int64_t rss0 = resident_bytes();
+  float* p = b.data<float>();
+  EXPECT_EQ(p[n / 2], 0.0f) << "unwritten memory reads as zeros";
+  // Write 32 MB in the middle, with an unaligned start and end.
+  const int64_t begin = 1000003, len = int64_t(8) << 20;
+  for (int64_t i = begin; i < begin + len; ++i) p[i] = 1.5f;
+  p[begin - 1] = 7.0f;  // neighbours on the partial pages at both ends
+  p[begin + len] = 9.0f;
+  const int64_t rss1 = resident_bytes();
+  EXPECT_GT(rss1 - rss0, len * 4 * 9 / 10) << "written pages are committed";
+  EXPECT_LT(rss1 - rss0, len * 4 * 2) << "and only those";
+  b.release_range(begin, len);
+  const int64_t rss2 = resident_bytes();
+  EXPECT_LT(rss2, rss1 - len * 4 * 9 / 10) << "released pages go back to the system";
+  for (int64_t i = begin; i < begin + len; i += 4099) ASSERT_EQ(p[i], 0.0f) << i;
+  EXPECT_EQ(p[begin], 0.0f);
+  EXPECT_EQ(p[begin + len - 1], 0.0f);
+  EXPECT_EQ(p[begin - 1], 7.0f) << "the partial page before keeps its other values";
+  EXPECT_EQ(p[begin + len], 9.0f) << "and so does the one after";
+  // Written again after the release: committed again, and zero() hands everything back.
+  p[begin + 5] = 3.0f;
+  EXPECT_EQ(p[begin + 5], 3.0f);
+  b.zero();
+  EXPECT_EQ(p[begin + 5], 0.0f);
+  EXPECT_EQ(p[begin - 1], 0.0f);
+  EXPECT_THROW(b.release_range(n - 10, 20), Error);
 }
 
 TEST(Memory, PinnedHostBuffersAreHostMemoryUnderTheirOwnAllocator) {
