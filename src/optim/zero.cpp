@@ -22,8 +22,16 @@ Buffer shard_buffer(const std::string& label, MemCategory category, int64_t n, b
 }  // namespace
 
 ZeroOptimizer::ZeroOptimizer(const ZeroConfig& config, const AdamWConfig& adamw, ParamRegistry& params,
-                             Communicator& dp)
-    : config_(config), adamw_(adamw), params_(params), dp_(dp), rank_(dp.rank()), size_(dp.size()) {
+                             Communicator& dp, DType comm_dtype)
+    : config_(config),
+      adamw_(adamw),
+      params_(params),
+      dp_(dp),
+      comm_dtype_(comm_dtype),
+      rank_(dp.rank()),
+      size_(dp.size()) {
+  DS_CHECK(comm_dtype_ == DType::F32 || comm_dtype_ == DType::BF16 || comm_dtype_ == DType::F16,
+           "ZeRO communicates gradients in fp32, bf16 or fp16, not {}", dtype_name(comm_dtype_));
   DS_CHECK(config_.stage >= 1 && config_.stage <= 3, "ZeRO stage {} (the optimizer handles stages 1 to 3)",
            config_.stage);
   DS_CHECK(!config_.offloads_params() || (config_.stage == 3 && config_.offloads_optimizer()),
@@ -94,6 +102,7 @@ std::string ZeroOptimizer::describe() const {
                               size_, dp_.name(), shard_numel_, params_.flat_numel());
   if (config_.offloads_optimizer()) s += ", optimizer offloaded to the host";
   if (config_.offloads_params()) s += ", parameters at rest on the host";
+  if (config_.stage >= 2 && size_ > 1) s += fmt::format(", gradients reduce-scattered in {}", dtype_name(comm_dtype_));
   if (stage() == 3) s += fmt::format(", {} elements persistent", persistent);
   return s;
 }
@@ -368,6 +377,18 @@ void ZeroOptimizer::launch_reduce(int id) {
   const RowPiece& pc = pieces_[size_t(id)];
   Tensor whole = params_.grads().tensor(p.offset, {p.numel()});
   Tensor out = grad_piece(id);
+  if (comm_dtype_ != DType::F32 && size_ > 1) {
+    // Half the bytes on the wire: this micro-step's gradient goes in 16 bits, and its reduced
+    // piece is added to the fp32 shard when it arrives (retire_reductions).
+    Pending r{id, Work(), Buffer("zero.reduce_wire", MemCategory::CommBuffers, comm_dtype_, p.numel(), params_.device()),
+              Buffer("zero.reduce_wire_piece", MemCategory::CommBuffers, comm_dtype_, std::max<int64_t>(pc.elems(), 1),
+                     params_.device())};
+    ops::cast(r.wire_in.tensor(), whole);
+    r.work = dp_.reduce_scatter_v_async(r.wire_out.tensor(0, {pc.elems()}), r.wire_in.tensor(), counts(id));
+    reductions_.push_back(std::move(r));
+    reduced_once_[size_t(id)] = 1;
+    return;
+  }
   if (reduced_once_[size_t(id)] && pc.elems()) {
     // The shard already holds the sum of earlier micro-steps: adding it to this rank's own
     // rows makes the reduction the running total.
@@ -388,6 +409,9 @@ void ZeroOptimizer::retire_reductions(bool wait_all) {
       continue;
     }
     const ParamInfo& p = params_.info(r.id);
+    if (r.wire_out.allocated() && pieces_[size_t(r.id)].elems()) {
+      ops::add_inplace(grad_piece(r.id), r.wire_out.tensor(0, {pieces_[size_t(r.id)].elems()}));
+    }
     params_.grads().release_range(p.offset, p.numel());
     account_transient(-p.numel() * 4);
   }

@@ -77,8 +77,12 @@ struct ZeroMemory {
 class ZeroOptimizer final : public ParamHooks {
  public:
   // `params` is allocated (whole, as the model made it). `dp` is the data-parallel
-  // communicator over which every parameter is sharded.
-  ZeroOptimizer(const ZeroConfig& config, const AdamWConfig& adamw, ParamRegistry& params, Communicator& dp);
+  // communicator over which every parameter is sharded. comm_dtype (DeepSpeed's
+  // communication_data_type): at stages 2 and 3, BF16 or F16 reduce-scatters each gradient in
+  // that type (summed in fp32 per addition and rounded, as MpiCommunicator's 16-bit sum does)
+  // and adds the result to the fp32 shard; stage 1's all-reduce is the GradReducer's.
+  ZeroOptimizer(const ZeroConfig& config, const AdamWConfig& adamw, ParamRegistry& params, Communicator& dp,
+                DType comm_dtype = DType::F32);
   ~ZeroOptimizer() override;
   ZeroOptimizer(const ZeroOptimizer&) = delete;
   ZeroOptimizer& operator=(const ZeroOptimizer&) = delete;
@@ -155,6 +159,7 @@ class ZeroOptimizer final : public ParamHooks {
   struct Pending {
     int id = 0;
     Work work;
+    Buffer wire_in, wire_out;  // 16-bit communication: the gradient and this rank's reduced piece
   };
   Tensor grad_piece(int id) const;    // this rank's reduced gradient of parameter id
   Tensor master_piece(int id) const;  // this rank's master piece of parameter id
@@ -177,6 +182,7 @@ class ZeroOptimizer final : public ParamHooks {
   AdamWConfig adamw_;
   ParamRegistry& params_;
   Communicator& dp_;
+  DType comm_dtype_ = DType::F32;
   int rank_ = 0, size_ = 1;
   std::vector<RowPiece> pieces_;
   std::vector<int64_t> shard_offsets_;

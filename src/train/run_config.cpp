@@ -228,15 +228,6 @@ TrainConfig read_train(const JsonReader& r) {
   }
   if (r.has("zero_optimization")) t.zero = read_zero(r.child("zero_optimization"));
   t.precision = read_precision(r);
-  if (t.zero.stage >= 2 && t.precision.communication_dtype() != DType::F32) {
-    // ZeRO-2/3 reduce-scatter their gradients in fp32.
-    if (r.has("communication_data_type") && !r.is_null("communication_data_type")) {
-      r.error("communication_data_type",
-              fmt::format("is \"{}\"; ZeRO stage {} reduce-scatters gradients in fp32: set it to \"fp32\" or remove it",
-                          t.precision.communication_data_type, t.zero.stage));
-    }
-    t.precision.communication_data_type = "fp32";
-  }
   t.eval_interval = r.get<int64_t>("eval_interval", t.eval_interval);
   t.eval_batches = r.get<int64_t>("eval_batches", t.eval_batches);
   if (t.eval_interval < 0) r.error("eval_interval", "must be >= 0");

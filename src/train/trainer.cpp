@@ -39,6 +39,7 @@ double model_state_bytes_per_rank(const RunConfig& config, int64_t dp) {
   // 1), the gradients (2) and the weights (3) over the data-parallel ranks.
   const double compute = pc.compute_dtype() != DType::F32 ? 2 : 0;
   const double wire = pc.communication_dtype() != DType::F32 ? 2 : 0;
+  // (Stages 2 and 3 hold 16-bit wire copies only of the gradients being reduced.)
   switch (config.train.zero.stage) {
     case 0: return params * (16 + compute + wire);
     case 1: return params * (4 + compute + 4 + wire + 12 / n);
@@ -132,7 +133,8 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
     DS_CHECK(grid_.world_size() == dp_.size() && dp_.rank() == grid_.world_rank(),
              "zero_optimization.stage {} needs every rank on the data-parallel axis ({} of {} are)", zc.stage,
              dp_.size(), grid_.world_size());
-    zero_ = std::make_unique<ZeroOptimizer>(zc, config_.train.adamw, model_->params(), dp_);
+    zero_ = std::make_unique<ZeroOptimizer>(zc, config_.train.adamw, model_->params(), dp_,
+                                            precision.communication_dtype());
     param_hooks_.add(*zero_);
     log::info("{}", zero_->describe());
   }

@@ -237,10 +237,8 @@ TEST(Zero, FP16OverflowsSkipTheStepOnEveryRankAsAtStageZero) {
   Trainer ref(files.config(fp16), grid);
   ref.init_weights("");
   ref.train();
-  std::vector<std::string> o = fp16;
-  o.pop_back();  // ZeRO-2/3 reduce in fp32 anyway
   for (int stage : {2, 3}) {
-    Trainer z(files.config(zero_overrides(stage, o)), grid);
+    Trainer z(files.config(zero_overrides(stage, fp16)), grid);
     z.init_weights("");
     z.train();
     ASSERT_EQ(z.history().size(), ref.history().size());
@@ -260,18 +258,28 @@ TEST(Zero, FP16OverflowsSkipTheStepOnEveryRankAsAtStageZero) {
 TEST(Zero, BF16Stage3MatchesBF16StageZero) {
   RunFiles files(kSteps, v3_model());
   ProcessGrid grid(MPI_COMM_WORLD, {});
-  Trainer ref(files.config({"train.bf16.enabled=true", "train.communication_data_type=fp32"}), grid);
-  ref.init_weights("");
-  ref.train();
-  Trainer z(files.config(zero_overrides(3, {"train.bf16.enabled=true"})), grid);
-  z.init_weights("");
-  z.train();
-  ASSERT_EQ(ref.history().size(), z.history().size());
-  for (size_t i = 0; i < ref.history().size(); ++i) {
-    // The compute copy is rounded from the same masters; only the order of the gradient sums
-    // differs, and bf16 activations pass those last bits on.
-    EXPECT_NEAR(z.history()[i].loss, ref.history()[i].loss, 1e-3 * std::fabs(ref.history()[i].loss))
-        << "bf16 loss of step " << i + 1;
+  // Gradients communicated in fp32, and in bf16 (DeepSpeed's default for a bf16 run): stage 0
+  // rounds the accumulated sum of a bucket once, stage 3 each micro-step's reduce-scatter.
+  for (const char* comm : {"fp32", "bf16"}) {
+    const std::vector<std::string> bf16 = {"train.bf16.enabled=true", std::string("train.communication_data_type=") + comm};
+    Trainer ref(files.config(bf16), grid);
+    ref.init_weights("");
+    ref.train();
+    Trainer z(files.config(zero_overrides(3, bf16)), grid);
+    z.init_weights("");
+    z.train();
+    ASSERT_EQ(ref.history().size(), z.history().size());
+    const double tol = std::string(comm) == "fp32" ? 1e-3 : 5e-3;
+    for (size_t i = 0; i < ref.history().size(); ++i) {
+      // The compute copy is rounded from the same masters; only the order (and, in bf16, the
+      // rounding) of the gradient sums differs, and bf16 activations pass those last bits on.
+      EXPECT_NEAR(z.history()[i].loss, ref.history()[i].loss, tol * std::fabs(ref.history()[i].loss))
+          << "bf16 loss of step " << i + 1 << ", gradients communicated in " << comm;
+    }
+    if (world_rank() == 0) {
+      std::printf("[ %d ranks ] bf16, %s communication: stage 3 loss %.6f vs %.6f at stage 0\n", world_size(), comm,
+                  z.history().back().loss, ref.history().back().loss);
+    }
   }
 }
 

@@ -414,8 +414,8 @@ TEST(Config, ZeroOptimizationKeysWithDeepSpeedsNames) {
   EXPECT_EQ(z.stage3_prefetch_bucket_size, 300);
   EXPECT_EQ(z.stage3_param_persistence_threshold, 10);
   EXPECT_EQ(z.stage3_max_live_parameters, 5000);
-  // bf16 would reduce in bf16 by default; ZeRO-2/3 reduce-scatter in fp32.
-  EXPECT_EQ(c.train.precision.communication_data_type, "fp32");
+  // As at stage 0, gradients travel in the compute precision unless told otherwise.
+  EXPECT_EQ(c.train.precision.communication_data_type, "bf16");
   // The resolved configuration reads back to itself.
   const json j = c.to_json();
   json again = json::parse(run_json());
@@ -446,8 +446,6 @@ TEST(Config, ZeroMistakesAreErrorsNamingTheKey) {
   EXPECT_THAT(msg({"train.zero_optimization.offload_param={\"device\": \"cpu\", \"nvme_path\": \"/x\"}",
                    "train.zero_optimization.stage=3"}),
               HasSubstr("unknown key 'train.zero_optimization.offload_param.nvme_path'"));
-  EXPECT_THAT(msg({"train.zero_optimization.stage=2", "train.communication_data_type=bf16"}),
-              HasSubstr("ZeRO stage 2 reduce-scatters gradients in fp32"));
 }
 
 TEST(LrSchedule, DeepSpeedFormulas) {
