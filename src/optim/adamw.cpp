@@ -13,19 +13,19 @@ AdamW::AdamW(const AdamWConfig& config, ParamRegistry& params)
       exp_avg_sq_("optimizer.exp_avg_sq", MemCategory::OptimizerState, DType::F32, params.values().numel(),
                   params.device()) {}
 
-double AdamW::weight_decay_of(const ParamInfo& p) const {
-  return config_.no_decay.count(p.kind) ? 0.0 : config_.weight_decay;
+ops::AdamWStep AdamWConfig::step_params(int64_t step, double lr, double grad_scale) const {
+  ops::AdamWStep s;
+  s.lr = float(lr);
+  s.beta1 = float(beta1);
+  s.beta2 = float(beta2);
+  s.eps = float(eps);
+  s.step = step;
+  s.grad_scale = float(grad_scale);
+  return s;
 }
 
 void AdamW::step(double lr, double grad_scale) {
-  ++step_;
-  ops::AdamWStep s;
-  s.lr = float(lr);
-  s.beta1 = float(config_.beta1);
-  s.beta2 = float(config_.beta2);
-  s.eps = float(config_.eps);
-  s.step = step_;
-  s.grad_scale = float(grad_scale);
+  ops::AdamWStep s = config_.step_params(++step_, lr, grad_scale);
   for (const ParamInfo& p : params_.all()) {
     if (!p.trainable) continue;  // updated by its own rule (routing biases)
     s.weight_decay = float(weight_decay_of(p));

@@ -4,6 +4,7 @@
 
 #include <set>
 
+#include "backend/ops.h"
 #include "core/buffer.h"
 #include "state/params.h"
 
@@ -15,6 +16,12 @@ struct AdamWConfig {
   double eps = 1e-8;
   double weight_decay = 0.0;
   std::set<ParamKind> no_decay{ParamKind::Norm, ParamKind::Embedding};
+
+  // The weight decay of parameter p: none for the kinds in no_decay.
+  double weight_decay_of(const ParamInfo& p) const { return no_decay.count(p.kind) ? 0.0 : weight_decay; }
+  // The update's hyper-parameters for 1-based step `step` (weight decay set per parameter);
+  // AdamW and ZeRO's sharded optimizer both step with them.
+  ops::AdamWStep step_params(int64_t step, double lr, double grad_scale) const;
 };
 
 class AdamW {
@@ -28,7 +35,7 @@ class AdamW {
   void step(double lr, double grad_scale = 1.0);
   int64_t steps_taken() const { return step_; }
   void set_steps_taken(int64_t s) { step_ = s; }
-  double weight_decay_of(const ParamInfo& p) const;
+  double weight_decay_of(const ParamInfo& p) const { return config_.weight_decay_of(p); }
 
   Buffer& exp_avg() { return exp_avg_; }
   Buffer& exp_avg_sq() { return exp_avg_sq_; }

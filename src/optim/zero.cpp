@@ -124,6 +124,12 @@ Tensor ZeroOptimizer::grad_piece(int id) const {
   return grad_shard_.tensor(shard_offsets_[size_t(id)], {pc.elems()});
 }
 
+int64_t ZeroOptimizer::gathered_bytes(int id) const {
+  // The fp32 weight and, in mixed precision, its compute copy.
+  const int64_t per = 4 + (params_.has_compute_copy() ? int64_t(dtype_size(params_.compute_dtype())) : 0);
+  return params_.info(id).numel() * per;
+}
+
 void ZeroOptimizer::account_gathered(int64_t delta) {
   gathered_bytes_ += delta;
   gathered_peak_ = std::max(gathered_peak_, gathered_bytes_);
@@ -211,8 +217,7 @@ void ZeroOptimizer::launch_gather(int id) {
   if (blocking) gathers_[size_t(id)].wait();
   if (config_.stage == 3) {
     state_[size_t(id)] = State::InFlight;
-    const int64_t bytes = p.numel() * (4 + (params_.has_compute_copy() ? int64_t(dtype_size(params_.compute_dtype())) : 0));
-    account_gathered(bytes);
+    account_gathered(gathered_bytes(id));
     live_elems_ += p.numel();
   }
 }
@@ -236,8 +241,7 @@ void ZeroOptimizer::release_param(int id) {
   params_.values().release_range(p.offset, p.numel());
   if (params_.has_compute_copy()) params_.compute_values().release_range(p.offset, p.numel());
   state_[size_t(id)] = State::Released;
-  const int64_t bytes = p.numel() * (4 + (params_.has_compute_copy() ? int64_t(dtype_size(params_.compute_dtype())) : 0));
-  account_gathered(-bytes);
+  account_gathered(-gathered_bytes(id));
   live_elems_ -= p.numel();
 }
 
@@ -462,14 +466,7 @@ double ZeroOptimizer::grad_norm() {
 // ---- the update ---------------------------------------------------------------------------
 
 void ZeroOptimizer::step(double lr, double grad_scale) {
-  ++step_;
-  ops::AdamWStep s;
-  s.lr = float(lr);
-  s.beta1 = float(adamw_.beta1);
-  s.beta2 = float(adamw_.beta2);
-  s.eps = float(adamw_.eps);
-  s.step = step_;
-  s.grad_scale = float(grad_scale);
+  ops::AdamWStep s = adamw_.step_params(++step_, lr, grad_scale);
   const bool host = config_.offloads_optimizer();
   for (int id = 0; id < params_.size(); ++id) {
     const ParamInfo& p = params_.info(id);
@@ -483,7 +480,7 @@ void ZeroOptimizer::step(double lr, double grad_scale) {
       ops::copy(hg, grad);
       grad = hg;
     }
-    s.weight_decay = float(adamw_.no_decay.count(p.kind) ? 0.0 : adamw_.weight_decay);
+    s.weight_decay = float(adamw_.weight_decay_of(p));
     ops::adamw_update(master_.tensor(off, {n}), grad, exp_avg_.tensor(off, {n}), exp_avg_sq_.tensor(off, {n}), Tensor(),
                       s);
   }

@@ -175,6 +175,7 @@ class ZeroOptimizer final : public ParamHooks {
   void flush_pending_grads();
   // Stages 1 and 2: the whole weights of every parameter from the pieces.
   void gather_whole(bool persistent_only);
+  int64_t gathered_bytes(int id) const;  // of parameter id while whole
   void account_gathered(int64_t delta);
   void account_transient(int64_t delta);
 

@@ -5,6 +5,8 @@
 #include <mpi.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -92,6 +94,54 @@ inline MPI_Comm first_ranks(int k) {
   MPI_Comm c;
   MPI_Comm_split(MPI_COMM_WORLD, rank < k ? 0 : MPI_UNDEFINED, rank, &c);
   return c;
+}
+
+// A small DeepSeek-V3-style model: MLA with q LoRA and YaRN, sigmoid/noaux_tc routing over
+// groups, a shared expert, a dense first layer and one MTP module.
+inline json v3_model() {
+  return {{"model",
+           {{"model_type", "deepseek_v3"},
+            {"hidden_size", 32},
+            {"intermediate_size", 48},
+            {"num_hidden_layers", 2},
+            {"num_attention_heads", 4},
+            {"num_key_value_heads", 4},
+            {"vocab_size", 64},
+            {"max_position_embeddings", 64},
+            {"q_lora_rank", 16},
+            {"kv_lora_rank", 16},
+            {"qk_nope_head_dim", 8},
+            {"qk_rope_head_dim", 8},
+            {"v_head_dim", 8},
+            {"rope_scaling",
+             {{"type", "yarn"}, {"factor", 2.0}, {"original_max_position_embeddings", 16}, {"mscale", 1.0},
+              {"mscale_all_dim", 1.0}, {"beta_fast", 32}, {"beta_slow", 1}}},
+            {"n_routed_experts", 8},
+            {"n_shared_experts", 1},
+            {"num_experts_per_tok", 2},
+            {"moe_intermediate_size", 16},
+            {"first_k_dense_replace", 1},
+            {"n_group", 2},
+            {"topk_group", 1},
+            {"topk_method", "noaux_tc"},
+            {"scoring_func", "sigmoid"},
+            {"norm_topk_prob", true},
+            {"routed_scaling_factor", 2.5},
+            {"aux_loss_alpha", 0.01},
+            {"seq_aux", true},
+            {"num_nextn_predict_layers", 1},
+            {"initializer_range", 0.1}}},
+          {"train", {{"router_bias_update_rate", 0.01}, {"mtp_loss_weight", 0.3}}}};
+}
+
+// The largest difference between a and b relative to b's largest magnitude.
+inline double rel_error(const float* a, const float* b, int64_t n) {
+  double diff = 0, scale = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    diff = std::max(diff, double(std::fabs(a[i] - b[i])));
+    scale = std::max(scale, double(std::fabs(b[i])));
+  }
+  return diff / std::max(scale, 1e-30);
 }
 
 inline uint64_t checksum(const void* data, size_t bytes) {

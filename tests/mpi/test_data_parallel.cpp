@@ -17,15 +17,6 @@ namespace {
 
 constexpr int kSteps = 10;
 
-double rel_error(const float* a, const float* b, int64_t n) {
-  double diff = 0, scale = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    diff = std::max(diff, double(std::fabs(a[i] - b[i])));
-    scale = std::max(scale, double(std::fabs(b[i])));
-  }
-  return diff / std::max(scale, 1e-30);
-}
-
 TEST(DataParallel, MatchesOneRankAndKeepsRanksBitwiseIdentical) {
   RunFiles files(kSteps);
   // The one-rank run, on every rank.

@@ -32,86 +32,27 @@ std::vector<std::string> zero_overrides(int stage, std::vector<std::string> more
   return o;
 }
 
+// run_files.h's V3 model made DeepSeek-V2: MLA without q LoRA or YaRN, softmax routing with
+// group-limited greedy top-k, no MTP.
 json v2_model() {
-  return {{"model",
-           {{"model_type", "deepseek_v2"},
-            {"hidden_size", 32},
-            {"intermediate_size", 48},
-            {"num_hidden_layers", 2},
-            {"num_attention_heads", 4},
-            {"num_key_value_heads", 4},
-            {"vocab_size", 64},
-            {"max_position_embeddings", 64},
-            {"q_lora_rank", nullptr},
-            {"kv_lora_rank", 16},
-            {"qk_nope_head_dim", 8},
-            {"qk_rope_head_dim", 8},
-            {"v_head_dim", 8},
-            {"n_routed_experts", 8},
-            {"n_shared_experts", 1},
-            {"num_experts_per_tok", 2},
-            {"moe_intermediate_size", 16},
-            {"first_k_dense_replace", 1},
-            {"n_group", 2},
-            {"topk_group", 1},
-            {"topk_method", "group_limited_greedy"},
-            {"scoring_func", "softmax"},
-            {"norm_topk_prob", false},
-            {"routed_scaling_factor", 1.0},
-            {"aux_loss_alpha", 0.01},
-            {"seq_aux", true},
-            {"initializer_range", 0.1}}}};
-}
-
-json v3_model() {
-  return {{"model",
-           {{"model_type", "deepseek_v3"},
-            {"hidden_size", 32},
-            {"intermediate_size", 48},
-            {"num_hidden_layers", 2},
-            {"num_attention_heads", 4},
-            {"num_key_value_heads", 4},
-            {"vocab_size", 64},
-            {"max_position_embeddings", 64},
-            {"q_lora_rank", 16},
-            {"kv_lora_rank", 16},
-            {"qk_nope_head_dim", 8},
-            {"qk_rope_head_dim", 8},
-            {"v_head_dim", 8},
-            {"rope_scaling",
-             {{"type", "yarn"}, {"factor", 2.0}, {"original_max_position_embeddings", 16}, {"mscale", 1.0},
-              {"mscale_all_dim", 1.0}, {"beta_fast", 32}, {"beta_slow", 1}}},
-            {"n_routed_experts", 8},
-            {"n_shared_experts", 1},
-            {"num_experts_per_tok", 2},
-            {"moe_intermediate_size", 16},
-            {"first_k_dense_replace", 1},
-            {"n_group", 2},
-            {"topk_group", 1},
-            {"topk_method", "noaux_tc"},
-            {"scoring_func", "sigmoid"},
-            {"norm_topk_prob", true},
-            {"routed_scaling_factor", 2.5},
-            {"aux_loss_alpha", 0.01},
-            {"seq_aux", true},
-            {"num_nextn_predict_layers", 1},
-            {"initializer_range", 0.1}}},
-          {"train", {{"router_bias_update_rate", 0.01}, {"mtp_loss_weight", 0.3}}}};
+  json run = v3_model();
+  run["model"].merge_patch({{"model_type", "deepseek_v2"},
+                            {"q_lora_rank", nullptr},
+                            {"rope_scaling", nullptr},
+                            {"topk_method", "group_limited_greedy"},
+                            {"scoring_func", "softmax"},
+                            {"norm_topk_prob", false},
+                            {"routed_scaling_factor", 1.0},
+                            {"num_nextn_predict_layers", nullptr}});
+  run["model"]["q_lora_rank"] = nullptr;  // merge_patch removes null keys; V2 states it
+  run.erase("train");
+  return run;
 }
 
 json model_of(const std::string& name) {
   if (name == "v2") return v2_model();
   if (name == "v3") return v3_model();
   return json::object();  // RunFiles' dense GQA model
-}
-
-double rel_error(const float* a, const float* b, int64_t n) {
-  double diff = 0, scale = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    diff = std::max(diff, double(std::fabs(a[i] - b[i])));
-    scale = std::max(scale, double(std::fabs(b[i])));
-  }
-  return diff / std::max(scale, 1e-30);
 }
 
 // The whole weights of a trainer, whatever its stage (stage 3 gathers them for the look).

@@ -83,6 +83,16 @@ class CaseFixture : public ::testing::TestWithParam<std::string> {
     return err;
   }
 
+  // ZeRO at `stage` with buckets, prefetch and persistence threshold small enough that these
+  // tiny models gather, release, prefetch and reduce parameter by parameter.
+  static void set_zero_stage(json& run, int stage) {
+    json& z = run["train"]["zero_optimization"];
+    z["stage"] = stage;
+    z["reduce_bucket_size"] = 2000;
+    z["stage3_prefetch_bucket_size"] = 2000;
+    z["stage3_param_persistence_threshold"] = 64;
+  }
+
   // The case's hyper-parameters as a dstrain run configuration writing under `work`.
   json run_config(const std::filesystem::path& work) const {
     json run;

@@ -84,10 +84,7 @@ TEST_P(DeepSeekReference, ThreeStepsWithRoutingBiasUpdates) {
     run["train"]["mtp_loss_weight"] = case_.value("mtp_weight", 0.0);
     run["train"]["router_bias_update_rate"] = case_.value("bias_update_gamma", 0.0);
     run["checkpoint"] = {{"save_final", false}};
-    run["train"]["zero_optimization"]["stage"] = stage;
-    run["train"]["zero_optimization"]["reduce_bucket_size"] = 2000;
-    run["train"]["zero_optimization"]["stage3_prefetch_bucket_size"] = 2000;
-    run["train"]["zero_optimization"]["stage3_param_persistence_threshold"] = 64;
+    set_zero_stage(run, stage);
     const std::string run_path = (work / "run.json").string();
     std::ofstream(run_path) << run.dump(2);
 

@@ -60,10 +60,7 @@ TEST_P(TorchReference, ThreeAdamWStepsWithClippingAndAccumulation) {
                                                                  std::to_string(::getpid()));
     std::filesystem::create_directories(work);
     json run = run_config(work);
-    run["train"]["zero_optimization"]["stage"] = stage;
-    run["train"]["zero_optimization"]["reduce_bucket_size"] = 2000;
-    run["train"]["zero_optimization"]["stage3_prefetch_bucket_size"] = 2000;
-    run["train"]["zero_optimization"]["stage3_param_persistence_threshold"] = 64;
+    set_zero_stage(run, stage);
     const std::string run_path = (work / "run.json").string();
     std::ofstream(run_path) << run.dump(2);
 
