@@ -131,6 +131,17 @@ void embedding_norm_cases(Cases& c) {
   auto& b = c.add("embedding_backward", "N=12 V=5 C=4 (repeated ids)",
                   [](T t) { ops::embedding_backward(t[0], t[1], t[2]); });
   b.args = {c.normal({5, 4}), c.normal({12, 4}), c.ints({12}, 0, 5)};
+  // Vocabulary shard [4, 8) of 12: tokens in it and outside, on both sides.
+  auto& sf = c.add("embedding_shard_forward", "N=9 shard [4,8) of V=12 C=6",
+                   [](T t) { ops::embedding_shard_forward(t[0], t[1], t[2], 4, 12); });
+  HostTensor stok = c.ints({9}, 0, 12);
+  std::copy_n(std::vector<int32_t>{0, 4, 7, 11, 5}.begin(), 5, stok.p<int32_t>());
+  sf.args = {c.normal({9, 6}), stok, c.normal({4, 6})};
+  auto& sb = c.add("embedding_shard_backward", "N=12 shard [4,8) of V=12 C=4 (repeated ids)",
+                   [](T t) { ops::embedding_shard_backward(t[0], t[1], t[2], 4); });
+  HostTensor btok = c.ints({12}, 0, 12);
+  std::copy_n(std::vector<int32_t>{5, 3, 5, 8, 4, 7}.begin(), 6, btok.p<int32_t>());
+  sb.args = {c.normal({4, 4}), c.normal({12, 4}), btok};
 
   auto& nf = c.add("rmsnorm_forward", "N=7 C=10", [](T t) { ops::rmsnorm_forward(t[0], t[1], t[2], t[3], 1e-6f); });
   nf.args = {Cases::zeros({7, 10}), Cases::zeros({7}), c.normal({7, 10}), c.normal({10})};
@@ -223,6 +234,31 @@ void swiglu_loss_token_cases(Cases& c) {
   auto& cba = c.add("cross_entropy_backward", "in place (dlogits is logits)",
                     [](T t) { ops::cross_entropy_backward(t[0], t[0], t[1], t[2], 0.25f); });
   cba.args = {logits, lse, targets};
+
+  // Vocabulary-parallel: V=15 in three shards of 5; shard 1 holds columns [5, 10).
+  HostTensor full = c.normal({6, 15}, 3.0f), stargets = c.ints({6}, 0, 15);
+  std::copy_n(std::vector<int32_t>{6, 2, kIgnore, 9, 14, 5}.begin(), 6, stargets.p<int32_t>());
+  std::vector<HostTensor> shard_logits;
+  HostTensor stats = Cases::zeros({3, 6, 2});
+  for (int64_t p = 0; p < 3; ++p) {
+    HostTensor& sl = shard_logits.emplace_back(Cases::zeros({6, 5}));
+    for (int64_t n = 0; n < 6; ++n) std::copy_n(full.p<float>() + n * 15 + p * 5, 5, sl.p<float>() + n * 5);
+    ops::cross_entropy_shard_forward(stats.t().row(p), sl.t(), stargets.t(), p * 5, 15);
+  }
+  auto& sf = c.add("cross_entropy_shard_forward", "N=6 shard [5,10) of V=15, one ignored row",
+                   [](T t) { ops::cross_entropy_shard_forward(t[0], t[1], t[2], 5, 15); });
+  sf.args = {Cases::zeros({6, 2}), shard_logits[1], stargets};
+  auto& cc = c.add("cross_entropy_combine", "P=3 N=6, one ignored row",
+                   [](T t) { ops::cross_entropy_combine(t[0], t[1], t[2], t[3]); });
+  cc.args = {Cases::zeros({6}), Cases::zeros({6}), stats, stargets};
+  HostTensor slosses = Cases::zeros({6}), slse = Cases::zeros({6});
+  ops::cross_entropy_combine(slosses.t(), slse.t(), stats.t(), stargets.t());
+  auto& sb = c.add("cross_entropy_shard_backward", "N=6 shard [5,10) of V=15, one ignored row",
+                   [](T t) { ops::cross_entropy_shard_backward(t[0], t[1], t[2], t[3], 0.25f, 5); });
+  sb.args = {Cases::zeros({6, 5}), shard_logits[1], slse, stargets};
+  auto& sba = c.add("cross_entropy_shard_backward", "in place (dlogits is logits)",
+                    [](T t) { ops::cross_entropy_shard_backward(t[0], t[0], t[1], t[2], 0.25f, 5); });
+  sba.args = {shard_logits[1], slse, stargets};
 
   auto& ls = c.add("loss_sums", "N=6 (+=), one ignored row", [](T t) { ops::loss_sums(t[0], t[1], t[2]); });
   HostTensor sums = Cases::zeros({2}, DType::F64);
@@ -638,7 +674,7 @@ bool check_op(const Backend& b, const std::string& op, const std::vector<Case>& 
       }
     }
     if (!quiet) {
-      std::printf("[ backend ops ] %-5s %-26s %-13s %2zu case%s  max err %.1e  %s\n", b.name.c_str(), op.c_str(),
+      std::printf("[ backend ops ] %-5s %-28s %-13s %2zu case%s  max err %.1e  %s\n", b.name.c_str(), op.c_str(),
                   slots.c_str(), cases.size(), cases.size() == 1 ? " " : "s", worst, failed ? "FAILED" : "ok");
     }
   }

@@ -60,6 +60,37 @@ DS_TARGET_AVX2 void scaled_probs_avx2(float* drow, const float* row, int64_t V, 
   for (; v < V; ++v) drow[v] = scale * exp1(row[v] - l);
 }
 
+// The rows of cross_entropy_backward and of its vocabulary shards: logits (N,V) are columns
+// [vocab_begin, vocab_begin + V) of the full rows, and the one-hot applies where the target falls
+// among them. One code path, so the shards side by side give the unsharded op's bits.
+void backward_rows(const char* op, Tensor dlogits, Tensor logits, Tensor lse, Tensor targets, float scale,
+                   int64_t vocab_begin) {
+  const int64_t V = logits.size(-1), N = logits.numel() / V;
+  DS_CHECK(dlogits.numel() == N * V && lse.numel() == N && targets.numel() == N, "{}: shape mismatch", op);
+  const float* lp = logits.data<float>();
+  const float* lsep = lse.data<float>();
+  const int32_t* tp = targets.data<int32_t>();
+  float* dp = dlogits.data<float>();
+  const bool avx2 = cpu_has_avx2();
+#pragma omp parallel for schedule(dynamic, 16) if (N * V >= kParallelMinWork)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* row = lp + n * V;
+    float* drow = dp + n * V;
+    if (tp[n] == ops::kIgnoreIndex) {
+      for (int64_t v = 0; v < V; ++v) drow[v] = 0.0f;
+      continue;
+    }
+    const float l = lsep[n];
+    if (avx2) {
+      scaled_probs_avx2(drow, row, V, l, scale);
+    } else {
+      for (int64_t v = 0; v < V; ++v) drow[v] = scale * exp1(row[v] - l);
+    }
+    const int64_t t = int64_t(tp[n]) - vocab_begin;
+    if (t >= 0 && t < V) drow[t] -= scale;
+  }
+}
+
 }  // namespace
 
 void cross_entropy_forward(Tensor losses, Tensor lse, Tensor logits, Tensor targets) {
@@ -85,30 +116,62 @@ void cross_entropy_forward(Tensor losses, Tensor lse, Tensor logits, Tensor targ
 }
 
 void cross_entropy_backward(Tensor dlogits, Tensor logits, Tensor lse, Tensor targets, float scale) {
+  backward_rows("cross_entropy_backward", dlogits, logits, lse, targets, scale, 0);
+}
+
+void cross_entropy_shard_forward(Tensor stats, Tensor logits, Tensor targets, int64_t vocab_begin,
+                                 int64_t vocab_size) {
   const int64_t V = logits.size(-1), N = logits.numel() / V;
-  DS_CHECK(dlogits.numel() == N * V && lse.numel() == N && targets.numel() == N,
-           "cross_entropy_backward: shape mismatch");
+  DS_CHECK(stats.numel() == 2 * N && targets.numel() == N, "cross_entropy_shard_forward: stats {} logits {} targets {}",
+           stats.shape().str(), logits.shape().str(), targets.shape().str());
+  DS_CHECK(vocab_begin >= 0 && vocab_begin + V <= vocab_size,
+           "cross_entropy_shard_forward: columns [{}, {}) are not within the vocabulary [0, {})", vocab_begin,
+           vocab_begin + V, vocab_size);
   const float* lp = logits.data<float>();
-  const float* lsep = lse.data<float>();
   const int32_t* tp = targets.data<int32_t>();
-  float* dp = dlogits.data<float>();
+  float* sp = stats.data<float>();
+  for (int64_t n = 0; n < N; ++n) {
+    DS_CHECK(tp[n] == ops::kIgnoreIndex || (tp[n] >= 0 && tp[n] < vocab_size),
+             "target id {} at position {} is outside the vocabulary [0, {})", tp[n], n, vocab_size);
+  }
   const bool avx2 = cpu_has_avx2();
 #pragma omp parallel for schedule(dynamic, 16) if (N * V >= kParallelMinWork)
   for (int64_t n = 0; n < N; ++n) {
     const float* row = lp + n * V;
-    float* drow = dp + n * V;
-    if (tp[n] == ops::kIgnoreIndex) {
-      for (int64_t v = 0; v < V; ++v) drow[v] = 0.0f;
-      continue;
-    }
-    const float l = lsep[n];
-    if (avx2) {
-      scaled_probs_avx2(drow, row, V, l, scale);
-    } else {
-      for (int64_t v = 0; v < V; ++v) drow[v] = scale * exp1(row[v] - l);
-    }
-    drow[tp[n]] -= scale;
+    const int64_t t = int64_t(tp[n]) - vocab_begin;
+    sp[2 * n] = avx2 ? row_lse_avx2(row, V) : row_lse_scalar(row, V);
+    sp[2 * n + 1] = tp[n] != ops::kIgnoreIndex && t >= 0 && t < V ? row[t] : 0.0f;
   }
+}
+
+void cross_entropy_combine(Tensor losses, Tensor lse, Tensor shard_stats, Tensor targets) {
+  const int64_t N = targets.numel(), P = shard_stats.ndim() > 0 ? shard_stats.size(0) : 0;
+  DS_CHECK(P >= 1 && shard_stats.numel() == P * N * 2 && losses.numel() == N && lse.numel() == N,
+           "cross_entropy_combine: shard_stats {} (want (P,{},2)) losses {} lse {} targets {}",
+           shard_stats.shape().str(), N, losses.shape().str(), lse.shape().str(), targets.shape().str());
+  const float* sp = shard_stats.data<float>();
+  const int32_t* tp = targets.data<int32_t>();
+  float* out = losses.data<float>();
+  float* lsep = lse.data<float>();
+#pragma omp parallel for schedule(dynamic, 256) if (N * P >= kParallelMinWork)
+  for (int64_t n = 0; n < N; ++n) {
+    double mx = -INFINITY;
+    for (int64_t p = 0; p < P; ++p) mx = std::max(mx, double(sp[2 * (p * N + n)]));
+    double sum = 0, target_logit = 0;
+    for (int64_t p = 0; p < P; ++p) {
+      sum += std::exp(double(sp[2 * (p * N + n)]) - mx);
+      target_logit += double(sp[2 * (p * N + n) + 1]);
+    }
+    // With one shard, sum is exactly 1: lse and the loss are cross_entropy_forward's bits.
+    const float l = float(mx + std::log(sum));
+    lsep[n] = l;
+    out[n] = tp[n] == ops::kIgnoreIndex ? 0.0f : l - float(target_logit);
+  }
+}
+
+void cross_entropy_shard_backward(Tensor dlogits, Tensor logits, Tensor lse, Tensor targets, float scale,
+                                  int64_t vocab_begin) {
+  backward_rows("cross_entropy_shard_backward", dlogits, logits, lse, targets, scale, vocab_begin);
 }
 
 void loss_sums(Tensor out, Tensor losses, Tensor targets) {

@@ -74,22 +74,38 @@ void rmsnorm_backward(Tensor dx, Tensor dweight, Tensor dout, Tensor x, Tensor w
   }
 }
 
-void embedding_forward(Tensor out, Tensor tokens, Tensor table) {
-  const int64_t V = table.size(0), C = table.size(1), N = tokens.numel();
-  DS_CHECK(out.numel() == N * C, "embedding_forward: out {} for {} tokens of width {}", out.shape().str(), N, C);
+namespace {
+
+// The rows of embedding_forward and of its vocabulary shards: table (Vl,C) holds rows
+// [vocab_begin, vocab_begin + Vl) of a vocabulary of vocab_size; tokens of other shards get zeros.
+void gather_rows(const char* op, Tensor out, Tensor tokens, Tensor table, int64_t vocab_begin, int64_t vocab_size) {
+  const int64_t Vl = table.size(0), C = table.size(1), N = tokens.numel();
+  DS_CHECK(out.numel() == N * C, "{}: out {} for {} tokens of width {}", op, out.shape().str(), N, C);
+  DS_CHECK(vocab_begin >= 0 && vocab_begin + Vl <= vocab_size,
+           "{}: rows [{}, {}) are not within the vocabulary [0, {})", op, vocab_begin, vocab_begin + Vl, vocab_size);
   const int32_t* tp = tokens.data<int32_t>();
   const float* wp = table.data<float>();
-  float* op = out.data<float>();
+  float* outp = out.data<float>();
   for (int64_t n = 0; n < N; ++n) {
-    DS_CHECK(tp[n] >= 0 && tp[n] < V, "token id {} at position {} is outside the vocabulary [0, {})", tp[n], n, V);
+    DS_CHECK(tp[n] >= 0 && tp[n] < vocab_size, "token id {} at position {} is outside the vocabulary [0, {})", tp[n],
+             n, vocab_size);
   }
 #pragma omp parallel for schedule(dynamic, 64) if (N * C >= kParallelMinWork)
-  for (int64_t n = 0; n < N; ++n) std::copy_n(wp + int64_t(tp[n]) * C, C, op + n * C);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t r = int64_t(tp[n]) - vocab_begin;
+    if (r >= 0 && r < Vl) {
+      std::copy_n(wp + r * C, C, outp + n * C);
+    } else {
+      std::fill_n(outp + n * C, C, 0.0f);
+    }
+  }
 }
 
-void embedding_backward(Tensor dtable, Tensor dout, Tensor tokens) {
-  const int64_t C = dtable.size(1), N = tokens.numel();
-  DS_CHECK(dout.numel() == N * C, "embedding_backward: dout {} for {} tokens", dout.shape().str(), N);
+// The scatter of embedding_backward and of its vocabulary shards: rows of dout whose token is
+// outside [vocab_begin, vocab_begin + Vl) are skipped.
+void scatter_rows(const char* op, Tensor dtable, Tensor dout, Tensor tokens, int64_t vocab_begin) {
+  const int64_t Vl = dtable.size(0), C = dtable.size(1), N = tokens.numel();
+  DS_CHECK(dout.numel() == N * C, "{}: dout {} for {} tokens", op, dout.shape().str(), N);
   const int32_t* tp = tokens.data<int32_t>();
   const float* gp = dout.data<float>();
   float* dp = dtable.data<float>();
@@ -101,12 +117,32 @@ void embedding_backward(Tensor dtable, Tensor dout, Tensor tokens) {
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t c0 = b * kBlock, c1 = std::min(C, c0 + kBlock);
     for (int64_t n = 0; n < N; ++n) {
-      float* dr = dp + int64_t(tp[n]) * C;
+      const int64_t r = int64_t(tp[n]) - vocab_begin;
+      if (r < 0 || r >= Vl) continue;
+      float* dr = dp + r * C;
       const float* gr = gp + n * C;
 #pragma omp simd
       for (int64_t c = c0; c < c1; ++c) dr[c] += gr[c];
     }
   }
+}
+
+}  // namespace
+
+void embedding_forward(Tensor out, Tensor tokens, Tensor table) {
+  gather_rows("embedding_forward", out, tokens, table, 0, table.size(0));
+}
+
+void embedding_backward(Tensor dtable, Tensor dout, Tensor tokens) {
+  scatter_rows("embedding_backward", dtable, dout, tokens, 0);
+}
+
+void embedding_shard_forward(Tensor out, Tensor tokens, Tensor table, int64_t vocab_begin, int64_t vocab_size) {
+  gather_rows("embedding_shard_forward", out, tokens, table, vocab_begin, vocab_size);
+}
+
+void embedding_shard_backward(Tensor dtable, Tensor dout, Tensor tokens, int64_t vocab_begin) {
+  scatter_rows("embedding_shard_backward", dtable, dout, tokens, vocab_begin);
 }
 
 }  // namespace dstrain::cpu
