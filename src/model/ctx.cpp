@@ -17,17 +17,68 @@ Range ShardSpec::split(int64_t count, int rank, int size, const char* what) {
 
 ShardSpec ShardSpec::whole(const ModelConfig& c) { return tensor_parallel(c, 0, 1, 0, 1); }
 
-ShardSpec ShardSpec::tensor_parallel(const ModelConfig& c, int tp_rank, int tp_size, int ep_rank, int ep_size) {
+std::string ShardSpec::tensor_parallel_problem(const ModelConfig& c, int64_t tp) {
+  if (tp < 1) return fmt::format("a tensor-parallel size of {} is not a size", tp);
+  if (tp == 1) return "";
+  auto divides = [&](int64_t count) { return count % tp == 0; };
+  if (!divides(c.num_attention_heads)) return fmt::format("num_attention_heads = {}", c.num_attention_heads);
+  if (!c.mla()) {
+    const int64_t kv = c.num_key_value_heads ? c.num_key_value_heads : c.num_attention_heads;
+    if (kv > 0 && (kv >= tp ? !divides(kv) : tp % kv != 0)) {
+      return fmt::format("num_key_value_heads = {} (split over the ranks, or replicated when fewer than them: then "
+                         "the size must be a multiple of it)", kv);
+    }
+  }
+  bool dense_layers = false;
+  for (int64_t l = 0; l < c.num_hidden_layers + c.num_nextn_predict_layers; ++l) dense_layers |= !c.is_moe_layer(l);
+  if (dense_layers && !divides(c.intermediate_size)) return fmt::format("intermediate_size = {}", c.intermediate_size);
+  const int64_t shared = c.moe_intermediate_size * c.n_shared_experts;
+  if (shared > 0 && !divides(shared)) {
+    return fmt::format("moe_intermediate_size x n_shared_experts = {} (the shared experts' width)", shared);
+  }
+  if (!divides(c.vocab_size)) return fmt::format("vocab_size = {}", c.vocab_size);
+  return "";
+}
+
+std::vector<int64_t> ShardSpec::valid_tensor_parallel_sizes(const ModelConfig& c, int64_t limit) {
+  std::vector<int64_t> out;
+  for (int64_t t = 1; t <= limit; ++t) {
+    if (tensor_parallel_problem(c, t).empty()) out.push_back(t);
+  }
+  return out;
+}
+
+ShardSpec ShardSpec::tensor_parallel(const ModelConfig& c, int tp_rank, int tp_size, int ep_rank, int ep_size,
+                                     bool sequence_parallel) {
+  DS_CHECK(tp_size >= 1 && tp_rank >= 0 && tp_rank < tp_size, "tensor rank {} of {} is not a valid piece", tp_rank,
+           tp_size);
+  const std::string problem = tensor_parallel_problem(c, tp_size);
+  if (!problem.empty()) {
+    const std::vector<int64_t> ok = valid_tensor_parallel_sizes(c);
+    throw Error(fmt::format("parallel.tensor = {} does not split the model: {} is not divisible by it; tensor-parallel "
+                            "sizes that split this model: {}",
+                            tp_size, problem, fmt::join(ok, ", ")));
+  }
   ShardSpec s;
   s.tp_rank = tp_rank;
   s.tp_size = tp_size;
   s.ep_rank = ep_rank;
   s.ep_size = ep_size;
+  s.sequence_parallel = sequence_parallel && tp_size > 1;
   s.heads = split(c.num_attention_heads, tp_rank, tp_size, "num_attention_heads");
-  s.kv_heads = split(c.num_key_value_heads ? c.num_key_value_heads : c.num_attention_heads, tp_rank, tp_size,
-                     "num_key_value_heads");
-  s.ffn = split(c.intermediate_size, tp_rank, tp_size, "intermediate_size");
-  s.moe_ffn = split(c.moe_intermediate_size, tp_rank, tp_size, "moe_intermediate_size");
+  const int64_t kv = c.mla() ? c.num_attention_heads
+                             : (c.num_key_value_heads ? c.num_key_value_heads : c.num_attention_heads);
+  if (kv >= tp_size || kv == 0) {  // 0: a config without attention (block tests)
+    s.kv_heads = split(kv, tp_rank, tp_size, "num_key_value_heads");
+  } else if (kv > 0) {
+    // Fewer key/value heads than ranks: rank t holds head t * kv / tp, the one its query heads use.
+    const int64_t g = int64_t(tp_rank) * kv / tp_size;
+    s.kv_heads = Range{g, g + 1};
+    s.kv_replicas = tp_size / kv;
+  }
+  s.ffn = c.intermediate_size % tp_size == 0 ? split(c.intermediate_size, tp_rank, tp_size, "intermediate_size")
+                                             : Range{0, c.intermediate_size};  // no dense layer to split
+  s.moe_ffn = Range{0, c.moe_intermediate_size};
   s.shared_ffn = split(c.moe_intermediate_size * c.n_shared_experts, tp_rank, tp_size,
                        "moe_intermediate_size x n_shared_experts");
   s.experts = split(c.n_routed_experts, ep_rank, ep_size, "n_routed_experts");
@@ -192,6 +243,14 @@ Tensor Scratch::get(const std::string& slot, Shape shape, DType dtype) {
                device_);
   }
   return Tensor(b.data(), dtype, shape, device_);
+}
+
+Range Ctx::token_rows(int64_t n) const {
+  if (!sequence_parallel || tp_size() == 1) return Range{0, n};
+  const int64_t p = tp_size(), r = tp_rank();
+  DS_CHECK(n % p == 0, "sequence parallelism: the micro-batch's {} token rows do not split over {} tensor ranks; "
+           "choose micro_batch x seq_len divisible by parallel.tensor", n, p);
+  return Range{n * r / p, n * (r + 1) / p};
 }
 
 void Ctx::tp_all_reduce(Tensor t) const {

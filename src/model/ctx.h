@@ -35,16 +35,22 @@ struct Range {
 };
 
 // This rank's piece of every sharded dimension of the model. whole() is the unsharded model;
-// tensor_parallel() splits heads, FFN columns (dense and shared experts) and the vocabulary
-// evenly over the tensor group and the routed experts over the expert group, as Megatron-Core
-// does (column-parallel q/k/v and gate/up, row-parallel o and down, vocab-parallel embedding
-// and head).
+// tensor_parallel() splits, as Megatron-Core does, over the tensor group: attention heads
+// (column-parallel q/k/v, MLA's q_b_proj/q_proj and kv_b_proj, row-parallel o_proj), the
+// columns of dense and shared-expert MLPs (column-parallel gate/up, row-parallel down) and the
+// vocabulary (embedding and head); routed experts stay whole under tensor parallelism (their
+// axis is the expert group). Key/value heads are split when there are at least as many as
+// tensor ranks, otherwise each is replicated on tp / num_key_value_heads ranks.
 struct ShardSpec {
   int tp_rank = 0, tp_size = 1;
   int ep_rank = 0, ep_size = 1;
+  // Sequence parallelism: between the blocks (norms, residuals, routed experts) each tensor
+  // rank holds rows [N*r/tp, N*(r+1)/tp) of the micro-batch's N = B*T token rows.
+  bool sequence_parallel = false;
   Range heads, kv_heads;  // attention heads (query, key/value)
+  int64_t kv_replicas = 1;  // tensor ranks that hold the same key/value heads
   Range ffn;              // columns of intermediate_size (dense MLP)
-  Range moe_ffn;          // columns of moe_intermediate_size (routed experts)
+  Range moe_ffn;          // columns of moe_intermediate_size (routed experts: whole)
   Range shared_ffn;       // columns of the shared experts' fused intermediate size
   Range experts;          // routed experts held here
   Range vocab;            // vocabulary rows of the embedding and head
@@ -53,7 +59,15 @@ struct ShardSpec {
   // A piece of `count` split into `size` equal parts; a count that does not divide is an error
   // naming `what` (e.g. "num_attention_heads").
   static Range split(int64_t count, int rank, int size, const char* what);
-  static ShardSpec tensor_parallel(const ModelConfig& c, int tp_rank, int tp_size, int ep_rank = 0, int ep_size = 1);
+  // A tensor-parallel size that does not divide the heads, the key/value heads (or is not a
+  // multiple of them), the FFN widths or the vocabulary is an error naming which, with the
+  // sizes that work for the model.
+  static ShardSpec tensor_parallel(const ModelConfig& c, int tp_rank, int tp_size, int ep_rank = 0, int ep_size = 1,
+                                   bool sequence_parallel = false);
+  // "" when tp_size splits the model; otherwise why not.
+  static std::string tensor_parallel_problem(const ModelConfig& c, int64_t tp_size);
+  // The tensor-parallel sizes up to `limit` that split the model.
+  static std::vector<int64_t> valid_tensor_parallel_sizes(const ModelConfig& c, int64_t limit = 64);
   bool is_whole() const { return tp_size == 1 && ep_size == 1; }
 };
 
@@ -192,6 +206,15 @@ struct Ctx {
   Scratch* scratch = nullptr;
   ParamHooks* hooks = nullptr;    // null: none
   RopeCache* rope = nullptr;      // rotary tables for the positions of the current batch
+  // With a tensor group of more than one rank: the activations between blocks hold this rank's
+  // rows only (ShardSpec::sequence_parallel).
+  bool sequence_parallel = false;
+
+  int tp_size() const { return ProcessGroups::size_of(groups.tp); }
+  int tp_rank() const { return groups.tp ? groups.tp->rank() : 0; }
+  // This rank's token rows [begin, end) of a micro-batch of n rows (all of them without
+  // sequence parallelism).
+  Range token_rows(int64_t n) const;
 
   // All-reduce (sum) over the tensor group of a row-parallel output; nothing when the group
   // has one rank.

@@ -35,60 +35,89 @@ namespace {
 Tensor rows_of(Tensor t) { return t.view({t.numel() / t.size(-1), t.size(-1)}); }
 }  // namespace
 
+Tensor sp_gather(const Ctx& ctx, Tensor rows, const char* slot) {
+  if (!ctx.sequence_parallel || ctx.tp_size() == 1) return rows;
+  const int64_t C = rows.size(-1), n = rows.numel() / C;
+  Tensor full = ctx.scratch->get(slot, {n * ctx.tp_size(), C}, rows.dtype());
+  ctx.groups.tp->all_gather(full, rows.view({n, C}));
+  return full;
+}
+
+namespace {
+// The sum over the tensor group of partial (N, C), fp32: all of it in place, or with sequence
+// parallelism this rank's rows, into `mine` (n, C) in ctx.scratch under `slot`.
+Tensor reduce_over_tensor_group(const Ctx& ctx, Tensor partial, const std::string& slot) {
+  if (!ctx.sequence_parallel || ctx.tp_size() == 1) {
+    ctx.tp_all_reduce(partial);
+    return partial;
+  }
+  const int64_t C = partial.size(-1), N = partial.numel() / C;
+  Tensor mine = ctx.scratch->get(slot, {N / ctx.tp_size(), C}, partial.dtype());
+  ctx.groups.tp->reduce_scatter(mine, partial.view({N, C}));
+  return mine;
+}
+}  // namespace
+
 void row_parallel_forward(const Ctx& ctx, bool sharded, Tensor out, Tensor x, Tensor w, const char* slot) {
   if (!sharded) {
     ops::linear_forward(out, x, w, /*accumulate=*/true);
     return;
   }
-  // In out's dtype (the fp32 residual): the pieces are summed in fp32.
-  Tensor partial = ctx.scratch->get(slot, out.shape(), out.dtype());
+  // In fp32 (the residual's dtype): the pieces are summed in fp32.
+  Tensor partial = ctx.scratch->get(slot, {x.numel() / x.size(-1), w.size(0)}, out.dtype());
   ops::linear_forward(partial, x, w);
-  ctx.tp_all_reduce(partial);
-  ops::add(out, out, partial);
+  Tensor sum = reduce_over_tensor_group(ctx, partial, std::string(slot) + ".mine");
+  ops::add(out, out, sum.view(out.shape()));
 }
 
-Tensor column_parallel_grad(const Ctx& ctx, bool sharded, Tensor dx, const char* slot) {
-  if (!sharded || dx.dtype() == DType::F32) return dx;
-  return ctx.scratch->get(slot, dx.shape(), DType::F32);
+Tensor column_parallel_grad(const Ctx& ctx, bool sharded, Tensor dx, Tensor x, const char* slot) {
+  const bool all_rows = dx.numel() == x.numel();
+  if (!sharded || (dx.dtype() == DType::F32 && all_rows)) return dx;
+  return ctx.scratch->get(slot, x.shape(), DType::F32);
 }
 
 void reduce_column_parallel_grad(const Ctx& ctx, Tensor partial, Tensor dx) {
-  ctx.tp_all_reduce(partial);
-  if (partial.raw() != dx.raw()) ops::cast(dx, partial);
+  if (partial.raw() == dx.raw()) {
+    ctx.tp_all_reduce(partial);
+    return;
+  }
+  Tensor sum = reduce_over_tensor_group(ctx, partial, "tp.dx.mine");
+  ops::cast(dx, sum.view(dx.shape()));
 }
 
-namespace {
-// Registers a tensor-parallel piece: rows [range) of a (count, cols) global matrix split along
-// `dim`, or whole when unsharded (then exactly the registration of an unsharded model).
-int add_piece(ParamRegistry& reg, const std::string& name, Shape local, Shape global, int dim, const ShardSpec& shard,
-              int layer, bool follow_previous = false) {
+int add_tp_piece(ParamRegistry& reg, const std::string& name, Shape local, Shape global, int dim, const ShardSpec& shard,
+              int layer, bool follow_previous) {
   ParamOptions o;
   o.follow_previous = follow_previous;
   if (shard.tp_size > 1) {
     o.placement.kind = Placement::Kind::Shard;
     o.placement.dim = dim;
     o.placement.axis = "tensor";
-    o.placement.index = shard.tp_rank;
-    o.placement.count = shard.tp_size;
+    // Piece index of count along dim: the tensor rank's, or for key/value heads replicated over
+    // several ranks (fewer heads than ranks), the head's.
+    o.placement.count = global[dim] / local[dim];
+    o.placement.index = o.placement.count == shard.tp_size ? shard.tp_rank
+                                                           : int64_t(shard.tp_rank) * o.placement.count / shard.tp_size;
     o.global_shape = global;
   }
   return reg.add(name, local, ParamKind::Linear, layer, o);
 }
-}  // namespace
 
 // ---------------------------------------------------------------------------------------
 GQAttention::GQAttention(const ModelConfig& c, const ShardSpec& shard, ParamRegistry& reg, int layer)
     : reg_(reg), key_(fmt::format("layers.{}.attn.", layer)), sharded_(shard.tp_size > 1) {
   const int64_t C = c.hidden_size, D = c.head_dim(), Hg = c.num_attention_heads, Hkvg = c.num_key_value_heads;
   const int64_t H = shard.heads.size(), Hkv = shard.kv_heads.size();
-  DS_CHECK(H * Hkvg == Hkv * Hg, "layer {}: {} of {} query heads and {} of {} key/value heads on this rank do not "
+  // Split key/value heads keep the grouping; a replicated one serves all of this rank's query heads.
+  DS_CHECK(shard.kv_replicas > 1 ? Hkv == 1 && (Hg / Hkvg) % H == 0 : H * Hkvg == Hkv * Hg,
+           "layer {}: {} of {} query heads and {} of {} key/value heads on this rank do not "
            "keep the grouping of grouped-query attention", layer, H, Hg, Hkv, Hkvg);
-  q_ = add_piece(reg, layer_name(layer, "self_attn.q_proj.weight"), {H * D, C}, {Hg * D, C}, 0, shard, layer);
-  k_ = add_piece(reg, layer_name(layer, "self_attn.k_proj.weight"), {Hkv * D, C}, {Hkvg * D, C}, 0, shard, layer,
+  q_ = add_tp_piece(reg, layer_name(layer, "self_attn.q_proj.weight"), {H * D, C}, {Hg * D, C}, 0, shard, layer);
+  k_ = add_tp_piece(reg, layer_name(layer, "self_attn.k_proj.weight"), {Hkv * D, C}, {Hkvg * D, C}, 0, shard, layer,
                  true);
-  v_ = add_piece(reg, layer_name(layer, "self_attn.v_proj.weight"), {Hkv * D, C}, {Hkvg * D, C}, 0, shard, layer,
+  v_ = add_tp_piece(reg, layer_name(layer, "self_attn.v_proj.weight"), {Hkv * D, C}, {Hkvg * D, C}, 0, shard, layer,
                  true);
-  o_ = add_piece(reg, layer_name(layer, "self_attn.o_proj.weight"), {C, H * D}, {C, Hg * D}, 1, shard, layer);
+  o_ = add_tp_piece(reg, layer_name(layer, "self_attn.o_proj.weight"), {C, H * D}, {C, Hg * D}, 1, shard, layer);
   layout_.n_head = int(H);
   layout_.n_kv_head = int(Hkv);
   layout_.qk_dim = int(D);
@@ -116,7 +145,7 @@ void GQAttention::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
 }
 
 void GQAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx) {
-  const int64_t B = dout.size(0), T = dout.size(1);
+  const int64_t B = x.size(0), T = x.size(1);
   const int64_t H = layout_.n_head, D = layout_.qk_dim;
   const RopeCache& rope = *ctx.rope;
   Tensor qkv = ctx.acts->get(mb, key_ + "qkv");
@@ -125,11 +154,12 @@ void GQAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor
   const DType cd = ctx.compute_dtype;
   Tensor datt = ctx.scratch->get("attn.datt", {B, T, H * D}, cd);
   Tensor dqkv = ctx.scratch->get("attn.dqkv", {B, T, layout_.row_stride}, cd);
-  ctx.wgrad->linear(rows_of(datt), reg_.grad(o_), rows_of(dout), rows_of(att), reg_.compute(o_));
+  ctx.wgrad->linear(rows_of(datt), reg_.grad(o_), sp_gather(ctx, rows_of(dout), "sp.dout"), rows_of(att),
+                    reg_.compute(o_));
   ops::attention_backward(dqkv, datt, qkv, att, lse, layout_, scale_);
   ops::rope_backward(dqkv, 0, layout_.n_head + layout_.n_kv_head, int(D), rope.cos_table(), rope.sin_table());
   // Every rank's heads read the whole input: its gradient is the sum over the pieces.
-  Tensor dxp = column_parallel_grad(ctx, sharded_, dx, "tp.dx");
+  Tensor dxp = column_parallel_grad(ctx, sharded_, dx, x, "tp.dx");
   ctx.wgrad->linear(rows_of(dxp), reg_.grad_rows(q_, v_), rows_of(dqkv), rows_of(x), reg_.compute_rows(q_, v_));
   reduce_column_parallel_grad(ctx, dxp, dx);
 }
@@ -138,9 +168,9 @@ void GQAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor
 SwiGLUMLP::SwiGLUMLP(const ModelConfig& c, const ShardSpec& shard, ParamRegistry& reg, int layer)
     : reg_(reg), key_(fmt::format("layers.{}.mlp.", layer)), inter_(shard.ffn.size()), sharded_(shard.tp_size > 1) {
   const int64_t C = c.hidden_size, I = inter_, Ig = c.intermediate_size;
-  gate_ = add_piece(reg, layer_name(layer, "mlp.gate_proj.weight"), {I, C}, {Ig, C}, 0, shard, layer);
-  up_ = add_piece(reg, layer_name(layer, "mlp.up_proj.weight"), {I, C}, {Ig, C}, 0, shard, layer, true);
-  down_ = add_piece(reg, layer_name(layer, "mlp.down_proj.weight"), {C, I}, {C, Ig}, 1, shard, layer);
+  gate_ = add_tp_piece(reg, layer_name(layer, "mlp.gate_proj.weight"), {I, C}, {Ig, C}, 0, shard, layer);
+  up_ = add_tp_piece(reg, layer_name(layer, "mlp.up_proj.weight"), {I, C}, {Ig, C}, 0, shard, layer, true);
+  down_ = add_tp_piece(reg, layer_name(layer, "mlp.down_proj.weight"), {C, I}, {C, Ig}, 1, shard, layer);
 }
 
 void SwiGLUMLP::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
@@ -153,15 +183,15 @@ void SwiGLUMLP::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
 }
 
 void SwiGLUMLP::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx) {
-  const int64_t N = dout.numel() / dout.size(-1);
+  const int64_t N = x.numel() / x.size(-1);
   Tensor gu = ctx.acts->get(mb, key_ + "gate_up");
   Tensor h = ctx.acts->get(mb, key_ + "h");
   Tensor dh = ctx.scratch->get("mlp.dh", {N, inter_}, ctx.compute_dtype);
   Tensor dgu = ctx.scratch->get("mlp.dgate_up", {N, 2 * inter_}, ctx.compute_dtype);
-  ctx.wgrad->linear(dh, reg_.grad(down_), rows_of(dout), h, reg_.compute(down_));
+  ctx.wgrad->linear(dh, reg_.grad(down_), sp_gather(ctx, rows_of(dout), "sp.dout"), h, reg_.compute(down_));
   ops::swiglu_backward(dgu, dh, gu);
   // Every rank's columns read the whole input: its gradient is the sum over the pieces.
-  Tensor dxp = column_parallel_grad(ctx, sharded_, dx, "tp.dx");
+  Tensor dxp = column_parallel_grad(ctx, sharded_, dx, x, "tp.dx");
   ctx.wgrad->linear(rows_of(dxp), reg_.grad_rows(gate_, up_), dgu, rows_of(x), reg_.compute_rows(gate_, up_));
   reduce_column_parallel_grad(ctx, dxp, dx);
 }
@@ -178,40 +208,52 @@ DecoderLayer::DecoderLayer(const ModelConfig& c, ParamRegistry& reg, int layer, 
   ln2_ = reg.add(layer_name(layer, "post_attention_layernorm.weight"), {c.hidden_size}, ParamKind::Norm, layer);
 }
 
+namespace {
+// The blocks' input (B,T,C): the norm's output of every row (gathered with sequence parallelism).
+Tensor block_input(const Ctx& ctx, int mb, Tensor ln, const char* slot) {
+  const Shape bt = ctx.acts->meta<Shape>(mb, kBatchShapeKey);
+  DS_CHECK(bt.ndim() == 2, "micro-batch {}: the model did not record its batch shape", mb);
+  return sp_gather(ctx, ln, slot).view({bt[0], bt[1], ln.size(-1)});
+}
+}  // namespace
+
 void DecoderLayer::forward(const Ctx& ctx, int mb, Tensor x_in, Tensor x_out) {
-  const int64_t B = x_in.size(0), T = x_in.size(1), C = x_in.size(2);
+  const int64_t C = x_in.size(-1), n = x_in.numel() / C;
   ctx.before_use(first_param_, last_param_);
   ctx.acts->meta<Tensor>(mb, key_ + "x_in") = x_in;
   // The residual stream and the norms' rstd in fp32; the norms' outputs, which only feed the
   // projections, in the compute dtype (rmsnorm_forward rounds them as it writes them).
-  Tensor ln1 = ctx.acts->put(mb, key_ + "input_layernorm.out", {B, T, C}, ctx.compute_dtype);
-  Tensor rstd1 = ctx.acts->put(mb, key_ + "input_layernorm.rstd", {B, T});
-  Tensor x_mid = ctx.acts->put(mb, key_ + "residual_mid", {B, T, C});
-  Tensor ln2 = ctx.acts->put(mb, key_ + "post_attention_layernorm.out", {B, T, C}, ctx.compute_dtype);
-  Tensor rstd2 = ctx.acts->put(mb, key_ + "post_attention_layernorm.rstd", {B, T});
-  ops::rmsnorm_forward(ln1, rstd1, x_in, reg_.param(ln1_), eps_);
+  Tensor ln1 = ctx.acts->put(mb, key_ + "input_layernorm.out", {n, C}, ctx.compute_dtype);
+  Tensor rstd1 = ctx.acts->put(mb, key_ + "input_layernorm.rstd", {n});
+  Tensor x_mid = ctx.acts->put(mb, key_ + "residual_mid", x_in.shape());
+  Tensor ln2 = ctx.acts->put(mb, key_ + "post_attention_layernorm.out", {n, C}, ctx.compute_dtype);
+  Tensor rstd2 = ctx.acts->put(mb, key_ + "post_attention_layernorm.rstd", {n});
+  ops::rmsnorm_forward(ln1, rstd1, x_in.view({n, C}), reg_.param(ln1_), eps_);
   ops::copy(x_mid, x_in);
-  attn_->forward(ctx, mb, ln1, x_mid);
-  ops::rmsnorm_forward(ln2, rstd2, x_mid, reg_.param(ln2_), eps_);
+  attn_->forward(ctx, mb, block_input(ctx, mb, ln1, "layer.input"), x_mid);
+  ops::rmsnorm_forward(ln2, rstd2, x_mid.view({n, C}), reg_.param(ln2_), eps_);
   ops::copy(x_out, x_mid);
-  ffn_->forward(ctx, mb, ln2, x_out);
+  ffn_->forward(ctx, mb, block_input(ctx, mb, ln2, "layer.input"), x_out);
   ctx.after_use(first_param_, last_param_);
 }
 
 void DecoderLayer::backward(const Ctx& ctx, int mb, Tensor dx) {
-  const int64_t B = dx.size(0), T = dx.size(1), C = dx.size(2);
+  const int64_t C = dx.size(-1), n = dx.numel() / C;
   ctx.before_use(first_param_, last_param_);
   const Tensor x_in = ctx.acts->meta<Tensor>(mb, key_ + "x_in");
   DS_CHECK(x_in.defined(), "{}: backward of micro-batch {} without its forward", key_, mb);
   // The gradient of a norm's output, in its dtype; dx (the residual's) stays fp32.
-  Tensor dln = ctx.scratch->get("layer.dln", {B, T, C}, ctx.compute_dtype);
+  Tensor dln = ctx.scratch->get("layer.dln", dx.shape(), ctx.compute_dtype);
+  Tensor dxr = dx.view({n, C}), dlnr = dln.view({n, C});
   // x_out = x_mid + ffn(rmsnorm(x_mid))
-  ffn_->backward(ctx, mb, ctx.acts->get(mb, key_ + "post_attention_layernorm.out"), dx, dln);
-  ops::rmsnorm_backward(dx, reg_.grad(ln2_), dln, ctx.acts->get(mb, key_ + "residual_mid"), reg_.param(ln2_),
-                        ctx.acts->get(mb, key_ + "post_attention_layernorm.rstd"));
+  Tensor ln2 = ctx.acts->get(mb, key_ + "post_attention_layernorm.out");
+  ffn_->backward(ctx, mb, block_input(ctx, mb, ln2, "layer.input"), dx, dln);
+  ops::rmsnorm_backward(dxr, reg_.grad(ln2_), dlnr, ctx.acts->get(mb, key_ + "residual_mid").view({n, C}),
+                        reg_.param(ln2_), ctx.acts->get(mb, key_ + "post_attention_layernorm.rstd"));
   // x_mid = x_in + attn(rmsnorm(x_in))
-  attn_->backward(ctx, mb, ctx.acts->get(mb, key_ + "input_layernorm.out"), dx, dln);
-  ops::rmsnorm_backward(dx, reg_.grad(ln1_), dln, x_in, reg_.param(ln1_),
+  Tensor ln1 = ctx.acts->get(mb, key_ + "input_layernorm.out");
+  attn_->backward(ctx, mb, block_input(ctx, mb, ln1, "layer.input"), dx, dln);
+  ops::rmsnorm_backward(dxr, reg_.grad(ln1_), dlnr, x_in.view({n, C}), reg_.param(ln1_),
                         ctx.acts->get(mb, key_ + "input_layernorm.rstd"));
   ctx.after_use(first_param_, last_param_);
 }

@@ -123,22 +123,43 @@ class SwiGLUMLP : public FeedForwardBlock {
   // Stored per micro-batch, in the compute dtype: gate_up (B*T,2I), h (B*T,I).
 };
 
-// Row-parallel output: out += x · w^T, summed over the tensor group first when the layer is
-// sharded (through a temporary in ctx.scratch); unsharded it is one accumulating GEMM.
+// Tensor parallelism inside a block. A block's forward reads x (B,T,C), all the micro-batch's
+// token rows, and adds its output to `out`, the rows this rank holds of the residual stream:
+// all of them, or with sequence parallelism (ctx.sequence_parallel) rows ctx.token_rows(N).
+// Its backward gets x again, dout and dx for the same rows as out.
+//
+// The (n, C) rows of every tensor rank gathered, in rank order, into the (N, C) rows of the
+// micro-batch (in ctx.scratch under `slot`); without sequence parallelism `rows` itself.
+Tensor sp_gather(const Ctx& ctx, Tensor rows, const char* slot);
+// Row-parallel output: out (this rank's rows) += x (N,K) · w^T summed over the tensor group: an
+// all-reduce, or with sequence parallelism a reduce-scatter, of an fp32 partial in ctx.scratch
+// under `slot`; unsharded it is one accumulating GEMM.
 void row_parallel_forward(const Ctx& ctx, bool sharded, Tensor out, Tensor x, Tensor w, const char* slot);
-// The input gradient dx of a column-parallel projection is summed over the tensor group. MPI
-// sums fp32 only: column_parallel_grad gives where to form the local gradient (dx itself, or,
-// for a 16-bit dx of a sharded layer, an fp32 temporary in ctx.scratch under `slot`), and
-// reduce_column_parallel_grad sums it over the group and rounds it into dx when it was the
+// The input gradient of a column-parallel projection is summed over the tensor group:
+// column_parallel_grad gives where to form this rank's partial gradient of all of x's rows (dx
+// itself, when it is fp32 and holds all rows, else an fp32 temporary shaped like x in
+// ctx.scratch under `slot`), and reduce_column_parallel_grad sums it over the group (all-reduce,
+// or reduce-scatter into dx's rows with sequence parallelism), rounding into dx when it was the
 // temporary. Unsharded, the pair is dx and nothing.
-Tensor column_parallel_grad(const Ctx& ctx, bool sharded, Tensor dx, const char* slot);
+Tensor column_parallel_grad(const Ctx& ctx, bool sharded, Tensor dx, Tensor x, const char* slot);
 void reduce_column_parallel_grad(const Ctx& ctx, Tensor partial, Tensor dx);
+
+// Registers a linear weight's tensor-parallel piece: the local (rows, cols) piece of the global
+// matrix split along `dim` (0: column-parallel, by output rows; 1: row-parallel, by input
+// columns); whole when the shard is (then exactly the registration of an unsharded model).
+int add_tp_piece(ParamRegistry& reg, const std::string& name, Shape local, Shape global, int dim, const ShardSpec& shard,
+                 int layer, bool follow_previous = false);
+
+// The micro-batch's (B, T), kept in the activation store's meta by the model's forward: with
+// sequence parallelism the residual stream's tensors are this rank's rows (n, C) only.
+inline constexpr const char* kBatchShapeKey = "batch_shape";
 
 class DecoderLayer {
  public:
   DecoderLayer(const ModelConfig& c, ParamRegistry& reg, int layer, std::unique_ptr<AttentionBlock> attn,
                std::unique_ptr<FeedForwardBlock> ffn);
-  // x_in (B,T,C) must stay alive and unchanged until backward; x_out (B,T,C) is written.
+  // x_in (B,T,C), or this rank's rows (n,C) with sequence parallelism, must stay alive and
+  // unchanged until backward; x_out (same shape) is written.
   void forward(const Ctx& ctx, int mb, Tensor x_in, Tensor x_out);
   // dx: gradient w.r.t. x_out on entry, w.r.t. x_in on return.
   void backward(const Ctx& ctx, int mb, Tensor dx);
@@ -159,8 +180,10 @@ class DecoderLayer {
   int first_param_ = 0, last_param_ = -1;
   std::unique_ptr<AttentionBlock> attn_;
   std::unique_ptr<FeedForwardBlock> ffn_;
-  // Stored per micro-batch: ln1 (B,T,C) and ln2 (B,T,C) in the compute dtype; rstd1 (B,T),
-  // x_mid (B,T,C), rstd2 (B,T) in fp32; and (meta) the view of x_in (fp32, the residual).
+  // Stored per micro-batch, for this rank's n rows: ln1 (n,C) and ln2 (n,C) in the compute
+  // dtype; rstd1 (n), x_mid (n,C), rstd2 (n) in fp32; and (meta) the view of x_in (fp32, the
+  // residual). With sequence parallelism the blocks' input (all rows) is gathered from ln1/ln2
+  // again for their backward rather than kept.
 };
 
 }  // namespace dstrain

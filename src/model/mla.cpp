@@ -39,28 +39,32 @@ MLAttention::MLAttention(const ModelConfig& c, const ShardSpec& shard, ParamRegi
       q_rank_(c.q_lora_rank),
       kv_rank_(c.kv_lora_rank),
       eps_(float(c.rms_norm_eps)),
-      scale_(float(c.softmax_scale())) {
+      scale_(float(c.softmax_scale())),
+      sharded_(shard.tp_size > 1) {
   DS_CHECK(c.mla(), "MLAttention needs a deepseek_v2/v3 config, got model_type '{}'", c.model_type);
-  DS_CHECK(shard.tp_size == 1, "layer {}: multi-head latent attention is not split over a tensor-parallel group yet "
-           "({} ranks): run deepseek_v2/v3 models with a tensor-parallel size of 1", layer, shard.tp_size);
   DS_CHECK(H_ > 0 && Dr_ > 0 && Dr_ % 2 == 0 && Dn_ >= 0 && Dv_ > 0 && kv_rank_ > 0 && q_rank_ >= 0,
            "MLAttention: heads {}, qk_nope {}, qk_rope {} (must be even), v_head {}, kv_lora_rank {}, q_lora_rank {}",
            H_, Dn_, Dr_, Dv_, kv_rank_, q_rank_);
-  const int64_t C = c.hidden_size, Dqk = Dn_ + Dr_;
+  const int64_t C = c.hidden_size, Dqk = Dn_ + Dr_, Hg = c.num_attention_heads;
+  // The down-projections and latent norms are replicated; split by heads, a rank's gradient of
+  // them is its heads' share only.
+  ParamOptions latent;
+  latent.tp_partial_grad = sharded_;
   // Registered in the module order of modeling_deepseek's DeepseekV2Attention.
   if (q_rank_ == 0) {
-    q_ = reg.add(layer_name(layer, "self_attn.q_proj.weight"), {H_ * Dqk, C}, ParamKind::Linear, layer);
+    q_ = add_tp_piece(reg, layer_name(layer, "self_attn.q_proj.weight"), {H_ * Dqk, C}, {Hg * Dqk, C}, 0, shard, layer);
   } else {
-    q_a_ = reg.add(layer_name(layer, "self_attn.q_a_proj.weight"), {q_rank_, C}, ParamKind::Linear, layer);
-    q_norm_ = reg.add(layer_name(layer, "self_attn.q_a_layernorm.weight"), {q_rank_}, ParamKind::Norm, layer);
-    q_b_ = reg.add(layer_name(layer, "self_attn.q_b_proj.weight"), {H_ * Dqk, q_rank_}, ParamKind::Linear, layer);
+    q_a_ = reg.add(layer_name(layer, "self_attn.q_a_proj.weight"), {q_rank_, C}, ParamKind::Linear, layer, latent);
+    q_norm_ = reg.add(layer_name(layer, "self_attn.q_a_layernorm.weight"), {q_rank_}, ParamKind::Norm, layer, latent);
+    q_b_ = add_tp_piece(reg, layer_name(layer, "self_attn.q_b_proj.weight"), {H_ * Dqk, q_rank_}, {Hg * Dqk, q_rank_},
+                        0, shard, layer);
   }
   kv_a_ = reg.add(layer_name(layer, "self_attn.kv_a_proj_with_mqa.weight"), {kv_rank_ + Dr_, C}, ParamKind::Linear,
-                  layer);
-  kv_norm_ = reg.add(layer_name(layer, "self_attn.kv_a_layernorm.weight"), {kv_rank_}, ParamKind::Norm, layer);
-  kv_b_ = reg.add(layer_name(layer, "self_attn.kv_b_proj.weight"), {H_ * (Dn_ + Dv_), kv_rank_}, ParamKind::Linear,
-                  layer);
-  o_ = reg.add(layer_name(layer, "self_attn.o_proj.weight"), {C, H_ * Dv_}, ParamKind::Linear, layer);
+                  layer, latent);
+  kv_norm_ = reg.add(layer_name(layer, "self_attn.kv_a_layernorm.weight"), {kv_rank_}, ParamKind::Norm, layer, latent);
+  kv_b_ = add_tp_piece(reg, layer_name(layer, "self_attn.kv_b_proj.weight"), {H_ * (Dn_ + Dv_), kv_rank_},
+                       {Hg * (Dn_ + Dv_), kv_rank_}, 0, shard, layer);
+  o_ = add_tp_piece(reg, layer_name(layer, "self_attn.o_proj.weight"), {C, H_ * Dv_}, {C, Hg * Dv_}, 1, shard, layer);
   layout_.n_head = int(H_);
   layout_.n_kv_head = int(H_);
   layout_.qk_dim = int(Dqk);
@@ -124,25 +128,28 @@ void MLAttention::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   // attention and keeps the backward a plain transpose.
   ops::rope_forward_interleaved(qkv, Dn_, int(2 * H_), Dqk, int(Dr_), rope.cos_table(), rope.sin_table());
   ops::attention_forward(att, ctx.acts->put(mb, key_ + "lse", {B, H_, T}), qkv, layout_, scale_);
-  ops::linear_forward(rows_of(out), rows_of(att), reg_.compute(o_), /*accumulate=*/true);
+  row_parallel_forward(ctx, sharded_, rows_of(out), rows_of(att), reg_.compute(o_), "attn.partial");
 }
 
 void MLAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx) {
-  const int64_t B = dout.size(0), T = dout.size(1), N = B * T;
+  const int64_t B = x.size(0), T = x.size(1), N = B * T;
   const int64_t Dqk = Dn_ + Dr_, W = layout_.row_stride;
   const RopeCache& rope = *ctx.rope;
   Scratch& scratch = *ctx.scratch;
   WeightGradStore& wg = *ctx.wgrad;
   const DType cd = ctx.compute_dtype;  // every gradient here: they belong to compute-dtype tensors
   Tensor xs = rows_of(x);
-  Tensor dxs = rows_of(dx);
+  // Every rank's heads read all of x: the input gradient of all rows is this rank's partial,
+  // summed over the tensor group at the end.
+  Tensor dxp = column_parallel_grad(ctx, sharded_, dx, x, "tp.dx");
+  Tensor dxs = rows_of(dxp);
   Tensor qkv = ctx.acts->get(mb, key_ + "qkv");
   Tensor att = ctx.acts->get(mb, key_ + "out").slice(0, N * H_ * Dv_).view({B, T, H_ * Dv_});
 
   // "mla.dheads" holds one per-head gradient at a time: d(attention output), then dq, then
   // d[k_nope | v]; "mla.dlatent(_norm)" the query latent's, then the kv latent's.
   Tensor datt = scratch.get("mla.dheads", {N, H_ * Dv_}, cd);
-  wg.linear(datt, reg_.grad(o_), rows_of(dout), rows_of(att), reg_.compute(o_));
+  wg.linear(datt, reg_.grad(o_), sp_gather(ctx, rows_of(dout), "sp.dout"), rows_of(att), reg_.compute(o_));
   Tensor dqkv = scratch.get("mla.dqkv", {B, T, W}, cd);
   ops::attention_backward(dqkv, datt.view({B, T, H_ * Dv_}), qkv, att, ctx.acts->get(mb, key_ + "lse"), layout_, scale_);
   ops::rope_backward_interleaved(dqkv, Dn_, int(2 * H_), Dqk, int(Dr_), rope.cos_table(), rope.sin_table());
@@ -163,7 +170,7 @@ void MLAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor
     wg.linear(dxs, reg_.grad(q_a_), dlat, xs, reg_.compute(q_a_));
   }
 
-  // k_pe fed every head's key: its gradient is the sum over heads, in head order.
+  // k_pe fed every head's key: its gradient is the sum over (this rank's) heads, in head order.
   Tensor dk_pe = scratch.get("mla.dk_pe", {N, Dr_}, cd);
   const int64_t k_pe = layout_.k_offset + Dn_;
   ops::copy_blocks(dk_pe, 0, 0, drows, k_pe, 0, 1, Dr_, false);
@@ -184,6 +191,7 @@ void MLAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor
   ops::rmsnorm_backward(dlat, reg_.grad(kv_norm_), dlat_norm, ctx.acts->get(mb, key_ + "kv_latent"), reg_.param(kv_norm_),
                         ctx.acts->get(mb, key_ + "kv_latent_rstd"));
   wg.linear(dxs, g_kv_a.slice(0, kv_rank_), dlat, xs, w_kv_a.slice(0, kv_rank_), /*accumulate_dx=*/true);
+  reduce_column_parallel_grad(ctx, dxp, dx);
 }
 
 }  // namespace dstrain

@@ -14,15 +14,24 @@ namespace dstrain {
 //   out += o_proj(causal softmax(scale * q.[k_nope | k_pe]) v)
 // The attention runs on one fused row per token, [q (H, Dn+Dr) | k (H, Dn+Dr) | v (H, Dv)],
 // with k_pe copied into every head's key, so the GQA attention kernels serve it unchanged.
+//
+// Tensor parallelism (as Megatron-Core's MLA): the heads are split, so q_proj / q_b_proj and
+// kv_b_proj are column-parallel (this rank's heads' rows) and o_proj row-parallel (their
+// columns; the output summed over the tensor group, reduce-scattered into this rank's rows with
+// sequence parallelism). q_a_proj, q_a_layernorm, kv_a_proj_with_mqa and kv_a_layernorm are
+// replicated and computed by every rank from all rows; as only this rank's heads' gradients
+// flow back into them (and into the shared k_pe), their gradients are partial sums over the
+// tensor group (ParamInfo::tp_partial_grad), as is the input gradient, which the backward sums.
 class MLAttention final : public AttentionBlock {
  public:
-  // Sized from the shard's heads; a split of the heads (tensor parallel) is not implemented.
+  // Sized from the shard's heads (shard.heads of num_attention_heads).
   MLAttention(const ModelConfig& c, const ShardSpec& shard, ParamRegistry& reg, int layer);
-  // x (B,T,C) normalised input; out (B,T,C) is added to. ctx.rope must hold YaRN tables of dim
+  // x (B,T,C) normalised input, all the micro-batch's rows; out (B,T,C), or this rank's rows
+  // (n,C) with sequence parallelism, is added to. ctx.rope must hold YaRN tables of dim
   // qk_rope_head_dim for at least T positions (RopeCache::ensure of a deepseek_v2/v3 config).
   void forward(const Ctx& ctx, int mb, Tensor x, Tensor out) override;
-  // x: the forward's input again; dout (B,T,C) -> dx (B,T,C) (overwritten); every parameter
-  // gradient is accumulated.
+  // x: the forward's input again; dout -> dx (overwritten), both for the rows of out; every
+  // parameter gradient is accumulated.
   void backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx) override;
 
  private:
@@ -30,11 +39,12 @@ class MLAttention final : public AttentionBlock {
   std::string key_;  // "layers.{layer}.attn."
   int64_t H_, Dn_, Dr_, Dv_, q_rank_, kv_rank_;
   float eps_, scale_;
+  bool sharded_;  // heads split over a tensor group of more than one rank
   ops::AttentionLayout layout_;
   // Parameter ids; q_ is q_proj without a query LoRA, otherwise q_a_/q_norm_/q_b_ are used.
   int q_ = -1, q_a_ = -1, q_norm_ = -1, q_b_ = -1, kv_a_ = -1, kv_norm_ = -1, kv_b_ = -1, o_ = -1;
-  // Stored per micro-batch (keys after key_), in the compute dtype but for the rstd and lse
-  // (fp32):
+  // Stored per micro-batch (keys after key_), for all N = B*T rows and this rank's H heads, in
+  // the compute dtype but for the rstd and lse (fp32):
   //   q_latent, q_latent_norm, q_latent_rstd   (N,q_lora_rank) x2, (N); only with a query LoRA
   //   kv_latent, kv_latent_norm, kv_latent_rstd  (N,kv_lora_rank) x2, (N)
   //   qkv                                     (B,T,H*(2*(Dn+Dr)+Dv)) post-rope

@@ -64,10 +64,11 @@ MoEBlock::MoEBlock(const ModelConfig& c, const ShardSpec& shard, ParamRegistry& 
       shared_inter_(shard.shared_ffn.size()),
       scoring_(scoring_func(c.scoring_func)),
       aux_alpha_(c.aux_loss_alpha),
-      seq_aux_(c.seq_aux) {
-  DS_CHECK(shard.tp_size == 1 && shard.ep_size == 1,
-           "layer {}: DeepSeekMoE is not split over tensor ({} ranks) or expert ({} ranks) groups yet: run MoE models "
-           "with tensor and expert parallel sizes of 1", layer, shard.tp_size, shard.ep_size);
+      seq_aux_(c.seq_aux),
+      sharded_(shard.tp_size > 1) {
+  DS_CHECK(shard.ep_size == 1,
+           "layer {}: DeepSeekMoE is not split over expert groups yet ({} ranks): run MoE models with an expert "
+           "parallel size of 1", layer, shard.ep_size);
   const int64_t C = c.hidden_size, E = n_experts_, I = inter_;
   route_.method = topk_method(c.topk_method);
   route_.top_k = int(c.num_experts_per_tok);
@@ -107,35 +108,43 @@ MoEBlock::MoEBlock(const ModelConfig& c, const ShardSpec& shard, ParamRegistry& 
     expert_down_.push_back(
         reg.add(layer_name(layer, base + "down_proj.weight"), {C, I}, ParamKind::Linear, layer, expert));
   }
+  // Shared experts: one SwiGLU MLP of the fused width, split by columns like a dense one.
   if (shared_inter_ > 0) {
-    const int64_t S = shared_inter_;
-    shared_gate_ = reg.add(layer_name(layer, "mlp.shared_experts.gate_proj.weight"), {S, C}, ParamKind::Linear, layer);
-    shared_up_ = reg.add(layer_name(layer, "mlp.shared_experts.up_proj.weight"), {S, C}, ParamKind::Linear, layer, true);
-    shared_down_ = reg.add(layer_name(layer, "mlp.shared_experts.down_proj.weight"), {C, S}, ParamKind::Linear, layer);
+    const int64_t S = shared_inter_, Sg = c.moe_intermediate_size * c.n_shared_experts;
+    shared_gate_ = add_tp_piece(reg, layer_name(layer, "mlp.shared_experts.gate_proj.weight"), {S, C}, {Sg, C}, 0,
+                                shard, layer);
+    shared_up_ = add_tp_piece(reg, layer_name(layer, "mlp.shared_experts.up_proj.weight"), {S, C}, {Sg, C}, 0, shard,
+                              layer, true);
+    shared_down_ = add_tp_piece(reg, layer_name(layer, "mlp.shared_experts.down_proj.weight"), {C, S}, {C, Sg}, 1,
+                                shard, layer);
   }
   stats_.tokens_per_expert.assign(size_t(E), 0);
 }
 
 void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
-  DS_CHECK(x.ndim() == 3 && out.numel() == x.numel(), "MoE forward: x {} out {}", x.shape().str(),
-           out.shape().str());
+  DS_CHECK(x.ndim() == 3, "MoE forward: x {} is not (B,T,C)", x.shape().str());
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2), N = B * T, E = n_experts_, k = route_.top_k;
-  const int64_t M = N * k, I = inter_;
+  // The rows this rank routes and holds of out: all N, or its share with sequence parallelism.
+  const Range mine = ctx.token_rows(N);
+  const int64_t n = mine.size(), M = n * k, I = inter_;
+  const bool split_rows = n != N;
+  DS_CHECK(out.numel() == n * C, "MoE forward: out {} for rows [{}, {}) of x {}", out.shape().str(), mine.begin,
+           mine.end, x.shape().str());
   DS_CHECK(M < (int64_t(1) << 31), "MoE forward: {} routed rows overflow the int32 dispatch plan", M);
   ActivationStore& acts = *ctx.acts;
   Meta& m = acts.meta<Meta>(mb, key_ + "meta");
-  Tensor xr = x.view({N, C}), outr = out.view({N, C});
+  Tensor xr = x.view({N, C}), xm = xr.slice(mine.begin, mine.end), outr = out.view({n, C});
 
   // Router: in fp32 whatever the compute dtype, as MoEGate computes F.linear(x.float(),
   // weight.float()): the fp32 master gate (the kernel widens a 16-bit x), fp32 scores, then
   // the top-k choice and the weights.
   auto t = Clock::now();
   const DType cd = ctx.compute_dtype;  // the experts' rows
-  Tensor scores = acts.put(mb, key_ + "gate.scores", {N, E});
-  ops::linear_forward(scores, xr, reg_.param(gate_));
+  Tensor scores = acts.put(mb, key_ + "gate.scores", {n, E});
+  ops::linear_forward(scores, xm, reg_.param(gate_));
   ops::moe_scores(scores, scores, scoring_);
-  Tensor ids = acts.put(mb, key_ + "gate.ids", {N, k}, DType::I32);
-  Tensor weights = acts.put(mb, key_ + "gate.weights", {N, k});
+  Tensor ids = acts.put(mb, key_ + "gate.ids", {n, k}, DType::I32);
+  Tensor weights = acts.put(mb, key_ + "gate.weights", {n, k});
   ops::moe_route(ids, weights, scores, bias_ >= 0 ? reg_.param(bias_) : Tensor(), route_);
 
   Tensor offsets = acts.put(mb, key_ + "plan.offsets", {E + 1}, DType::I64);
@@ -163,29 +172,41 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
       aux_values_.emplace_back("moe.aux_loss", MemCategory::Workspace, DType::F64, 1, x.device());
       aux_scales_.push_back(0);
     }
-    ops::moe_aux_loss(aux_values_[aux_pending_].tensor(), acts.put(mb, key_ + "gate.aux_coef", {G, E}), scores, ids,
-                      scoring_);
+    Tensor all_scores = scores, all_ids = ids;
+    if (split_rows) {
+      // The balance statistics are over whole sequences (or the micro-batch): every tensor rank
+      // computes them, and the same loss, from all ranks' rows (rank order is row order).
+      all_scores = acts.put(mb, key_ + "gate.scores_all", {N, E});
+      all_ids = ctx.scratch->get("moe.ids_all", {N, k}, DType::I32);
+      ctx.groups.tp->all_gather(all_scores, scores);
+      ctx.groups.tp->all_gather(all_ids, ids);
+    }
+    ops::moe_aux_loss(aux_values_[aux_pending_].tensor(), acts.put(mb, key_ + "gate.aux_coef", {G, E}), all_scores,
+                      all_ids, scoring_);
     aux_scales_[aux_pending_++] = scale;
     m.aux_scale = float(scale);
   }
   stats_.route_seconds += seconds_since(t);
 
+  // Shared experts on all rows, this rank's columns: summed over the tensor group (reduce-
+  // scattered into this rank's rows with sequence parallelism).
   if (shared_inter_ > 0) {
     Tensor gu = acts.put(mb, key_ + "shared_experts.gate_up", {N, 2 * shared_inter_}, cd);
     Tensor h = acts.put(mb, key_ + "shared_experts.h", {N, shared_inter_}, cd);
     ops::linear_forward(gu, xr, reg_.compute_rows(shared_gate_, shared_up_));
     ops::swiglu_forward(h, gu);
-    ops::linear_forward(outr, h, reg_.compute(shared_down_), /*accumulate=*/true);
+    row_parallel_forward(ctx, sharded_, outr, h, reg_.compute(shared_down_), "moe.shared.partial");
   }
 
   // Routed experts: one GEMM per expert over its contiguous rows. The outputs overwrite the
   // inputs in `grouped`, which the backward re-gathers instead of keeping a second copy. All
-  // in the compute dtype; moe_unpermute sums the weighted outputs into the fp32 residual.
+  // in the compute dtype; moe_unpermute sums the weighted outputs into the fp32 residual. They
+  // are whole on every tensor rank: their output for this rank's rows is complete.
   Tensor grouped = acts.put(mb, key_ + "experts.grouped", {M, C}, cd);
   Tensor gate_up = acts.put(mb, key_ + "experts.gate_up", {M, 2 * I}, cd);
   Tensor h = acts.put(mb, key_ + "experts.h", {M, I}, cd);
   t = Clock::now();
-  ops::moe_permute(grouped, xr, sorted, int(k));
+  ops::moe_permute(grouped, xm, sorted, int(k));
   stats_.permute_seconds += seconds_since(t);
   for_each_expert(m, [&](int64_t e, int64_t r0, int64_t r1) {
     ops::linear_forward(gate_up.slice(r0, r1), grouped.slice(r0, r1),
@@ -208,12 +229,13 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
   const DType cd = ctx.compute_dtype;  // the experts' gradients; the router's stay fp32
   Meta& m = acts.meta<Meta>(mb, key_ + "meta");
   DS_CHECK(m.pending, "{}: MoE backward of micro-batch {} without a forward since its last backward", key_, mb);
-  const int64_t C = x.size(2), N = x.numel() / C, E = n_experts_, k = route_.top_k, M = N * k,
-                I = inter_;
-  DS_CHECK(dout.numel() == N * C && dx.numel() == N * C, "MoE backward: dout {} dx {} for x {}", dout.shape().str(),
-           dx.shape().str(), x.shape().str());
+  const int64_t C = x.size(2), N = x.numel() / C, E = n_experts_, k = route_.top_k, I = inter_;
+  const Range mine = ctx.token_rows(N);
+  const int64_t n = mine.size(), M = n * k;
+  DS_CHECK(dout.numel() == n * C && dx.numel() == n * C, "MoE backward: dout {} dx {} for rows [{}, {}) of x {}",
+           dout.shape().str(), dx.shape().str(), mine.begin, mine.end, x.shape().str());
   m.pending = false;
-  Tensor xr = x.view({N, C}), doutr = dout.view({N, C}), dxr = dx.view({N, C});
+  Tensor xr = x.view({N, C}), xm = xr.slice(mine.begin, mine.end), doutr = dout.view({n, C}), dxr = dx.view({n, C});
   Tensor scores = acts.get(mb, key_ + "gate.scores");
   Tensor ids = acts.get(mb, key_ + "gate.ids");
   Tensor weights = acts.get(mb, key_ + "gate.weights");
@@ -221,12 +243,19 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
   Tensor position = acts.get(mb, key_ + "plan.position");
   // The expert temporaries share the dense MLP's scratch slots: the shared experts, the
   // routed experts and the dense layers use them one after another, never at once.
+  // Shared experts first, from dout of all rows: their input gradient is this rank's columns'
+  // partial, summed over the tensor group before the (complete) routed and router parts are
+  // added, so that those are not counted once per rank.
   if (shared_inter_ > 0) {
     Tensor dh = scratch.get("mlp.dh", {N, shared_inter_}, cd);
     Tensor dgu = scratch.get("mlp.dgate_up", {N, 2 * shared_inter_}, cd);
-    wg.linear(dh, reg_.grad(shared_down_), doutr, acts.get(mb, key_ + "shared_experts.h"), reg_.compute(shared_down_));
+    wg.linear(dh, reg_.grad(shared_down_), sp_gather(ctx, doutr, "sp.dout"), acts.get(mb, key_ + "shared_experts.h"),
+              reg_.compute(shared_down_));
     ops::swiglu_backward(dgu, dh, acts.get(mb, key_ + "shared_experts.gate_up"));
-    wg.linear(dxr, reg_.grad_rows(shared_gate_, shared_up_), dgu, xr, reg_.compute_rows(shared_gate_, shared_up_));
+    Tensor dxp = column_parallel_grad(ctx, sharded_, dx, x, "tp.dx");
+    wg.linear(dxp.view({N, C}), reg_.grad_rows(shared_gate_, shared_up_), dgu, xr,
+              reg_.compute_rows(shared_gate_, shared_up_));
+    reduce_column_parallel_grad(ctx, dxp, dx);
   } else {
     ops::fill(dxr, 0.0f);
   }
@@ -236,7 +265,7 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
   Tensor gate_up = acts.get(mb, key_ + "experts.gate_up");
   Tensor h = acts.get(mb, key_ + "experts.h");
   Tensor dgrouped = scratch.get("moe.dgrouped", {M, C}, cd);
-  Tensor dweights = scratch.get("moe.dweights", {N, k});
+  Tensor dweights = scratch.get("moe.dweights", {n, k});
   Tensor dh = scratch.get("mlp.dh", {M, I}, cd);
   Tensor dgu = scratch.get("mlp.dgate_up", {M, 2 * I}, cd);
   auto t = Clock::now();
@@ -251,7 +280,7 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
   // whose outputs are consumed too.
   Tensor xg = dgrouped, dxg = grouped;
   t = Clock::now();
-  ops::moe_permute(xg, xr, sorted, int(k));
+  ops::moe_permute(xg, xm, sorted, int(k));
   stats_.permute_seconds += seconds_since(t);
   for_each_expert(m, [&](int64_t e, int64_t r0, int64_t r1) {
     const int g = expert_gate_[size_t(e)], u = expert_up_[size_t(e)];
@@ -264,13 +293,23 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
   // Router, in fp32: through the weights (and the aux loss) into the scores, the logits, the
   // fp32 gate; its input gradient is rounded once as it is added to dx.
   t = Clock::now();
-  Tensor dscores = scratch.get("moe.dscores", {N, E});
+  Tensor dscores = scratch.get("moe.dscores", {n, E});
   ops::moe_route_backward(dscores, dweights, ids, scores, route_);
   if (m.aux_scale != 0) {
-    ops::moe_aux_loss_backward(dscores, acts.get(mb, key_ + "gate.aux_coef"), scores, scoring_, m.aux_scale);
+    Tensor coef = acts.get(mb, key_ + "gate.aux_coef");
+    if (n == N) {
+      ops::moe_aux_loss_backward(dscores, coef, scores, scoring_, m.aux_scale);
+    } else {
+      // The coefficients belong to sequences that may straddle ranks: the aux gradient of all
+      // rows, of which this rank's rows are added (0 + g then d + g: what the unsplit op adds).
+      Tensor daux = scratch.get("moe.daux", {N, E});
+      ops::fill(daux, 0.0f);
+      ops::moe_aux_loss_backward(daux, coef, acts.get(mb, key_ + "gate.scores_all"), scoring_, m.aux_scale);
+      ops::add(dscores, dscores, daux.slice(mine.begin, mine.end));
+    }
   }
   ops::moe_scores_backward(dscores, dscores, scores, scoring_);
-  wg.linear(dxr, reg_.grad(gate_), dscores, xr, reg_.param(gate_), /*accumulate_dx=*/true);
+  wg.linear(dxr, reg_.grad(gate_), dscores, xm, reg_.param(gate_), /*accumulate_dx=*/true);
   stats_.route_seconds += seconds_since(t);
 }
 

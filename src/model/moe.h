@@ -20,6 +20,25 @@
 // scaled by LossScales (sequence-wise with seq_aux, else per micro-batch) and its gradient
 // flows through the scores only; noaux_tc's e_score_correction_bias is not trained but moved
 // by update_routing_bias (DeepSeek-V3's auxiliary-loss-free balancing).
+//
+// Tensor parallelism (ShardSpec::tensor_parallel, as Megatron-Core): the router (gate weight,
+// e_score_correction_bias) is replicated and the routed experts stay whole (their axis is
+// expert parallelism); the shared experts are split by columns like a dense MLP (column-
+// parallel gate/up, row-parallel down summed over the tensor group). Routing decisions are the
+// same on every tensor rank for the same token.
+//   Without sequence parallelism every tensor rank routes all N rows and runs the routed
+//   experts on them: that output is complete and is added as it is; only the shared experts'
+//   partial output (and in the backward their partial input gradient) is summed over the group.
+//   With sequence parallelism (ctx.sequence_parallel) a rank routes and runs the routed experts
+//   on its rows ctx.token_rows(N) only, the rows of out it holds; the shared experts read all
+//   rows and are reduce-scattered into the rank's rows. The router's and routed experts'
+//   gradients are then partial sums over the tensor group (the model marks them
+//   tp_partial_grad). The auxiliary loss still needs whole sequences (or the micro-batch): the
+//   scores (N,E) and ids (N,k) are all-gathered over the tensor group, every rank computes the
+//   same loss and coefficients, and its backward adds this rank's rows of their gradient.
+//   RoutingStats then hold: tokens_per_expert for this rank's rows only (to be summed over the
+//   tensor group, as over data-parallel ranks), aux_loss for the whole micro-batch (the same on
+//   every tensor rank: not to be summed over it).
 #pragma once
 
 #include <vector>
@@ -33,18 +52,19 @@ class MoEBlock : public FeedForwardBlock {
  public:
   // Registers model.layers.{layer}.mlp.gate.weight (E,C), gate.e_score_correction_bias (E)
   // (noaux_tc only, not trainable), experts.{j}.{gate,up,down}_proj.weight with each expert's
-  // gate and up adjacent (one (2I,C) matrix), and shared_experts.* when n_shared_experts > 0.
-  // Sized from the shard's experts and columns; a split over tensor or expert groups is not
-  // implemented yet.
+  // gate and up adjacent (one (2I,C) matrix), and shared_experts.* when n_shared_experts > 0
+  // (this rank's columns shard.shared_ffn of them). Sized from the shard's experts and columns;
+  // a split over expert groups (ep_size > 1) is not implemented yet.
   MoEBlock(const ModelConfig& c, const ShardSpec& shard, ParamRegistry& reg, int layer);
 
-  // x (B,T,C) normalised input; the layer's output is added to out (B,T,C). Also accumulates
-  // the routing statistics and, with aux_loss_alpha > 0, the scaled auxiliary loss (using the
+  // x (B,T,C) normalised input, all the micro-batch's rows; the layer's output is added to out
+  // (B,T,C), or with sequence parallelism to this rank's rows (n,C). Also accumulates the
+  // routing statistics and, with aux_loss_alpha > 0, the scaled auxiliary loss (using the
   // scales of the last set_loss_scales).
   void forward(const Ctx& ctx, int mb, Tensor x, Tensor out) override;
-  // x: the forward's input again; dout (B,T,C) -> dx (B,T,C) overwritten; gradients of the
-  // gate, the routed and shared experts accumulated. One backward per forward (it reuses the
-  // forward's buffers).
+  // x: the forward's input again; dout -> dx (overwritten), both for the rows of out;
+  // gradients of the gate, the routed and shared experts accumulated. One backward per forward
+  // (it reuses the forward's buffers).
   void backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx) override;
   void set_loss_scales(const LossScales& s) override { scales_ = s; }
   // The statistics with the auxiliary losses of the forwards so far read from the device.
@@ -53,8 +73,9 @@ class MoEBlock : public FeedForwardBlock {
   // more; unchanged otherwise and for the other routing methods.
   void update_routing_bias(const std::vector<int64_t>& global_tokens_per_expert, double gamma) override;
 
-  // The routing of micro-batch mb's forward (until its activations are released): ids (N,k)
-  // int32, weights (N,k), scores (N,E), offsets (E+1) int64 (expert e's grouped rows).
+  // The routing of micro-batch mb's forward (until its activations are released), for the
+  // rows this rank routed (all N, or its n with sequence parallelism): ids (n,k) int32,
+  // weights (n,k), scores (n,E), offsets (E+1) int64 (expert e's grouped rows).
   Tensor ids(const ActivationStore& acts, int mb) const { return acts.get(mb, key_ + "gate.ids"); }
   Tensor weights(const ActivationStore& acts, int mb) const { return acts.get(mb, key_ + "gate.weights"); }
   Tensor scores(const ActivationStore& acts, int mb) const { return acts.get(mb, key_ + "gate.scores"); }
@@ -81,6 +102,7 @@ class MoEBlock : public FeedForwardBlock {
   ops::MoEScoring scoring_;
   double aux_alpha_;
   bool seq_aux_;
+  bool sharded_;  // shared experts split over a tensor group of more than one rank
   int gate_ = -1, bias_ = -1;
   std::vector<int> expert_gate_, expert_up_, expert_down_;  // (E) parameter ids
   int shared_gate_ = -1, shared_up_ = -1, shared_down_ = -1;
@@ -92,11 +114,13 @@ class MoEBlock : public FeedForwardBlock {
   std::vector<double> aux_scales_;
   size_t aux_pending_ = 0;
   // Stored per micro-batch (keys after key_); the router's in fp32, the experts' rows in the
-  // compute dtype: gate.scores (N,E) after softmax/sigmoid,
-  // gate.weights (N,k), gate.ids (N,k) int32, gate.aux_coef (G,E) (G = B with seq_aux, else
-  // 1), plan.offsets (E+1) int64, plan.sorted and plan.position (M) int32, experts.grouped
-  // (M,C) expert inputs in expert order, then their outputs, experts.gate_up (M,2I),
-  // experts.h (M,I), shared_experts.gate_up (N,2S), shared_experts.h (N,S).
+  // compute dtype; n routed rows (N, or this rank's with sequence parallelism), M = n*k, S
+  // this rank's shared columns: gate.scores (n,E) after softmax/sigmoid,
+  // gate.weights (n,k), gate.ids (n,k) int32, gate.aux_coef (G,E) (G = B with seq_aux, else
+  // 1), gate.scores_all (N,E) (the tensor group's scores: only with sequence parallelism and
+  // an aux loss), plan.offsets (E+1) int64, plan.sorted and plan.position (M) int32,
+  // experts.grouped (M,C) expert inputs in expert order, then their outputs, experts.gate_up
+  // (M,2I), experts.h (M,I), shared_experts.gate_up (N,2S), shared_experts.h (N,S).
 };
 
 }  // namespace dstrain

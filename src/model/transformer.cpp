@@ -21,17 +21,28 @@ Transformer::Transformer(const ModelConfig& config, Device device, const ShardSp
   DS_CHECK(ProcessGroups::size_of(groups.tp) == shard.tp_size,
            "the tensor-parallel group has {} ranks but the shard is one of {} pieces", ProcessGroups::size_of(groups.tp),
            shard.tp_size);
-  DS_CHECK(shard.vocab.size() == c.vocab_size,
-           "the vocabulary is not split over a tensor-parallel group yet (this rank holds {} of {} rows): the "
-           "embedding and head need a tensor-parallel size of 1 for now", shard.vocab.size(), c.vocab_size);
   ctx_.device = device;
+  ctx_.sequence_parallel = shard.sequence_parallel && shard.tp_size > 1;
   ctx_.stream.device = device;
   ctx_.groups = groups;
   ctx_.acts = &acts_;
   ctx_.wgrad = &wgrad_;
   ctx_.scratch = &scratch_;
   ctx_.rope = &rope_;
-  embed_ = reg_.add("model.embed_tokens.weight", {c.vocab_size, c.hidden_size}, ParamKind::Embedding, -1);
+  // The embedding and the head: this rank's rows of the vocabulary (vocabulary-parallel).
+  auto vocab_rows = [&](const char* name, ParamKind kind) {
+    ParamOptions o;
+    if (shard.tp_size > 1) {
+      o.placement.kind = Placement::Kind::Shard;
+      o.placement.dim = 0;
+      o.placement.axis = "tensor";
+      o.placement.index = shard.tp_rank;
+      o.placement.count = shard.tp_size;
+      o.global_shape = Shape{c.vocab_size, c.hidden_size};
+    }
+    return reg_.add(name, {shard.vocab.size(), c.hidden_size}, kind, -1, o);
+  };
+  embed_ = vocab_rows("model.embed_tokens.weight", ParamKind::Embedding);
   layers_.reserve(size_t(c.num_hidden_layers));
   // DeepSeek-LLM: GQA + SwiGLU; DeepSeek-V2/V3: MLA + DeepSeekMoE (dense in the first layers).
   auto make_layer = [&](int l) {
@@ -54,7 +65,7 @@ Transformer::Transformer(const ModelConfig& config, Device device, const ShardSp
   };
   for (int l = 0; l < int(c.num_hidden_layers); ++l) layers_.push_back(std::move(*make_layer(l)));
   final_norm_ = reg_.add("model.norm.weight", {c.hidden_size}, ParamKind::Norm, -1);
-  lm_head_ = c.tie_word_embeddings ? -1 : reg_.add("lm_head.weight", {c.vocab_size, c.hidden_size}, ParamKind::Head, -1);
+  lm_head_ = c.tie_word_embeddings ? -1 : vocab_rows("lm_head.weight", ParamKind::Head);
   // Multi-token prediction modules, stored as the layers after the last one (as DeepSeek-V3's
   // checkpoints do); they share the embedding and the head.
   for (int k = 0; k < int(c.num_nextn_predict_layers); ++k) {
@@ -69,6 +80,12 @@ Transformer::Transformer(const ModelConfig& config, Device device, const ShardSp
     m.head_norm = reg_.add(layer_name(l, "shared_head.norm.weight"), {c.hidden_size}, ParamKind::Norm, l);
     m.last_param = reg_.size() - 1;
     mtp_.push_back(std::move(m));
+  }
+  // With sequence parallelism every replicated parameter (norms, the router, routed experts,
+  // MTP's projection) sees only this rank's token rows: its gradient is a partial sum.
+  for (int id = 0; ctx_.sequence_parallel && id < reg_.size(); ++id) {
+    const ParamInfo& p = reg_.info(id);
+    if (p.placement.kind == Placement::Kind::Whole && p.trainable) reg_.set_tp_partial_grad(id, true);
   }
   reg_.allocate(device);
 }
@@ -122,13 +139,16 @@ Tensor Transformer::head_grad() const { return reg_.grad(lm_head_ >= 0 ? lm_head
 
 int64_t Transformer::head_chunk_rows() const {
   // About 64 MiB of logits at a time.
-  const int64_t rows = (int64_t(16) << 20) / config_.vocab_size;
+  const int64_t rows = (int64_t(16) << 20) / shard_.vocab.size();
   return std::max<int64_t>(rows, 32);
 }
 
 int64_t Transformer::activation_bytes(int64_t B, int64_t T) const {
   const ModelConfig& c = config_;
-  const int64_t C = c.hidden_size, H = c.num_attention_heads, N = B * T, V = c.vocab_size;
+  // This rank's piece: its heads, FFN columns and vocabulary rows; with sequence parallelism
+  // its share n of the N token rows between the blocks.
+  const int64_t C = c.hidden_size, H = shard_.heads.size(), N = B * T, V = shard_.vocab.size();
+  const int64_t n = shard_.sequence_parallel && shard_.tp_size > 1 ? N / shard_.tp_size : N;
   const int64_t cs = int64_t(dtype_size(ctx_.compute_dtype));
   // Sizes per token, as {fp32 elements (or int32), compute-dtype elements}: the residual
   // stream, rstd, lse, logits and the router's tensors are fp32, the rest is in the compute
@@ -138,8 +158,8 @@ int64_t Transformer::activation_bytes(int64_t B, int64_t T) const {
     Elems operator+(const Elems& o) const { return {f32 + o.f32, cd + o.cd}; }
     Elems operator*(int64_t k) const { return {f32 * k, cd * k}; }
   };
-  // Attention, kept per token: GQA keeps q|k|v, its output and a log-sum-exp per head; MLA
-  // also its latents with their norms (see model/mla.h).
+  // Attention, kept per token of all N rows: GQA keeps q|k|v, its output and a log-sum-exp per
+  // head; MLA also its latents with their norms (see model/mla.h).
   Elems attn, attn_scratch;
   if (c.mla()) {
     const int64_t Dqk = c.qk_head_dim(), Dv = c.v_head_dim, W = H * (2 * Dqk + Dv);
@@ -147,37 +167,41 @@ int64_t Transformer::activation_bytes(int64_t B, int64_t T) const {
     attn_scratch = {0, W + std::max({H * Dv, H * Dqk, H * (c.qk_nope_head_dim + Dv)}) +
                            2 * std::max(c.q_lora_rank, c.kv_lora_rank) + c.qk_rope_head_dim};
   } else {
-    const int64_t D = c.head_dim(), W = (H + 2 * c.num_key_value_heads) * D;
+    const int64_t D = c.head_dim(), W = (H + 2 * shard_.kv_heads.size()) * D;
     attn = {H, W + H * D};
     attn_scratch = {0, W + H * D};
   }
-  // Feed-forward, kept per token: SwiGLU's gate|up and output; a MoE layer's scores, routes
-  // and, per routed copy of the token, its input row, gate|up, output and expert output,
-  // plus the shared experts.
-  auto ffn = [&](int64_t l) -> Elems {
-    if (!c.is_moe_layer(l)) return {0, 3 * c.intermediate_size};
-    const int64_t k = c.num_experts_per_tok, I = c.moe_intermediate_size, Is = I * c.n_shared_experts;
-    return {2 * c.n_routed_experts + 2 * k, k * (C + 3 * I + C) + 3 * Is};
+  // Feed-forward: SwiGLU's gate|up and output (all rows); a MoE layer's scores, routes and, per
+  // routed copy of the token, its input row, gate|up, output and expert output (the rank's
+  // rows), plus the shared experts (all rows).
+  struct Ffn {
+    Elems all, mine;
   };
-  Elems per_token{C /*embedding output*/ + 1, C /*final norm*/};
-  Elems widest_ffn;
+  auto ffn = [&](int64_t l) -> Ffn {
+    if (!c.is_moe_layer(l)) return {{0, 3 * shard_.ffn.size()}, {}};
+    const int64_t k = c.num_experts_per_tok, I = c.moe_intermediate_size;
+    return {{0, 3 * shard_.shared_ffn.size()}, {2 * c.n_routed_experts + 2 * k, k * (C + 3 * I + C)}};
+  };
+  Elems all_rows, my_rows{C /*embedding output*/ + 1, C /*final norm*/};
+  int64_t widest_ffn = 0;
   for (int64_t l = 0; l < c.num_hidden_layers + c.num_nextn_predict_layers; ++l) {
     // Norms with their rstd, the residual in the middle and at the end, attention, FFN.
-    per_token = per_token + Elems{2 + 2 * C, 2 * C} + attn + ffn(l);
+    const Ffn f = ffn(l);
+    my_rows = my_rows + Elems{2 + 2 * C, 2 * C} + f.mine;
+    all_rows = all_rows + attn + f.all;
     // MTP: embedding and projection (fp32), norms and [e|h] (compute dtype).
-    if (l >= c.num_hidden_layers) per_token = per_token + Elems{2 * C + 3, 4 * C};
-    const Elems f = ffn(l);
-    if (f.f32 * 4 + f.cd * cs > widest_ffn.f32 * 4 + widest_ffn.cd * cs) widest_ffn = f;
+    if (l >= c.num_hidden_layers) my_rows = my_rows + Elems{2 * C + 3, 4 * C};
+    widest_ffn = std::max(widest_ffn, (f.all.f32 * 4 + f.all.cd * cs) * N + (f.mine.f32 * 4 + f.mine.cd * cs) * n);
   }
   const int64_t chunk = std::min(N, head_chunk_rows());
   const Elems head{chunk * V + 2 * chunk + N /*losses*/, 0};
   // Backward temporaries shared by the layers: the residual's gradient (fp32), the head's and
-  // dln (compute dtype), the widest attention and feed-forward gradients.
-  // A sharded layer's 16-bit input gradient is summed over the tensor group in fp32.
-  const int64_t tp_dx = shard_.tp_size > 1 && cs < 4 ? C : 0;
-  const Elems scratch = (Elems{C + tp_dx, 2 * C} + attn_scratch + widest_ffn) * N;
-  const Elems all = per_token * N + head + scratch;
-  return all.f32 * int64_t(sizeof(float)) + all.cd * cs;
+  // dln (compute dtype), the widest attention and feed-forward gradients. A sharded layer's
+  // partial sums are fp32 temporaries of all rows (the input gradient, the row-parallel output).
+  const int64_t tp_partials = shard_.tp_size > 1 ? 2 * C * N : 0;
+  const Elems scratch = Elems{C, 2 * C} * n + attn_scratch * N + Elems{tp_partials, 0};
+  const Elems all = my_rows * n + all_rows * N + head + scratch;
+  return all.f32 * int64_t(sizeof(float)) + all.cd * cs + widest_ffn;
 }
 
 void Transformer::release_activations() {
@@ -193,42 +217,103 @@ void Transformer::forward_body(int mb, Tensor tokens) {
   DS_CHECK(T <= config_.max_position_embeddings, "sequence length {} exceeds max_position_embeddings {}", T,
            config_.max_position_embeddings);
   rope_.ensure(T, config_, ctx_.device);
+  // Sequence parallelism splits the token rows over the tensor group; a forward without a
+  // backward (evaluation, generation) whose rows do not split runs without it (the same
+  // parameters serve both layouts).
+  ctx_.sequence_parallel = shard_.sequence_parallel && (mb != kInferenceMb || B * T % shard_.tp_size == 0);
   // A copy, so the caller's tokens need not outlive the forward.
   Tensor tok = acts_.put(mb, "tokens", {B, T}, DType::I32);
   ops::copy(tok, tokens);
+  acts_.meta<Shape>(mb, kBatchShapeKey) = Shape{B, T};
   // The residual stream, in fp32 whatever the compute dtype: "residual.0" the embedding output
-  // (looked up in the fp32 master), "residual.{l+1}" after layer l.
-  auto residual = [&](size_t l) { return acts_.put(mb, fmt::format("residual.{}", l), {B, T, C}); };
+  // (looked up in the fp32 master), "residual.{l+1}" after layer l. With sequence parallelism
+  // it holds this rank's rows only.
+  const Shape rs = residual_shape(B, T);
+  auto residual = [&](size_t l) { return acts_.put(mb, fmt::format("residual.{}", l), rs); };
   Tensor x = residual(0);
-  ctx_.before_use(embed_, embed_);
-  ops::embedding_forward(x.view({B * T, C}), tok.view({B * T}), reg_.param(embed_));
-  ctx_.after_use(embed_, embed_);
+  embed(x, tok);
   for (size_t l = 0; l < layers_.size(); ++l) {
     Tensor next = residual(l + 1);
     layers_[l].forward(ctx_, mb, x, next);
     x = next;
   }
+  const int64_t n = rs.numel() / C;
   ctx_.before_use(final_norm_, final_norm_);
-  ops::rmsnorm_forward(acts_.put(mb, "final_norm.out", {B, T, C}, ctx_.compute_dtype),
-                       acts_.put(mb, "final_norm.rstd", {B, T}), x, reg_.param(final_norm_),
-                       float(config_.rms_norm_eps));
+  ops::rmsnorm_forward(acts_.put(mb, "final_norm.out", {n, C}, ctx_.compute_dtype), acts_.put(mb, "final_norm.rstd", {n}),
+                       x.view({n, C}), reg_.param(final_norm_), float(config_.rms_norm_eps));
   ctx_.after_use(final_norm_, final_norm_);
 }
 
+Shape Transformer::residual_shape(int64_t B, int64_t T) const {
+  const int64_t C = config_.hidden_size;
+  if (!ctx_.sequence_parallel) return Shape{B, T, C};
+  return Shape{ctx_.token_rows(B * T).size(), C};
+}
+
+void Transformer::embed(Tensor out, Tensor tokens) {
+  const int64_t C = config_.hidden_size, N = tokens.numel();
+  ctx_.before_use(embed_, embed_);
+  if (shard_.tp_size == 1) {
+    ops::embedding_forward(out.view({N, C}), tokens.view({N}), reg_.param(embed_));
+  } else {
+    // Each rank looks up the tokens of its vocabulary rows (zeros for the others); the sum over
+    // the tensor group is the embedding (reduce-scattered to the rank's rows with sequence
+    // parallelism).
+    Tensor partial = scratch_.get("embed.partial", {N, C});
+    ops::embedding_shard_forward(partial, tokens.view({N}), reg_.param(embed_), shard_.vocab.begin, config_.vocab_size);
+    ops::fill(out, 0.0f);
+    row_parallel_sum(partial, out);
+  }
+  ctx_.after_use(embed_, embed_);
+}
+
+void Transformer::embed_backward(Tensor dout, Tensor tokens) {
+  const int64_t C = config_.hidden_size, N = tokens.numel();
+  ctx_.before_use(embed_, embed_);
+  if (shard_.tp_size == 1) {
+    ops::embedding_backward(reg_.grad(embed_), dout.view({N, C}), tokens.view({N}));
+  } else {
+    Tensor all = sp_gather(ctx_, dout.view({dout.numel() / C, C}), "embed.dout");
+    ops::embedding_shard_backward(reg_.grad(embed_), all, tokens.view({N}), shard_.vocab.begin);
+  }
+  ctx_.after_use(embed_, embed_);
+}
+
+void Transformer::row_parallel_sum(Tensor partial, Tensor out) {
+  // A row-parallel sum whose "GEMM" already happened: out (the rank's rows) += the group's sum.
+  const int64_t C = partial.size(-1), N = partial.numel() / C;
+  if (!ctx_.sequence_parallel) {
+    ctx_.tp_all_reduce(partial);
+    ops::add(out.view({N, C}), out.view({N, C}), partial);
+    return;
+  }
+  Tensor mine = scratch_.get("embed.mine", {N / shard_.tp_size, C});
+  ctx_.groups.tp->reduce_scatter(mine, partial);
+  ops::add(out.view(mine.shape()), out.view(mine.shape()), mine);
+}
+
 void Transformer::head(Tensor x, Tensor targets, bool backward, float scale, Tensor dx, Tensor sums) {
-  const int64_t C = config_.hidden_size, V = config_.vocab_size, N = x.numel() / C;
-  DS_CHECK(targets.numel() == N, "targets {} for {} positions", targets.shape().str(), N);
-  Tensor xr = x.view({N, C});
+  const int64_t C = config_.hidden_size, N = targets.numel(), Vl = shard_.vocab.size();
+  const int tp = shard_.tp_size;
+  // Every row's logits: x (this rank's rows under sequence parallelism) gathered.
+  Tensor xr = sp_gather(ctx_, x.view({x.numel() / C, C}), "head.x");
+  DS_CHECK(xr.size(0) == N, "targets {} for {} positions", targets.shape().str(), xr.size(0));
   Tensor tg = targets.view({N});
   ctx_.before_use(head_param(), head_param());
   Tensor w = head_weight();
   const int64_t chunk = std::min(N, head_chunk_rows());
   // Transient: each chunk's loss and gradient are formed at once, so the head keeps nothing
   // for the backward. The logits are an fp32 GEMM output (from the compute-dtype x and
-  // weights) and the cross-entropy is fp32; dx has x's dtype.
+  // weights) and the cross-entropy is fp32; dx has x's dtype. Vocabulary-parallel: the logits
+  // of this rank's vocabulary rows only; the ranks exchange each row's log-sum-exp and target
+  // logit ((N, 2) values), never the logits.
   Tensor losses = scratch_.get("head.losses", {N});
-  Tensor logits_buf = scratch_.get("head.logits", {chunk, V});
+  Tensor logits_buf = scratch_.get("head.logits", {chunk, Vl});
   Tensor lse_buf = scratch_.get("head.lse", {chunk});
+  Tensor stats_buf = tp > 1 ? scratch_.get("head.stats", {chunk, 2}) : Tensor();
+  Tensor all_stats_buf = tp > 1 ? scratch_.get("head.all_stats", {tp * chunk * 2}) : Tensor();
+  // This rank's part of the input gradient of every row, summed over the group after the loop.
+  Tensor dxp = backward ? column_parallel_grad(ctx_, tp > 1, dx.view({dx.numel() / C, C}), xr, "head.dx") : Tensor();
   // The loss of each chunk is final as soon as its logits exist, so its gradient is formed
   // right away and the full (N, V) logits never exist at once.
   for (int64_t r0 = 0; r0 < N; r0 += chunk) {
@@ -236,15 +321,52 @@ void Transformer::head(Tensor x, Tensor targets, bool backward, float scale, Ten
     Tensor logits = logits_buf.slice(0, n);
     Tensor lse = lse_buf.slice(0, n);
     ops::linear_forward(logits, xr.slice(r0, r1), w);
-    ops::cross_entropy_forward(losses.slice(r0, r1), lse, logits, tg.slice(r0, r1));
+    if (tp == 1) {
+      ops::cross_entropy_forward(losses.slice(r0, r1), lse, logits, tg.slice(r0, r1));
+    } else {
+      Tensor stats = stats_buf.slice(0, n);
+      Tensor all_stats = all_stats_buf.slice(0, tp * n * 2).view({tp, n, 2});
+      ops::cross_entropy_shard_forward(stats, logits, tg.slice(r0, r1), shard_.vocab.begin, config_.vocab_size);
+      ctx_.groups.tp->all_gather(all_stats, stats);
+      ops::cross_entropy_combine(losses.slice(r0, r1), lse, all_stats, tg.slice(r0, r1));
+    }
     if (backward) {
       const auto t0 = Clock::now();
-      ops::cross_entropy_backward(logits, logits, lse, tg.slice(r0, r1), scale);
-      ops::linear_backward(dx.view({N, C}).slice(r0, r1), head_grad(), logits, xr.slice(r0, r1), w);
+      if (tp == 1) {
+        ops::cross_entropy_backward(logits, logits, lse, tg.slice(r0, r1), scale);
+      } else {
+        ops::cross_entropy_shard_backward(logits, logits, lse, tg.slice(r0, r1), scale, shard_.vocab.begin);
+      }
+      ops::linear_backward(dxp.slice(r0, r1), head_grad(), logits, xr.slice(r0, r1), w);
       early_backward_s_ += seconds_since(t0);
     }
   }
+  if (backward) {
+    const auto t0 = Clock::now();
+    reduce_column_parallel_grad(ctx_, dxp, dx.view({dx.numel() / C, C}));
+    early_backward_s_ += seconds_since(t0);
+  }
   ops::loss_sums(sums, losses, tg);
+  ctx_.after_use(head_param(), head_param());
+}
+
+void Transformer::gather_logits(Tensor x, Tensor logits) {
+  // Inference: the whole vocabulary's logits, gathered from the ranks' vocabulary rows.
+  const int64_t C = config_.hidden_size, V = config_.vocab_size, N = x.numel() / C, Vl = shard_.vocab.size();
+  ctx_.before_use(head_param(), head_param());
+  if (shard_.tp_size == 1) {
+    ops::linear_forward(logits.view({N, V}), x.view({N, C}), head_weight());
+  } else {
+    const int tp = shard_.tp_size;
+    Tensor mine = scratch_.get("logits.mine", {N, Vl});
+    Tensor all = scratch_.get("logits.all", {tp, N, Vl});
+    ops::linear_forward(mine, x.view({N, C}), head_weight());
+    ctx_.groups.tp->all_gather(all, mine);
+    for (int r = 0; r < tp; ++r) {
+      ops::copy_blocks(logits.view({N, V}), r * Vl, 0, all.view({tp * N, Vl}).slice(r * N, (r + 1) * N), 0, 0, 1, Vl,
+                       false);
+    }
+  }
   ctx_.after_use(head_param(), head_param());
 }
 
@@ -292,7 +414,10 @@ void Transformer::grad_ready(int mb, int first, int last) {
 }
 
 void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor targets, Tensor dxf, Tensor sums) {
-  const int64_t B = targets.size(0), T = targets.size(1), C = config_.hidden_size, N = B * T;
+  const int64_t B = targets.size(0), T = targets.size(1), C = config_.hidden_size;
+  // N: this rank's token rows (all of them but with sequence parallelism).
+  const Shape rs = residual_shape(B, T);
+  const int64_t N = rs.numel() / C;
   const float eps = float(config_.rms_norm_eps);
   const DType cd = ctx_.compute_dtype;
   // Forward through the depths: module k (0-based) reads token t+k+1 at position t (targets
@@ -312,16 +437,14 @@ void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor 
     // (the module's residual stream) and h_out in fp32; the norms' outputs and their
     // concatenation, which only feed eh_proj, in the compute dtype.
     Tensor emb = act(m, "emb", {N, C}), cat = act(m, "cat", {N, 2 * C}, cd);
-    ctx_.before_use(embed_, embed_);  // shared with the main model
-    ops::embedding_forward(emb, inputs.view({N}), reg_.param(embed_));
-    ctx_.after_use(embed_, embed_);
+    embed(emb, inputs);  // shared with the main model
     Tensor en = scratch_.get("mtp.enorm", {N, C}, cd), hn = act(m, "hnorm", {N, C}, cd);
     ops::rmsnorm_forward(en, act(m, "e_rstd", {N}), emb, reg_.param(m.enorm), eps);
     ops::rmsnorm_forward(hn, act(m, "h_rstd", {N}), h_prev.view({N, C}), reg_.param(m.hnorm), eps);
     // cat = [enorm(embedding) | hnorm(hidden)] per row.
     ops::copy_blocks(cat, 0, 0, en, 0, 0, 1, C, false);
     ops::copy_blocks(cat, C, 0, hn, 0, 0, 1, C, false);
-    Tensor h_in = act(m, "h_in", {B, T, C}), h_out = act(m, "h_out", {B, T, C});
+    Tensor h_in = act(m, "h_in", rs), h_out = act(m, "h_out", rs);
     ops::linear_forward(h_in.view({N, C}), cat, reg_.compute(m.eh_proj));
     m.layer->forward(ctx_, mb, h_in, h_out);
     Tensor on = act(m, "out_norm", {N, C}, cd);
@@ -345,7 +468,7 @@ void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor 
   // gradients of fp32 activations (dh, demb) are fp32, those of the norms' outputs and of
   // their concatenation (dcat, de, dhn) in the compute dtype.
   const auto t0 = Clock::now();
-  Tensor dh = scratch_.get("mtp.dh", {B, T, C});
+  Tensor dh = scratch_.get("mtp.dh", rs);
   ops::fill(dh, 0.0f);
   for (size_t k = mtp_.size(); k-- > 0;) {
     MtpModule& m = mtp_[k];
@@ -361,7 +484,7 @@ void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor 
     Tensor demb = scratch_.get("mtp.demb", {N, C});
     ops::fill(demb, 0.0f);
     ops::rmsnorm_backward(demb, reg_.grad(m.enorm), de, get(m, "emb"), reg_.param(m.enorm), get(m, "e_rstd"));
-    ops::embedding_backward(reg_.grad(embed_), demb, get(m, "inputs").view({N}));
+    embed_backward(demb, get(m, "inputs"));
     // The gradient w.r.t. h^{k-1}: the main model's normed output for k = 0.
     Tensor dprev = k == 0 ? dxf.view({N, C}) : dh.view({N, C});
     if (k > 0) ops::fill(dprev, 0.0f);
@@ -446,7 +569,8 @@ LossSums Transformer::forward(int mb, Tensor tokens, Tensor targets, const LossS
   forward_body(mb, tokens);
   const int64_t B = tokens.size(0), T = tokens.size(1), N = B * T, C = config_.hidden_size;
   DS_CHECK(targets.numel() == N, "targets {} for tokens {}", targets.shape().str(), tokens.shape().str());
-  Tensor dxf = acts_.put(mb, "head.dxf", {N, C}, ctx_.compute_dtype);  // of final_norm.out
+  // Of final_norm.out: this rank's rows.
+  Tensor dxf = acts_.put(mb, "head.dxf", {residual_shape(B, T).numel() / C, C}, ctx_.compute_dtype);
   Tensor sums = zeroed_sums(mb);
   head(acts_.get(mb, "final_norm.out"), targets, /*backward=*/true, scales.token, dxf, sums.slice(0, 2));
   const bool with_mtp = !mtp_.empty() && !scales.mtp_token.empty();
@@ -468,6 +592,7 @@ LossSums Transformer::forward(int mb, Tensor tokens, Tensor targets, const LossS
 
 void Transformer::backward(int mb, BackwardPart part) {
   DS_CHECK(acts_.has(mb, "head.dxf"), "backward of micro-batch {} without its training forward", mb);
+  ctx_.sequence_parallel = shard_.sequence_parallel;
   const auto t1 = Clock::now();
   if (part == BackwardPart::Input) {
     wgrad_.begin_deferral(mb);
@@ -476,13 +601,16 @@ void Transformer::backward(int mb, BackwardPart part) {
   try {
     Tensor tokens = acts_.get(mb, "tokens");
     const int64_t B = tokens.size(0), T = tokens.size(1), C = config_.hidden_size;
-    // The residual-stream gradient flows back through the layers in one buffer.
-    Tensor dx = scratch_.get("residual.grad", {B, T, C});
+    // The residual-stream gradient flows back through the layers in one buffer (this rank's
+    // rows with sequence parallelism).
+    const Shape rs = residual_shape(B, T);
+    const int64_t n = rs.numel() / C;
+    Tensor dx = scratch_.get("residual.grad", rs);
     ops::fill(dx, 0.0f);
     ctx_.before_use(final_norm_, final_norm_);
-    ops::rmsnorm_backward(dx, reg_.grad(final_norm_), acts_.get(mb, "head.dxf").view({B, T, C}),
-                          acts_.get(mb, fmt::format("residual.{}", layers_.size())), reg_.param(final_norm_),
-                          acts_.get(mb, "final_norm.rstd"));
+    ops::rmsnorm_backward(dx.view({n, C}), reg_.grad(final_norm_), acts_.get(mb, "head.dxf"),
+                          acts_.get(mb, fmt::format("residual.{}", layers_.size())).view({n, C}),
+                          reg_.param(final_norm_), acts_.get(mb, "final_norm.rstd"));
     ctx_.after_use(final_norm_, final_norm_);
     grad_ready(mb, final_norm_, final_norm_);
     if (lm_head_ >= 0) grad_ready(mb, lm_head_, lm_head_);
@@ -490,9 +618,7 @@ void Transformer::backward(int mb, BackwardPart part) {
       layers_[l].backward(ctx_, mb, dx);
       grad_ready(mb, layers_[l].first_param(), layers_[l].last_param());
     }
-    ctx_.before_use(embed_, embed_);
-    ops::embedding_backward(reg_.grad(embed_), dx.view({B * T, C}), tokens.view({B * T}));
-    ctx_.after_use(embed_, embed_);
+    embed_backward(dx, tokens);
     grad_ready(mb, embed_, embed_);
   } catch (...) {
     wgrad_.end_deferral();
@@ -521,9 +647,7 @@ void Transformer::forward_logits(Tensor tokens, Tensor logits) {
   const int64_t B = tokens.size(0), T = tokens.size(1), N = B * T, C = config_.hidden_size, V = config_.vocab_size;
   DS_CHECK(logits.numel() == N * V, "logits {} for ({}, {}) tokens and vocabulary {}", logits.shape().str(), B, T,
            V);
-  ctx_.before_use(head_param(), head_param());
-  ops::linear_forward(logits.view({N, V}), acts_.get(kInferenceMb, "final_norm.out").view({N, C}), head_weight());
-  ctx_.after_use(head_param(), head_param());
+  gather_logits(sp_gather(ctx_, acts_.get(kInferenceMb, "final_norm.out"), "head.x").view({N, C}), logits.view({N, V}));
   acts_.release(kInferenceMb);
 }
 
@@ -531,12 +655,12 @@ void Transformer::last_logits(Tensor tokens, Tensor logits) {
   forward_body(kInferenceMb, tokens);
   const int64_t B = tokens.size(0), T = tokens.size(1), V = config_.vocab_size;
   DS_CHECK(logits.numel() == B * V, "logits {} for {} sequences", logits.shape().str(), B);
-  Tensor xf = acts_.get(kInferenceMb, "final_norm.out");
-  ctx_.before_use(head_param(), head_param());
-  for (int64_t b = 0; b < B; ++b) {
-    ops::linear_forward(logits.view({B, V}).slice(b, b + 1), xf.row(b).slice(T - 1, T), head_weight());
-  }
-  ctx_.after_use(head_param(), head_param());
+  const int64_t C = config_.hidden_size;
+  Tensor xf = sp_gather(ctx_, acts_.get(kInferenceMb, "final_norm.out"), "head.x").view({B, T, C});
+  // The last position of each sequence, as rows of one GEMM.
+  Tensor last = scratch_.get("logits.last_x", {B, C}, xf.dtype());
+  ops::copy_blocks(last.view({B, C}), 0, 0, xf.view({B, T * C}), (T - 1) * C, 0, 1, C, false);
+  gather_logits(last, logits.view({B, V}));
   acts_.release(kInferenceMb);
 }
 

@@ -123,6 +123,18 @@ class Transformer {
   // backward, dx (N,C) is overwritten with scale x d(sum of losses)/dx. sums (2) F64 +=
   // {sum of losses, count} over the targets that are not ignored.
   void head(Tensor x, Tensor targets, bool backward, float scale, Tensor dx, Tensor sums);
+  // Logits (N, V) of the whole vocabulary for x (N, C) (inference; gathered over the tensor
+  // group when the vocabulary is split).
+  void gather_logits(Tensor x, Tensor logits);
+  // The residual stream's shape for a (B, T) micro-batch: (B, T, C), or this rank's rows (n, C)
+  // with sequence parallelism.
+  Shape residual_shape(int64_t B, int64_t T) const;
+  // out (the rank's rows) = the embedding of tokens (B, T), vocabulary-parallel when split; and
+  // its backward from the gradient of those rows.
+  void embed(Tensor out, Tensor tokens);
+  void embed_backward(Tensor dout, Tensor tokens);
+  // out (the rank's rows) += the sum over the tensor group of partial (N, C).
+  void row_parallel_sum(Tensor partial, Tensor out);
   // The loss sums of micro-batch mb on the device, zeroed, and their one read by the host.
   Tensor zeroed_sums(int mb);
   LossSums read_sums(Tensor sums, bool with_mtp) const;

@@ -59,6 +59,12 @@ struct ParamInfo {
   int64_t offset = 0;  // element offset in the flat buffers
   bool trainable = true;  // false: updated by a rule, not by gradients (e.g. MoE routing biases)
   ParamGroup group = ParamGroup::Dense;
+  // Tensor parallelism: the rank's gradient of this (replicated) parameter is a partial sum
+  // over the tensor group, to be summed over it once per step before the data-parallel
+  // reduction: parameters that see only the rank's heads (MLA's down-projections and latent
+  // norms) or, with sequence parallelism, only its share of the tokens (norms, the router,
+  // routed experts).
+  bool tp_partial_grad = false;
   int64_t numel() const { return shape.numel(); }
 };
 
@@ -80,6 +86,7 @@ struct ParamOptions {
   ParamGroup group = ParamGroup::Dense;
   Placement placement;           // Whole by default
   Shape global_shape;            // empty: the local shape (Whole)
+  bool tp_partial_grad = false;  // see ParamInfo
 };
 
 class ParamRegistry {
@@ -104,6 +111,8 @@ class ParamRegistry {
   const ParamInfo& info(int id) const { return params_[size_t(id)]; }
   const std::vector<ParamInfo>& all() const { return params_; }
   int find(const std::string& name) const;  // -1 when absent
+  // Marks a parameter's gradient as a partial sum over the tensor group (ParamInfo).
+  void set_tp_partial_grad(int id, bool partial) { params_[size_t(id)].tp_partial_grad = partial; }
   int64_t flat_numel() const { return flat_numel_; }
 
   // Every maximal run of consecutive parameters of the same group, in id order: dense and

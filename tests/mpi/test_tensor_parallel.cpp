@@ -2,7 +2,7 @@
 // intermediate size and grouped-query attention split by heads (column-parallel gate/up and
 // q/k/v, row-parallel down and o_proj with an all-reduce) against the unsplit block on every
 // rank: the output, the input gradient and each rank's slices of the weight gradients; and a
-// dense Transformer over a tensor group (vocabulary replicated) against the whole model, from
+// dense Transformer over a tensor group (vocabulary-parallel embedding and head) against the whole model, from
 // its initial weights to its loss and gradients. On one rank the split is the whole model and
 // the results are bitwise the unsplit ones.
 #include <gtest/gtest.h>
@@ -17,6 +17,7 @@
 #include "comm/mpi_comm.h"
 #include "core/philox.h"
 #include "model/transformer.h"
+#include "run_files.h"
 
 namespace dstrain {
 namespace {
@@ -212,8 +213,7 @@ std::vector<float> piece_of(Tensor global, const ParamInfo& p) {
 
 TEST_F(TensorParallel, DenseTransformerMatchesTheWholeModel) {
   c.num_hidden_layers = 2;
-  ShardSpec s = ShardSpec::tensor_parallel(c, rank, ranks);
-  s.vocab = Range{0, c.vocab_size};  // the embedding and head are not split yet
+  const ShardSpec s = ShardSpec::tensor_parallel(c, rank, ranks);
   Transformer whole(c, Device::cpu());
   ProcessGroups groups;
   groups.tp = comm.get();
@@ -250,8 +250,7 @@ TEST_F(TensorParallel, DenseTransformerMatchesTheWholeModel) {
 // One rank: bitwise.
 TEST_F(TensorParallel, DenseTransformerInBf16MatchesTheWholeModel) {
   c.num_hidden_layers = 2;
-  ShardSpec s = ShardSpec::tensor_parallel(c, rank, ranks);
-  s.vocab = Range{0, c.vocab_size};
+  const ShardSpec s = ShardSpec::tensor_parallel(c, rank, ranks);
   Transformer whole(c, Device::cpu());
   ProcessGroups groups;
   groups.tp = comm.get();
@@ -285,6 +284,91 @@ TEST_F(TensorParallel, DenseTransformerInBf16MatchesTheWholeModel) {
     EXPECT_GT(dot / std::sqrt(ng * nw), 0.9999) << p.name << " gradient";
   }
 }
+
+}  // namespace
+}  // namespace dstrain
+
+namespace dstrain {
+namespace {
+
+// The DeepSeek-V2 and V3 models of the MPI tests (MLA, MoE with shared experts, V3's q LoRA,
+// YaRN, sigmoid routing and MTP) over the tensor group, sequence parallelism off and on,
+// against the whole model on every rank: the loss terms and every gradient (the partial ones
+// summed over the group, as the trainer does once per step).
+class DeepSeekTensorParallel : public ::testing::TestWithParam<std::tuple<std::string, bool>> {};
+
+TEST_P(DeepSeekTensorParallel, LossAndEveryGradientMatchTheWholeModel) {
+  const auto [name, sp] = GetParam();
+  json model = v3_model()["model"];
+  if (name == "v2") {
+    model.merge_patch({{"model_type", "deepseek_v2"}, {"rope_scaling", nullptr}, {"topk_method", "group_limited_greedy"},
+                       {"scoring_func", "softmax"}, {"norm_topk_prob", false}, {"routed_scaling_factor", 1.0},
+                       {"num_nextn_predict_layers", nullptr}});
+    model["q_lora_rank"] = nullptr;
+  }
+  const ModelConfig c = ModelConfig::from_hf_json(model, name);
+  MpiCommunicator comm(MPI_COMM_WORLD, "tensor");
+  const int rank = comm.rank(), ranks = comm.size();
+  Transformer whole(c, Device::cpu());
+  ProcessGroups groups;
+  groups.tp = &comm;
+  Transformer tp(c, Device::cpu(), ShardSpec::tensor_parallel(c, rank, ranks, 0, 1, sp), groups);
+  whole.init_weights(5);
+  tp.init_weights(5);
+  const int64_t B = 2, T = 16, D = c.num_nextn_predict_layers;
+  std::mt19937 rng(9);
+  std::vector<int32_t> tokens(size_t(B * T)), targets(size_t(B * T));
+  for (auto& t : tokens) t = int32_t(rng() % uint32_t(c.vocab_size));
+  for (auto& t : targets) t = int32_t(rng() % uint32_t(c.vocab_size));
+  targets[3] = ops::kIgnoreIndex;
+  const Tensor tok(tokens.data(), DType::I32, Shape{B, T}), tgt(targets.data(), DType::I32, Shape{B, T});
+  LossScales scales;
+  scales.token = 1.0f / float(B * T);
+  scales.sequence = 1.0 / double(B);
+  scales.micro_batch = 1.0;
+  for (int64_t k = 0; k < D; ++k) scales.mtp_token.push_back(0.3f / float(B * T));
+  const LossSums a = whole.forward(0, tok, tgt, scales);
+  whole.backward(0);
+  const LossSums b = tp.forward(0, tok, tgt, scales);
+  tp.backward(0);
+  EXPECT_NEAR(b.sum, a.sum, 1e-5 * std::fabs(a.sum));
+  for (size_t k = 0; k < a.mtp_sum.size(); ++k) EXPECT_NEAR(b.mtp_sum[k], a.mtp_sum[k], 1e-5 * std::fabs(a.mtp_sum[k]));
+  double worst = 0;
+  for (int id = 0; id < tp.params().size(); ++id) {
+    const ParamInfo& p = tp.params().info(id);
+    ASSERT_EQ(p.name, whole.params().info(id).name);
+    if (!p.trainable) continue;
+    std::vector<float> got = host(tp.params().grad(id));
+    if (p.tp_partial_grad) comm.all_reduce(Tensor(got.data(), DType::F32, Shape{int64_t(got.size())}));
+    if (p.placement.kind == Placement::Kind::Shard && p.placement.count < ranks) {
+      ADD_FAILURE() << p.name << ": replicated piece in a model with as many heads as ranks";
+    }
+    const std::vector<float> want = piece_of(whole.params().grad(id), p);
+    const double e = rel_error(got, want);
+    EXPECT_LT(e, 2e-5) << name << (sp ? " sequence-parallel: " : ": ") << p.name << " gradient";
+    worst = std::max(worst, e);
+  }
+  if (rank == 0) std::printf("[ %d ranks ] %s%s: worst gradient error %.2e\n", ranks, name.c_str(), sp ? " SP" : "", worst);
+  // Inference (evaluation, generation): the whole vocabulary's logits, gathered; with sequence
+  // parallelism also for row counts that do not split over the group (7 rows).
+  for (int64_t rows : {int64_t(7), int64_t(8)}) {
+    const int64_t V = c.vocab_size;
+    const Tensor t(tokens.data(), DType::I32, Shape{1, rows});
+    std::vector<float> lw(static_cast<size_t>(rows * V)), lt(lw.size()), last_w(static_cast<size_t>(V)), last_t(last_w.size());
+    whole.forward_logits(t, Tensor(lw.data(), DType::F32, Shape{1, rows, V}));
+    tp.forward_logits(t, Tensor(lt.data(), DType::F32, Shape{1, rows, V}));
+    EXPECT_LT(rel_error(lt, lw), 1e-5) << name << ": logits of " << rows << " rows";
+    whole.last_logits(t, Tensor(last_w.data(), DType::F32, Shape{1, V}));
+    tp.last_logits(t, Tensor(last_t.data(), DType::F32, Shape{1, V}));
+    EXPECT_LT(rel_error(last_t, last_w), 1e-5) << name << ": last logits of " << rows << " rows";
+    const LossSums ew = whole.forward_loss(t, Tensor(targets.data(), DType::I32, Shape{1, rows}));
+    const LossSums et = tp.forward_loss(t, Tensor(targets.data(), DType::I32, Shape{1, rows}));
+    EXPECT_NEAR(et.sum, ew.sum, 1e-5 * std::fabs(ew.sum)) << name << ": evaluation loss of " << rows << " rows";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, DeepSeekTensorParallel,
+                         ::testing::Combine(::testing::Values("v2", "v3"), ::testing::Bool()));
 
 }  // namespace
 }  // namespace dstrain

@@ -365,33 +365,41 @@ std::string error_of(const std::function<void()>& f) {
 TEST(ShardSpec, RefusesWhatDoesNotDivideNamingTheKey) {
   ModelConfig c = dense_config();  // 4 heads, 2 kv heads, intermediate 24, vocab 23
   EXPECT_NE(error_of([&] { ShardSpec::tensor_parallel(c, 0, 3); }).find("num_attention_heads = 4"), std::string::npos);
+  c.num_attention_heads = 12;
+  c.num_key_value_heads = 3;
+  EXPECT_NE(error_of([&] { ShardSpec::tensor_parallel(c, 1, 4); }).find("num_key_value_heads = 3"), std::string::npos);
   c.num_attention_heads = 8;
-  EXPECT_NE(error_of([&] { ShardSpec::tensor_parallel(c, 1, 4); }).find("num_key_value_heads = 2"), std::string::npos);
   c.num_key_value_heads = 4;
   c.intermediate_size = 26;
   EXPECT_NE(error_of([&] { ShardSpec::tensor_parallel(c, 1, 4); }).find("intermediate_size = 26"), std::string::npos);
   c.intermediate_size = 24;
+  EXPECT_NE(error_of([&] { ShardSpec::tensor_parallel(c, 1, 4); }).find("vocab_size = 23"), std::string::npos);
   c.vocab_size = 24;
   const ShardSpec s = ShardSpec::tensor_parallel(c, 1, 4);
   EXPECT_EQ(s.heads, (Range{2, 4}));
   EXPECT_EQ(s.kv_heads, (Range{1, 2}));
+  EXPECT_EQ(s.kv_replicas, 1);
   EXPECT_EQ(s.ffn, (Range{6, 12}));
   EXPECT_EQ(s.vocab, (Range{6, 12}));
   EXPECT_TRUE(ShardSpec::whole(c).is_whole());
+  // Fewer key/value heads than ranks: each is replicated on tp / kv ranks, the one its queries use.
+  c.num_key_value_heads = 2;
+  const ShardSpec r = ShardSpec::tensor_parallel(c, 1, 4);
+  EXPECT_EQ(r.kv_heads, (Range{0, 1}));
+  EXPECT_EQ(r.kv_replicas, 2);
+  EXPECT_EQ(ShardSpec::tensor_parallel(c, 2, 4).kv_heads, (Range{1, 2}));
+  // The sizes that work are named.
+  EXPECT_NE(error_of([&] { ShardSpec::tensor_parallel(c, 0, 3); }).find("sizes that split this model: 1, 2, 4, 8"),
+            std::string::npos);
 }
 
-TEST(ShardSpec, LayersWithoutATensorParallelSplitRefuseOne) {
-  const ModelConfig v3 = v3_config();
-  const ShardSpec two = ShardSpec::tensor_parallel(v3, 0, 2);
-  ParamRegistry reg;
-  EXPECT_NE(error_of([&] { MLAttention(v3, two, reg, 0); }).find("multi-head latent attention"), std::string::npos);
-  EXPECT_NE(error_of([&] { MoEBlock(v3, two, reg, 1); }).find("DeepSeekMoE"), std::string::npos);
-  // A sharded model needs its group.
-  ModelConfig c = dense_config();
-  c.vocab_size = 24;
-  EXPECT_NE(error_of([&] { Transformer(c, Device::cpu(), ShardSpec::tensor_parallel(c, 0, 2)); })
-                .find("tensor-parallel group has 1 ranks"),
-            std::string::npos);
+TEST(ShardSpec, ASplitModelNeedsItsGroup) {
+  for (ModelConfig c : {dense_config(), v3_config()}) {
+    c.vocab_size = 24;
+    EXPECT_NE(error_of([&] { Transformer(c, Device::cpu(), ShardSpec::tensor_parallel(c, 0, 2)); })
+                  .find("tensor-parallel group has 1 ranks"),
+              std::string::npos);
+  }
 }
 
 // The whole ShardSpec registers today's model: names, shapes, offsets, placements.
