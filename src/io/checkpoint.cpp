@@ -62,6 +62,42 @@ constexpr const char* kGroups[3] = {"model", "optimizer/exp_avg", "optimizer/exp
 using Piece = RowPiece;
 Piece piece_of(const Shape& global, int rank, int n) { return row_piece(global, rank, n); }
 
+// The rows of parameter id that rank `rank` of n writes and reads: the partition's, when the
+// caller gives one (tensor parallelism's staging), or piece_of's.
+Piece piece_for(const ParamRegistry& reg, const CheckpointPartition& partition, int id, int rank, int n) {
+  return partition ? partition(id, rank) : piece_of(reg.info(id).global_shape, rank, n);
+}
+
+// A partition must tile every tensor's rows in rank order, and comes with piece_offsets. Every
+// rank checks every rank's pieces, so a bad partition fails alike on all.
+void check_partition(const ParamRegistry& reg, const CheckpointPartition& partition,
+                     const std::shared_ptr<const std::vector<int64_t>>& piece_offsets, int n) {
+  if (!partition) return;
+  DS_CHECK(piece_offsets != nullptr,
+           "checkpoint: a partition of the rows needs piece_offsets (where this rank's pieces lie in its buffers)");
+  DS_CHECK(int64_t(piece_offsets->size()) >= int64_t(reg.size()),
+           "checkpoint: piece_offsets has {} entries for {} parameters", piece_offsets->size(), reg.size());
+  for (int id = 0; id < reg.size(); ++id) {
+    const ParamInfo& p = reg.info(id);
+    const Piece whole = piece_of(p.global_shape, 0, 1);
+    int64_t next = 0;
+    for (int r = 0; r < n; ++r) {
+      const Piece pc = partition(id, r);
+      DS_CHECK(pc.rows >= 0 && (pc.rows == 0 || pc.row_elems == whole.row_elems),
+               "checkpoint: the partition gives rank {} {} rows of {} elements of '{}' {}, whose rows have {}", r,
+               pc.rows, pc.row_elems, p.name, p.global_shape.str(), whole.row_elems);
+      if (pc.rows == 0) continue;
+      DS_CHECK(pc.row_begin == next,
+               "checkpoint: the partition gives rank {} rows [{}, {}) of '{}', but the ranks before it end at row {}: "
+               "the pieces must tile the rows in rank order",
+               r, pc.row_begin, pc.row_begin + pc.rows, p.name, next);
+      next += pc.rows;
+    }
+    DS_CHECK(next == whole.rows, "checkpoint: the partition covers {} of the {} rows of '{}' {}", next, whole.rows,
+             p.name, p.global_shape.str());
+  }
+}
+
 // Where parameter id's piece of this rank lies in a buffer: in the registry's whole layout, or
 // at its offset of a shard.
 int64_t piece_start(const ParamInfo& p, int id, const Piece& pc,
@@ -404,9 +440,17 @@ void throw_if_any_rank_failed(MPI_Comm comm, const std::string& error) {
 int64_t checkpoint_size_bound(const ParamRegistry& reg, const CheckpointBuffers& bufs, const TrainState& state) {
   const int64_t groups = bufs.exp_avg ? 3 : 1;
   const int64_t datasets = groups * int64_t(reg.all().size());
+  // Pieces (ZeRO's shards, tensor parallelism's staging) come with a registry whose local
+  // sizes say nothing of the file: its global shapes do.
+  int64_t elems = 0;
+  if (bufs.piece_offsets) {
+    for (const ParamInfo& p : reg.all()) elems += p.global_shape.numel();
+  } else {
+    elems = reg.values().numel();
+  }
   // Per dataset: its object header, attributes and line in the metadata checksums (under
   // 1 KB measured); then the configuration text and the fixed groups.
-  return groups * reg.values().numel() * int64_t(sizeof(float)) + datasets * 2048 +
+  return groups * elems * int64_t(sizeof(float)) + datasets * 2048 +
          2 * int64_t(state.config.dump(2).size()) + (int64_t(64) << 10);
 }
 
@@ -417,19 +461,28 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &n);
   const auto buffers = group_buffers(bufs);
+  check_partition(reg, bufs.partition, bufs.piece_offsets, n);
   // Checksums first: every rank hashes its pieces, the combination is known to all before
   // any attribute is written (attribute writes are collective and must agree).
   std::vector<std::pair<const void*, size_t>> ranges;
+  std::string outside;  // a piece beyond the piece buffers: agreed on before any rank reads it
   for (int g = 0; g < 3; ++g) {
     if (!buffers[size_t(g)]) continue;
     for (int id = 0; id < reg.size(); ++id) {
       const ParamInfo& p = reg.info(id);
-      DS_CHECK(p.placement.kind == Placement::Kind::Whole, "checkpoint: '{}' is not held whole on this rank", p.name);
-      const Piece pc = piece_of(p.global_shape, rank, n);
-      ranges.emplace_back(buffers[size_t(g)] + piece_start(p, id, pc, bufs.piece_offsets),
-                          size_t(pc.elems()) * sizeof(float));
+      DS_CHECK(bufs.piece_offsets || p.placement.kind == Placement::Kind::Whole,
+               "checkpoint: '{}' is not held whole on this rank", p.name);
+      const Piece pc = piece_for(reg, bufs.partition, id, rank, n);
+      const int64_t start = piece_start(p, id, pc, bufs.piece_offsets);
+      if (bufs.piece_offsets && bufs.numel > 0 && pc.elems() > 0 && start + pc.elems() > bufs.numel &&
+          outside.empty()) {
+        outside = fmt::format("checkpoint: the piece of '{}' at [{}, {}) lies outside the {} elements of this rank's "
+                              "piece buffers", p.name, start, start + pc.elems(), bufs.numel);
+      }
+      ranges.emplace_back(buffers[size_t(g)] + start, size_t(pc.elems()) * sizeof(float));
     }
   }
+  if (bufs.piece_offsets) throw_if_any_rank_failed(comm, outside);
   std::vector<uint64_t> local;
   const std::vector<uint32_t> piece_crcs = crc32_many(ranges, threads);
   for (size_t i = 0; i < ranges.size(); ++i) {
@@ -514,7 +567,7 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
     h5::Handle group = h5::open_group(file, kGroups[g]);
     for (int id = 0; id < reg.size(); ++id) {
       const ParamInfo& p = reg.info(id);
-      const Piece pc = piece_of(p.global_shape, rank, n);
+      const Piece pc = piece_for(reg, bufs.partition, id, rank, n);
       const auto dims = dims_of(p.global_shape);
       h5::Handle space(H5Screate_simple(int(dims.size()), dims.data(), nullptr), "H5Screate_simple");
       h5::Handle dset(H5Dcreate2(group, p.name.c_str(), H5T_IEEE_F32LE, space, H5P_DEFAULT, dcpl, H5P_DEFAULT),
@@ -596,7 +649,11 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
 
 TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry& reg, float* exp_avg,
                            float* exp_avg_sq) {
-  return read_checkpoint(path, comm, reg, CheckpointTargets{reg.values().data<float>(), exp_avg, exp_avg_sq, nullptr});
+  CheckpointTargets whole;
+  whole.values = reg.values().data<float>();
+  whole.exp_avg = exp_avg;
+  whole.exp_avg_sq = exp_avg_sq;
+  return read_checkpoint(path, comm, reg, whole);
 }
 
 TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry& reg, const CheckpointTargets& into) {
@@ -605,6 +662,7 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &n);
   const std::vector<float*> buffers = {into.values, into.exp_avg, into.exp_avg_sq};
+  check_partition(reg, into.partition, into.piece_offsets, n);
 
   // Opening is collective and fails alike on every rank (a truncated or foreign file).
   std::string error;
@@ -666,12 +724,17 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
       for (int id = 0; id < reg.size(); ++id) {
         const ParamInfo& p = reg.info(id);
         const std::string where = fmt::format("/{}/{}", kGroups[g], p.name);
+        // Whole buffers are filled with the global tensors: a piece has no room for one.
+        DS_CHECK(into.piece_offsets || p.placement.kind == Placement::Kind::Whole,
+                 "'{}' is not held whole on this rank ({} of the global {}): read a tensor-parallel model through "
+                 "TensorParallelCheckpoint (io/tensor_parallel_state.h)",
+                 p.name, p.shape.str(), p.global_shape.str());
         DS_CHECK(h5::exists(group, p.name), "'{}' has no tensor {}: was it written for another model?", path, where);
         h5::Handle dset(H5Dopen2(group, p.name.c_str(), H5P_DEFAULT), "H5Dopen2");
         const Shape shape = h5::dataset_shape(dset);
         DS_CHECK(shape == p.global_shape, "'{}': {} has shape {} but the model expects {}; check the model config",
                  path, where, shape.str(), p.global_shape.str());
-        const Piece pc = piece_of(p.global_shape, rank, n);
+        const Piece pc = piece_for(reg, into.partition, id, rank, n);
         h5::Handle space(H5Dget_space(dset), "H5Dget_space");
         auto [fsel, msel] = selections(space, p.global_shape, pc);
         float* dst = base + piece_start(p, id, pc, into.piece_offsets);

@@ -7,6 +7,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -34,27 +35,41 @@ struct TrainState {
   json loss_scaler;              // fp16's loss scaler (LossScaler::state; null: not an fp16 run)
 };
 
+// Which rows of parameter id's global tensor rank `rank` of the checkpoint communicator writes
+// and reads. The pieces of all ranks, in rank order, must tile each tensor's rows contiguously
+// (empty pieces may sit anywhere). It is called from a background writer too: it must depend
+// on its arguments and on what it captured by value only.
+using CheckpointPartition = std::function<RowPiece(int id, int rank)>;
+
 // The flat buffers to write (laid out as the registry says); exp_avg/exp_avg_sq may be null
 // when a file holds the model only.
 //
 // Sharded state (ZeRO): each buffer holds only this rank's pieces, the rows of every tensor the
 // checkpoint has this rank write (RowPiece over the checkpoint's communicator); parameter id's
 // piece starts at element (*piece_offsets)[id], and each buffer holds `numel` elements.
+//
+// Staged state (tensor parallelism, io/tensor_parallel_state.h): `partition` says which rows
+// each rank writes (null: RowPiece over all ranks); piece_offsets is then required and
+// addresses the staging buffers. With piece_offsets the registry gives only names, global
+// shapes and kinds: its placements and local sizes are not used.
 struct CheckpointBuffers {
   const float* values = nullptr;
   const float* exp_avg = nullptr;
   const float* exp_avg_sq = nullptr;
   std::shared_ptr<const std::vector<int64_t>> piece_offsets;  // null: whole buffers
   int64_t numel = 0;                                          // with piece_offsets
+  CheckpointPartition partition;                              // null: RowPiece over all ranks
 };
 
 // Where read_checkpoint puts what it reads: whole buffers in the registry's layout (assembled
-// from every rank's rows), or, with piece_offsets, this rank's pieces only (ZeRO's shards).
+// from every rank's rows), or, with piece_offsets, this rank's pieces only (ZeRO's shards;
+// with a partition, the rows it gives this rank, left unassembled).
 struct CheckpointTargets {
   float* values = nullptr;
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
   std::shared_ptr<const std::vector<int64_t>> piece_offsets;
+  CheckpointPartition partition;  // null: RowPiece over all ranks; requires piece_offsets
 };
 
 // A write that failed for lack of storage: the disk or quota is full (ENOSPC, EDQUOT), or
@@ -79,7 +94,8 @@ class StorageFullError : public Error {
 void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistry& reg, const CheckpointBuffers& bufs,
                       const TrainState& state, int threads = 0);
 
-// An upper bound of the bytes a checkpoint of these buffers takes on disk, metadata included.
+// An upper bound of the bytes a checkpoint of these buffers takes on disk, metadata included
+// (from the global shapes when pieces are given, from the registry's flat size otherwise).
 int64_t checkpoint_size_bound(const ParamRegistry& reg, const CheckpointBuffers& bufs, const TrainState& state);
 
 // Raises the same Error on every rank of `comm` when any rank's `error` is not empty: the

@@ -11,6 +11,8 @@
 #include <set>
 
 #include "backend/ops.h"
+#include "comm/comm.h"
+#include "io/tensor_parallel_state.h"
 
 namespace dstrain {
 
@@ -85,6 +87,11 @@ void check_whole(const ParamInfo& p, const char* what) {
   DS_CHECK(p.shape == p.global_shape,
            "{} handles whole tensors, but this process holds parameter '{}' as a piece {} of the global {}; "
            "gather or scatter it through the parallel layer", what, p.name, p.shape.str(), p.global_shape.str());
+}
+
+// A tensor-parallel piece: filled from, or gathered into, its global tensor.
+bool is_tensor_piece(const ParamInfo& p) {
+  return p.placement.kind == Placement::Kind::Shard && p.placement.axis == "tensor";
 }
 
 }  // namespace
@@ -195,7 +202,7 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg) {
   // Names first, so that a config that does not fit the checkpoint shows every mismatch.
   std::vector<std::string> missing, unexpected;
   for (const ParamInfo& p : reg.all()) {
-    check_whole(p, "load_hf_weights");
+    if (!is_tensor_piece(p)) check_whole(p, "load_hf_weights");
     if (!w.has(p.name)) missing.push_back(p.name);
   }
   const bool tied = reg.find(kHead) < 0 && reg.find(kEmbed) >= 0;
@@ -232,12 +239,30 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg) {
              "intermediate_size, vocab_size, num_attention_heads, num_key_value_heads) matches the checkpoint",
              p.name, w.file_of(p.name), file_shape.str(), p.global_shape.str());
   }
+  // A tensor-parallel piece is cut out of its global tensor, read one at a time.
+  int64_t largest_piece_global = 0;
+  for (const ParamInfo& p : reg.all()) {
+    if (is_tensor_piece(p)) largest_piece_global = std::max(largest_piece_global, p.global_shape.numel());
+  }
+  Buffer global;
+  if (largest_piece_global > 0) {
+    global = Buffer("load_hf.global", MemCategory::Workspace, DType::F32, largest_piece_global, Device::cpu());
+  }
   // A NaN or Inf would make every training step non-finite; caught here, it names its file.
+  // Pieces are checked as global tensors, so that every rank reaches the same verdict.
   std::vector<std::string> non_finite;
   for (int id = 0; id < reg.size(); ++id) {
-    const std::string& name = reg.info(id).name;
-    const Tensor t = reg.param(id);
-    w.read_f32(name, t);
+    const ParamInfo& p = reg.info(id);
+    const std::string& name = p.name;
+    Tensor t = reg.param(id);
+    if (is_tensor_piece(p)) {
+      const Tensor whole = global.tensor(0, p.global_shape);
+      w.read_f32(name, whole);
+      extract_local(p, whole, t);
+      t = whole;
+    } else {
+      w.read_f32(name, t);
+    }
     ++stats.loaded;
     const int64_t n = ops::read_count_non_finite(t);
     if (n > 0) {
@@ -274,7 +299,9 @@ DType dtype_from_torch_name(const std::string& name) {
 }
 
 void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const json& config_json,
-                     int64_t max_shard_bytes, DType dtype) {
+                     int64_t max_shard_bytes, DType dtype, Communicator* tp) {
+  // With a tensor group, its rank 0 writes and every rank gathers the pieces with it.
+  const bool root = tp == nullptr || tp->rank() == 0;
   DS_CHECK(max_shard_bytes > 0, "save_hf_weights('{}'): max_shard_bytes must be positive, got {}", dir,
            max_shard_bytes);
   const std::string torch_dtype = torch_dtype_name(dtype);
@@ -291,8 +318,9 @@ void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const jso
   std::vector<std::vector<int>> shards;
   int64_t total = 0, shard_bytes = 0;
   for (int id : ids) {
-    check_whole(reg.info(id), "save_hf_weights");
-    const int64_t bytes = reg.param(id).numel() * int64_t(dtype_size(dtype));
+    const ParamInfo& p = reg.info(id);
+    if (!(tp && is_tensor_piece(p))) check_whole(p, "save_hf_weights");
+    const int64_t bytes = p.global_shape.numel() * int64_t(dtype_size(dtype));
     if (shards.empty() || (shard_bytes > 0 && shard_bytes + bytes > max_shard_bytes)) {
       shards.emplace_back();
       shard_bytes = 0;
@@ -302,14 +330,33 @@ void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const jso
     total += bytes;
   }
   // A 16-bit save converts one shard at a time (ops::cast rounds to nearest even), so the
-  // extra memory is one shard's.
-  std::vector<Buffer> converted;
+  // extra memory is one shard's; a tensor-parallel one gathers one shard's global tensors at a
+  // time (the other ranks of the group one tensor's).
+  std::vector<Buffer> converted, gathered;
+  Buffer scratch;
   auto tensors_of = [&](const std::vector<int>& group) {
     std::vector<std::pair<std::string, Tensor>> out;
     converted.clear();
     converted.reserve(group.size());
+    gathered.clear();
+    gathered.reserve(group.size());
     for (int id : group) {
-      const Tensor master = reg.param(id).view(reg.info(id).global_shape);
+      const ParamInfo& p = reg.info(id);
+      Tensor master;
+      if (tp && is_tensor_piece(p)) {
+        const int64_t n = p.global_shape.numel();
+        if (root) {
+          gathered.emplace_back("save_hf.gathered", MemCategory::Workspace, DType::F32, n, Device::cpu());
+          master = gathered.back().tensor(0, p.global_shape);
+        } else {
+          if (scratch.numel() < n) scratch = Buffer("save_hf.gathered", MemCategory::Workspace, DType::F32, n, Device::cpu());
+          master = scratch.tensor(0, p.global_shape);
+        }
+        gather_global(p, reg.param(id), tp, master);
+      } else {
+        master = reg.param(id).view(p.global_shape);
+      }
+      if (!root) continue;
       if (dtype == DType::F32) {
         out.emplace_back(reg.info(id).name, master);
         continue;
@@ -323,46 +370,77 @@ void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const jso
   };
   const std::map<std::string, std::string> metadata{{"format", "pt"}};  // transformers checks it
 
-  const fs::path d(dir);
-  std::error_code ec;
-  fs::create_directories(d, ec);
-  DS_CHECK(!ec, "cannot create the directory '{}': {}", dir, ec.message());
-  json config = config_json;
-  if (config.is_object() && (config.contains("torch_dtype") || dtype != DType::F32)) config["torch_dtype"] = torch_dtype;
-  write_text_file_atomically((d / "config.json").string(), config.dump(2) + "\n");
+  // The files are the root's to write. In a tensor group its first failure is kept while the
+  // others go on gathering with it, and all raise it at the end, together.
+  std::string failure;
+  auto on_root = [&](const auto& write) {
+    if (!root || !failure.empty()) return;
+    if (!tp) return write();
+    try {
+      write();
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  };
 
-  // Readers find shards through the index: without it an interrupted save fails to load
-  // instead of loading a mix of two saves.
-  remove_if_present(d / kIndexFile);
+  const fs::path d(dir);
+  on_root([&] {
+    std::error_code ec;
+    fs::create_directories(d, ec);
+    DS_CHECK(!ec, "cannot create the directory '{}': {}", dir, ec.message());
+    json config = config_json;
+    if (config.is_object() && (config.contains("torch_dtype") || dtype != DType::F32)) config["torch_dtype"] = torch_dtype;
+    write_text_file_atomically((d / "config.json").string(), config.dump(2) + "\n");
+    // Readers find shards through the index: without it an interrupted save fails to load
+    // instead of loading a mix of two saves.
+    remove_if_present(d / kIndexFile);
+  });
   std::set<std::string> written;
   if (total <= max_shard_bytes) {
-    write_safetensors((d / kSingleFile).string(), tensors_of(ids), metadata);
-    written.insert(kSingleFile);
+    const auto tensors = tensors_of(ids);
+    on_root([&] {
+      write_safetensors((d / kSingleFile).string(), tensors, metadata);
+      written.insert(kSingleFile);
+    });
   } else {
-    remove_if_present(d / kSingleFile);
+    on_root([&] { remove_if_present(d / kSingleFile); });
     json weight_map = json::object();
     for (size_t i = 0; i < shards.size(); ++i) {
       const std::string name = fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, shards.size());
-      write_safetensors((d / name).string(), tensors_of(shards[i]), metadata);
-      for (int id : shards[i]) weight_map[reg.info(id).name] = name;
-      written.insert(name);
+      const auto tensors = tensors_of(shards[i]);
+      on_root([&] {
+        write_safetensors((d / name).string(), tensors, metadata);
+        for (int id : shards[i]) weight_map[reg.info(id).name] = name;
+        written.insert(name);
+      });
     }
-    const json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-    write_text_file_atomically((d / kIndexFile).string(), index.dump(2) + "\n");
-    written.insert(kIndexFile);
+    on_root([&] {
+      const json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+      write_text_file_atomically((d / kIndexFile).string(), index.dump(2) + "\n");
+      written.insert(kIndexFile);
+    });
   }
 
   // What an earlier save with another sharding (or an interrupted one) left behind.
-  std::vector<fs::path> stale;
-  fs::directory_iterator entries(d, ec);
-  DS_CHECK(!ec, "cannot list '{}' to remove an earlier save's files: {}", dir, ec.message());
-  for (const fs::directory_entry& e : entries) {
-    std::string name = e.path().filename().string();
-    const bool tmp = name.ends_with(".tmp");
-    if (tmp) name.resize(name.size() - 4);
-    if (is_weight_file(name) && (tmp || !written.count(name))) stale.push_back(e.path());
+  on_root([&] {
+    std::error_code ec;
+    std::vector<fs::path> stale;
+    fs::directory_iterator entries(d, ec);
+    DS_CHECK(!ec, "cannot list '{}' to remove an earlier save's files: {}", dir, ec.message());
+    for (const fs::directory_entry& e : entries) {
+      std::string name = e.path().filename().string();
+      const bool tmp = name.ends_with(".tmp");
+      if (tmp) name.resize(name.size() - 4);
+      if (is_weight_file(name) && (tmp || !written.count(name))) stale.push_back(e.path());
+    }
+    for (const fs::path& p : stale) remove_if_present(p);
+  });
+  if (tp) {
+    const std::vector<std::string> failures = all_gather_strings(*tp, failure);
+    if (!failures[0].empty()) {
+      throw Error(tp->size() > 1 ? fmt::format("{} (on tensor rank 0)", failures[0]) : failures[0]);
+    }
   }
-  for (const fs::path& p : stale) remove_if_present(p);
 }
 
 }  // namespace dstrain

@@ -15,6 +15,8 @@
 
 namespace dstrain {
 
+class Communicator;  // comm/comm.h
+
 // All tensors of one Hugging Face checkpoint, whichever files they are spread over.
 class HFWeights {
  public:
@@ -56,8 +58,10 @@ struct HFLoadStats {
 // Reads every registry parameter from the Hugging Face weights at `path` (see HFWeights).
 // Each must be present with exactly its global shape; tensors the registry does not have
 // are an error, except rotary inv_freq buffers and, for tied embeddings, an lm_head.weight
-// bitwise equal to model.embed_tokens.weight. Parameters must be whole (not sharded) and
-// in host memory.
+// bitwise equal to model.embed_tokens.weight. Parameters must be in host memory, whole or
+// tensor-parallel pieces (placement Shard over "tensor"): a piece is cut out of its global
+// tensor (extract_local; one global tensor of transient memory), so every rank of any
+// layout loads the same files, without communication.
 HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg);
 
 // Writes `reg` as a Hugging Face checkpoint in `dir`: config.json, then model.safetensors,
@@ -66,8 +70,15 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg);
 // written in `dtype` (F32, BF16 or F16: the fp32 masters rounded to nearest even), sorted by
 // name, and config.json's torch_dtype says so. Weight files of an earlier save with another
 // sharding are removed.
+//
+// Without `tp` the caller is one process with whole parameters. With `tp`, a tensor-parallel
+// model: every rank of that tensor group calls it (collective; one group, e.g. data
+// coordinate 0's), each sharded tensor is gathered (gather_global) and tp's rank 0 writes the
+// same files as a whole model's; it holds one shard's global tensors at a time, the other
+// ranks one tensor. A failure is raised on every rank of the group.
 void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const json& config_json,
-                     int64_t max_shard_bytes = int64_t(5) << 30, DType dtype = DType::F32);
+                     int64_t max_shard_bytes = int64_t(5) << 30, DType dtype = DType::F32,
+                     Communicator* tp = nullptr);
 
 // Hugging Face's torch_dtype names: "float32", "bfloat16", "float16".
 std::string torch_dtype_name(DType dtype);

@@ -198,6 +198,7 @@ double CheckpointManager::save(const ParamRegistry& reg, const CheckpointBuffers
   snap.exp_avg_sq = live.exp_avg_sq ? snap_v_.data<float>() : nullptr;
   snap.piece_offsets = live.piece_offsets;
   snap.numel = live.numel;
+  snap.partition = live.partition;  // a copy of what it captured: the writer thread may call it
   writer_error_.clear();
   writer_ = std::thread([this, &reg, snap, state] {
     try {
@@ -262,7 +263,10 @@ void CheckpointManager::write_and_publish(const ParamRegistry& reg, CheckpointBu
   throw_if_any_rank_failed(comm, error);
   newest_step_ = state.step;
   const double secs = seconds_since(t0);
-  const double bytes = double(reg.values().numel()) * 4.0 * (bufs.exp_avg ? 3.0 : 1.0);
+  // The global tensors' bytes (a rank's registry may hold only its pieces of them).
+  double elements = 0;
+  for (const ParamInfo& p : reg.all()) elements += double(p.global_shape.numel());
+  const double bytes = elements * 4.0 * (bufs.exp_avg ? 3.0 : 1.0);
   log::info("checkpoint {} written in {:.2f} s ({:.0f} MB, {:.0f} MB/s)", final_path, secs, bytes / 1e6,
             bytes / 1e6 / std::max(secs, 1e-9));
 }

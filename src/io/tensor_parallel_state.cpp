@@ -1,0 +1,293 @@
+// Global tensors from tensor-parallel pieces and back, and the staging that lets checkpoints of
+// a tensor-parallel model hold global tensors (see tensor_parallel_state.h).
+#include "io/tensor_parallel_state.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace dstrain {
+
+namespace {
+
+bool is_whole(const ParamInfo& p) { return p.placement.kind == Placement::Kind::Whole; }
+
+// The placements this file handles, checked against the shapes, so that a registration that
+// does not describe its piece fails here rather than copying the wrong elements.
+void check_piece(const ParamInfo& p) {
+  const Placement& pl = p.placement;
+  if (is_whole(p)) {
+    DS_CHECK(p.shape == p.global_shape, "'{}' is placed whole but holds {} of the global {}", p.name, p.shape.str(),
+             p.global_shape.str());
+    return;
+  }
+  DS_CHECK(pl.kind == Placement::Kind::Shard && pl.axis == "tensor",
+           "'{}' is placed as a {} over axis '{}': global tensors are assembled only from whole parameters and "
+           "tensor-parallel shards",
+           p.name, pl.kind == Placement::Kind::Shard ? "shard" : pl.kind == Placement::Kind::Expert ? "expert" : "flat range",
+           pl.axis);
+  const int nd = p.global_shape.ndim();
+  DS_CHECK((pl.dim == 0 && nd >= 1) || (pl.dim == 1 && nd == 2),
+           "'{}' {} is split along dimension {}: tensor-parallel pieces are split along dimension 0, or 1 of a matrix",
+           p.name, p.global_shape.str(), pl.dim);
+  DS_CHECK(pl.count >= 1 && pl.index >= 0 && pl.index < pl.count, "'{}' is piece {} of {}", p.name, pl.index, pl.count);
+  bool fits = p.shape.ndim() == nd;
+  for (int d = 0; fits && d < nd; ++d) fits = p.global_shape[d] == (d == pl.dim ? pl.count : 1) * p.shape[d];
+  DS_CHECK(fits, "'{}' holds {} as piece {} of {} along dimension {} of the global {}: the pieces must be equal", p.name,
+           p.shape.str(), pl.index, pl.count, pl.dim, p.global_shape.str());
+}
+
+// A Shard's count must divide the tensor-parallel size; tensor rank t then holds piece
+// t * count / tp.
+void check_rank(const ParamInfo& p, int tp_rank, int tp_size) {
+  const int64_t c = p.placement.count;
+  DS_CHECK(tp_size % c == 0,
+           "'{}' is split into {} pieces over {} tensor-parallel ranks: the number of pieces must divide the ranks",
+           p.name, c, tp_size);
+  DS_CHECK(p.placement.index == int64_t(tp_rank) * c / tp_size,
+           "'{}' is piece {} of {} on tensor rank {} of {}, which holds piece {}", p.name, p.placement.index, c, tp_rank,
+           tp_size, int64_t(tp_rank) * c / tp_size);
+}
+
+void check_tensors(const ParamInfo& p, Tensor local, Tensor global) {
+  DS_CHECK(local.dtype() == DType::F32 && global.dtype() == DType::F32 && local.device().is_cpu() &&
+               global.device().is_cpu(),
+           "'{}': global tensors are assembled from host F32 pieces", p.name);
+  DS_CHECK(local.numel() == p.shape.numel() && global.numel() == p.global_shape.numel(),
+           "'{}': a piece of {} elements and a global tensor of {} for shapes {} and {}", p.name, local.numel(),
+           global.numel(), p.shape.str(), p.global_shape.str());
+}
+
+// Copies between piece i of a sharded parameter's global tensor and a contiguous piece.
+void copy_piece(const ParamInfo& p, int64_t i, float* global, float* piece, bool into_global) {
+  const int64_t L = p.shape.numel();
+  if (p.placement.dim == 0) {
+    float* g = global + i * L;
+    std::memcpy(into_global ? g : piece, into_global ? piece : g, size_t(L) * sizeof(float));
+    return;
+  }
+  const int64_t rows = p.shape[0], width = p.shape[1], stride = p.global_shape[1];
+  for (int64_t r = 0; r < rows; ++r) {
+    float* g = global + r * stride + i * width;
+    float* l = piece + r * width;
+    std::memcpy(into_global ? g : l, into_global ? l : g, size_t(width) * sizeof(float));
+  }
+}
+
+// Whether the rows tensor rank t stages (block t of tp) are its own piece: a dim-0 piece with
+// one piece per rank.
+bool block_is_own_piece(const ParamInfo& p, int tp_size) {
+  return !is_whole(p) && p.placement.dim == 0 && p.placement.count == tp_size;
+}
+
+}  // namespace
+
+void gather_global(const ParamInfo& p, Tensor local, Communicator* tp, Tensor global) {
+  check_piece(p);
+  check_tensors(p, local, global);
+  float* src = local.data<float>();
+  float* dst = global.data<float>();
+  const int T = tp ? tp->size() : 1;
+  if (is_whole(p)) {
+    std::memcpy(dst, src, global.nbytes());
+    return;
+  }
+  const int t = tp ? tp->rank() : 0;
+  check_rank(p, t, T);
+  const int64_t c = p.placement.count, L = local.numel();
+  if (T == 1) {  // count 1: the piece is the tensor
+    copy_piece(p, 0, dst, src, /*into_global=*/true);
+    return;
+  }
+  const Tensor piece = local.view(Shape{L});
+  if (c == T && p.placement.dim == 0) {  // rank order is row order
+    tp->all_gather(global.view(Shape{int64_t(T) * L}), piece);
+    return;
+  }
+  Buffer all("tensor_parallel.gather", MemCategory::CommBuffers, DType::F32, int64_t(T) * L);
+  tp->all_gather(all.tensor(), piece);
+  // Ranks i*T/c .. (i+1)*T/c - 1 hold piece i: the first one's copy is taken.
+  for (int64_t i = 0; i < c; ++i) copy_piece(p, i, dst, all.data<float>() + (i * T / c) * L, /*into_global=*/true);
+}
+
+void extract_local(const ParamInfo& p, Tensor global, Tensor local) {
+  check_piece(p);
+  check_tensors(p, local, global);
+  if (is_whole(p)) {
+    std::memcpy(local.data<float>(), global.data<float>(), global.nbytes());
+    return;
+  }
+  copy_piece(p, p.placement.index, global.data<float>(), local.data<float>(), /*into_global=*/false);
+}
+
+void extract_local(const ParamInfo& p, Tensor global, int tp_rank, int tp_size, Tensor local) {
+  check_piece(p);
+  if (!is_whole(p)) check_rank(p, tp_rank, tp_size);
+  extract_local(p, global, local);
+}
+
+// ---- TensorParallelCheckpoint ----------------------------------------------------------
+
+TensorParallelCheckpoint::TensorParallelCheckpoint(const ParamRegistry& reg, ProcessGrid& grid)
+    : reg_(reg), tensor_(grid.comm(Axis::Tensor)), data_(grid.comm(Axis::Data)) {
+  DS_CHECK(grid.size(Axis::Pipeline) == 1,
+           "checkpoints of tensor-parallel models are written by the data-0 tensor group of a single pipeline stage; "
+           "pipeline parallelism ({} stages) is not handled", grid.size(Axis::Pipeline));
+  tp_size_ = grid.size(Axis::Tensor);
+  tp_rank_ = grid.coord(Axis::Tensor);
+  io_rank_ = grid.coord(Axis::Data) == 0 && grid.coord(Axis::Pipeline) == 0;
+  auto globals = std::make_shared<std::vector<Shape>>();
+  auto offsets = std::make_shared<std::vector<int64_t>>();
+  int64_t n = 0;
+  for (const ParamInfo& p : reg.all()) {
+    check_piece(p);
+    if (!is_whole(p)) check_rank(p, tp_rank_, tp_size_);
+    globals->push_back(p.global_shape);
+    offsets->push_back(n);
+    if (io_rank_) n += row_piece(p.global_shape, tp_rank_, tp_size_).elems();
+  }
+  offsets_ = std::move(offsets);
+  numel_ = std::max<int64_t>(n, 1);
+  // World rank r = (pipeline * data + d) * tp + t: the data-0 ranks 0..tp-1 come first, and
+  // their blocks 0..tp-1 tile every tensor in rank order.
+  const int tp = tp_size_, dp = grid.size(Axis::Data), world = grid.world_size();
+  partition_ = [globals, tp, dp, world](int id, int rank) {
+    DS_CHECK(rank >= 0 && rank < world,
+             "checkpoint of a tensor-parallel model: rank {} of the checkpoint communicator is outside the grid's {} "
+             "ranks; use a communicator ranked as the grid's world",
+             rank, world);
+    const Shape& g = globals->at(size_t(id));
+    const int t = rank % tp, d = (rank / tp) % dp, pipeline = rank / (tp * dp);
+    if (d == 0 && pipeline == 0) return row_piece(g, t, tp);
+    RowPiece none = row_piece(g, 0, 1);
+    none.rows = 0;
+    return none;
+  };
+}
+
+void TensorParallelCheckpoint::allocate(int groups) {
+  static constexpr const char* kLabels[3] = {"checkpoint.tensor_parallel.values", "checkpoint.tensor_parallel.exp_avg",
+                                             "checkpoint.tensor_parallel.exp_avg_sq"};
+  for (int g = 0; g < groups; ++g) {
+    if (staged_[g].numel() != numel_) staged_[g] = Buffer(kLabels[g], MemCategory::Checkpoint, DType::F32, numel_);
+  }
+}
+
+void TensorParallelCheckpoint::release() {
+  for (Buffer& b : staged_) b = Buffer();
+  read_groups_ = 0;
+}
+
+CheckpointBuffers TensorParallelCheckpoint::stage(const float* values, const float* exp_avg, const float* exp_avg_sq) {
+  DS_CHECK(values != nullptr, "TensorParallelCheckpoint::stage: no values to stage");
+  DS_CHECK((exp_avg == nullptr) == (exp_avg_sq == nullptr),
+           "TensorParallelCheckpoint::stage: give both AdamW moments or neither");
+  const int groups = exp_avg ? 3 : 1;
+  allocate(groups);
+  const float* src[3] = {values, exp_avg, exp_avg_sq};
+  if (io_rank_) {
+    // Row blocks of a dim-0 piece lie inside the piece (count divides tp); whole parameters
+    // are here whole; only dim-1 pieces are gathered, one global tensor at a time.
+    int64_t gathered = 0;
+    for (const ParamInfo& p : reg_.all()) {
+      if (!is_whole(p) && p.placement.dim == 1) gathered = std::max(gathered, p.global_shape.numel());
+    }
+    Buffer global;
+    if (gathered > 0) global = Buffer("checkpoint.tensor_parallel.global", MemCategory::Checkpoint, DType::F32, gathered);
+    for (int g = 0; g < groups; ++g) {
+      float* staged = staged_[g].data<float>();
+      for (int id = 0; id < reg_.size(); ++id) {
+        const ParamInfo& p = reg_.info(id);
+        const RowPiece block = row_piece(p.global_shape, tp_rank_, tp_size_);
+        float* dst = staged + (*offsets_)[size_t(id)];
+        const float* local = src[g] + p.offset;
+        const float* from = nullptr;
+        if (is_whole(p)) {
+          from = local + block.elem_begin();
+        } else if (p.placement.dim == 0) {
+          from = local + (block.elem_begin() - p.placement.index * p.shape.numel());
+        } else {
+          const Tensor whole = global.tensor(0, p.global_shape);
+          gather_global(p, Tensor(const_cast<float*>(local), DType::F32, p.shape), &tensor_, whole);
+          from = whole.data<float>() + block.elem_begin();
+        }
+        std::memcpy(dst, from, size_t(block.elems()) * sizeof(float));
+      }
+    }
+  }
+  CheckpointBuffers b;
+  b.values = staged_[0].data<float>();
+  b.exp_avg = groups == 3 ? staged_[1].data<float>() : nullptr;
+  b.exp_avg_sq = groups == 3 ? staged_[2].data<float>() : nullptr;
+  b.piece_offsets = offsets_;
+  b.numel = numel_;
+  b.partition = partition_;
+  return b;
+}
+
+CheckpointTargets TensorParallelCheckpoint::targets(bool with_moments) {
+  read_groups_ = with_moments ? 3 : 1;
+  allocate(read_groups_);
+  CheckpointTargets t;
+  t.values = staged_[0].data<float>();
+  t.exp_avg = with_moments ? staged_[1].data<float>() : nullptr;
+  t.exp_avg_sq = with_moments ? staged_[2].data<float>() : nullptr;
+  t.piece_offsets = offsets_;
+  t.partition = partition_;
+  return t;
+}
+
+void TensorParallelCheckpoint::unstage(float* values, float* exp_avg, float* exp_avg_sq) {
+  DS_CHECK(values != nullptr, "TensorParallelCheckpoint::unstage: no values to fill");
+  DS_CHECK((exp_avg == nullptr) == (exp_avg_sq == nullptr),
+           "TensorParallelCheckpoint::unstage: give both AdamW moments or neither");
+  const int groups = exp_avg ? 3 : 1;
+  DS_CHECK(read_groups_ >= groups,
+           "TensorParallelCheckpoint::unstage: {} read into targets({}); call targets(true) before reading "
+           "the optimizer state",
+           read_groups_ == 0 ? "nothing was" : "only the model was", read_groups_ == 3);
+  float* dst[3] = {values, exp_avg, exp_avg_sq};
+  if (io_rank_) {
+    int64_t gathered = 0;
+    for (const ParamInfo& p : reg_.all()) {
+      if (!is_whole(p) && !block_is_own_piece(p, tp_size_)) gathered = std::max(gathered, p.global_shape.numel());
+    }
+    Buffer global;
+    if (gathered > 0) global = Buffer("checkpoint.tensor_parallel.global", MemCategory::Checkpoint, DType::F32, gathered);
+    std::vector<int64_t> counts(static_cast<size_t>(tp_size_));
+    for (int g = 0; g < groups; ++g) {
+      float* staged = staged_[g].data<float>();
+      for (int id = 0; id < reg_.size(); ++id) {
+        const ParamInfo& p = reg_.info(id);
+        const RowPiece block = row_piece(p.global_shape, tp_rank_, tp_size_);
+        float* blocks = staged + (*offsets_)[size_t(id)];
+        float* local = dst[g] + p.offset;
+        if (block_is_own_piece(p, tp_size_)) {
+          std::memcpy(local, blocks, size_t(block.elems()) * sizeof(float));
+          continue;
+        }
+        for (int r = 0; r < tp_size_; ++r) counts[size_t(r)] = row_piece(p.global_shape, r, tp_size_).elems();
+        const Tensor mine(blocks, DType::F32, Shape{block.elems()});
+        const int64_t G = p.global_shape.numel();
+        if (is_whole(p)) {
+          tensor_.all_gather_v_async(Tensor(local, DType::F32, Shape{G}), mine, counts).wait();
+          continue;
+        }
+        const Tensor whole = global.tensor(0, p.global_shape);
+        tensor_.all_gather_v_async(whole.view(Shape{G}), mine, counts).wait();
+        extract_local(p, whole, tp_rank_, tp_size_, Tensor(local, DType::F32, p.shape));
+      }
+    }
+  }
+  // The data-parallel replicas hold the same pieces: data coordinate 0's.
+  if (data_.size() > 1) {
+    constexpr int64_t kChunk = int64_t(1) << 28;  // elements per broadcast, well inside one MPI call
+    const int64_t n = reg_.flat_numel();
+    for (int g = 0; g < groups; ++g) {
+      for (int64_t b = 0; b < n; b += kChunk) {
+        data_.broadcast(Tensor(dst[g] + b, DType::F32, Shape{std::min(kChunk, n - b)}), 0);
+      }
+    }
+  }
+}
+
+}  // namespace dstrain

@@ -1,0 +1,91 @@
+// The global tensors of a tensor-parallel model: assembling them from the ranks' pieces, cutting
+// a rank's piece out of them, and staging them for checkpoints, so that files hold global
+// tensors and a run restarts at any tensor-parallel size.
+//
+// A piece is what ParamInfo::placement says: Whole (replicated over the tensor group), or
+// Shard over axis "tensor": piece `index` of `count` equal pieces of the global tensor along
+// `dim` (0 for any rank of tensor, 1 for matrices). `count` divides the tensor-parallel size
+// tp; where it is smaller (grouped-query attention with fewer key/value heads than tensor
+// ranks) tensor rank t holds piece t * count / tp, the same as its neighbours.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "comm/grid.h"
+#include "core/buffer.h"
+#include "io/checkpoint.h"
+#include "state/params.h"
+
+namespace dstrain {
+
+// global (p.global_shape) = p's pieces of every rank of `tp`, on every rank of `tp` (collective
+// over it for sharded parameters; a whole one is copied without communication). tp null or
+// of size 1: a copy. Host F32 tensors; `local` has p.shape.
+void gather_global(const ParamInfo& p, Tensor local, Communicator* tp, Tensor global);
+
+// local (p.shape) = the piece that tensor rank tp_rank of tp_size holds of `global`
+// (p.global_shape). No communication; the placement must be the one of that rank.
+void extract_local(const ParamInfo& p, Tensor global, int tp_rank, int tp_size, Tensor local);
+// The same, for the piece p's placement names (whichever ranks hold it).
+void extract_local(const ParamInfo& p, Tensor global, Tensor local);
+
+// Checkpoints of a tensor-parallel model, through global tensors. Writing: the ranks of data
+// coordinate 0 write, tensor rank t rows block t of tp (RowPiece(global, t, tp)) of every
+// global tensor; every other rank writes nothing. World rank r = (pipeline * data + d) * tp + t,
+// so ranks 0..tp-1 come first and their blocks tile each tensor in rank order: that is the
+// partition write_checkpoint gets. Reading uses the same partition, then rebuilds each rank's
+// pieces and hands them to the data-parallel replicas.
+//
+// The checkpoint communicator must rank processes as the grid's world does (CheckpointManager's
+// io_comm, a duplicate of the world). Parameters must be Whole or tensor Shards; pipeline
+// parallelism and ZeRO-sharded state are not handled here.
+//
+//   save:   mgr.save(reg, tpc.stage(values, m, v), state)           every rank
+//   resume: read_checkpoint(path, comm, reg, tpc.targets(true));
+//           tpc.unstage(values, m, v)                                every rank
+class TensorParallelCheckpoint {
+ public:
+  TensorParallelCheckpoint(const ParamRegistry& reg, ProcessGrid& grid);
+
+  // Copies this rank's row blocks of every global tensor into the staging buffers (the data-0
+  // tensor group gathers each global tensor in turn: one global tensor of transient memory;
+  // the other ranks stage nothing). Collective over each tensor group. The flat buffers are
+  // in the registry's layout (local pieces); exp_avg and exp_avg_sq may be null together.
+  // The result points into this object: valid until its next stage() or targets().
+  CheckpointBuffers stage(const float* values, const float* exp_avg, const float* exp_avg_sq);
+
+  // Where read_checkpoint puts this rank's row blocks (the same partition as stage's).
+  CheckpointTargets targets(bool with_moments);
+
+  // After read_checkpoint into targets(): each rank's local pieces, in the registry's layout,
+  // on every rank (the data-0 tensor group assembles each global tensor from the blocks and
+  // keeps its pieces; data coordinate 0 broadcasts them over the data axis). exp_avg and
+  // exp_avg_sq are filled when given (and read).
+  void unstage(float* values, float* exp_avg, float* exp_avg_sq);
+
+  // Whether this rank writes and reads rows (data coordinate 0).
+  bool io_rank() const { return io_rank_; }
+  // Elements of each staging buffer (at least 1, so that a rank without rows still passes
+  // non-null buffers).
+  int64_t staged_numel() const { return numel_; }
+  // Frees the staging buffers (they are made again on the next use).
+  void release();
+
+ private:
+  void allocate(int groups);
+
+  const ParamRegistry& reg_;
+  Communicator& tensor_;
+  Communicator& data_;
+  int tp_size_ = 1, tp_rank_ = 0;
+  bool io_rank_ = false;
+  std::shared_ptr<const std::vector<int64_t>> offsets_;  // per parameter, into the staging buffers
+  int64_t numel_ = 1;
+  CheckpointPartition partition_;
+  Buffer staged_[3];  // values, exp_avg, exp_avg_sq: this rank's row blocks
+  int read_groups_ = 0;  // groups that targets() asked read_checkpoint to fill
+};
+
+}  // namespace dstrain
