@@ -22,6 +22,7 @@ ParallelConfig ParallelConfig::from_json(const JsonReader& r) {
   c.tensor = r.get<int64_t>("tensor", 1);
   c.pipeline = r.get<int64_t>("pipeline", 1);
   c.expert = r.get<int64_t>("expert", 1);
+  c.sequence_parallel = r.get<bool>("sequence_parallel", false);
   if (c.data < 0) r.error("data", "must be positive (or \"auto\")");
   for (auto [key, v] : {std::pair{"tensor", c.tensor}, {"pipeline", c.pipeline}, {"expert", c.expert}}) {
     if (v < 1) r.error(key, "must be >= 1");
@@ -32,7 +33,7 @@ ParallelConfig ParallelConfig::from_json(const JsonReader& r) {
 
 json ParallelConfig::to_json() const {
   return {{"data", data == 0 ? json("auto") : json(data)}, {"tensor", tensor}, {"pipeline", pipeline},
-          {"expert", expert}};
+          {"expert", expert}, {"sequence_parallel", sequence_parallel}};
 }
 
 ProcessGrid::ProcessGrid(MPI_Comm world, const ParallelConfig& config) {
@@ -88,7 +89,7 @@ ProcessGrid::ProcessGrid(MPI_Comm world, const ParallelConfig& config) {
 }
 
 void require_implemented_axes(const ProcessGrid& grid) {
-  for (Axis a : {Axis::Tensor, Axis::Pipeline, Axis::Expert}) {
+  for (Axis a : {Axis::Pipeline, Axis::Expert}) {
     const std::string_view axis = axis_name(a);
     if (grid.size(a) != 1) {
       throw Error(fmt::format("parallel.{} = {}: {} parallelism is not implemented in this build of dstrain; set "

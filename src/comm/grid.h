@@ -25,11 +25,13 @@ std::string_view axis_name(Axis a);
 // The "parallel" part of the run configuration. data = 0 means "what is left".
 struct ParallelConfig {
   int64_t data = 0, tensor = 1, pipeline = 1, expert = 1;
+  // Megatron's sequence parallelism over the tensor group (no effect with tensor = 1).
+  bool sequence_parallel = false;
   static ParallelConfig from_json(const JsonReader& r);
   json to_json() const;
 };
 
-// Axes whose parallelism this build does not implement yet (tensor, pipeline, expert > 1) are
+// Axes whose parallelism this build does not implement yet (pipeline, expert > 1) are
 // an error, raised alike on every rank: the trainer calls it, so that the grid itself can
 // describe every layout.
 void require_implemented_axes(const class ProcessGrid& grid);

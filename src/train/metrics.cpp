@@ -156,6 +156,7 @@ struct Metrics::Impl {
   // MoE runs: the busiest expert over the mean (worst layer), dead experts (all layers), and
   // the share of the step in routing and permutation.
   std::vector<double> moe_load, moe_dead, moe_share;
+  std::vector<double> tp_share;  // tensor-group collectives over the step
   int64_t checkpoints = 0;
   int64_t last_warn_step[4] = {-1000000, -1000000, -1000000, -1000000};
   double peak_flops = 0;  // what the endpoint thread shows
@@ -333,6 +334,7 @@ void Metrics::on_step(const StepMetrics& m) {
       impl_->moe_dead.push_back(dead);
       impl_->moe_share.push_back((m.extra.value("moe_route_s", 0.0) + m.extra.value("moe_permute_s", 0.0)) / t);
     }
+    if (m.extra.contains("tensor_parallel")) impl_->tp_share.push_back(m.extra["tensor_parallel"].value("comm_s", 0.0) / t);
   }
   warn_if_abnormal(m);
   print_progress(m);
@@ -465,6 +467,14 @@ std::string Metrics::prometheus_text() const {
          {{"{stat=\"max\"}", s.max}, {"{stat=\"min\"}", s.min}, {"{stat=\"mean\"}", s.mean}});
   metric("dstrain_slowest_rank", "gauge", "The rank with the longest last step.", {{"", double(s.slowest)}});
   if (impl_->last_eval >= 0) metric("dstrain_eval_loss", "gauge", "Last evaluation loss.", {{"", impl_->last_eval}});
+  if (impl_->last_extra.contains("tensor_parallel")) {
+    const json& tp = impl_->last_extra["tensor_parallel"];
+    metric("dstrain_tensor_parallel_comm_seconds", "gauge",
+           "Rank 0's time in the tensor group's collectives in the last step (on the critical path).",
+           {{"", tp.value("comm_s", 0.0)}});
+    metric("dstrain_tensor_parallel_comm_bytes", "gauge", "Payload bytes of rank 0's tensor-group collectives in the last step.",
+           {{"", tp.value("comm_bytes", 0.0)}});
+  }
   if (impl_->last_extra.contains("moe")) {
     std::vector<std::pair<std::string, double>> load, dead, aux;
     for (const auto& [layer, v] : impl_->last_extra["moe"].items()) {
@@ -524,6 +534,12 @@ std::string Metrics::summary_table() const {
                     load < 2.0});
     rows.push_back({"dead experts (last step, all layers)", fmt::format("{:.0f}", dead), "0", dead == 0});
     rows.push_back({"MoE routing + permutation", pct(share), "< 10% of a step", share < 0.10});
+  }
+  if (!impl_->tp_share.empty()) {
+    // Blocking and on the critical path: Megatron-style tensor parallelism inside an NVLink node
+    // spends 10-20% of a step here; over a slower link it is the first thing to look at.
+    const double share = median(impl_->tp_share);
+    rows.push_back({"tensor-parallel communication", pct(share), "< 25% of a step", share < 0.25});
   }
   std::string out = fmt::format("{:<46} {:>14}  {:<42} {}\n", "metric", "value", "normal range", "verdict");
   for (const Row& r : rows) {

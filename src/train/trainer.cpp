@@ -19,6 +19,7 @@
 #include "core/log.h"
 #include "io/checkpoint.h"
 #include "io/hf_weights.h"
+#include "io/tensor_parallel_state.h"
 #include "backend/ops.h"
 #include "train/generate.h"
 
@@ -30,7 +31,8 @@ Tensor tokens_tensor(std::vector<int32_t>& v, int64_t B, int64_t T) { return Ten
 }  // namespace
 
 double model_state_bytes_per_rank(const RunConfig& config, int64_t dp) {
-  const double params = double(config.model.num_parameters());
+  // Tensor parallelism splits (nearly) every parameter over the tensor group.
+  const double params = double(config.model.num_parameters()) / double(std::max<int64_t>(config.parallel.tensor, 1));
   const double n = double(std::max<int64_t>(dp, 1));
   const PrecisionConfig& pc = config.train.precision;
   // Whole weights (4) and their 16-bit compute copy; gradients (4) and a 16-bit all-reduce's
@@ -52,15 +54,22 @@ namespace {
 
 // ZeRO's shards as checkpoints write and read them: every rank its own rows of every tensor.
 CheckpointBuffers zero_checkpoint_buffers(ZeroOptimizer& z) {
-  CheckpointBuffers b{z.master().data<float>(), z.exp_avg().data<float>(), z.exp_avg_sq().data<float>()};
+  CheckpointBuffers b;
+  b.values = z.master().data<float>();
+  b.exp_avg = z.exp_avg().data<float>();
+  b.exp_avg_sq = z.exp_avg_sq().data<float>();
   b.piece_offsets = std::make_shared<const std::vector<int64_t>>(z.shard_offsets());
   b.numel = z.shard_numel();
   return b;
 }
 
 CheckpointTargets zero_checkpoint_targets(ZeroOptimizer& z) {
-  return {z.master().data<float>(), z.exp_avg().data<float>(), z.exp_avg_sq().data<float>(),
-          std::make_shared<const std::vector<int64_t>>(z.shard_offsets())};
+  CheckpointTargets t;
+  t.values = z.master().data<float>();
+  t.exp_avg = z.exp_avg().data<float>();
+  t.exp_avg_sq = z.exp_avg_sq().data<float>();
+  t.piece_offsets = std::make_shared<const std::vector<int64_t>>(z.shard_offsets());
+  return t;
 }
 
 // A model whose state per rank (model_state_bytes_per_rank) cannot fit the rank's memory
@@ -117,11 +126,36 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
     if (grid_.world_rank() == 0) log::warn("{}", w);
   }
   check_model_state_fits(config_, grid_);
-  model_ = std::make_unique<Transformer>(config_.model, device);
+  // Tensor parallelism: this rank's piece of the model, over the grid's tensor group.
+  const int tp = grid_.size(Axis::Tensor);
+  const bool sequence_parallel = config_.parallel.sequence_parallel && tp > 1;
+  tp_ = tp > 1 ? &grid_.comm(Axis::Tensor) : nullptr;
+  if (sequence_parallel) {
+    DS_CHECK(config_.train.micro_batch * config_.data.seq_len % tp == 0,
+             "{}: parallel.sequence_parallel splits each micro-batch's {} x {} token rows over parallel.tensor = {} "
+             "ranks, which does not divide them; choose train_micro_batch_size_per_gpu x seq_len divisible by {}",
+             config_.source, config_.train.micro_batch, config_.data.seq_len, tp, tp);
+  }
+  ProcessGroups groups;
+  groups.tp = tp_;
+  model_ = std::make_unique<Transformer>(
+      config_.model, device,
+      ShardSpec::tensor_parallel(config_.model, grid_.coord(Axis::Tensor), tp, 0, 1, sequence_parallel), groups);
+  if (tp_) {
+    tp_stats_before_ = tp_->stats();
+    tp_ckpt_ = std::make_unique<TensorParallelCheckpoint>(model_->params(), grid_);
+  }
   const ZeroConfig& zc = config_.train.zero;
   const PrecisionConfig& precision = config_.train.precision;
   scaler_ = std::make_unique<LossScaler>(precision.fp16_scaler, precision.fp16);
+  DS_CHECK(zc.stage == 0 || tp == 1,
+           "{}: zero_optimization.stage {} with parallel.tensor = {} is not implemented: ZeRO shards whole "
+           "parameters over the data-parallel ranks; use stage 0 with tensor parallelism, or tensor = 1",
+           config_.source, zc.stage, tp);
   if (zc.stage == 0) optimizer_ = std::make_unique<AdamW>(config_.train.adamw, model_->params());
+  // The tensor group's partial gradients are summed before the data-parallel buckets see them.
+  tp_sync_ = std::make_unique<TensorParallelGradSync>(model_->params(), tp_);
+  if (tp_sync_->needed()) param_hooks_.add(*tp_sync_);
   if (zc.stage <= 1) {
     reducer_ = std::make_unique<GradReducer>(model_->params(), ParamGroupComms::from_grid(grid_), zc.reduce_bucket_size,
                                              zc.overlap_comm, precision.communication_dtype());
@@ -388,7 +422,8 @@ void Trainer::init_weights(const std::string& init_from) {
   load_weights(init_from, checkpoint);
   ParamRegistry& reg = model_->params();
   if (checkpoint) check_finite_weights(reg, "checkpoint '" + init_from + "'");
-  check_same_weights(grid_.world(), reg,
+  // Over the data-parallel ranks: those hold the same pieces (tensor ranks hold different ones).
+  check_same_weights(dp_, reg,
                      init_from.empty() ? fmt::format("initialised from train.seed {}", config_.train.seed)
                                        : "--init-from " + init_from);
   apply_precision();
@@ -429,7 +464,14 @@ void Trainer::load_weights(const std::string& init_from, bool checkpoint) {
     return;
   }
   if (checkpoint) {
-    const TrainState st = read_checkpoint(init_from, ckpt_->io_comm(), model_->params(), nullptr, nullptr);
+    TrainState st;
+    if (tp_ckpt_) {
+      st = read_checkpoint(init_from, ckpt_->io_comm(), model_->params(), tp_ckpt_->targets(false));
+      tp_ckpt_->unstage(model_->params().values().data<float>(), nullptr, nullptr);
+      tp_ckpt_->release();
+    } else {
+      st = read_checkpoint(init_from, ckpt_->io_comm(), model_->params(), nullptr, nullptr);
+    }
     log::info("loaded the model of checkpoint {} (step {}); optimizer state and position start afresh", init_from,
               st.step);
     return;
@@ -581,6 +623,18 @@ void Trainer::reduce_routing_stats(StepRecord& r) {
     routing.push_back(st.aux_loss);
     for (int64_t c : st.tokens_per_expert) routing.push_back(double(c));
   }
+  if (!routing.empty() && model_->shard().sequence_parallel) {
+    // Each tensor rank routed its own rows: the loads add up over the group. The auxiliary
+    // loss is the whole micro-batch's on every rank already: it goes in as zeros elsewhere.
+    std::vector<double> loads = routing;
+    size_t at = 0;
+    for (auto& [l, ffn] : moe) {
+      if (tp_->rank() != 0) loads[at] = 0;
+      at += 1 + ffn->routing()->tokens_per_expert.size();
+    }
+    timed_collective([&] { tp_->all_reduce(Tensor(loads.data(), DType::F64, Shape{int64_t(loads.size())})); });
+    routing = std::move(loads);
+  }
   if (!routing.empty()) {
     timed_collective([&] { dp_.all_reduce(Tensor(routing.data(), DType::F64, Shape{int64_t(routing.size())})); });
   }
@@ -660,6 +714,7 @@ bool Trainer::gradients_overflowed(double scaled_norm) {
 }
 
 void Trainer::begin_micro_step(bool communicates) {
+  tp_sync_->begin_micro_step(communicates);
   if (reducer_) reducer_->begin_micro_step(communicates);
   if (zero_) zero_->begin_micro_step(communicates);
 }
@@ -702,6 +757,7 @@ bool Trainer::train_step(StepRecord& r) {
   // loss sum, target count, ranks out of memory, then the MTP loss sum per depth
   std::vector<double> sums(size_t(3 + D), 0.0);
   const std::string oom = forward_backward(data, scales, sums);
+  tp_sync_->finish();
   ReduceTimings rt = reducer_ ? reducer_->finish() : ReduceTimings{};
   if (zero_) {
     const ReduceTimings z = zero_->finish();
@@ -727,7 +783,7 @@ bool Trainer::train_step(StepRecord& r) {
   }
   reduce_routing_stats(r);
   r.loss = r.ce_loss + r.aux_loss + r.mtp_loss;
-  r.grad_norm = zero_ ? zero_->grad_norm() : grad_norm(model_->params());
+  r.grad_norm = zero_ ? zero_->grad_norm() : std::sqrt(tensor_parallel_grad_sum_squares(model_->params(), tp_));
   // As DeepSpeed, a step skipped for an fp16 overflow does not advance the learning-rate
   // schedule (one skipped as a fault does).
   r.lr = tc.schedule.lr_at(step_ - overflow_steps_, tc.adamw.lr);
@@ -766,6 +822,14 @@ bool Trainer::train_step(StepRecord& r) {
   r.data_wait_seconds = data_wait;
   r.comm_seconds = rt.comm_seconds;
   r.exposed_comm_seconds = rt.exposed_seconds + collective_wait_seconds_;
+  if (tp_) {
+    const CommStats now = tp_->stats();
+    r.tp_comm_seconds = now.busy_seconds - tp_stats_before_.busy_seconds;
+    r.tp_comm_bytes = now.bytes - tp_stats_before_.bytes;
+    r.tp_comm_ops = int64_t(now.ops - tp_stats_before_.ops);
+    r.tp_grad_sync_seconds = tp_sync_->take_seconds();
+    tp_stats_before_ = now;
+  }
   gather_rank_timings(r);
   return true;
 }
@@ -838,6 +902,15 @@ StepMetrics Trainer::step_metrics(const StepRecord& r, double elapsed, int64_t s
   m.rank_compute_s = r.rank_compute_seconds;
   m.rank_peak_rss_bytes = r.rank_peak_rss_bytes;
   if (config_.data.train.size() > 1) m.extra["data_mix"] = pipeline().drawn();
+  if (tp_) {
+    m.extra["tensor_parallel"] = {{"size", tp_->size()},
+                                  {"sequence_parallel", model_->shard().sequence_parallel},
+                                  {"comm_s", r.tp_comm_seconds},
+                                  {"comm_bytes", r.tp_comm_bytes},
+                                  {"collectives", r.tp_comm_ops},
+                                  {"grad_sync_s", r.tp_grad_sync_seconds},
+                                  {"activation_bytes", model_->activations().bytes_allocated()}};
+  }
   if (zero_) {
     // Rank 0's ZeRO state, with the step's peaks of what is only held while in use.
     const ZeroMemory z = zero_->memory();
@@ -1022,7 +1095,10 @@ TrainState Trainer::state() {
                {"tensor", grid_.size(Axis::Tensor)},
                {"pipeline", grid_.size(Axis::Pipeline)},
                {"expert", grid_.size(Axis::Expert)},
-               {"partition", "each rank wrote rows [R*r/N, R*(r+1)/N) of dimension 0 of every tensor"}};
+               {"sequence_parallel", model_->shard().sequence_parallel},
+               {"partition", tp_ckpt_ ? "the ranks of data coordinate 0 wrote, tensor rank t rows [R*t/T, R*(t+1)/T) "
+                                        "of dimension 0 of every global tensor"
+                                      : "each rank wrote rows [R*r/N, R*(r+1)/N) of dimension 0 of every tensor"}};
   return st;
 }
 
@@ -1054,10 +1130,15 @@ double Trainer::save_checkpoint() {
   }
   save_deferred_ = false;
   ParamRegistry& reg = model_->params();
-  CheckpointBuffers live{reg.values().data<float>(), optimizer_ ? optimizer_->exp_avg().data<float>() : nullptr,
-                         optimizer_ ? optimizer_->exp_avg_sq().data<float>() : nullptr};
+  CheckpointBuffers live;
+  live.values = reg.values().data<float>();
+  live.exp_avg = optimizer_ ? optimizer_->exp_avg().data<float>() : nullptr;
+  live.exp_avg_sq = optimizer_ ? optimizer_->exp_avg_sq().data<float>() : nullptr;
   if (zero_) live = zero_checkpoint_buffers(*zero_);
+  // Tensor parallelism: the global tensors' row blocks, staged by the data-0 tensor group.
+  if (tp_ckpt_) live = tp_ckpt_->stage(live.values, live.exp_avg, live.exp_avg_sq);
   const double stall = ckpt_->save(reg, live, state());
+  if (tp_ckpt_) tp_ckpt_->release();  // written, or copied by the asynchronous writer
   last_saved_step_ = step_;
   last_save_time_ = clock();
   return stall;
@@ -1119,6 +1200,11 @@ bool Trainer::resume(const std::string& spec) {
     try {
       if (zero_) {
         st = read_checkpoint(path, ckpt_->io_comm(), reg, zero_checkpoint_targets(*zero_));
+      } else if (tp_ckpt_) {
+        st = read_checkpoint(path, ckpt_->io_comm(), reg, tp_ckpt_->targets(true));
+        tp_ckpt_->unstage(reg.values().data<float>(), optimizer_->exp_avg().data<float>(),
+                          optimizer_->exp_avg_sq().data<float>());
+        tp_ckpt_->release();
       } else {
         st = read_checkpoint(path, ckpt_->io_comm(), reg, optimizer_->exp_avg().data<float>(),
                              optimizer_->exp_avg_sq().data<float>());
@@ -1166,7 +1252,10 @@ bool Trainer::resume(const std::string& spec) {
       log::info("configuration changed since the checkpoint: {}", keys);
     }
     const double secs = seconds_since(t0);
-    const double mb = double(reg.values().numel()) * 12.0 / 1e6;
+    // The file's tensors (weights and both moments), global whatever this rank holds of them.
+    double elements = 0;
+    for (const ParamInfo& p : reg.all()) elements += double(p.global_shape.numel());
+    const double mb = elements * 12.0 / 1e6;
     log::info("resumed from {} at step {} ({} samples consumed; written by {} rank(s), now {}); read and verified "
               "{:.0f} MB in {:.2f} s ({:.0f} MB/s)",
               path, step_, consumed_samples_, st.layout.value("world_size", 0), grid_.world_size(), mb, secs,
@@ -1272,7 +1361,14 @@ std::string Trainer::sample(const std::string& prompt) {
 void Trainer::save_hf(const std::string& dir) {
   const DType dtype = dtype_from_torch_name(config_.output.save_hf_dtype);
   if (zero_) zero_->gather_all();  // stage 3: whole weights for the export, handed back after it
-  if (grid_.world_rank() == 0) save_hf_weights(dir, model_->params(), config_.model.to_hf_json(), int64_t(5) << 30, dtype);
+  if (tp_) {
+    // The data-0 tensor group gathers each global tensor; its rank 0 writes.
+    if (grid_.coord(Axis::Data) == 0) {
+      save_hf_weights(dir, model_->params(), config_.model.to_hf_json(), int64_t(5) << 30, dtype, tp_);
+    }
+  } else if (grid_.world_rank() == 0) {
+    save_hf_weights(dir, model_->params(), config_.model.to_hf_json(), int64_t(5) << 30, dtype);
+  }
   grid_.world().barrier();
   if (zero_) zero_->release_unused();
   log::info("saved Hugging Face weights ({}) to {}", config_.output.save_hf_dtype, dir);

@@ -20,6 +20,8 @@
 #include "distributed/grad_reducer.h"
 #include "distributed/param_hooks.h"
 #include "distributed/schedule.h"
+#include "distributed/tensor_parallel.h"
+#include "io/tensor_parallel_state.h"
 #include "optim/zero.h"
 #include "model/transformer.h"
 #include "optim/adamw.h"
@@ -63,6 +65,11 @@ struct StepRecord {
   double forward_seconds = 0, backward_seconds = 0, optimizer_seconds = 0, checkpoint_seconds = 0;
   double comm_seconds = 0;       // gradient all-reduce time (overlapped or not)
   double exposed_comm_seconds = 0;  // part of the step spent waiting for communication
+  // Tensor parallelism: this rank's time and bytes in the tensor group's collectives (the
+  // layers' all-reduces, gathers and reduce-scatters, and the partial gradients' sums), and the
+  // latter's share of the time; all of it on the critical path (nothing overlaps it).
+  double tp_comm_seconds = 0, tp_comm_bytes = 0, tp_grad_sync_seconds = 0;
+  int64_t tp_comm_ops = 0;
   bool skipped = false;             // no update: non-finite loss or gradients, or a loss spike
   std::string skip_reason;
   // fp16: the loss scale the step's backward used, and whether its gradients overflowed (the
@@ -197,6 +204,10 @@ class Trainer {
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<LossScaler> scaler_;  // fp16's loss scale (1, unchanging, otherwise)
   bool precision_logged_ = false;
+  std::unique_ptr<TensorParallelGradSync> tp_sync_;  // partial gradients summed over the tensor group
+  Communicator* tp_ = nullptr;             // the tensor group (null: one rank)
+  std::unique_ptr<TensorParallelCheckpoint> tp_ckpt_;  // checkpoints of global tensors from the pieces
+  CommStats tp_stats_before_;
   std::unique_ptr<GradReducer> reducer_;   // stages 0 and 1: the whole gradients all-reduced
   std::unique_ptr<ZeroOptimizer> zero_;    // stages 1 to 3
   std::unique_ptr<Schedule> schedule_;  // the order of the micro-batches' forwards and backwards

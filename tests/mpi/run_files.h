@@ -134,6 +134,22 @@ inline json v3_model() {
           {"train", {{"router_bias_update_rate", 0.01}, {"mtp_loss_weight", 0.3}}}};
 }
 
+// v3_model() made DeepSeek-V2: MLA without q LoRA or YaRN, softmax routing with group-limited
+// greedy top-k, no MTP; no "train" part.
+inline json v2_model() {
+  json run = v3_model();
+  run["model"].merge_patch({{"model_type", "deepseek_v2"},
+                            {"rope_scaling", nullptr},
+                            {"topk_method", "group_limited_greedy"},
+                            {"scoring_func", "softmax"},
+                            {"norm_topk_prob", false},
+                            {"routed_scaling_factor", 1.0},
+                            {"num_nextn_predict_layers", nullptr}});
+  run["model"]["q_lora_rank"] = nullptr;  // merge_patch removes null keys; V2 states it
+  run.erase("train");
+  return run;
+}
+
 // The largest difference between a and b relative to b's largest magnitude.
 inline double rel_error(const float* a, const float* b, int64_t n) {
   double diff = 0, scale = 0;

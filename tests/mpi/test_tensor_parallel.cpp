@@ -299,13 +299,7 @@ class DeepSeekTensorParallel : public ::testing::TestWithParam<std::tuple<std::s
 
 TEST_P(DeepSeekTensorParallel, LossAndEveryGradientMatchTheWholeModel) {
   const auto [name, sp] = GetParam();
-  json model = v3_model()["model"];
-  if (name == "v2") {
-    model.merge_patch({{"model_type", "deepseek_v2"}, {"rope_scaling", nullptr}, {"topk_method", "group_limited_greedy"},
-                       {"scoring_func", "softmax"}, {"norm_topk_prob", false}, {"routed_scaling_factor", 1.0},
-                       {"num_nextn_predict_layers", nullptr}});
-    model["q_lora_rank"] = nullptr;
-  }
+  const json model = (name == "v2" ? v2_model() : v3_model())["model"];
   const ModelConfig c = ModelConfig::from_hf_json(model, name);
   MpiCommunicator comm(MPI_COMM_WORLD, "tensor");
   const int rank = comm.rank(), ranks = comm.size();

@@ -32,23 +32,6 @@ std::vector<std::string> zero_overrides(int stage, std::vector<std::string> more
   return o;
 }
 
-// run_files.h's V3 model made DeepSeek-V2: MLA without q LoRA or YaRN, softmax routing with
-// group-limited greedy top-k, no MTP.
-json v2_model() {
-  json run = v3_model();
-  run["model"].merge_patch({{"model_type", "deepseek_v2"},
-                            {"q_lora_rank", nullptr},
-                            {"rope_scaling", nullptr},
-                            {"topk_method", "group_limited_greedy"},
-                            {"scoring_func", "softmax"},
-                            {"norm_topk_prob", false},
-                            {"routed_scaling_factor", 1.0},
-                            {"num_nextn_predict_layers", nullptr}});
-  run["model"]["q_lora_rank"] = nullptr;  // merge_patch removes null keys; V2 states it
-  run.erase("train");
-  return run;
-}
-
 json model_of(const std::string& name) {
   if (name == "v2") return v2_model();
   if (name == "v3") return v3_model();

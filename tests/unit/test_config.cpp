@@ -448,6 +448,21 @@ TEST(Config, ZeroMistakesAreErrorsNamingTheKey) {
               HasSubstr("unknown key 'train.zero_optimization.offload_param.nvme_path'"));
 }
 
+// The process grid with Megatron's names; mistakes name the key.
+TEST(Config, TensorAndSequenceParallelKeys) {
+  TempDir d;
+  const std::string path = d.write("tp.json", run_json());
+  const RunConfig c = RunConfig::load(path, {"parallel.tensor=2", "parallel.sequence_parallel=true"});
+  EXPECT_EQ(c.parallel.tensor, 2);
+  EXPECT_TRUE(c.parallel.sequence_parallel);
+  EXPECT_EQ(c.to_json()["parallel"]["sequence_parallel"], true);
+  EXPECT_FALSE(RunConfig::load(path, {}).parallel.sequence_parallel);
+  auto msg = [&](std::vector<std::string> o) { return error_of([&] { RunConfig::load(path, o); }); };
+  EXPECT_THAT(msg({"parallel.tensor=0"}), HasSubstr("parallel.tensor"));
+  EXPECT_THAT(msg({"parallel.sequence_parallel=1"}), HasSubstr("parallel.sequence_parallel"));
+  EXPECT_THAT(msg({"parallel.sequence_paralel=true"}), HasSubstr("unknown key 'parallel.sequence_paralel'"));
+}
+
 TEST(LrSchedule, DeepSpeedFormulas) {
   auto sched = [](const std::string& text) {
     json j = json::parse(text);

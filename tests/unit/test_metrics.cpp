@@ -113,6 +113,42 @@ TEST(Metrics, RoutingHealthPerMoELayer) {
   std::filesystem::remove_all(dir);
 }
 
+// Tensor parallelism: the tensor group's communication reaches metrics.jsonl, the Prometheus
+// text and the run summary, apart from the data-parallel communication.
+TEST(Metrics, TensorParallelCommunication) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    ("dstrain_metrics_tp_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  MetricsConfig mc;
+  mc.progress = "lines";
+  std::string text, table;
+  {
+    Metrics m(mc, small(), 32, /*rank=*/0, /*world=*/2, /*local=*/2, dir.string(), 10,
+              [] { return Peak{100e9, "measured: injected"}; });
+    StepMetrics s;
+    s.step = 1;
+    s.max_steps = 10;
+    s.loss = 2.5;
+    s.tokens_per_s = 2000;
+    s.time = {1.0, 0.1, 0.3, 0.4, 0.05, 0.05, 0.02};
+    s.rank_step_s = {1.0, 1.0};
+    s.rank_compute_s = {0.9, 0.9};
+    s.rank_peak_rss_bytes = {1e8, 1e8};
+    s.extra["tensor_parallel"] = {{"size", 2}, {"sequence_parallel", true}, {"comm_s", 0.3}, {"comm_bytes", 4096.0}};
+    m.on_step(s);
+    text = m.prometheus_text();
+    table = m.summary_table();
+  }
+  EXPECT_NE(text.find("dstrain_tensor_parallel_comm_seconds 0.3"), std::string::npos) << text;
+  EXPECT_NE(text.find("dstrain_tensor_parallel_comm_bytes 4096"), std::string::npos) << text;
+  EXPECT_THAT(table, ContainsRegex("tensor-parallel communication +30\\.0% +< 25% of a step +CHECK"));
+  std::ifstream f(dir / "metrics.jsonl");
+  std::string line;
+  std::getline(f, line);
+  EXPECT_DOUBLE_EQ(json::parse(line)["tensor_parallel"]["comm_bytes"].get<double>(), 4096.0);
+  std::filesystem::remove_all(dir);
+}
+
 // fp16: the loss scale, the step's overflow and the overflow skips reach metrics.jsonl and the
 // Prometheus text, apart from the fault-tolerance skipped-step counter; bf16/fp32 steps
 // carry none of them.
