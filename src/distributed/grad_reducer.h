@@ -67,6 +67,8 @@ class GradReducer final : public ParamHooks {
   // Bucket i; buckets are numbered in the order they are reduced (last parameters first).
   const BucketInfo& bucket(int i) const { return buckets_[size_t(i)].info; }
   const ParamGroupComms& comms() const { return comms_; }
+  // Buckets handed to a communicator so far in this step (with overlap, during the backward).
+  int launched() const { return launched_; }
 
  private:
   struct Bucket {

@@ -491,7 +491,6 @@ void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor 
     ops::rmsnorm_backward(dprev, reg_.grad(m.hnorm), dhn, h_prevs[k].view({N, C}), reg_.param(m.hnorm),
                           get(m, "h_rstd"));
     ctx_.after_use(m.first_param, m.last_param);
-    ctx_.grad_ready(m.first_param, m.last_param);
   }
   early_backward_s_ += seconds_since(t0);
 }
@@ -599,6 +598,11 @@ void Transformer::backward(int mb, BackwardPart part) {
     split_mb_ = mb;
   }
   try {
+    // The MTP modules' gradients were completed by the forward; they are reported here, with
+    // this micro-batch's backward, so that hooks counting a micro-step's gradients (the
+    // data-parallel buckets, the tensor group's sums) see them in the micro-step they belong
+    // to and can start on the last parameters at once.
+    for (size_t k = mtp_.size(); k-- > 0;) ctx_.grad_ready(mtp_[k].first_param, mtp_[k].last_param);
     Tensor tokens = acts_.get(mb, "tokens");
     const int64_t B = tokens.size(0), T = tokens.size(1), C = config_.hidden_size;
     // The residual-stream gradient flows back through the layers in one buffer (this rank's

@@ -83,7 +83,9 @@ class Transformer {
   // auxiliary terms, MTP; scaled as the forward's `scales` said). With BackwardPart::Input
   // the weight gradients of the layers' linear maps are queued for backward_weights(mb), and
   // the grad_ready hooks of what this backward touched fire there instead of here. (The
-  // head's and the MTP modules' gradients were formed whole in the forward.)
+  // head's and the MTP modules' gradients were formed whole in the forward; the MTP modules'
+  // grad_ready fires first thing in this backward, so that a micro-step's reports all come
+  // from its backward.)
   void backward(int mb, BackwardPart part = BackwardPart::Full);
   void backward_weights(int mb);
 

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <random>
 
+#include "distributed/grad_reducer.h"
 #include "run_files.h"
 #include "train/trainer.h"
 
@@ -62,6 +63,40 @@ TEST(DataParallel, MatchesOneRankAndKeepsRanksBitwiseIdentical) {
     std::printf("[ %d ranks ] %d steps: loss %.6f vs %.6f (one rank), worst weight error %.2e\n", n, kSteps,
                 dist.history().back().loss, reference.history().back().loss, worst);
   }
+}
+
+// The gradient buckets start during the last micro-step's backward also in a model with
+// multi-token prediction, whose modules' gradients are complete after the forward: they are
+// reported in the backward, so the first bucket (the last parameters, MTP's among them) does
+// not wait for finish() and hold every later bucket back.
+TEST(DataParallel, BucketsOfAModelWithMtpStartDuringTheBackward) {
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  if (grid.world_size() < 2) GTEST_SKIP() << "one rank reduces nothing";
+  const ModelConfig c = ModelConfig::from_hf_json(v3_model()["model"], "v3");
+  ASSERT_GT(c.num_nextn_predict_layers, 0);
+  Transformer model(c, Device::cpu());
+  model.init_weights(3);
+  GradReducer reducer(model.params(), ParamGroupComms::from_grid(grid), /*bucket_elements=*/2000, /*overlap=*/true);
+  model.set_hooks(&reducer);
+  ASSERT_GT(reducer.num_buckets(), 2);
+  const int64_t B = 2, T = 16;
+  std::vector<int32_t> tokens(size_t(B * T)), targets(size_t(B * T));
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    tokens[i] = int32_t((i * 7 + 3) % size_t(c.vocab_size));
+    targets[i] = int32_t((i * 5 + 1) % size_t(c.vocab_size));
+  }
+  LossScales scales;
+  scales.token = 1.0f / float(B * T);
+  scales.sequence = 1.0 / double(B);
+  scales.micro_batch = 1.0;
+  scales.mtp_token.assign(size_t(c.num_nextn_predict_layers), 0.3f / float(B * T));
+  model.params().grads().zero();
+  model.forward(0, Tensor(tokens.data(), DType::I32, Shape{B, T}), Tensor(targets.data(), DType::I32, Shape{B, T}),
+                scales);
+  reducer.begin_micro_step(/*communicates=*/true);
+  model.backward(0);
+  EXPECT_EQ(reducer.launched(), reducer.num_buckets()) << "buckets left for finish(): nothing overlapped the backward";
+  reducer.finish();
 }
 
 TEST(DataParallel, OverlappedAndBlockingReductionAgreeBitwise) {
