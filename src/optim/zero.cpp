@@ -398,7 +398,10 @@ void ZeroOptimizer::launch_reduce(int id) {
     // rows makes the reduction the running total.
     ops::add_inplace(whole.slice(pc.elem_begin(), pc.elem_begin() + pc.elems()), out);
   }
-  reductions_.push_back({id, dp_.reduce_scatter_v_async(out, whole, counts(id))});
+  Pending r;
+  r.id = id;
+  r.work = dp_.reduce_scatter_v_async(out, whole, counts(id));
+  reductions_.push_back(std::move(r));
   reduced_once_[size_t(id)] = 1;
 }
 

@@ -36,6 +36,7 @@ MetricsConfig MetricsConfig::from_json(const JsonReader& r) {
     r.raw("peak_tflops");
   }
   c.memory_budget_gb = r.get<double>("memory_budget_gb", c.memory_budget_gb);
+  c.timeline_steps = TimelineSteps::from_json(r, "timeline_steps");
   if (c.progress != "auto" && c.progress != "bar" && c.progress != "lines") {
     r.error("progress", "must be \"auto\", \"bar\" or \"lines\"");
   }
@@ -47,7 +48,8 @@ MetricsConfig MetricsConfig::from_json(const JsonReader& r) {
 
 json MetricsConfig::to_json() const {
   return {{"progress", progress},       {"prometheus_port", prometheus_port}, {"prometheus_host", prometheus_host},
-          {"peak_tflops", peak_tflops > 0 ? json(peak_tflops) : json(nullptr)}, {"memory_budget_gb", memory_budget_gb}};
+          {"peak_tflops", peak_tflops > 0 ? json(peak_tflops) : json(nullptr)}, {"memory_budget_gb", memory_budget_gb},
+          {"timeline_steps", timeline_steps.to_json()}};
 }
 
 Utilisation utilisation(double global_tokens_per_s, double flops_per_token, int world_size, double peak_flops) {

@@ -13,6 +13,7 @@
 
 #include "core/json_reader.h"
 #include "model/model_config.h"
+#include "train/timeline.h"
 
 namespace dstrain {
 
@@ -22,6 +23,7 @@ struct MetricsConfig {
   std::string prometheus_host = "0.0.0.0";
   double peak_tflops = 0;          // per rank; 0 (key absent): measured at start with sgemm
   double memory_budget_gb = 0;     // per rank; 0: the node's memory over its ranks
+  TimelineSteps timeline_steps;    // the steps whose schedule is recorded (train/timeline.h); off
   static MetricsConfig from_json(const JsonReader& r);
   json to_json() const;
 };

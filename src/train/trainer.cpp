@@ -571,6 +571,7 @@ std::string Trainer::forward_backward(StepData& data, const LossScales& scales, 
     for (size_t i = 0; i < plan.size(); ++i) {
       const ScheduleAction& a = plan[i];
       Batch& b = data.micro[size_t(a.micro_batch)];
+      const Timeline::Scope recorded(timeline_.get(), step_ + 1, a);
       switch (a.kind) {
         case ScheduleAction::Kind::Forward: {
           if (i == 0 && fault_at_this_step(&FaultInjection::oom_at_step) && !oom_fault_fired_) {
@@ -757,13 +758,17 @@ bool Trainer::train_step(StepRecord& r) {
   // loss sum, target count, ranks out of memory, then the MTP loss sum per depth
   std::vector<double> sums(size_t(3 + D), 0.0);
   const std::string oom = forward_backward(data, scales, sums);
-  tp_sync_->finish();
-  ReduceTimings rt = reducer_ ? reducer_->finish() : ReduceTimings{};
-  if (zero_) {
-    const ReduceTimings z = zero_->finish();
-    rt.comm_seconds += z.comm_seconds;
-    rt.exposed_seconds += z.exposed_seconds;
-    rt.buckets += z.buckets;
+  ReduceTimings rt;
+  {
+    const Timeline::Scope recorded(timeline_.get(), "reduce", step_ + 1, -1);
+    tp_sync_->finish();
+    if (reducer_) rt = reducer_->finish();
+    if (zero_) {
+      const ReduceTimings z = zero_->finish();
+      rt.comm_seconds += z.comm_seconds;
+      rt.exposed_seconds += z.exposed_seconds;
+      rt.buckets += z.buckets;
+    }
   }
   timed_collective([&] { dp_.all_reduce(Tensor(sums.data(), DType::F64, Shape{int64_t(sums.size())})); });
   if (sums[2] > 0) {
@@ -973,6 +978,17 @@ Trainer::Outcome Trainer::train() {
   }
   if (grid_.world_rank() == 0) std::filesystem::create_directories(config_.output.dir);
   grid_.world().barrier();
+  if (config_.metrics.timeline_steps.enabled() && !timeline_) {
+    // The run's start, right after the barrier: the clock the ranks' timelines share.
+    const json header = {{"rank", grid_.world_rank()},     {"world", grid_.world_size()},
+                         {"stage", 0},                     {"stages", 1},
+                         {"micro_batches", tc.grad_accum}, {"schedule", schedule_->name()},
+                         {"clock", "steady clock; origin taken by every rank right after a barrier at the start"}};
+    timeline_ = std::make_unique<Timeline>(
+        config_.metrics.timeline_steps, step_ + 1,
+        (std::filesystem::path(config_.output.dir) / fmt::format("timeline.rank{}.jsonl", grid_.world_rank())).string(),
+        header, Clock::now());
+  }
   if (!metrics_) {
     metrics_ = std::make_unique<Metrics>(config_.metrics, config_.model, config_.data.seq_len, grid_.world_rank(),
                                          grid_.world_size(), grid_.local_size(), config_.output.dir,
@@ -988,7 +1004,11 @@ Trainer::Outcome Trainer::train() {
   Outcome outcome = Outcome::Completed;
   while (step_ < tc.max_steps) {
     StepRecord r;
-    if (!train_step(r)) continue;  // the micro-batch was halved: the same step again
+    if (!train_step(r)) {  // the micro-batch was halved: the same step again
+      if (timeline_) timeline_->discard_step(step_ + 1);
+      continue;
+    }
+    if (timeline_) timeline_->end_step(r.step);
     history_.push_back(r);
     if (on_step) on_step(r);
     // A checkpoint due at this step belongs to its time split. One deferred by a skipped

@@ -30,6 +30,7 @@
 #include "train/metrics.h"
 #include "train/run_config.h"
 #include "train/run_lock.h"
+#include "train/timeline.h"
 
 namespace dstrain {
 
@@ -200,6 +201,7 @@ class Trainer {
   JobEnvironment environment_;
   std::vector<std::unique_ptr<RunLock>> locks_;  // released after the checkpoint writer below
   std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<Timeline> timeline_;  // metrics.timeline_steps (null: off)
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<LossScaler> scaler_;  // fp16's loss scale (1, unchanging, otherwise)
