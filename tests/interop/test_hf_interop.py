@@ -83,8 +83,15 @@ To be, or not to be, that is the question.
 """
 
 
-def run(args, **kw):
-    p = subprocess.run(args, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="2"), **kw)
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_rmaps_base_oversubscribe": "1", "OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "self,vader",
+           "OMP_NUM_THREADS": "1"}
+
+
+def run(args, extra_env=None, **kw):
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    env.update(extra_env or {})
+    p = subprocess.run(args, capture_output=True, text=True, env=env, **kw)
     if p.returncode != 0:
         raise AssertionError(f"{args} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p
@@ -111,9 +118,10 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
     def tearDownClass(cls):
         shutil.rmtree(cls.dir)
 
-    def export(self, name):
-        """Trains `name` for STEPS steps and saves it; returns the directory and dstrain's eval loss."""
-        d = os.path.join(self.dir, name)
+    def export(self, name, tensor=1):
+        """Trains `name` for STEPS steps (over `tensor` tensor-parallel ranks with sequence
+        parallelism when above 1) and saves it; returns the directory and dstrain's eval loss."""
+        d = os.path.join(self.dir, name if tensor == 1 else f"{name}_tp{tensor}")
         os.makedirs(d)
         with open(os.path.join(d, "model.json"), "w") as f:
             json.dump(MODELS[name], f)
@@ -132,7 +140,11 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
                 "generate": {"prompt": ""},
             }, f)
         hf = os.path.join(d, "hf")
-        run([os.path.join(BUILD, "app", "dstrain"), "train", "--config", config, "--save-hf", hf])
+        train = [os.path.join(BUILD, "app", "dstrain"), "train", "--config", config, "--save-hf", hf]
+        if tensor > 1:
+            train = ["mpirun", "-np", str(tensor), "--bind-to", "none", *train, "--set", f"parallel.tensor={tensor}",
+                     "parallel.sequence_parallel=true"]
+        run(train, extra_env=MPI_ENV if tensor > 1 else {})
         ev = run([os.path.join(BUILD, "app", "dstrain"), "eval", "--config", config, "--init-from", hf]).stdout
         m = re.search(r"eval loss ([0-9.]+) over (\d+) tokens", ev)
         self.assertIsNotNone(m, ev)
@@ -146,12 +158,12 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
         ce = float(re.search(r"^ce ([-0-9.e+]+)$", p.stdout, re.M).group(1))
         return np.fromfile(out, dtype=np.float32).reshape(WINDOWS, T, vocab), ce
 
-    def check(self, name):
+    def check(self, name, tensor=1):
         import numpy as np
         import torch
         import transformers
         start = time.time()
-        hf, eval_loss = self.export(name)
+        hf, eval_loss = self.export(name, tensor)
         cfg = MODELS[name]
 
         # config.json loads as written, as the class it names.
@@ -190,7 +202,7 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
         abs_diff = (ours - theirs).abs().max().item()
         scale = theirs.abs().max().item()
         rel_diff = abs_diff / scale
-        print(f"{name}: logits max |diff| {abs_diff:.3g} ({rel_diff:.3g} of max |logit| {scale:.3g}); loss: "
+        print(f"{name}{f' (tensor {tensor})' if tensor > 1 else ''}: logits max |diff| {abs_diff:.3g} ({rel_diff:.3g} of max |logit| {scale:.3g}); loss: "
               f"transformers {hf_loss:.7f}, dstrain eval {eval_loss:.6f} ({abs(eval_loss - hf_loss) / hf_loss:.2g} "
               f"rel), dstrain forward {ce:.7f} ({abs(ce - hf_loss) / hf_loss:.2g} rel); {time.time() - start:.1f} s",
               flush=True)
@@ -209,6 +221,11 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
 
     def test_deepseek_v3(self):
         self.check("v3")
+
+    def test_deepseek_v3_trained_tensor_parallel(self):
+        # Trained over 2 tensor-parallel ranks with sequence parallelism: the export (gathered
+        # from the pieces) is a model transformers runs as it runs the others.
+        self.check("v3", tensor=2)
 
 
 if __name__ == "__main__":
