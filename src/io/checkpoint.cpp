@@ -442,12 +442,7 @@ int64_t checkpoint_size_bound(const ParamRegistry& reg, const CheckpointBuffers&
   const int64_t datasets = groups * int64_t(reg.all().size());
   // Pieces (ZeRO's shards, tensor parallelism's staging) come with a registry whose local
   // sizes say nothing of the file: its global shapes do.
-  int64_t elems = 0;
-  if (bufs.piece_offsets) {
-    for (const ParamInfo& p : reg.all()) elems += p.global_shape.numel();
-  } else {
-    elems = reg.values().numel();
-  }
+  const int64_t elems = bufs.piece_offsets ? reg.global_numel() : reg.values().numel();
   // Per dataset: its object header, attributes and line in the metadata checksums (under
   // 1 KB measured); then the configuration text and the fixed groups.
   return groups * elems * int64_t(sizeof(float)) + datasets * 2048 +

@@ -43,9 +43,6 @@ Tensor sp_gather(const Ctx& ctx, Tensor rows, const char* slot) {
   return full;
 }
 
-namespace {
-// The sum over the tensor group of partial (N, C), fp32: all of it in place, or with sequence
-// parallelism this rank's rows, into `mine` (n, C) in ctx.scratch under `slot`.
 Tensor reduce_over_tensor_group(const Ctx& ctx, Tensor partial, const std::string& slot) {
   if (!ctx.sequence_parallel || ctx.tp_size() == 1) {
     ctx.tp_all_reduce(partial);
@@ -56,7 +53,6 @@ Tensor reduce_over_tensor_group(const Ctx& ctx, Tensor partial, const std::strin
   ctx.groups.tp->reduce_scatter(mine, partial.view({N, C}));
   return mine;
 }
-}  // namespace
 
 void row_parallel_forward(const Ctx& ctx, bool sharded, Tensor out, Tensor x, Tensor w, const char* slot) {
   if (!sharded) {

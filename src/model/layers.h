@@ -131,6 +131,9 @@ class SwiGLUMLP : public FeedForwardBlock {
 // The (n, C) rows of every tensor rank gathered, in rank order, into the (N, C) rows of the
 // micro-batch (in ctx.scratch under `slot`); without sequence parallelism `rows` itself.
 Tensor sp_gather(const Ctx& ctx, Tensor rows, const char* slot);
+// The sum over the tensor group of partial (N, C): all of it, in place, or with sequence
+// parallelism this rank's rows (n, C), in ctx.scratch under `slot`.
+Tensor reduce_over_tensor_group(const Ctx& ctx, Tensor partial, const std::string& slot);
 // Row-parallel output: out (this rank's rows) += x (N,K) · w^T summed over the tensor group: an
 // all-reduce, or with sequence parallelism a reduce-scatter, of an fp32 partial in ctx.scratch
 // under `slot`; unsharded it is one accumulating GEMM.

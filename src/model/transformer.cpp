@@ -261,8 +261,7 @@ void Transformer::embed(Tensor out, Tensor tokens) {
     // parallelism).
     Tensor partial = scratch_.get("embed.partial", {N, C});
     ops::embedding_shard_forward(partial, tokens.view({N}), reg_.param(embed_), shard_.vocab.begin, config_.vocab_size);
-    ops::fill(out, 0.0f);
-    row_parallel_sum(partial, out);
+    ops::copy(out, reduce_over_tensor_group(ctx_, partial, "embed.mine").view(out.shape()));
   }
   ctx_.after_use(embed_, embed_);
 }
@@ -277,19 +276,6 @@ void Transformer::embed_backward(Tensor dout, Tensor tokens) {
     ops::embedding_shard_backward(reg_.grad(embed_), all, tokens.view({N}), shard_.vocab.begin);
   }
   ctx_.after_use(embed_, embed_);
-}
-
-void Transformer::row_parallel_sum(Tensor partial, Tensor out) {
-  // A row-parallel sum whose "GEMM" already happened: out (the rank's rows) += the group's sum.
-  const int64_t C = partial.size(-1), N = partial.numel() / C;
-  if (!ctx_.sequence_parallel) {
-    ctx_.tp_all_reduce(partial);
-    ops::add(out.view({N, C}), out.view({N, C}), partial);
-    return;
-  }
-  Tensor mine = scratch_.get("embed.mine", {N / shard_.tp_size, C});
-  ctx_.groups.tp->reduce_scatter(mine, partial);
-  ops::add(out.view(mine.shape()), out.view(mine.shape()), mine);
 }
 
 void Transformer::head(Tensor x, Tensor targets, bool backward, float scale, Tensor dx, Tensor sums) {

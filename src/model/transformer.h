@@ -135,8 +135,6 @@ class Transformer {
   // its backward from the gradient of those rows.
   void embed(Tensor out, Tensor tokens);
   void embed_backward(Tensor dout, Tensor tokens);
-  // out (the rank's rows) += the sum over the tensor group of partial (N, C).
-  void row_parallel_sum(Tensor partial, Tensor out);
   // The loss sums of micro-batch mb on the device, zeroed, and their one read by the host.
   Tensor zeroed_sums(int mb);
   LossSums read_sums(Tensor sums, bool with_mtp) const;

@@ -23,6 +23,12 @@ std::string_view param_kind_name(ParamKind k) {
 
 std::string_view param_group_name(ParamGroup g) { return g == ParamGroup::Expert ? "expert" : "dense"; }
 
+int64_t ParamRegistry::global_numel() const {
+  int64_t n = 0;
+  for (const ParamInfo& p : params_) n += p.global_shape.numel();
+  return n;
+}
+
 int ParamRegistry::add(std::string name, Shape shape, ParamKind kind, int layer, bool follow_previous,
                        bool trainable) {
   ParamOptions o;

@@ -114,6 +114,8 @@ class ParamRegistry {
   // Marks a parameter's gradient as a partial sum over the tensor group (ParamInfo).
   void set_tp_partial_grad(int id, bool partial) { params_[size_t(id)].tp_partial_grad = partial; }
   int64_t flat_numel() const { return flat_numel_; }
+  // Elements of the global tensors (what a checkpoint holds), whatever pieces this rank has.
+  int64_t global_numel() const;
 
   // Every maximal run of consecutive parameters of the same group, in id order: dense and
   // expert parameters interleave layer by layer, so a group is in general several runs.

@@ -264,9 +264,7 @@ void CheckpointManager::write_and_publish(const ParamRegistry& reg, CheckpointBu
   newest_step_ = state.step;
   const double secs = seconds_since(t0);
   // The global tensors' bytes (a rank's registry may hold only its pieces of them).
-  double elements = 0;
-  for (const ParamInfo& p : reg.all()) elements += double(p.global_shape.numel());
-  const double bytes = elements * 4.0 * (bufs.exp_avg ? 3.0 : 1.0);
+  const double bytes = double(reg.global_numel()) * 4.0 * (bufs.exp_avg ? 3.0 : 1.0);
   log::info("checkpoint {} written in {:.2f} s ({:.0f} MB, {:.0f} MB/s)", final_path, secs, bytes / 1e6,
             bytes / 1e6 / std::max(secs, 1e-9));
 }

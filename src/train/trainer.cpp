@@ -1273,9 +1273,7 @@ bool Trainer::resume(const std::string& spec) {
     }
     const double secs = seconds_since(t0);
     // The file's tensors (weights and both moments), global whatever this rank holds of them.
-    double elements = 0;
-    for (const ParamInfo& p : reg.all()) elements += double(p.global_shape.numel());
-    const double mb = elements * 12.0 / 1e6;
+    const double mb = double(reg.global_numel()) * 12.0 / 1e6;
     log::info("resumed from {} at step {} ({} samples consumed; written by {} rank(s), now {}); read and verified "
               "{:.0f} MB in {:.2f} s ({:.0f} MB/s)",
               path, step_, consumed_samples_, st.layout.value("world_size", 0), grid_.world_size(), mb, secs,
