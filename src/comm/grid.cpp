@@ -23,6 +23,23 @@ ParallelConfig ParallelConfig::from_json(const JsonReader& r) {
   c.pipeline = r.get<int64_t>("pipeline", 1);
   c.expert = r.get<int64_t>("expert", 1);
   c.sequence_parallel = r.get<bool>("sequence_parallel", false);
+  c.schedule = r.get<std::string>("schedule", c.schedule);
+  c.virtual_stages = r.get<int64_t>("virtual_stages", c.virtual_stages);
+  c.partition = r.get<std::vector<int64_t>>("partition", {});
+  if (c.schedule != "1f1b" && c.schedule != "interleaved" && c.schedule != "dualpipev") {
+    r.error("schedule", fmt::format("\"{}\" is not a pipeline schedule: use \"1f1b\", \"interleaved\" or \"dualpipev\"",
+                                    c.schedule));
+  }
+  if (c.virtual_stages < 1) r.error("virtual_stages", "must be >= 1");
+  if (c.schedule == "interleaved" && c.virtual_stages < 2) {
+    r.error("virtual_stages", "must be >= 2 with schedule \"interleaved\" (the model chunks per pipeline rank)");
+  }
+  if (c.schedule == "1f1b" && c.virtual_stages != 1) {
+    r.error("virtual_stages", "applies to schedule \"interleaved\"; \"1f1b\" runs one chunk per rank");
+  }
+  if (c.schedule == "dualpipev" && c.virtual_stages != 1 && c.virtual_stages != 2) {
+    r.error("virtual_stages", "DualPipeV holds 2 chunks per rank (leave virtual_stages out)");
+  }
   if (c.data < 0) r.error("data", "must be positive (or \"auto\")");
   for (auto [key, v] : {std::pair{"tensor", c.tensor}, {"pipeline", c.pipeline}, {"expert", c.expert}}) {
     if (v < 1) r.error(key, "must be >= 1");
@@ -33,7 +50,8 @@ ParallelConfig ParallelConfig::from_json(const JsonReader& r) {
 
 json ParallelConfig::to_json() const {
   return {{"data", data == 0 ? json("auto") : json(data)}, {"tensor", tensor}, {"pipeline", pipeline},
-          {"expert", expert}, {"sequence_parallel", sequence_parallel}};
+          {"expert", expert}, {"sequence_parallel", sequence_parallel}, {"schedule", schedule},
+          {"virtual_stages", virtual_stages}, {"partition", partition}};
 }
 
 ProcessGrid::ProcessGrid(MPI_Comm world, const ParallelConfig& config) {
@@ -89,7 +107,7 @@ ProcessGrid::ProcessGrid(MPI_Comm world, const ParallelConfig& config) {
 }
 
 void require_implemented_axes(const ProcessGrid& grid) {
-  for (Axis a : {Axis::Pipeline, Axis::Expert}) {
+  for (Axis a : {Axis::Expert}) {
     const std::string_view axis = axis_name(a);
     if (grid.size(a) != 1) {
       throw Error(fmt::format("parallel.{} = {}: {} parallelism is not implemented in this build of dstrain; set "

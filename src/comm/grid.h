@@ -12,6 +12,7 @@
 #include <array>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "comm/mpi_comm.h"
 #include "core/json_reader.h"
@@ -27,11 +28,17 @@ struct ParallelConfig {
   int64_t data = 0, tensor = 1, pipeline = 1, expert = 1;
   // Megatron's sequence parallelism over the tensor group (no effect with tensor = 1).
   bool sequence_parallel = false;
+  // Pipeline parallelism: the schedule ("1f1b", "interleaved" or "dualpipev"), the model
+  // chunks per rank of the interleaved one (DualPipeV always has 2), and the decoder layers
+  // of each stage when given by hand (empty: balanced by modelled cost).
+  std::string schedule = "1f1b";
+  int64_t virtual_stages = 1;
+  std::vector<int64_t> partition;
   static ParallelConfig from_json(const JsonReader& r);
   json to_json() const;
 };
 
-// Axes whose parallelism this build does not implement yet (pipeline, expert > 1) are
+// Axes whose parallelism this build does not implement yet (expert > 1) are
 // an error, raised alike on every rank: the trainer calls it, so that the grid itself can
 // describe every layout.
 void require_implemented_axes(const class ProcessGrid& grid);

@@ -111,6 +111,13 @@ std::vector<double> convert<std::vector<double>>(const JsonReader& r, const std:
   return out;
 }
 template <>
+std::vector<int64_t> convert<std::vector<int64_t>>(const JsonReader& r, const std::string& key, const json& v) {
+  if (!v.is_array()) r.error(key, "must be an array of integers, got " + type_of(v));
+  std::vector<int64_t> out;
+  for (const auto& e : v) out.push_back(convert<int64_t>(r, key, e));
+  return out;
+}
+template <>
 std::vector<std::string> convert<std::vector<std::string>>(const JsonReader& r, const std::string& key,
                                                            const json& v) {
   if (v.is_string()) return {v.get<std::string>()};  // one path may be given without brackets
@@ -143,6 +150,7 @@ DSTRAIN_INSTANTIATE(int64_t)
 DSTRAIN_INSTANTIATE(int)
 DSTRAIN_INSTANTIATE(std::string)
 DSTRAIN_INSTANTIATE(std::vector<double>)
+DSTRAIN_INSTANTIATE(std::vector<int64_t>)
 DSTRAIN_INSTANTIATE(std::vector<std::string>)
 #undef DSTRAIN_INSTANTIATE
 

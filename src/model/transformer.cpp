@@ -1,5 +1,6 @@
 #include "model/transformer.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/clock.h"
@@ -15,9 +16,38 @@ namespace dstrain {
 Transformer::Transformer(const ModelConfig& config, Device device)
     : Transformer(config, device, ShardSpec::whole(config)) {}
 
-Transformer::Transformer(const ModelConfig& config, Device device, const ShardSpec& shard, ProcessGroups groups)
-    : config_(config), shard_(shard), acts_(device), wgrad_(device), scratch_(device) {
+namespace {
+// Errors unless the chunks are distinct stages of one split that hold whole pieces.
+void check_chunks(const ModelConfig& c, const std::vector<StageSpec>& chunks) {
+  std::vector<int> owner(size_t(c.num_hidden_layers), -1);
+  for (size_t k = 0; k < chunks.size(); ++k) {
+    const StageSpec& s = chunks[k];
+    DS_CHECK(s.first_layer >= 0 && s.first_layer <= s.end_layer && s.end_layer <= c.num_hidden_layers,
+             "{}: layers [{}, {}) outside the model's {}", s.str(), s.first_layer, s.end_layer, c.num_hidden_layers);
+    DS_CHECK(!s.mtp || s.head, "{}: the MTP modules go with the head", s.str());
+    for (int l = s.first_layer; l < s.end_layer; ++l) {
+      DS_CHECK(owner[size_t(l)] < 0, "layer {} is in two chunks of this rank ({} and {})", l, owner[size_t(l)], k);
+      owner[size_t(l)] = int(k);
+    }
+  }
+}
+}  // namespace
+
+Transformer::Transformer(const ModelConfig& config, Device device, const ShardSpec& shard, ProcessGroups groups,
+                         std::vector<StageSpec> chunks)
+    : config_(config),
+      shard_(shard),
+      chunks_(chunks.empty() ? split_stages(config, 1) : std::move(chunks)),
+      acts_(device),
+      wgrad_(device),
+      scratch_(device) {
   const ModelConfig& c = config_;
+  check_chunks(c, chunks_);
+  auto any_chunk = [&](bool StageSpec::*what) {
+    return std::any_of(chunks_.begin(), chunks_.end(), [&](const StageSpec& s) { return s.*what; });
+  };
+  const bool has_embedding = any_chunk(&StageSpec::embedding), has_head = any_chunk(&StageSpec::head);
+  const bool has_mtp = any_chunk(&StageSpec::mtp) && c.num_nextn_predict_layers > 0;
   DS_CHECK(ProcessGroups::size_of(groups.tp) == shard.tp_size,
            "the tensor-parallel group has {} ranks but the shard is one of {} pieces", ProcessGroups::size_of(groups.tp),
            shard.tp_size);
@@ -30,8 +60,9 @@ Transformer::Transformer(const ModelConfig& config, Device device, const ShardSp
   ctx_.scratch = &scratch_;
   ctx_.rope = &rope_;
   // The embedding and the head: this rank's rows of the vocabulary (vocabulary-parallel).
-  auto vocab_rows = [&](const char* name, ParamKind kind) {
+  auto vocab_rows = [&](const char* name, ParamKind kind, bool pipeline_copy = false) {
     ParamOptions o;
+    o.pipeline_copy = pipeline_copy;
     if (shard.tp_size > 1) {
       o.placement.kind = Placement::Kind::Shard;
       o.placement.dim = 0;
@@ -42,7 +73,9 @@ Transformer::Transformer(const ModelConfig& config, Device device, const ShardSp
     }
     return reg_.add(name, {shard.vocab.size(), c.hidden_size}, kind, -1, o);
   };
-  embed_ = vocab_rows("model.embed_tokens.weight", ParamKind::Embedding);
+  // The last stage reads the embedding for a tied head and for the MTP modules' inputs.
+  const bool reads_embedding = has_embedding || (has_head && c.tie_word_embeddings) || has_mtp;
+  embed_ = reads_embedding ? vocab_rows("model.embed_tokens.weight", ParamKind::Embedding, !has_embedding) : -1;
   layers_.reserve(size_t(c.num_hidden_layers));
   // DeepSeek-LLM: GQA + SwiGLU; DeepSeek-V2/V3: MLA + DeepSeekMoE (dense in the first layers).
   auto make_layer = [&](int l) {
@@ -63,12 +96,19 @@ Transformer::Transformer(const ModelConfig& config, Device device, const ShardSp
     layer->set_param_range(first, reg_.size() - 1);
     return layer;
   };
-  for (int l = 0; l < int(c.num_hidden_layers); ++l) layers_.push_back(std::move(*make_layer(l)));
-  final_norm_ = reg_.add("model.norm.weight", {c.hidden_size}, ParamKind::Norm, -1);
-  lm_head_ = c.tie_word_embeddings ? -1 : vocab_rows("lm_head.weight", ParamKind::Head);
+  local_layer_.assign(size_t(c.num_hidden_layers), -1);
+  for (int l = 0; l < int(c.num_hidden_layers); ++l) {
+    const bool held = std::any_of(chunks_.begin(), chunks_.end(),
+                                  [&](const StageSpec& s) { return l >= s.first_layer && l < s.end_layer; });
+    if (!held) continue;
+    local_layer_[size_t(l)] = int(layers_.size());
+    layers_.push_back(std::move(*make_layer(l)));
+  }
+  final_norm_ = has_head ? reg_.add("model.norm.weight", {c.hidden_size}, ParamKind::Norm, -1) : -1;
+  lm_head_ = has_head && !c.tie_word_embeddings ? vocab_rows("lm_head.weight", ParamKind::Head) : -1;
   // Multi-token prediction modules, stored as the layers after the last one (as DeepSeek-V3's
   // checkpoints do); they share the embedding and the head.
-  for (int k = 0; k < int(c.num_nextn_predict_layers); ++k) {
+  for (int k = 0; has_mtp && k < int(c.num_nextn_predict_layers); ++k) {
     const int l = int(c.num_hidden_layers) + k;
     MtpModule m;
     m.layer_index = l;
@@ -185,6 +225,8 @@ int64_t Transformer::activation_bytes(int64_t B, int64_t T) const {
   Elems all_rows, my_rows{C /*embedding output*/ + 1, C /*final norm*/};
   int64_t widest_ffn = 0;
   for (int64_t l = 0; l < c.num_hidden_layers + c.num_nextn_predict_layers; ++l) {
+    // The layers this rank holds only (pipeline stages).
+    if (l < c.num_hidden_layers ? local_layer_[size_t(l)] < 0 : mtp_.empty()) continue;
     // Norms with their rstd, the residual in the middle and at the end, attention, FFN.
     const Ffn f = ffn(l);
     my_rows = my_rows + Elems{2 + 2 * C, 2 * C} + f.mine;
@@ -194,7 +236,7 @@ int64_t Transformer::activation_bytes(int64_t B, int64_t T) const {
     widest_ffn = std::max(widest_ffn, (f.all.f32 * 4 + f.all.cd * cs) * N + (f.mine.f32 * 4 + f.mine.cd * cs) * n);
   }
   const int64_t chunk = std::min(N, head_chunk_rows());
-  const Elems head{chunk * V + 2 * chunk + N /*losses*/, 0};
+  const Elems head = head_chunk() >= 0 ? Elems{chunk * V + 2 * chunk + N /*losses*/, 0} : Elems{};
   // Backward temporaries shared by the layers: the residual's gradient (fp32), the head's and
   // dln (compute dtype), the widest attention and feed-forward gradients. A sharded layer's
   // partial sums are fp32 temporaries of all rows (the input gradient, the row-parallel output).
@@ -211,7 +253,7 @@ void Transformer::release_activations() {
   ready_after_weights_.clear();
 }
 
-void Transformer::forward_body(int mb, Tensor tokens) {
+void Transformer::forward_body(int slot, const StageSpec& st, Tensor tokens, Tensor in) {
   DS_CHECK(tokens.ndim() == 2, "tokens must be (B, T), got {}", tokens.shape().str());
   const int64_t B = tokens.size(0), T = tokens.size(1), C = config_.hidden_size;
   DS_CHECK(T <= config_.max_position_embeddings, "sequence length {} exceeds max_position_embeddings {}", T,
@@ -220,28 +262,74 @@ void Transformer::forward_body(int mb, Tensor tokens) {
   // Sequence parallelism splits the token rows over the tensor group; a forward without a
   // backward (evaluation, generation) whose rows do not split runs without it (the same
   // parameters serve both layouts).
-  ctx_.sequence_parallel = shard_.sequence_parallel && (mb != kInferenceMb || B * T % shard_.tp_size == 0);
+  ctx_.sequence_parallel = shard_.sequence_parallel && (slot != kInferenceMb || B * T % shard_.tp_size == 0);
   // A copy, so the caller's tokens need not outlive the forward.
-  Tensor tok = acts_.put(mb, "tokens", {B, T}, DType::I32);
+  Tensor tok = acts_.put(slot, "tokens", {B, T}, DType::I32);
   ops::copy(tok, tokens);
-  acts_.meta<Shape>(mb, kBatchShapeKey) = Shape{B, T};
+  acts_.meta<Shape>(slot, kBatchShapeKey) = Shape{B, T};
   // The residual stream, in fp32 whatever the compute dtype: "residual.0" the embedding output
-  // (looked up in the fp32 master), "residual.{l+1}" after layer l. With sequence parallelism
-  // it holds this rank's rows only.
+  // (looked up in the fp32 master), "residual.{l+1}" after layer l; a later pipeline stage
+  // starts from the previous one's output. With sequence parallelism it holds this rank's
+  // rows only.
   const Shape rs = residual_shape(B, T);
-  auto residual = [&](size_t l) { return acts_.put(mb, fmt::format("residual.{}", l), rs); };
-  Tensor x = residual(0);
-  embed(x, tok);
-  for (size_t l = 0; l < layers_.size(); ++l) {
+  auto residual = [&](int l) { return acts_.put(slot, fmt::format("residual.{}", l), rs); };
+  Tensor x = residual(st.first_layer);
+  if (st.embedding) {
+    embed(x, tok);
+  } else {
+    DS_CHECK(in.numel() == rs.numel(), "{}: its input holds {} values, the previous stage's output is {}", st.str(),
+             in.numel(), rs.str());
+    ops::copy(x, in.view(rs));
+  }
+  for (int l = st.first_layer; l < st.end_layer; ++l) {
     Tensor next = residual(l + 1);
-    layers_[l].forward(ctx_, mb, x, next);
+    layer(l).forward(ctx_, slot, x, next);
     x = next;
   }
+  if (!st.head) return;
   const int64_t n = rs.numel() / C;
   ctx_.before_use(final_norm_, final_norm_);
-  ops::rmsnorm_forward(acts_.put(mb, "final_norm.out", {n, C}, ctx_.compute_dtype), acts_.put(mb, "final_norm.rstd", {n}),
-                       x.view({n, C}), reg_.param(final_norm_), float(config_.rms_norm_eps));
+  ops::rmsnorm_forward(acts_.put(slot, "final_norm.out", {n, C}, ctx_.compute_dtype),
+                       acts_.put(slot, "final_norm.rstd", {n}), x.view({n, C}), reg_.param(final_norm_),
+                       float(config_.rms_norm_eps));
   ctx_.after_use(final_norm_, final_norm_);
+}
+
+int Transformer::head_chunk() const {
+  for (int k = 0; k < num_chunks(); ++k) {
+    if (chunks_[size_t(k)].head) return k;
+  }
+  return -1;
+}
+
+Shape Transformer::boundary_shape(int64_t B, int64_t T, bool inference) const {
+  const int tp = shard_.tp_size;
+  if (!shard_.sequence_parallel || tp == 1 || (inference && B * T % tp != 0)) return Shape{B, T, config_.hidden_size};
+  DS_CHECK(B * T % tp == 0, "{} x {} token rows do not split over {} tensor-parallel ranks", B, T, tp);
+  return Shape{B * T / tp, config_.hidden_size};
+}
+
+void Transformer::forward_head_body(Tensor tokens, Tensor in) {
+  const int k = head_chunk();
+  DS_CHECK(k >= 0, "this rank holds no head: it is not the last pipeline stage");
+  forward_body(kInferenceMb, chunks_[size_t(k)], tokens, in);
+}
+
+void Transformer::forward_hidden(int chunk, Tensor tokens, Tensor in, Tensor out) {
+  DS_CHECK(chunk >= 0 && chunk < num_chunks(), "chunk {} of {}", chunk, num_chunks());
+  const StageSpec& st = chunks_[size_t(chunk)];
+  DS_CHECK(!st.head, "{} holds the head: use forward_loss or last_logits", st.str());
+  forward_body(kInferenceMb, st, tokens, in);
+  Tensor x = acts_.get(kInferenceMb, fmt::format("residual.{}", st.end_layer));
+  DS_CHECK(out.numel() == x.numel(), "{}: output of {} values for {}", st.str(), out.numel(), x.shape().str());
+  ops::copy(out.view(x.shape()), x);
+  acts_.release(kInferenceMb);
+}
+
+Tensor Transformer::chunk_output(int mb, int chunk) const {
+  const StageSpec& st = chunks_.at(size_t(chunk));
+  DS_CHECK(!st.head, "{} holds the head: its output is the loss", st.str());
+  return acts_.get(slot(mb, chunk), fmt::format("residual.{}", st.end_layer));
 }
 
 Shape Transformer::residual_shape(int64_t B, int64_t T) const {
@@ -382,8 +470,8 @@ LossSums Transformer::read_sums(Tensor sums, bool with_mtp) const {
 std::vector<std::pair<int, FeedForwardBlock*>> Transformer::moe_layers() {
   // From the config, not routing(): asking a block for its statistics reads them back.
   std::vector<std::pair<int, FeedForwardBlock*>> out;
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    if (config_.is_moe_layer(int64_t(l))) out.emplace_back(int(l), &layers_[l].ffn());
+  for (int l = 0; l < int(local_layer_.size()); ++l) {
+    if (local_layer_[size_t(l)] >= 0 && config_.is_moe_layer(l)) out.emplace_back(l, &layer(l).ffn());
   }
   for (size_t k = 0; k < mtp_.size(); ++k) {
     if (config_.is_moe_layer(mtp_[k].layer_index)) out.emplace_back(mtp_[k].layer_index, &mtp_[k].layer->ffn());
@@ -481,8 +569,10 @@ void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor 
   early_backward_s_ += seconds_since(t0);
 }
 
-LossSums Transformer::forward_loss(Tensor tokens, Tensor targets) {
-  forward_body(kInferenceMb, tokens);
+LossSums Transformer::forward_loss(Tensor tokens, Tensor targets) { return forward_loss(tokens, targets, Tensor()); }
+
+LossSums Transformer::forward_loss(Tensor tokens, Tensor targets, Tensor in) {
+  forward_head_body(tokens, in);
   Tensor sums = zeroed_sums(kInferenceMb);
   head(acts_.get(kInferenceMb, "final_norm.out"), targets, /*backward=*/false, 0.0f, Tensor(), sums.slice(0, 2));
   const LossSums s = read_sums(sums, /*with_mtp=*/false);
@@ -546,26 +636,45 @@ LossSums Transformer::forward_backward(Tensor tokens, Tensor targets, const Loss
 }
 
 LossSums Transformer::forward(int mb, Tensor tokens, Tensor targets, const LossScales& scales) {
+  DS_CHECK(num_chunks() == 1 && chunks_[0].embedding && chunks_[0].head,
+           "forward() runs the whole model, but this rank holds {}: use forward_chunk", chunks_[0].str());
+  return forward_chunk(mb, 0, tokens, targets, scales);
+}
+
+LossSums Transformer::forward_chunk(int mb, int chunk, Tensor tokens, Tensor targets, const LossScales& scales,
+                                    Tensor in) {
   DS_CHECK(mb >= 0, "micro-batches are numbered from 0, got {}", mb);
-  DS_CHECK(!acts_.has(mb, "tokens"), "micro-batch {} is already in flight: run its backward first", mb);
+  DS_CHECK(chunk >= 0 && chunk < num_chunks(), "chunk {} of this rank's {}", chunk, num_chunks());
+  const int sl = slot(mb, chunk);
+  DS_CHECK(!acts_.has(sl, "tokens"), "micro-batch {} is already in flight: run its backward first", mb);
+  const StageSpec& st = chunks_[size_t(chunk)];
   const auto t0 = Clock::now();
   early_backward_s_ = 0;
-  for (auto& [l, ffn] : moe_layers()) ffn->set_loss_scales(scales);
-  forward_body(mb, tokens);
+  for (int l = st.first_layer; l < st.end_layer; ++l) {
+    if (config_.is_moe_layer(l)) layer(l).ffn().set_loss_scales(scales);
+  }
+  forward_body(sl, st, tokens, in);
+  if (!st.head) {
+    forward_s_ += seconds_since(t0);
+    return LossSums{};
+  }
+  for (auto& m : mtp_) {
+    if (config_.is_moe_layer(m.layer_index)) m.layer->ffn().set_loss_scales(scales);
+  }
   const int64_t B = tokens.size(0), T = tokens.size(1), N = B * T, C = config_.hidden_size;
   DS_CHECK(targets.numel() == N, "targets {} for tokens {}", targets.shape().str(), tokens.shape().str());
   // Of final_norm.out: this rank's rows.
-  Tensor dxf = acts_.put(mb, "head.dxf", {residual_shape(B, T).numel() / C, C}, ctx_.compute_dtype);
-  Tensor sums = zeroed_sums(mb);
-  head(acts_.get(mb, "final_norm.out"), targets, /*backward=*/true, scales.token, dxf, sums.slice(0, 2));
+  Tensor dxf = acts_.put(sl, "head.dxf", {residual_shape(B, T).numel() / C, C}, ctx_.compute_dtype);
+  Tensor sums = zeroed_sums(sl);
+  head(acts_.get(sl, "final_norm.out"), targets, /*backward=*/true, scales.token, dxf, sums.slice(0, 2));
   const bool with_mtp = !mtp_.empty() && !scales.mtp_token.empty();
   if (with_mtp) {
     DS_CHECK(scales.mtp_token.size() == mtp_.size(), "{} MTP loss scales for {} depths", scales.mtp_token.size(),
              mtp_.size());
     // The targets on the model's device, for the shifted MTP inputs and targets.
-    Tensor tgt = acts_.put(mb, "targets", {B, T}, DType::I32);
+    Tensor tgt = acts_.put(sl, "targets", {B, T}, DType::I32);
     ops::copy(tgt, targets);
-    mtp_forward_backward(mb, scales, tgt, dxf, sums);
+    mtp_forward_backward(sl, scales, tgt, dxf, sums);
   }
   const LossSums s = read_sums(sums, with_mtp);
   // The head forms each chunk's gradient right after its loss, and the MTP modules run their
@@ -576,40 +685,63 @@ LossSums Transformer::forward(int mb, Tensor tokens, Tensor targets, const LossS
 }
 
 void Transformer::backward(int mb, BackwardPart part) {
-  DS_CHECK(acts_.has(mb, "head.dxf"), "backward of micro-batch {} without its training forward", mb);
+  DS_CHECK(num_chunks() == 1, "backward() runs the whole model; this rank holds {} chunks: use backward_chunk",
+           num_chunks());
+  backward_chunk(mb, 0, Tensor(), Tensor(), part);
+}
+
+void Transformer::backward_chunk(int mb, int chunk, Tensor dout, Tensor din, BackwardPart part) {
+  DS_CHECK(chunk >= 0 && chunk < num_chunks(), "chunk {} of this rank's {}", chunk, num_chunks());
+  const StageSpec& st = chunks_[size_t(chunk)];
+  const int sl = slot(mb, chunk);
+  DS_CHECK(acts_.has(sl, st.head ? "head.dxf" : "tokens"), "backward of micro-batch {} without its training forward",
+           mb);
   ctx_.sequence_parallel = shard_.sequence_parallel;
   const auto t1 = Clock::now();
   if (part == BackwardPart::Input) {
-    wgrad_.begin_deferral(mb);
-    split_mb_ = mb;
+    wgrad_.begin_deferral(sl);
+    split_mb_ = sl;
   }
   try {
-    // The MTP modules' gradients were completed by the forward; they are reported here, with
-    // this micro-batch's backward, so that hooks counting a micro-step's gradients (the
-    // data-parallel buckets, the tensor group's sums) see them in the micro-step they belong
-    // to and can start on the last parameters at once.
-    for (size_t k = mtp_.size(); k-- > 0;) ctx_.grad_ready(mtp_[k].first_param, mtp_[k].last_param);
-    Tensor tokens = acts_.get(mb, "tokens");
+    Tensor tokens = acts_.get(sl, "tokens");
     const int64_t B = tokens.size(0), T = tokens.size(1), C = config_.hidden_size;
     // The residual-stream gradient flows back through the layers in one buffer (this rank's
     // rows with sequence parallelism).
     const Shape rs = residual_shape(B, T);
     const int64_t n = rs.numel() / C;
     Tensor dx = scratch_.get("residual.grad", rs);
-    ops::fill(dx, 0.0f);
-    ctx_.before_use(final_norm_, final_norm_);
-    ops::rmsnorm_backward(dx.view({n, C}), reg_.grad(final_norm_), acts_.get(mb, "head.dxf"),
-                          acts_.get(mb, fmt::format("residual.{}", layers_.size())).view({n, C}),
-                          reg_.param(final_norm_), acts_.get(mb, "final_norm.rstd"));
-    ctx_.after_use(final_norm_, final_norm_);
-    grad_ready(mb, final_norm_, final_norm_);
-    if (lm_head_ >= 0) grad_ready(mb, lm_head_, lm_head_);
-    for (size_t l = layers_.size(); l-- > 0;) {
-      layers_[l].backward(ctx_, mb, dx);
-      grad_ready(mb, layers_[l].first_param(), layers_[l].last_param());
+    if (st.head) {
+      // The MTP modules' gradients were completed by the forward; they are reported here, with
+      // this micro-batch's backward, so that hooks counting a micro-step's gradients (the
+      // data-parallel buckets, the tensor group's sums) see them in the micro-step they belong
+      // to and can start on the last parameters at once.
+      for (size_t k = mtp_.size(); k-- > 0;) ctx_.grad_ready(mtp_[k].first_param, mtp_[k].last_param);
+      ops::fill(dx, 0.0f);
+      ctx_.before_use(final_norm_, final_norm_);
+      ops::rmsnorm_backward(dx.view({n, C}), reg_.grad(final_norm_), acts_.get(sl, "head.dxf"),
+                            acts_.get(sl, fmt::format("residual.{}", st.end_layer)).view({n, C}),
+                            reg_.param(final_norm_), acts_.get(sl, "final_norm.rstd"));
+      ctx_.after_use(final_norm_, final_norm_);
+      grad_ready(sl, final_norm_, final_norm_);
+      if (lm_head_ >= 0) grad_ready(sl, lm_head_, lm_head_);
+    } else {
+      DS_CHECK(dout.numel() == rs.numel(), "{}: output gradient of {} values for {}", st.str(), dout.numel(),
+               rs.str());
+      ops::copy(dx, dout.view(rs));
     }
-    embed_backward(dx, tokens);
-    grad_ready(mb, embed_, embed_);
+    for (int l = st.end_layer; l-- > st.first_layer;) {
+      layer(l).backward(ctx_, sl, dx);
+      grad_ready(sl, layer(l).first_param(), layer(l).last_param());
+    }
+    if (st.embedding) {
+      embed_backward(dx, tokens);
+      grad_ready(sl, embed_, embed_);
+    } else {
+      DS_CHECK(din.numel() == rs.numel(), "{}: input gradient of {} values for {}", st.str(), din.numel(), rs.str());
+      ops::copy(din.view(rs), dx);
+      // A last stage's copy of the embedding (tied head, MTP) is final after its backward.
+      if (st.head && embed_ >= 0 && reg_.info(embed_).pipeline_copy) grad_ready(sl, embed_, embed_);
+    }
   } catch (...) {
     wgrad_.end_deferral();
     split_mb_ = -1;
@@ -617,14 +749,17 @@ void Transformer::backward(int mb, BackwardPart part) {
   }
   wgrad_.end_deferral();
   split_mb_ = -1;
-  acts_.release(mb);
+  acts_.release(sl);
   backward_s_ += seconds_since(t1);
 }
 
-void Transformer::backward_weights(int mb) {
+void Transformer::backward_weights(int mb) { backward_weights_chunk(mb, 0); }
+
+void Transformer::backward_weights_chunk(int mb, int chunk) {
   const auto t0 = Clock::now();
-  wgrad_.run(mb);
-  auto it = ready_after_weights_.find(mb);
+  const int sl = slot(mb, chunk);
+  wgrad_.run(sl);
+  auto it = ready_after_weights_.find(sl);
   if (it != ready_after_weights_.end()) {
     for (auto [first, last] : it->second) ctx_.grad_ready(first, last);
     ready_after_weights_.erase(it);
@@ -633,7 +768,9 @@ void Transformer::backward_weights(int mb) {
 }
 
 void Transformer::forward_logits(Tensor tokens, Tensor logits) {
-  forward_body(kInferenceMb, tokens);
+  DS_CHECK(num_chunks() == 1 && chunks_[0].embedding && chunks_[0].head,
+           "forward_logits runs the whole model, but this rank holds {}", chunks_[0].str());
+  forward_head_body(tokens, Tensor());
   const int64_t B = tokens.size(0), T = tokens.size(1), N = B * T, C = config_.hidden_size, V = config_.vocab_size;
   DS_CHECK(logits.numel() == N * V, "logits {} for ({}, {}) tokens and vocabulary {}", logits.shape().str(), B, T,
            V);
@@ -641,8 +778,10 @@ void Transformer::forward_logits(Tensor tokens, Tensor logits) {
   acts_.release(kInferenceMb);
 }
 
-void Transformer::last_logits(Tensor tokens, Tensor logits) {
-  forward_body(kInferenceMb, tokens);
+void Transformer::last_logits(Tensor tokens, Tensor logits) { last_logits(tokens, logits, Tensor()); }
+
+void Transformer::last_logits(Tensor tokens, Tensor logits, Tensor in) {
+  forward_head_body(tokens, in);
   const int64_t B = tokens.size(0), T = tokens.size(1), V = config_.vocab_size;
   DS_CHECK(logits.numel() == B * V, "logits {} for {} sequences", logits.shape().str(), B);
   const int64_t C = config_.hidden_size;

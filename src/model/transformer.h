@@ -46,8 +46,13 @@ class Transformer {
  public:
   // The whole model on one rank.
   Transformer(const ModelConfig& config, Device device);
-  // This rank's piece of the model (see ShardSpec), with the groups its layers reduce over.
-  Transformer(const ModelConfig& config, Device device, const ShardSpec& shard, ProcessGroups groups = {});
+  // This rank's piece of the model (see ShardSpec), with the groups its layers reduce over, and
+  // the pipeline stages it holds (its chunks, in chunk order: one, or several for interleaved
+  // and DualPipeV schedules; empty: the whole model as one chunk). A rank holds the parameters
+  // of its chunks' pieces, and a copy (ParamInfo::pipeline_copy) of the embedding when its
+  // last-stage chunk reads it (a tied head, the MTP modules) without holding the first stage.
+  Transformer(const ModelConfig& config, Device device, const ShardSpec& shard, ProcessGroups groups = {},
+              std::vector<StageSpec> chunks = {});
   // Layers hold references into the registry: a model stays where it was built.
   Transformer(const Transformer&) = delete;
   Transformer& operator=(const Transformer&) = delete;
@@ -89,6 +94,34 @@ class Transformer {
   void backward(int mb, BackwardPart part = BackwardPart::Full);
   void backward_weights(int mb);
 
+  // Pipeline stages: the same, one chunk at a time. forward_chunk runs chunk `chunk` of
+  // micro-batch mb from the embedding of tokens (the first stage) or from `in`, the previous
+  // stage's output (boundary_shape(B, T), fp32), and on the last stage the head, the loss and
+  // the MTP modules as forward() does, returning their sums (empty elsewhere). tokens and
+  // targets are the micro-batch's on every stage.
+  LossSums forward_chunk(int mb, int chunk, Tensor tokens, Tensor targets, const LossScales& scales, Tensor in = {});
+  // The chunk's output for the next stage (boundary_shape), kept until its backward of mb.
+  Tensor chunk_output(int mb, int chunk) const;
+  // From dout, the gradient of chunk_output (none on the last stage), to din, the gradient of
+  // `in` (none on the first stage; written, fp32).
+  void backward_chunk(int mb, int chunk, Tensor dout, Tensor din, BackwardPart part = BackwardPart::Full);
+  void backward_weights_chunk(int mb, int chunk);
+  // What travels between stages for a (B, T) micro-batch: the residual stream, (B, T, C), or
+  // this rank's rows (n, C) with sequence parallelism (an inference batch whose rows do not
+  // split runs without it).
+  Shape boundary_shape(int64_t B, int64_t T, bool inference = false) const;
+  // Inference through a pipeline: out (boundary_shape) = the output of chunk `chunk` (not the
+  // last stage) for tokens, from `in` unless the chunk holds the embedding.
+  void forward_hidden(int chunk, Tensor tokens, Tensor in, Tensor out);
+  // forward_loss and last_logits of the chunk holding the head, from `in` (the previous
+  // stage's output) unless it also holds the embedding.
+  LossSums forward_loss(Tensor tokens, Tensor targets, Tensor in);
+  void last_logits(Tensor tokens, Tensor logits, Tensor in);
+  const std::vector<StageSpec>& chunks() const { return chunks_; }
+  int num_chunks() const { return int(chunks_.size()); }
+  // The chunk holding the head (the last stage), -1 when none.
+  int head_chunk() const;
+
   // forward(0) then backward(0), with `ready` called as the gradients become final.
   LossSums forward_backward(Tensor tokens, Tensor targets, const LossScales& scales, const GradReadyFn& ready = {});
   // The CE-only form: d(loss_scale x sum of token losses).
@@ -103,9 +136,10 @@ class Transformer {
   int64_t head_chunk_rows() const;
   // The DeepSeekMoE layers (main and MTP) with their layer indices.
   std::vector<std::pair<int, FeedForwardBlock*>> moe_layers();
+  // The MTP modules this rank holds (those of the last stage).
   int mtp_depth() const { return int(mtp_.size()); }
-  // The model as pipeline stages (today one, holding every piece) and each stage's contiguous
-  // range of parameter ids; the weights its pieces share (tied_params).
+  // The whole model as one stage, and a stage's contiguous range of parameter ids in the
+  // whole model's registry; the weights its pieces share (tied_params).
   std::vector<StageSpec> stages() const { return split_stages(config_, 1); }
   Range stage_params(const StageSpec& s) const { return stage_param_range(reg_, s, config_); }
   // Seconds spent in forward and backward computation since the last call.
@@ -119,8 +153,13 @@ class Transformer {
  private:
   // The micro-batch key of forwards without a backward (evaluation, generation).
   static constexpr int kInferenceMb = -1;
-  // Fills "final_norm.out" (B,T,C) of micro-batch mb.
-  void forward_body(int mb, Tensor tokens);
+  // The activation store's key of (micro-batch, chunk).
+  int slot(int mb, int chunk) const { return mb == kInferenceMb ? kInferenceMb : mb * num_chunks() + chunk; }
+  // Runs stage s of micro-batch slot `slot`: "residual.{first_layer}" from the embedding of
+  // tokens or a copy of `in`, its layers, and with the head "final_norm.out" (B,T,C).
+  void forward_body(int slot, const StageSpec& s, Tensor tokens, Tensor in = {});
+  // forward_body of the chunk holding the head for inference.
+  void forward_head_body(Tensor tokens, Tensor in);
   // Chunked vocabulary projection and cross-entropy of x (N,C) against targets (N); with
   // backward, dx (N,C) is overwritten with scale x d(sum of losses)/dx. sums (2) F64 +=
   // {sum of losses, count} over the targets that are not ignored.
@@ -158,7 +197,10 @@ class Transformer {
   ShardSpec shard_;
   ParamRegistry reg_;
   int embed_, final_norm_, lm_head_;
-  std::vector<DecoderLayer> layers_;
+  std::vector<StageSpec> chunks_;
+  std::vector<DecoderLayer> layers_;  // the decoder layers this rank holds, in order
+  std::vector<int> local_layer_;      // decoder layer index -> position in layers_ (-1: not held)
+  DecoderLayer& layer(int l) { return layers_[size_t(local_layer_[size_t(l)])]; }
   std::vector<MtpModule> mtp_;
   RopeCache rope_;
   ActivationStore acts_;

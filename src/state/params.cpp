@@ -58,6 +58,7 @@ int ParamRegistry::add(std::string name, Shape shape, ParamKind kind, int layer,
   p.trainable = options.trainable;
   p.group = options.group;
   p.tp_partial_grad = options.tp_partial_grad;
+  p.pipeline_copy = options.pipeline_copy;
   p.offset = follow_previous ? flat_numel_ : (flat_numel_ + kAlign - 1) / kAlign * kAlign;
   flat_numel_ = p.offset + shape.numel();
   by_name_[p.name] = int(params_.size());

@@ -65,6 +65,11 @@ struct ParamInfo {
   // norms) or, with sequence parallelism, only its share of the tokens (norms, the router,
   // routed experts).
   bool tp_partial_grad = false;
+  // Pipeline parallelism: this rank holds a copy of a parameter that an earlier pipeline stage
+  // owns (the embedding on the last stage, read by a tied head or the MTP modules). Its
+  // gradient is summed with the owner's once per step; the owner alone writes it to files and
+  // counts it in norms.
+  bool pipeline_copy = false;
   int64_t numel() const { return shape.numel(); }
 };
 
@@ -87,6 +92,7 @@ struct ParamOptions {
   Placement placement;           // Whole by default
   Shape global_shape;            // empty: the local shape (Whole)
   bool tp_partial_grad = false;  // see ParamInfo
+  bool pipeline_copy = false;    // see ParamInfo
 };
 
 class ParamRegistry {

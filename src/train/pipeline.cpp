@@ -1,0 +1,385 @@
+#include "train/pipeline.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "backend/ops.h"
+#include "core/clock.h"
+
+namespace dstrain {
+
+std::vector<StageSpec> pipeline_stages(const ModelConfig& c, int stages, const std::vector<int64_t>& partition,
+                                       int64_t seq_len) {
+  DS_CHECK(stages >= 1, "a pipeline needs at least one stage, got {}", stages);
+  if (!partition.empty()) return split_stages_manual(c, stages, partition);
+  if (stages > c.num_hidden_layers) {
+    throw Error(fmt::format("parallel.pipeline: {} pipeline stages for a model of {} decoder layers (num_hidden_layers): "
+                            "each stage needs at least one layer; lower parallel.pipeline or parallel.virtual_stages",
+                            stages, c.num_hidden_layers));
+  }
+  return split_stages_balanced(c, stages, seq_len);
+}
+
+std::vector<StageSpec> rank_chunks(const Schedule& schedule, const std::vector<StageSpec>& stages, int rank,
+                                   int ranks) {
+  DS_CHECK(int(stages.size()) == ranks * schedule.chunks(), "{} stages for {} ranks of {} chunks", stages.size(),
+           ranks, schedule.chunks());
+  std::vector<StageSpec> out;
+  for (int c = 0; c < schedule.chunks(); ++c) out.push_back(stages[size_t(schedule.model_stage(rank, c, ranks))]);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+void FinalGradHooks::begin_step(int n_micro) {
+  n_micro_ = n_micro;
+  std::fill(counts_.begin(), counts_.end(), 0);
+}
+
+void FinalGradHooks::grad_ready(int first, int last) {
+  // Forwards the runs of parameters whose count reached n_micro with this report.
+  int run = -1;
+  for (int id = first; id <= last + 1; ++id) {
+    const bool final = id <= last && ++counts_[size_t(id)] == n_micro_;
+    if (final && run < 0) run = id;
+    if (!final && run >= 0) {
+      inner_.grad_ready(run, id - 1);
+      run = -1;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+PipelineRunner::PipelineRunner(Transformer& model, Communicator& pp, const Schedule& schedule,
+                               std::vector<StageSpec> stages)
+    : model_(model), pp_(pp), schedule_(schedule), stages_(std::move(stages)) {
+  const int P = pp_.size(), V = schedule_.chunks(), S = num_stages();
+  DS_CHECK(S == P * V, "{} stages for {} pipeline ranks of {} chunks", S, P, V);
+  holder_.assign(size_t(S), {-1, -1});
+  for (int r = 0; r < P; ++r) {
+    for (int c = 0; c < V; ++c) holder_[size_t(schedule_.model_stage(r, c, P))] = {r, c};
+  }
+  for (int c = 0; c < V; ++c) stage_of_chunk_.push_back(schedule_.model_stage(pp_.rank(), c, P));
+  DS_CHECK(model_.num_chunks() == V, "the model holds {} chunks, the schedule runs {}", model_.num_chunks(), V);
+  for (int c = 0; c < V; ++c) {
+    const StageSpec& want = stages_[size_t(stage_of_chunk_[size_t(c)])];
+    const StageSpec& have = model_.chunks()[size_t(c)];
+    DS_CHECK(want.first_layer == have.first_layer && want.end_layer == have.end_layer && want.head == have.head &&
+                 want.embedding == have.embedding,
+             "chunk {} of pipeline rank {}: the model holds {}, the schedule runs {}", c, pp_.rank(), have.str(),
+             want.str());
+  }
+  // The tie: the embedding owner (stage 0's rank) and the last stage's rank, when they differ
+  // and the last stage reads the embedding.
+  const int first = holder(0).first, last = holder(S - 1).first;
+  const ModelConfig& mc = model_.config();
+  const bool last_reads_embedding = mc.tie_word_embeddings || mc.num_nextn_predict_layers > 0;
+  if (last_reads_embedding && first != last && (pp_.rank() == first || pp_.rank() == last)) {
+    tie_peer_ = pp_.rank() == first ? last : first;
+    tie_param_ = model_.params().find("model.embed_tokens.weight");
+    DS_CHECK(tie_param_ >= 0, "pipeline rank {} shares the embedding but does not hold it", pp_.rank());
+    DS_CHECK(model_.params().info(tie_param_).pipeline_copy == (pp_.rank() == last),
+             "pipeline rank {}: the embedding's copy is on the wrong stage", pp_.rank());
+  }
+}
+
+int PipelineRunner::tag(Dir dir, int s, int mb) const {
+  const int64_t t = (int64_t(dir) * num_stages() + s) * int64_t(n_micro_) + mb;
+  // MPI guarantees tags up to 32767 (the tied weights' own).
+  DS_CHECK(t < kTiedTag, "pipeline message tag {} for {} stages and {} micro-batches exceeds MPI's guaranteed 32767", t,
+           num_stages(), n_micro_);
+  return int(t);
+}
+
+Buffer PipelineRunner::make_buffer(Shape shape) {
+  const int64_t n = shape.numel();
+  for (size_t i = 0; i < free_.size(); ++i) {
+    if (free_[i].numel() >= n) {
+      Buffer b = std::move(free_[i]);
+      free_.erase(free_.begin() + std::ptrdiff_t(i));
+      return b;
+    }
+  }
+  return Buffer("pipeline.message", MemCategory::CommBuffers, DType::F32, n, model_.params().device());
+}
+
+std::vector<PipelineRunner::Message> PipelineRunner::needed_receives(const std::vector<ScheduleAction>& plan) const {
+  std::vector<Message> out;
+  const int S = num_stages(), me = pp_.rank();
+  for (const ScheduleAction& a : plan) {
+    const int s = stage_of_chunk_[size_t(a.chunk)];
+    if (a.kind == ScheduleAction::Kind::Forward && s > 0 && holder(s - 1).first != me) {
+      out.push_back({kForward, s, a.micro_batch});
+    }
+    const bool backward = a.kind == ScheduleAction::Kind::Backward || a.kind == ScheduleAction::Kind::BackwardInput;
+    if (backward && s < S - 1 && holder(s + 1).first != me) out.push_back({kBackward, s, a.micro_batch});
+  }
+  return out;
+}
+
+void PipelineRunner::post_receive(const Message& m, Shape shape) {
+  const int peer = holder(m.dir == kForward ? m.stage - 1 : m.stage + 1).first;
+  Pending p;
+  p.buffer = make_buffer(shape);
+  p.view = p.buffer.tensor(0, shape);
+  p.work = pp_.recv_async(p.view, peer, tag(m.dir, m.stage, m.mb));
+  receives_[m] = std::move(p);
+}
+
+Tensor PipelineRunner::take(const Message& m, Timeline* timeline, int64_t step) {
+  auto it = receives_.find(m);
+  DS_CHECK(it != receives_.end(), "pipeline rank {}: no {} message for stage {} micro-batch {} was posted", pp_.rank(),
+           m.dir == kForward ? "activation" : "gradient", m.stage, m.mb);
+  Pending& p = it->second;
+  if (p.work.valid()) {
+    const int peer = holder(m.dir == kForward ? m.stage - 1 : m.stage + 1).first;
+    const auto w0 = Clock::now();
+    int64_t id = -1;
+    if (timeline && timeline->recording(step)) id = timeline->begin("recv", step, m.mb, 0, peer);
+    p.work.wait();
+    if (id >= 0) timeline->end(id);
+    traffic_.recv_wait_seconds += seconds_since(w0);
+    traffic_.bytes_received += double(p.view.numel()) * double(dtype_size(p.view.dtype()));
+    ++traffic_.messages;
+    p.work = Work();
+  }
+  return p.view;
+}
+
+void PipelineRunner::send(const Message& m, Tensor t, Buffer buffer, Timeline* timeline, int64_t step) {
+  const int peer = holder(m.stage).first;
+  Pending p;
+  p.buffer = std::move(buffer);
+  p.view = t;
+  p.work = pp_.send_async(t, peer, tag(m.dir, m.stage, m.mb));
+  if (timeline && timeline->recording(step)) {
+    p.timeline = timeline;
+    p.timeline_id = timeline->begin("send", step, m.mb, 0, peer);
+  }
+  traffic_.bytes_sent += double(t.numel()) * double(dtype_size(t.dtype()));
+  ++traffic_.messages;
+  sends_[m] = std::move(p);
+}
+
+void PipelineRunner::complete_sends(bool wait) {
+  for (auto it = sends_.begin(); it != sends_.end();) {
+    Pending& p = it->second;
+    if (wait) {
+      p.work.wait();
+    } else if (!p.work.test()) {
+      ++it;
+      continue;
+    }
+    // The send ends when this rank sees it complete (at the next action boundary).
+    if (p.timeline_id >= 0) p.timeline->end(p.timeline_id);
+    if (p.buffer.numel() > 0) free_.push_back(std::move(p.buffer));
+    it = sends_.erase(it);
+  }
+}
+
+std::vector<LossSums> PipelineRunner::run_step(const std::vector<MicroBatch>& micro, const LossScales& scales,
+                                               Timeline* timeline, int64_t step) {
+  n_micro_ = int(micro.size());
+  DS_CHECK(n_micro_ >= 1, "a step needs at least one micro-batch");
+  const int S = num_stages(), me = pp_.rank();
+  const int64_t B = micro[0].tokens.size(0), T = micro[0].tokens.size(1);
+  const Shape shape = model_.boundary_shape(B, T);
+  const std::vector<ScheduleAction> plan = schedule_.actions(me, pp_.size(), n_micro_);
+  const std::vector<Message> needed = needed_receives(plan);
+  // Receives are posted this many messages ahead of the action that needs them.
+  constexpr size_t kLookahead = 2;
+  size_t posted = 0;
+  auto post_ahead = [&](size_t upto) {
+    for (; posted < needed.size() && posted < upto; ++posted) post_receive(needed[posted], shape);
+  };
+  post_ahead(kLookahead);
+  size_t consumed = 0;
+  auto receive = [&](const Message& m) {
+    Tensor t = take(m, timeline, step);
+    ++consumed;
+    post_ahead(consumed + kLookahead);
+    return t;
+  };
+  std::vector<LossSums> sums(static_cast<size_t>(n_micro_));
+  for (const ScheduleAction& a : plan) {
+    const int s = stage_of_chunk_[size_t(a.chunk)], mb = a.micro_batch;
+    const MicroBatch& data = micro[size_t(mb)];
+    const Timeline::Scope recorded(timeline, step, a);
+    switch (a.kind) {
+      case ScheduleAction::Kind::Forward: {
+        Tensor in;
+        if (s > 0) {
+          const Message m{kForward, s, mb};
+          if (holder(s - 1).first == me) {
+            in = model_.chunk_output(mb, holder(s - 1).second);
+          } else {
+            in = receive(m);
+          }
+        }
+        const LossSums ls = model_.forward_chunk(mb, a.chunk, data.tokens, data.targets, scales, in);
+        if (s > 0 && holder(s - 1).first != me) {
+          // The copy in the activation store is the chunk's input now: the buffer is free.
+          auto it = receives_.find(Message{kForward, s, mb});
+          free_.push_back(std::move(it->second.buffer));
+          receives_.erase(it);
+        }
+        if (s == S - 1) {
+          sums[size_t(mb)] = ls;
+        } else if (holder(s + 1).first != me) {
+          send(Message{kForward, s + 1, mb}, model_.chunk_output(mb, a.chunk), Buffer(), timeline, step);
+        }
+        break;
+      }
+      case ScheduleAction::Kind::Backward:
+      case ScheduleAction::Kind::BackwardInput: {
+        Tensor dout;
+        if (s < S - 1) {
+          // The forward's output may still be on its way out: it is the activation store's, which
+          // this backward hands back.
+          auto out = sends_.find(Message{kForward, s + 1, mb});
+          if (out != sends_.end()) {
+            out->second.work.wait();
+            if (out->second.timeline_id >= 0) out->second.timeline->end(out->second.timeline_id);
+            sends_.erase(out);
+          }
+          const Message m{kBackward, s, mb};
+          dout = holder(s + 1).first == me ? take(m, timeline, step) : receive(m);
+        }
+        Buffer din;
+        if (s > 0) din = make_buffer(shape);
+        const BackwardPart part =
+            a.kind == ScheduleAction::Kind::Backward ? BackwardPart::Full : BackwardPart::Input;
+        model_.backward_chunk(mb, a.chunk, dout, s > 0 ? din.tensor(0, shape) : Tensor(), part);
+        if (s < S - 1) {
+          auto it = receives_.find(Message{kBackward, s, mb});
+          free_.push_back(std::move(it->second.buffer));
+          receives_.erase(it);
+        }
+        if (s > 0) {
+          const Message m{kBackward, s - 1, mb};
+          Tensor t = din.tensor(0, shape);
+          if (holder(s - 1).first == me) {
+            Pending p;
+            p.buffer = std::move(din);
+            p.view = t;
+            receives_[m] = std::move(p);
+          } else {
+            send(m, t, std::move(din), timeline, step);
+          }
+        }
+        break;
+      }
+      case ScheduleAction::Kind::BackwardWeight:
+        model_.backward_weights_chunk(mb, a.chunk);
+        break;
+    }
+    complete_sends(/*wait=*/false);
+  }
+  complete_sends(/*wait=*/true);
+  DS_CHECK(receives_.empty(), "pipeline rank {}: {} messages of the step were not used", me, receives_.size());
+  return sums;
+}
+
+// ---------------------------------------------------------------------------------------
+LossSums PipelineRunner::forward_loss(Tensor tokens, Tensor targets) {
+  const int S = num_stages(), me = pp_.rank();
+  const int64_t B = tokens.size(0), T = tokens.size(1);
+  const Shape shape = model_.boundary_shape(B, T, /*inference=*/true);
+  n_micro_ = 1;
+  Buffer in_buf = make_buffer(shape), out_buf = make_buffer(shape);
+  double result[4] = {0, 0, 0, 0};
+  for (int s = 0; s < S; ++s) {
+    const auto [rank, chunk] = holder(s);
+    if (rank != me) continue;
+    Tensor in;
+    if (s > 0) {
+      in = in_buf.tensor(0, shape);
+      if (holder(s - 1).first != me) pp_.recv(in, holder(s - 1).first, tag(kForward, s, 0));
+    }
+    if (s == S - 1) {
+      const LossSums ls = model_.forward_loss(tokens, targets, in);
+      result[0] = ls.sum;
+      result[1] = double(ls.count);
+      break;
+    }
+    Tensor out = out_buf.tensor(0, shape);
+    model_.forward_hidden(chunk, tokens, in, out);
+    if (holder(s + 1).first != me) {
+      pp_.send(out, holder(s + 1).first, tag(kForward, s + 1, 0));
+    } else {
+      std::swap(in_buf, out_buf);  // the next stage is this rank's: its input is this output
+    }
+  }
+  pp_.broadcast(Tensor(result, DType::F64, Shape{2}), loss_rank());
+  free_.push_back(std::move(in_buf));
+  free_.push_back(std::move(out_buf));
+  LossSums out;
+  out.sum = result[0];
+  out.count = int64_t(result[1]);
+  return out;
+}
+
+void PipelineRunner::last_logits(Tensor tokens, Tensor logits) {
+  const int S = num_stages(), me = pp_.rank();
+  const int64_t B = tokens.size(0), T = tokens.size(1);
+  const Shape shape = model_.boundary_shape(B, T, /*inference=*/true);
+  n_micro_ = 1;
+  Buffer in_buf = make_buffer(shape), out_buf = make_buffer(shape);
+  for (int s = 0; s < S; ++s) {
+    const auto [rank, chunk] = holder(s);
+    if (rank != me) continue;
+    Tensor in;
+    if (s > 0) {
+      in = in_buf.tensor(0, shape);
+      if (holder(s - 1).first != me) pp_.recv(in, holder(s - 1).first, tag(kForward, s, 0));
+    }
+    if (s == S - 1) {
+      model_.last_logits(tokens, logits, in);
+      break;
+    }
+    Tensor out = out_buf.tensor(0, shape);
+    model_.forward_hidden(chunk, tokens, in, out);
+    if (holder(s + 1).first != me) {
+      pp_.send(out, holder(s + 1).first, tag(kForward, s + 1, 0));
+    } else {
+      std::swap(in_buf, out_buf);
+    }
+  }
+  pp_.broadcast(logits, loss_rank());
+  free_.push_back(std::move(in_buf));
+  free_.push_back(std::move(out_buf));
+}
+
+// ---------------------------------------------------------------------------------------
+void PipelineRunner::reduce_tied_grads() {
+  if (!has_tie()) return;
+  Tensor g = model_.params().grad(tie_param_);
+  Buffer theirs("pipeline.tied_grad", MemCategory::CommBuffers, DType::F32, g.numel(), g.device());
+  Tensor t = theirs.tensor(0, g.shape());
+  Work r = pp_.recv_async(t, tie_peer_, kTiedTag);
+  pp_.send_async(g, tie_peer_, kTiedTag).wait();
+  r.wait();
+  traffic_.bytes_sent += double(g.numel()) * 4;
+  traffic_.bytes_received += double(g.numel()) * 4;
+  ops::add(g, g, t);
+}
+
+void PipelineRunner::copy_tied(const std::vector<Tensor>& tensors) {
+  if (!has_tie()) return;
+  const bool owner = !model_.params().info(tie_param_).pipeline_copy;
+  for (const Tensor& t : tensors) {
+    if (owner) {
+      pp_.send(t, tie_peer_, kTiedTag);
+    } else {
+      pp_.recv(t, tie_peer_, kTiedTag);
+    }
+  }
+}
+
+PipelineRunner::Traffic PipelineRunner::take_traffic() {
+  const Traffic t = traffic_;
+  traffic_ = Traffic{};
+  return t;
+}
+
+}  // namespace dstrain

@@ -1,0 +1,157 @@
+// Pipeline parallelism: the model cut into stages over the ranks of the pipeline axis, and one
+// rank's part of a step. A schedule (distributed/schedule.h) says in which order the rank runs
+// the forwards and backwards of its chunks (one stage per chunk; two or more with interleaved
+// and DualPipeV schedules); this runner carries them out and moves the activations (forward) and
+// their gradients (backward) between the ranks holding neighbouring stages, with non-blocking
+// point-to-point messages through the pipeline communicator:
+//
+//   Forward(mb, chunk) of stage s:  input  <- stage s-1's output   (recv, or the rank's own chunk)
+//                                   output -> stage s+1             (isend, kept until the backward)
+//   Backward(mb, chunk) of stage s: dout   <- stage s+1's din       (recv, or the rank's own chunk)
+//                                   din    -> stage s-1             (isend)
+//
+// Shapes are not sent: both ends derive every message's shape from the model config and the
+// micro-batch (Transformer::boundary_shape), which the ranks already agree on. Receives are
+// posted ahead of the actions that need them, so the transfer overlaps the compute before it;
+// sends complete in the background. The message tag names the direction, the receiving stage
+// and the micro-batch, so no message can be taken for another.
+//
+// Weights used on two stages (the embedding, read on the last stage by a tied head or by the
+// MTP modules) live as a copy there (ParamInfo::pipeline_copy): reduce_tied_grads() sums the
+// two gradients once per step (Megatron-Core's embedding group), and copy_tied() hands the
+// owner's values to the copy after a load.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "comm/comm.h"
+#include "core/buffer.h"
+#include "distributed/param_hooks.h"
+#include "distributed/schedule.h"
+#include "model/stage.h"
+#include "model/transformer.h"
+#include "train/timeline.h"
+
+namespace dstrain {
+
+// The model stages of a pipeline: `stages` of them, with decoder layers balanced by the
+// modelled cost (model/stage.h) or, with `partition`, given by hand. Errors name
+// parallel.partition or parallel.pipeline.
+std::vector<StageSpec> pipeline_stages(const ModelConfig& c, int stages, const std::vector<int64_t>& partition,
+                                       int64_t seq_len);
+// The chunks pipeline rank `rank` of `ranks` holds under `schedule`, in chunk order.
+std::vector<StageSpec> rank_chunks(const Schedule& schedule, const std::vector<StageSpec>& stages, int rank, int ranks);
+
+// A step's gradients become final for the data-parallel reduction only once every micro-batch
+// of every chunk has reported them: this hook forwards a parameter's grad_ready to `inner`
+// when it has been reported `n_micro` times in the step (each chunk reports its parameters
+// once per micro-batch, whatever the schedule interleaves), so that the reducer sees each
+// parameter once, in the step's last micro-step.
+class FinalGradHooks final : public ParamHooks {
+ public:
+  FinalGradHooks(ParamHooks& inner, int num_params) : inner_(inner), counts_(size_t(num_params), 0) {}
+  void begin_step(int n_micro);
+  void before_use(int first, int last) override { inner_.before_use(first, last); }
+  void after_use(int first, int last) override { inner_.after_use(first, last); }
+  void grad_ready(int first, int last) override;
+
+ private:
+  ParamHooks& inner_;
+  std::vector<int> counts_;
+  int n_micro_ = 1;
+};
+
+class PipelineRunner {
+ public:
+  // The model holds this rank's chunks of `schedule` over the `pp` ranks (rank_chunks); the
+  // pipeline has `stages` in all.
+  PipelineRunner(Transformer& model, Communicator& pp, const Schedule& schedule, std::vector<StageSpec> stages);
+
+  int num_stages() const { return int(stages_.size()); }
+  const std::vector<StageSpec>& stages() const { return stages_; }
+  // The pipeline rank and chunk that hold model stage s.
+  std::pair<int, int> holder(int s) const { return holder_[size_t(s)]; }
+  // Whether this rank holds the last stage (the head and the loss).
+  bool holds_loss() const { return holder(num_stages() - 1).first == pp_.rank(); }
+  int loss_rank() const { return holder(num_stages() - 1).first; }
+
+  struct MicroBatch {
+    Tensor tokens, targets;  // (B, T) int32, the same on every pipeline rank
+  };
+  // One step: this rank's schedule over the micro-batches. Returns, on the rank holding the
+  // loss, the loss sums of every micro-batch (in order); empty sums elsewhere. The timeline
+  // (null: none) records each action, receive wait and send of `step`.
+  std::vector<LossSums> run_step(const std::vector<MicroBatch>& micro, const LossScales& scales, Timeline* timeline,
+                                 int64_t step);
+
+  // Inference through the stages, the result on every pipeline rank: the loss sums of tokens
+  // against targets, and the last position's logits (B, V) of each sequence.
+  LossSums forward_loss(Tensor tokens, Tensor targets);
+  void last_logits(Tensor tokens, Tensor logits);
+
+  // Tied weights. Whether this rank holds the owner (the first stage's embedding) or a copy
+  // of a weight used on two ranks.
+  bool has_tie() const { return tie_peer_ >= 0; }
+  // Sums the gradients of the owner and its copy (a sendrecv between the two ranks; a + b on
+  // one, b + a on the other: the same bits).
+  void reduce_tied_grads();
+  // Sends the owner's tensors of the tied parameter to the copy (values after a load, and
+  // the optimizer's moments): `tensors(id)` gives them for a registry id, in the same order on
+  // both ranks.
+  void copy_tied(const std::vector<Tensor>& tensors);
+  // The tied parameter's registry id on this rank (-1 without a tie).
+  int tied_param() const { return tie_param_; }
+
+  // Point-to-point traffic of this runner since the last call: bytes sent and received, and
+  // the seconds spent waiting for receives.
+  struct Traffic {
+    double bytes_sent = 0, bytes_received = 0, recv_wait_seconds = 0;
+    int64_t messages = 0;
+  };
+  Traffic take_traffic();
+
+ private:
+  enum Dir { kForward = 0, kBackward = 1 };
+  // A message into stage s of micro-batch mb: its tag on the pipeline communicator.
+  int tag(Dir dir, int s, int mb) const;
+  struct Message {
+    Dir dir;
+    int stage, mb;  // the receiving stage
+    bool operator<(const Message& o) const { return std::tie(dir, stage, mb) < std::tie(o.dir, o.stage, o.mb); }
+  };
+  struct Pending {
+    Buffer buffer;
+    Tensor view;  // the message, shaped, in `buffer` (or in the activation store)
+    Work work;
+    Timeline* timeline = nullptr;  // where the send is recorded (null: nowhere)
+    int64_t timeline_id = -1;
+  };
+  // Tied weights' messages; the step's tags stay below it.
+  static constexpr int kTiedTag = 32767;
+  // The receives this rank's actions need, in the order they need them.
+  std::vector<Message> needed_receives(const std::vector<ScheduleAction>& plan) const;
+  void post_receive(const Message& m, Shape shape);
+  // The received (or locally handed over) tensor of a message, waited for.
+  Tensor take(const Message& m, Timeline* timeline, int64_t step);
+  void send(const Message& m, Tensor t, Buffer buffer, Timeline* timeline, int64_t step);
+  void complete_sends(bool wait);
+  Buffer make_buffer(Shape shape);
+
+  Transformer& model_;
+  Communicator& pp_;
+  const Schedule& schedule_;
+  std::vector<StageSpec> stages_;
+  std::vector<std::pair<int, int>> holder_;  // stage -> (pipeline rank, chunk)
+  std::vector<int> stage_of_chunk_;           // this rank's chunk -> stage
+  int n_micro_ = 1;
+  std::map<Message, Pending> receives_;  // posted receives and local hand-overs, by message
+  std::map<Message, Pending> sends_;     // sends in flight
+  std::vector<Buffer> free_;             // message buffers to reuse
+  int tie_peer_ = -1, tie_param_ = -1;
+  Traffic traffic_;
+};
+
+}  // namespace dstrain
