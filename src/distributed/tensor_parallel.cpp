@@ -1,5 +1,7 @@
 #include "distributed/tensor_parallel.h"
 
+#include <algorithm>
+
 #include "backend/ops.h"
 #include "core/clock.h"
 
@@ -89,12 +91,17 @@ bool counts_piece(const ParamInfo& p, int tp_rank, int tp_size) {
 }
 
 double tensor_parallel_grad_sum_squares(const ParamRegistry& params, Communicator* tp) {
-  if (ProcessGroups::size_of(tp) <= 1) return ops::read_sum_squares(params.grads().tensor());
+  // A pipeline stage's copy of a tied weight is counted by the stage that owns it.
+  const bool copies = std::any_of(params.all().begin(), params.all().end(),
+                                  [](const ParamInfo& p) { return p.pipeline_copy; });
+  if (ProcessGroups::size_of(tp) <= 1 && !copies) return ops::read_sum_squares(params.grads().tensor());
+  const int tp_rank = tp ? tp->rank() : 0, tp_size = ProcessGroups::size_of(tp);
   double mine = 0;
   for (int id = 0; id < params.size(); ++id) {
-    if (counts_piece(params.info(id), tp->rank(), tp->size())) mine += ops::read_sum_squares(params.grad(id));
+    const ParamInfo& p = params.info(id);
+    if (!p.pipeline_copy && counts_piece(p, tp_rank, tp_size)) mine += ops::read_sum_squares(params.grad(id));
   }
-  return tp->all_reduce_value<double>(mine);
+  return tp_size > 1 ? tp->all_reduce_value<double>(mine) : mine;
 }
 
 }  // namespace dstrain

@@ -38,11 +38,20 @@ int32_t sample_token(const float* logits, int64_t V, double temperature, int64_t
 
 std::vector<int32_t> generate_tokens(Transformer& model, const std::vector<int32_t>& prompt, const GenerateConfig& g,
                                      int64_t context, int64_t vocab, const std::vector<int64_t>& stop_ids) {
+  return generate_tokens(
+      model.config(), [&](Tensor tokens, Tensor logits) { model.last_logits(tokens, logits); }, prompt, g, context,
+      vocab, stop_ids);
+}
+
+std::vector<int32_t> generate_tokens(const ModelConfig& c, const LastLogitsFn& last_logits,
+                                     const std::vector<int32_t>& prompt, const GenerateConfig& g, int64_t context,
+                                     int64_t vocab, const std::vector<int64_t>& stop_ids) {
   DS_CHECK(!prompt.empty(), "generation needs at least one prompt token");
-  const int64_t V = model.config().vocab_size;
+  const ModelConfig& config = c;
+  const int64_t V = config.vocab_size;
   DS_CHECK(vocab > 0 && vocab <= V, "generation over {} ids from a model of {}", vocab, V);
   DS_CHECK(g.max_new_tokens > 0, "generate.max_new_tokens is {}; it must be positive", g.max_new_tokens);
-  context = std::min(context, model.config().max_position_embeddings);
+  context = std::min(context, config.max_position_embeddings);
   std::vector<int32_t> seq = prompt;
   std::vector<int32_t> out;
   std::vector<float> logits(static_cast<size_t>(V));
@@ -50,7 +59,7 @@ std::vector<int32_t> generate_tokens(Transformer& model, const std::vector<int32
     const int64_t start = std::max<int64_t>(0, int64_t(seq.size()) - context);
     std::vector<int32_t> window(seq.begin() + start, seq.end());
     const int64_t T = int64_t(window.size());
-    model.last_logits(Tensor(window.data(), DType::I32, Shape{1, T}), Tensor(logits.data(), DType::F32, Shape{1, V}));
+    last_logits(Tensor(window.data(), DType::I32, Shape{1, T}), Tensor(logits.data(), DType::F32, Shape{1, V}));
     const int32_t next = sample_token(logits.data(), vocab, g.temperature, g.top_k, g.seed, uint64_t(i));
     if (std::find(stop_ids.begin(), stop_ids.end(), int64_t(next)) != stop_ids.end()) break;
     seq.push_back(next);

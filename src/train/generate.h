@@ -2,6 +2,8 @@
 // sampling, reproducible from a seed.
 #pragma once
 
+#include <functional>
+
 #include <cstdint>
 #include <vector>
 
@@ -21,5 +23,11 @@ int32_t sample_token(const float* logits, int64_t V, double temperature, int64_t
 // stop id. The model sees at most `context` most recent tokens. Returns only the new tokens.
 std::vector<int32_t> generate_tokens(Transformer& model, const std::vector<int32_t>& prompt, const GenerateConfig& g,
                                      int64_t context, int64_t vocab, const std::vector<int64_t>& stop_ids);
+// The same with the last position's logits from `last_logits(tokens (1, T), logits (1, V))` (a
+// pipeline of stages): every rank that calls it with the same logits makes the same tokens.
+using LastLogitsFn = std::function<void(Tensor tokens, Tensor logits)>;
+std::vector<int32_t> generate_tokens(const ModelConfig& c, const LastLogitsFn& last_logits,
+                                     const std::vector<int32_t>& prompt, const GenerateConfig& g, int64_t context,
+                                     int64_t vocab, const std::vector<int64_t>& stop_ids);
 
 }  // namespace dstrain

@@ -477,6 +477,14 @@ std::string Metrics::prometheus_text() const {
     metric("dstrain_tensor_parallel_comm_bytes", "gauge", "Payload bytes of rank 0's tensor-group collectives in the last step.",
            {{"", tp.value("comm_bytes", 0.0)}});
   }
+  if (impl_->last_extra.contains("pipeline")) {
+    const json& pp = impl_->last_extra["pipeline"];
+    metric("dstrain_pipeline_recv_wait_seconds", "gauge",
+           "Rank 0's time waiting for activations and gradients from other pipeline stages in the last step.",
+           {{"", pp.value("recv_wait_s", 0.0)}});
+    metric("dstrain_pipeline_comm_bytes", "gauge",
+           "Bytes rank 0 sent and received between pipeline stages in the last step.", {{"", pp.value("comm_bytes", 0.0)}});
+  }
   if (impl_->last_extra.contains("moe")) {
     std::vector<std::pair<std::string, double>> load, dead, aux;
     for (const auto& [layer, v] : impl_->last_extra["moe"].items()) {

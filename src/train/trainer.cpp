@@ -138,9 +138,47 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
   }
   ProcessGroups groups;
   groups.tp = tp_;
+  // Pipeline parallelism: the stages, and this rank's chunks of them.
+  const int pp = grid_.size(Axis::Pipeline);
+  const ParallelConfig& par = config_.parallel;
+  DS_CHECK(pp > 1 || par.partition.empty(), "{}: parallel.partition splits the layers over pipeline stages; it needs "
+           "parallel.pipeline > 1", config_.source);
+  std::vector<StageSpec> stages, chunks;
+  if (pp > 1) {
+    pp_ = &grid_.comm(Axis::Pipeline);
+    schedule_ = make_schedule(par.schedule, par.schedule == "interleaved" ? int(par.virtual_stages) : 1);
+    const int n_micro = int(config_.train.grad_accum);
+    // Schedules need enough micro-batches (interleaved: a multiple of the pipeline size;
+    // DualPipeV: at least twice it).
+    const std::string problem = [&]() -> std::string {
+      try {
+        return validate_schedule(schedule_table(*schedule_, pp, n_micro), n_micro, stage_map(*schedule_, pp));
+      } catch (const Error& e) {
+        return e.what();
+      }
+    }();
+    DS_CHECK(problem.empty(),
+             "{}: parallel.schedule \"{}\" over parallel.pipeline = {} ranks cannot run {} micro-batches per step "
+             "(gradient_accumulation_steps): {}; {}",
+             config_.source, par.schedule, pp, n_micro, problem,
+             par.schedule == "interleaved" ? fmt::format("use a multiple of {}", pp)
+             : par.schedule == "dualpipev" ? fmt::format("use at least {}", 2 * pp)
+                                           : std::string("use more"));
+    stages = pipeline_stages(config_.model, pp * schedule_->chunks(), par.partition, config_.data.seq_len);
+    chunks = rank_chunks(*schedule_, stages, grid_.coord(Axis::Pipeline), pp);
+    if (grid_.world_rank() == 0) {
+      log::info("pipeline: {} stages over {} ranks, schedule {}; {}", stages.size(), pp, schedule_->name(),
+                describe_stages(stages, piece_costs(config_.model, config_.data.seq_len)));
+    }
+    DS_CHECK(config_.train.zero.stage == 0,
+             "{}: zero_optimization.stage {} with parallel.pipeline = {} is not implemented; use stage 0 with "
+             "pipeline parallelism",
+             config_.source, config_.train.zero.stage, pp);
+  }
   model_ = std::make_unique<Transformer>(
       config_.model, device,
-      ShardSpec::tensor_parallel(config_.model, grid_.coord(Axis::Tensor), tp, 0, 1, sequence_parallel), groups);
+      ShardSpec::tensor_parallel(config_.model, grid_.coord(Axis::Tensor), tp, 0, 1, sequence_parallel), groups, chunks);
+  if (pp_) runner_ = std::make_unique<PipelineRunner>(*model_, *pp_, *schedule_, stages);
   if (tp_) {
     tp_stats_before_ = tp_->stats();
     tp_ckpt_ = std::make_unique<TensorParallelCheckpoint>(model_->params(), grid_);
@@ -172,8 +210,13 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
     param_hooks_.add(*zero_);
     log::info("{}", zero_->describe());
   }
-  model_->set_hooks(&param_hooks_);
-  schedule_ = make_schedule(config_.train.micro_batch_schedule);
+  if (runner_) {
+    final_hooks_ = std::make_unique<FinalGradHooks>(param_hooks_, model_->params().size());
+    model_->set_hooks(final_hooks_.get());
+  } else {
+    model_->set_hooks(&param_hooks_);
+    schedule_ = make_schedule(config_.train.micro_batch_schedule);
+  }
   ckpt_ = std::make_unique<CheckpointManager>(config_.checkpoint, grid_);
 }
 
@@ -421,6 +464,9 @@ void Trainer::init_weights(const std::string& init_from) {
   }
   load_weights(init_from, checkpoint);
   ParamRegistry& reg = model_->params();
+  // A stage's copy of the tied embedding takes the owner's values (a checkpoint holds the
+  // owner's only).
+  if (runner_ && runner_->has_tie()) runner_->copy_tied({reg.param(runner_->tied_param())});
   if (checkpoint) check_finite_weights(reg, "checkpoint '" + init_from + "'");
   // Over the data-parallel ranks: those hold the same pieces (tensor ranks hold different ones).
   check_same_weights(dp_, reg,
@@ -516,7 +562,7 @@ std::vector<int64_t> Trainer::count_targets(const StepData& data) {
   // Target tokens of the global batch: for the CE, and per multi-token-prediction depth k
   // (position t predicts token t+k+2, so its target is targets column t+k+1).
   const int64_t T = config_.data.seq_len;
-  const int D = model_->mtp_depth();
+  const int D = int(config_.model.num_nextn_predict_layers);
   std::vector<int64_t> counts(size_t(1 + D), 0);
   for (const Batch& b : data.micro) {
     for (int64_t i = 0; i < b.B * T; ++i) {
@@ -559,7 +605,28 @@ LossScales Trainer::loss_scales(const std::vector<int64_t>& counts) const {
 std::string Trainer::forward_backward(StepData& data, const LossScales& scales, std::vector<double>& sums) {
   const TrainConfig& tc = config_.train;
   const int64_t mb = tc.micro_batch, T = config_.data.seq_len;
-  const int D = model_->mtp_depth();
+  const int D = int(config_.model.num_nextn_predict_layers);
+  if (runner_) {
+    // Pipeline: the schedule over this rank's chunks, activations and gradients between the
+    // stages; each gradient goes to the reducer once every micro-batch has reported it. A rank
+    // that runs out of memory cannot drop out of the schedule: the others wait on its messages.
+    final_hooks_->begin_step(int(tc.grad_accum));
+    begin_micro_step(/*communicates=*/true);
+    std::vector<PipelineRunner::MicroBatch> micro;
+    for (Batch& b : data.micro) micro.push_back({tokens_tensor(b.inputs, mb, T), tokens_tensor(b.targets, mb, T)});
+    try {
+      for (const LossSums& s : runner_->run_step(micro, scales, timeline_.get(), step_ + 1)) {
+        sums[0] += s.sum;
+        sums[1] += double(s.count);
+        for (int k = 0; k < D && k < int(s.mtp_sum.size()); ++k) sums[size_t(3 + k)] += s.mtp_sum[size_t(k)];
+      }
+    } catch (const OutOfMemory& e) {
+      throw Error(fmt::format("{}; a pipeline stage cannot retry the step with a smaller micro-batch while the other "
+                              "stages wait for it: lower train.train_micro_batch_size_per_gpu",
+                              e.what()));
+    }
+    return "";
+  }
   // What the schedule runs for this step's micro-batches on this (the only) stage; the last
   // backward communicates the gradient buckets.
   const std::vector<ScheduleAction> plan = schedule_->actions(0, 1, int(tc.grad_accum));
@@ -640,6 +707,30 @@ void Trainer::reduce_routing_stats(StepRecord& r) {
     timed_collective([&] { dp_.all_reduce(Tensor(routing.data(), DType::F64, Shape{int64_t(routing.size())})); });
   }
   size_t at = 0;
+  if (pp_) {
+    // Each stage holds some MoE layers: every rank gets every layer's statistics (in layer order).
+    json mine = json::array();
+    for (auto& [l, ffn] : moe) {
+      const size_t E = ffn->routing()->tokens_per_expert.size();
+      mine.push_back({l, std::vector<double>(routing.begin() + std::ptrdiff_t(at), routing.begin() + std::ptrdiff_t(at + 1 + E))});
+      at += 1 + E;
+      r.moe_route_seconds += ffn->routing()->route_seconds;
+      r.moe_permute_seconds += ffn->routing()->permute_seconds;
+    }
+    for (const std::string& theirs : all_gather_strings(*pp_, mine.dump())) {
+      for (const json& e : json::parse(theirs)) {
+        const std::vector<double> v = e[1].get<std::vector<double>>();
+        MoeLayerStats ms;
+        ms.layer = e[0].get<int>();
+        ms.aux_loss = v[0] / scaler_->scale();
+        r.aux_loss += ms.aux_loss;
+        for (size_t i = 1; i < v.size(); ++i) ms.tokens.push_back(int64_t(v[i]));
+        r.moe.push_back(std::move(ms));
+      }
+    }
+    std::sort(r.moe.begin(), r.moe.end(), [](const MoeLayerStats& a, const MoeLayerStats& b) { return a.layer < b.layer; });
+    return;
+  }
   for (auto& [l, ffn] : moe) {
     r.moe_route_seconds += ffn->routing()->route_seconds;
     r.moe_permute_seconds += ffn->routing()->permute_seconds;
@@ -696,7 +787,11 @@ void Trainer::update_weights(StepRecord& r) {
   }
   // DeepSeek-V3's auxiliary-loss-free balancing: routing biases follow the global loads.
   const auto moe = model_->moe_layers();
-  for (size_t i = 0; i < moe.size(); ++i) moe[i].second->update_routing_bias(r.moe[i].tokens, tc.router_bias_update_rate);
+  for (const auto& [l, ffn] : moe) {
+    auto it = std::find_if(r.moe.begin(), r.moe.end(), [&](const MoeLayerStats& ms) { return ms.layer == l; });
+    DS_CHECK(it != r.moe.end(), "no routing statistics of MoE layer {}", l);
+    ffn->update_routing_bias(it->tokens, tc.router_bias_update_rate);
+  }
   if (zero_ && !moe.empty()) {
     const ParamRegistry& reg = model_->params();
     for (int id = 0; id < reg.size(); ++id) {
@@ -754,7 +849,7 @@ bool Trainer::train_step(StepRecord& r) {
   } else {
     model_->params().grads().zero();
   }
-  const int D = model_->mtp_depth();
+  const int D = int(config_.model.num_nextn_predict_layers);
   // loss sum, target count, ranks out of memory, then the MTP loss sum per depth
   std::vector<double> sums(size_t(3 + D), 0.0);
   const std::string oom = forward_backward(data, scales, sums);
@@ -763,6 +858,8 @@ bool Trainer::train_step(StepRecord& r) {
     const Timeline::Scope recorded(timeline_.get(), "reduce", step_ + 1, -1);
     tp_sync_->finish();
     if (reducer_) rt = reducer_->finish();
+    // The tied embedding's two stages add their (data-parallel reduced) gradients.
+    if (runner_) timed_collective([&] { runner_->reduce_tied_grads(); });
     if (zero_) {
       const ReduceTimings z = zero_->finish();
       rt.comm_seconds += z.comm_seconds;
@@ -771,6 +868,8 @@ bool Trainer::train_step(StepRecord& r) {
     }
   }
   timed_collective([&] { dp_.all_reduce(Tensor(sums.data(), DType::F64, Shape{int64_t(sums.size())})); });
+  // The loss is the last stage's: every stage gets it (the others add zeros).
+  if (pp_) timed_collective([&] { pp_->all_reduce(Tensor(sums.data(), DType::F64, Shape{int64_t(sums.size())})); });
   if (sums[2] > 0) {
     shrink_micro_batch(oom.empty() ? fmt::format("{:.0f} rank(s) ran out of memory", sums[2])
                                    : fmt::format("{} (and {:.0f} rank(s) in all)", oom, sums[2]),
@@ -788,7 +887,13 @@ bool Trainer::train_step(StepRecord& r) {
   }
   reduce_routing_stats(r);
   r.loss = r.ce_loss + r.aux_loss + r.mtp_loss;
-  r.grad_norm = zero_ ? zero_->grad_norm() : std::sqrt(tensor_parallel_grad_sum_squares(model_->params(), tp_));
+  if (zero_) {
+    r.grad_norm = zero_->grad_norm();
+  } else {
+    double sq = tensor_parallel_grad_sum_squares(model_->params(), tp_);
+    if (pp_) timed_collective([&] { sq = pp_->all_reduce_value<double>(sq); });
+    r.grad_norm = std::sqrt(sq);
+  }
   // As DeepSpeed, a step skipped for an fp16 overflow does not advance the learning-rate
   // schedule (one skipped as a fault does).
   r.lr = tc.schedule.lr_at(step_ - overflow_steps_, tc.adamw.lr);
@@ -834,6 +939,12 @@ bool Trainer::train_step(StepRecord& r) {
     r.tp_comm_ops = int64_t(now.ops - tp_stats_before_.ops);
     r.tp_grad_sync_seconds = tp_sync_->take_seconds();
     tp_stats_before_ = now;
+  }
+  if (runner_) {
+    const PipelineRunner::Traffic t = runner_->take_traffic();
+    r.pp_comm_bytes = t.bytes_sent + t.bytes_received;
+    r.pp_recv_wait_seconds = t.recv_wait_seconds;
+    r.pp_messages = t.messages;
   }
   gather_rank_timings(r);
   return true;
@@ -915,6 +1026,16 @@ StepMetrics Trainer::step_metrics(const StepRecord& r, double elapsed, int64_t s
                                   {"collectives", r.tp_comm_ops},
                                   {"grad_sync_s", r.tp_grad_sync_seconds},
                                   {"activation_bytes", model_->activations().bytes_allocated()}};
+  }
+  if (runner_) {
+    // Rank 0's stage: its point-to-point traffic and the time it waited for the others.
+    m.extra["pipeline"] = {{"size", pp_->size()},
+                           {"schedule", schedule_->name()},
+                           {"stages", runner_->num_stages()},
+                           {"comm_bytes", r.pp_comm_bytes},
+                           {"messages", r.pp_messages},
+                           {"recv_wait_s", r.pp_recv_wait_seconds},
+                           {"activation_bytes", model_->activations().bytes_allocated()}};
   }
   if (zero_) {
     // Rank 0's ZeRO state, with the step's peaks of what is only held while in use.
@@ -1241,6 +1362,12 @@ bool Trainer::resume(const std::string& spec) {
     } else {
       check_finite_weights(reg, "checkpoint '" + path + "'");
     }
+    if (runner_ && runner_->has_tie()) {
+      const int id = runner_->tied_param();
+      const ParamInfo& p = reg.info(id);
+      runner_->copy_tied({reg.param(id), optimizer_->exp_avg().tensor(p.offset, p.shape),
+                          optimizer_->exp_avg_sq().tensor(p.offset, p.shape)});
+    }
     restore_precision_state(st, path);
     step_ = st.step;
     overflow_steps_ = st.scheduler.is_object() ? st.scheduler.value("skipped_for_overflow", int64_t(0)) : 0;
@@ -1340,7 +1467,8 @@ std::vector<LossSums> Trainer::evaluate_each(int64_t batches) {
         std::copy_n(sample.begin(), T, inputs.begin() + i * T);
         std::copy_n(sample.begin() + 1, T, targets.begin() + i * T);
       }
-      LossSums s = model_->forward_loss(tokens_tensor(inputs, rows, T), tokens_tensor(targets, rows, T));
+      LossSums s = runner_ ? runner_->forward_loss(tokens_tensor(inputs, rows, T), tokens_tensor(targets, rows, T))
+                           : model_->forward_loss(tokens_tensor(inputs, rows, T), tokens_tensor(targets, rows, T));
       sums[2 * d] += s.sum;
       sums[2 * d + 1] += double(s.count);
     }
@@ -1372,7 +1500,11 @@ std::string Trainer::sample(const std::string& prompt) {
   std::vector<int32_t> ids = tok.encode(prompt);
   ids.insert(ids.begin(), tok.eos_id());
   std::vector<int64_t> stops = {tok.eos_id()};
-  std::vector<int32_t> out = generate_tokens(*model_, ids, config_.generate, config_.data.seq_len, tok.vocab_size(), stops);
+  std::vector<int32_t> out =
+      runner_ ? generate_tokens(
+                    config_.model, [&](Tensor t, Tensor logits) { runner_->last_logits(t, logits); }, ids,
+                    config_.generate, config_.data.seq_len, tok.vocab_size(), stops)
+              : generate_tokens(*model_, ids, config_.generate, config_.data.seq_len, tok.vocab_size(), stops);
   return tok.decode(out);
 }
 

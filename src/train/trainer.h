@@ -28,6 +28,7 @@
 #include "optim/loss_scaler.h"
 #include "train/checkpointing.h"
 #include "train/metrics.h"
+#include "train/pipeline.h"
 #include "train/run_config.h"
 #include "train/run_lock.h"
 #include "train/timeline.h"
@@ -71,6 +72,10 @@ struct StepRecord {
   // latter's share of the time; all of it on the critical path (nothing overlaps it).
   double tp_comm_seconds = 0, tp_comm_bytes = 0, tp_grad_sync_seconds = 0;
   int64_t tp_comm_ops = 0;
+  // Pipeline parallelism: this rank's point-to-point bytes (sent + received, the tied weights'
+  // sum included), messages, and the time it waited for receives (the bubble it saw).
+  double pp_comm_bytes = 0, pp_recv_wait_seconds = 0;
+  int64_t pp_messages = 0;
   bool skipped = false;             // no update: non-finite loss or gradients, or a loss spike
   std::string skip_reason;
   // fp16: the loss scale the step's backward used, and whether its gradients overflowed (the
@@ -213,6 +218,12 @@ class Trainer {
   std::unique_ptr<GradReducer> reducer_;   // stages 0 and 1: the whole gradients all-reduced
   std::unique_ptr<ZeroOptimizer> zero_;    // stages 1 to 3
   std::unique_ptr<Schedule> schedule_;  // the order of the micro-batches' forwards and backwards
+  // Pipeline parallelism (null: one stage): the pipeline group, its schedule, the runner of this
+  // rank's chunks, and the hook that hands the reducer each gradient once all micro-batches
+  // reported it.
+  Communicator* pp_ = nullptr;
+  std::unique_ptr<PipelineRunner> runner_;
+  std::unique_ptr<FinalGradHooks> final_hooks_;
   ParamHookChain param_hooks_;  // the model's ParamHooks: the reducer's grad_ready (later ZeRO-3's gathers)
   std::unique_ptr<CheckpointManager> ckpt_;
   int64_t last_saved_step_ = -1;

@@ -1,0 +1,181 @@
+// Pipeline parallelism end to end, through the trainer, at 2 and 4 ranks: the dense model
+// (tied and untied embeddings) and DeepSeek-V3 (MLA, MoE with the routing-bias updates, MTP),
+// 8 decoder layers, trained with pipeline = the world size under each schedule (1F1B,
+// interleaved with 2 chunks per rank, DualPipeV), equal the same run on one rank within 1e-5
+// in every step's loss and gradient norm and in every weight after the steps; pipeline x data
+// and pipeline x tensor (2 x 2) do too; the metrics report the stages' traffic; and a schedule
+// that needs more micro-batches than the step has is an error naming the key.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+
+#include "io/tensor_parallel_state.h"
+#include "run_files.h"
+#include "train/trainer.h"
+
+namespace dstrain {
+namespace {
+
+constexpr int kSteps = 3;
+
+json model_of(const std::string& name) {
+  json run;
+  if (name == "v3") run = v3_model();  // with the routing-bias updates and the MTP loss
+  if (name == "dense_tied") run = {{"model", {{"tie_word_embeddings", true}}}};
+  run["model"]["num_hidden_layers"] = 8;
+  // 8 micro-batches of 2 per step on one data-parallel rank: DualPipeV needs 2 x pipeline.
+  run["train"]["train_batch_size"] = 16;
+  return run;
+}
+
+double rel(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    diff = std::max(diff, std::fabs(double(a[i]) - double(b[i])));
+    scale = std::max(scale, std::fabs(double(b[i])));
+  }
+  return a.size() == b.size() ? diff / std::max(scale, 1e-30) : INFINITY;
+}
+
+// Every step's loss and gradient norm, and every weight this rank holds (its stages' pieces,
+// gathered over its tensor group) against the one-rank run; every weight of the model is held
+// by some rank.
+void expect_same_training(Trainer& ref, Trainer& pp, ProcessGrid& grid, const std::string& what) {
+  ASSERT_EQ(ref.history().size(), pp.history().size());
+  for (size_t i = 0; i < ref.history().size(); ++i) {
+    const StepRecord &a = pp.history()[i], &b = ref.history()[i];
+    EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::fabs(b.loss)) << what << ": loss of step " << i + 1;
+    EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-5 * b.grad_norm) << what << ": gradient norm of step " << i + 1;
+    EXPECT_NEAR(a.aux_loss, b.aux_loss, 1e-5 * std::fabs(b.aux_loss) + 1e-12) << what << ": aux loss";
+    ASSERT_EQ(a.moe.size(), b.moe.size()) << what;
+    for (size_t l = 0; l < a.moe.size(); ++l) EXPECT_EQ(a.moe[l].tokens, b.moe[l].tokens) << what << ": loads";
+  }
+  Communicator* tp = grid.size(Axis::Tensor) > 1 ? &grid.comm(Axis::Tensor) : nullptr;
+  const ParamRegistry& reg = pp.model().params();
+  const ParamRegistry& whole = ref.model().params();
+  double worst = 0;
+  int owned = 0;
+  for (int id = 0; id < reg.size(); ++id) {
+    const ParamInfo& p = reg.info(id);
+    std::vector<float> g(size_t(p.global_shape.numel()));
+    gather_global(p, reg.param(id), tp, Tensor(g.data(), DType::F32, p.global_shape));
+    const int w = whole.find(p.name);
+    ASSERT_GE(w, 0) << p.name;
+    Tensor rw = whole.param(w);
+    const double e = rel(g, std::vector<float>(rw.data<float>(), rw.data<float>() + rw.numel()));
+    EXPECT_LE(e, 1e-5) << what << ": " << p.name << (p.pipeline_copy ? " (the last stage's copy)" : "");
+    worst = std::max(worst, e);
+    owned += !p.pipeline_copy;
+  }
+  Communicator& pipe = grid.comm(Axis::Pipeline);
+  EXPECT_EQ(pipe.all_reduce_value<int32_t>(owned), whole.size()) << what << ": parameters held over the stages";
+  worst = grid.world().all_reduce_value<double>(worst, ReduceOp::Max);
+  if (world_rank() == 0) {
+    std::printf("[ %d ranks ] %s: loss %.6f vs %.6f (one rank), worst weight error %.2e\n", world_size(),
+                what.c_str(), pp.history().back().loss, ref.history().back().loss, worst);
+  }
+}
+
+struct Case {
+  std::string model, schedule;
+};
+
+class PipelineTraining : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PipelineTraining, MatchesOneRankInLossesAndWeights) {
+  const int W = world_size();
+  if (W < 2) GTEST_SKIP() << "pipeline parallelism needs 2 or 4 ranks";
+  RunFiles files(kSteps, model_of(GetParam()));
+  ProcessGrid solo(MPI_COMM_SELF, {});
+  Trainer ref(files.config(), solo);
+  ref.init_weights("");
+  ref.train();
+  for (const std::string schedule : {"1f1b", "interleaved", "dualpipev"}) {
+    std::vector<std::string> o = {"parallel.pipeline=" + std::to_string(W), "parallel.schedule=\"" + schedule + "\""};
+    if (schedule == "interleaved") o.push_back("parallel.virtual_stages=2");
+    const RunConfig cfg = files.config(o);
+    ProcessGrid grid(MPI_COMM_WORLD, cfg.parallel);
+    Trainer t(cfg, grid);
+    t.init_weights("");
+    t.train();
+    expect_same_training(ref, t, grid, GetParam() + " pipeline " + std::to_string(W) + " " + schedule);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, PipelineTraining, ::testing::Values("dense", "dense_tied", "v3"));
+
+TEST(PipelineParallel, PipelineTimesDataAndTensorMatchOneRank) {
+  if (world_size() != 4) GTEST_SKIP() << "pipeline 2 x data 2 and pipeline 2 x tensor 2 need 4 ranks";
+  for (const std::string model : {"dense_tied", "v3"}) {
+    RunFiles files(kSteps, model_of(model));
+    ProcessGrid solo(MPI_COMM_SELF, {});
+    Trainer ref(files.config(), solo);
+    ref.init_weights("");
+    ref.train();
+    for (const std::string other : {"tensor", "data"}) {
+      std::vector<std::string> o = {"parallel.pipeline=2", "parallel.schedule=\"1f1b\""};
+      if (other == "tensor") o.insert(o.end(), {"parallel.tensor=2", "parallel.sequence_parallel=true"});
+      const RunConfig cfg = files.config(o);
+      ProcessGrid grid(MPI_COMM_WORLD, cfg.parallel);
+      ASSERT_EQ(grid.size(other == "tensor" ? Axis::Tensor : Axis::Data), 2);
+      Trainer t(cfg, grid);
+      t.init_weights("");
+      t.train();
+      expect_same_training(ref, t, grid, model + " pipeline 2 x " + other + " 2");
+    }
+  }
+}
+
+TEST(PipelineParallel, MetricsReportTheStagesTraffic) {
+  const int W = world_size();
+  if (W < 2) GTEST_SKIP() << "needs 2 or 4 ranks";
+  RunFiles files(2, model_of("dense"));
+  const RunConfig cfg = files.config({"parallel.pipeline=" + std::to_string(W)});
+  ProcessGrid grid(MPI_COMM_WORLD, cfg.parallel);
+  Trainer t(cfg, grid);
+  t.init_weights("");
+  t.train();
+  // 8 micro-batches of 2 x 16 x 32 fp32 activations each way per stage boundary.
+  const double message = 2 * 16 * 32 * 4;
+  const int rank = grid.coord(Axis::Pipeline);
+  const int boundaries = (rank > 0) + (rank < W - 1);
+  for (const StepRecord& r : t.history()) {
+    EXPECT_EQ(r.pp_comm_bytes, 8 * 2 * boundaries * message) << "step " << r.step;
+    EXPECT_EQ(r.pp_messages, 8 * 2 * boundaries) << "step " << r.step;
+  }
+  if (world_rank() == 0) {
+    std::ifstream in(files.dir() / "out" / "metrics.jsonl");
+    std::string line, last;
+    while (std::getline(in, line)) {
+      if (line.find("\"pipeline\"") != std::string::npos) last = line;
+    }
+    ASSERT_FALSE(last.empty()) << "metrics.jsonl has no pipeline block";
+    const json j = json::parse(last);
+    const json& pp = j.contains("pipeline") ? j["pipeline"] : j["extra"]["pipeline"];
+    EXPECT_EQ(pp["size"].get<int>(), W);
+    EXPECT_EQ(pp["schedule"].get<std::string>(), "1f1b");
+    EXPECT_GT(pp["comm_bytes"].get<double>(), 0);
+  }
+}
+
+TEST(PipelineParallel, AScheduleThatNeedsMoreMicroBatchesIsAnErrorNamingTheKey) {
+  const int W = world_size();
+  if (W < 2) GTEST_SKIP() << "needs 2 or 4 ranks";
+  RunFiles files(1, model_of("dense"));
+  // 2 micro-batches per step: DualPipeV needs at least 2 x pipeline.
+  const RunConfig cfg = files.config({"parallel.pipeline=" + std::to_string(W), "parallel.schedule=\"dualpipev\"",
+                                      "train.train_batch_size=4"});
+  ProcessGrid grid(MPI_COMM_WORLD, cfg.parallel);
+  try {
+    Trainer t(cfg, grid);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("gradient_accumulation_steps"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("dualpipev"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace dstrain
