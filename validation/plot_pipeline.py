@@ -15,8 +15,10 @@ micro_batch, chunk, peer, start, end in seconds on the ranks' shared clock) and 
 and prints, per recorded step (or step S alone), the measured bubble fraction: the ranks' idle
 time between the step's first compute start and its last compute end (compute: F, B, BI, BW;
 time waiting in a send, receive or reduction counts as idle), over ranks x that span; next to
-it, when the headers say P stages and m micro-batches, the analytic 1F1B (and GPipe) figure
-(P-1)/(m+P-1). Standard library and matplotlib only.
+it, when the headers say P pipeline ranks and m micro-batches, the schedule's figure: 1F1B's (and
+GPipe's) analytic (P-1)/(m+P-1), the interleaved schedule's (P-1)/(Vm+P-1), and for DualPipeV the
+bubble dstrain's simulator finds with the papers' chunk costs (header "ideal_bubble"). Standard
+library and matplotlib only.
 """
 
 import argparse
@@ -82,13 +84,26 @@ def bubble(ranks, step):
 
 
 def analytic(ranks):
-    """((P-1)/(m+P-1), P, m) from the headers, or None when they do not say or disagree."""
-    shapes = {(h.get("stages"), h.get("micro_batches")) for h, _ in ranks.values()}
+    """(bubble, P, m) from the headers, or None when they do not say or disagree. 1F1B (and GPipe):
+    (P-1)/(m+P-1), PipeDream-Flush's and Megatron's figure; interleaved with V chunks per rank:
+    (P-1)/(V*m+P-1) (Narayanan et al. 2021, section 2.2.2). DualPipeV: the header's ideal_bubble, the
+    schedule simulated by dstrain with backward = 2 x forward and its input and weight halves equal
+    (DeepSeek's DualPipe table gives its bubble in chunk times, (PP/2-1)(F&B+B-3W), not as a fraction)."""
+    shapes = {(h.get("stages"), h.get("micro_batches"), h.get("schedule"), h.get("chunks", 1))
+              for h, _ in ranks.values()}
     if len(shapes) != 1:
         return None
-    P, m = shapes.pop()
+    P, m, schedule, V = shapes.pop()
     if not isinstance(P, int) or not isinstance(m, int) or P < 1 or m < 1:
         return None
+    if schedule == "dualpipev":
+        # No closed form in dstrain's terms: the schedule simulated with the papers' chunk costs.
+        ideal = {h.get("ideal_bubble") for h, _ in ranks.values()}
+        if len(ideal) != 1 or not isinstance(next(iter(ideal)), (int, float)):
+            return None
+        return float(ideal.pop()), P, m
+    if schedule == "interleaved":
+        return (P - 1) / (V * m + P - 1), P, m
     return (P - 1) / (m + P - 1), P, m
 
 
@@ -187,7 +202,8 @@ def main():
     schedule = headers[0].get("schedule", "?")
     print(f"{a.run_dir}: {len(ranks)} rank(s), schedule {schedule}, "
           + (f"P = {want[1]} stage(s), m = {want[2]} micro-batch(es)" if want else "stages/micro-batches unknown"))
-    print(f"{'step':>6} {'span ms':>10} {'bubble':>8} {'1F1B (P-1)/(m+P-1)':>20}")
+    formula = {"interleaved": "(P-1)/(Vm+P-1)", "dualpipev": "(simulated)"}.get(schedule, "(P-1)/(m+P-1)")
+    print(f"{'step':>6} {'span ms':>10} {'bubble':>8} {'analytic ' + formula:>24}")
     measured = []
     for s in steps:
         b = bubble(ranks, s)
@@ -195,9 +211,9 @@ def main():
             print(f"{s:>6} {'-':>10} {'-':>8}")
             continue
         measured.append(b[0])
-        print(f"{s:>6} {b[1] * 1e3:>10.2f} {b[0]:>8.3f} {(f'{want[0]:.3f}' if want else 'n/a'):>20}")
+        print(f"{s:>6} {b[1] * 1e3:>10.2f} {b[0]:>8.3f} {(f'{want[0]:.3f}' if want else 'n/a'):>24}")
     if len(measured) > 1:
-        print(f"{'mean':>6} {'':>10} {sum(measured) / len(measured):>8.3f} {(f'{want[0]:.3f}' if want else 'n/a'):>20}")
+        print(f"{'mean':>6} {'':>10} {sum(measured) / len(measured):>8.3f} {(f'{want[0]:.3f}' if want else 'n/a'):>24}")
 
     trace_path = a.trace or os.path.join(a.run_dir, "timeline.trace.json")
     with open(trace_path, "w") as f:
@@ -206,7 +222,7 @@ def main():
     what = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
     title = f"{os.path.abspath(a.run_dir)}: {what}, schedule {schedule}" + (
         f", P={want[1]}, m={want[2]}; bubble {sum(measured) / max(len(measured), 1):.3f} "
-        f"(1F1B analytic {want[0]:.3f})" if want else "")
+        f"(analytic {want[0]:.3f})" if want else "")
     gantt(ranks, set(steps), png, title)
     print(f"wrote {png} and {trace_path}")
     return 0

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/json_reader.h"
+
 namespace dstrain {
 
 namespace {
@@ -129,35 +131,61 @@ void extract_local(const ParamInfo& p, Tensor global, int tp_rank, int tp_size, 
 
 TensorParallelCheckpoint::TensorParallelCheckpoint(const ParamRegistry& reg, ProcessGrid& grid)
     : reg_(reg), tensor_(grid.comm(Axis::Tensor)), data_(grid.comm(Axis::Data)) {
-  DS_CHECK(grid.size(Axis::Pipeline) == 1,
-           "checkpoints of tensor-parallel models are written by the data-0 tensor group of a single pipeline stage; "
-           "pipeline parallelism ({} stages) is not handled", grid.size(Axis::Pipeline));
   tp_size_ = grid.size(Axis::Tensor);
   tp_rank_ = grid.coord(Axis::Tensor);
-  io_rank_ = grid.coord(Axis::Data) == 0 && grid.coord(Axis::Pipeline) == 0;
-  auto globals = std::make_shared<std::vector<Shape>>();
-  auto offsets = std::make_shared<std::vector<int64_t>>();
-  int64_t n = 0;
+  io_rank_ = grid.coord(Axis::Data) == 0;
+  const int me = grid.coord(Axis::Pipeline);
+  // The file's tensors: each stage's own parameters (not its copies of another stage's), in
+  // pipeline-rank order, from one exchange of their names, shapes and kinds.
+  json mine = json::array();
   for (const ParamInfo& p : reg.all()) {
     check_piece(p);
     if (!is_whole(p)) check_rank(p, tp_rank_, tp_size_);
+    if (p.pipeline_copy) continue;
+    std::vector<int64_t> dims;
+    for (int d = 0; d < p.global_shape.ndim(); ++d) dims.push_back(p.global_shape[d]);
+    mine.push_back({p.name, dims, int(p.kind), p.layer, p.trainable, int(p.group)});
+  }
+  const std::vector<std::string> stages =
+      grid.size(Axis::Pipeline) > 1 ? all_gather_strings(grid.comm(Axis::Pipeline), mine.dump())
+                                    : std::vector<std::string>{mine.dump()};
+  for (size_t stage = 0; stage < stages.size(); ++stage) {
+    for (const json& e : json::parse(stages[stage])) {
+      const std::vector<int64_t> dims = e[1].get<std::vector<int64_t>>();
+      const Shape shape = Shape::from(dims.begin(), dims.end());
+      ParamOptions o;
+      o.trainable = e[4].get<bool>();
+      o.group = ParamGroup(e[5].get<int>());
+      const std::string name = e[0].get<std::string>();
+      DS_CHECK(file_.find(name) < 0, "'{}' is owned by two pipeline stages", name);
+      file_.add(name, shape, ParamKind(e[2].get<int>()), e[3].get<int>(), o);
+      owner_.push_back(int(stage));
+      local_.push_back(int(stage) == me ? reg.find(name) : -1);
+    }
+  }
+  auto globals = std::make_shared<std::vector<Shape>>();
+  auto offsets = std::make_shared<std::vector<int64_t>>();
+  auto owners = std::make_shared<std::vector<int>>(owner_);
+  int64_t n = 0;
+  for (int id = 0; id < file_.size(); ++id) {
+    const ParamInfo& p = file_.info(id);
     globals->push_back(p.global_shape);
     offsets->push_back(n);
-    if (io_rank_) n += row_piece(p.global_shape, tp_rank_, tp_size_).elems();
+    if (io_rank_ && local_[size_t(id)] >= 0) n += row_piece(p.global_shape, tp_rank_, tp_size_).elems();
   }
   offsets_ = std::move(offsets);
   numel_ = std::max<int64_t>(n, 1);
-  // World rank r = (pipeline * data + d) * tp + t: the data-0 ranks 0..tp-1 come first, and
-  // their blocks 0..tp-1 tile every tensor in rank order.
+  // World rank r = (pipeline * data + d) * tp + t: each stage's data-0 ranks are consecutive,
+  // and their blocks 0..tp-1 tile every tensor of that stage in rank order.
   const int tp = tp_size_, dp = grid.size(Axis::Data), world = grid.world_size();
-  partition_ = [globals, tp, dp, world](int id, int rank) {
+  partition_ = [globals, owners, tp, dp, world](int id, int rank) {
     DS_CHECK(rank >= 0 && rank < world,
-             "checkpoint of a tensor-parallel model: rank {} of the checkpoint communicator is outside the grid's {} "
+             "checkpoint of a model-parallel model: rank {} of the checkpoint communicator is outside the grid's {} "
              "ranks; use a communicator ranked as the grid's world",
              rank, world);
     const Shape& g = globals->at(size_t(id));
     const int t = rank % tp, d = (rank / tp) % dp, pipeline = rank / (tp * dp);
-    if (d == 0 && pipeline == 0) return row_piece(g, t, tp);
+    if (d == 0 && pipeline == owners->at(size_t(id))) return row_piece(g, t, tp);
     RowPiece none = row_piece(g, 0, 1);
     none.rows = 0;
     return none;
@@ -195,10 +223,12 @@ CheckpointBuffers TensorParallelCheckpoint::stage(const float* values, const flo
     if (gathered > 0) global = Buffer("checkpoint.tensor_parallel.global", MemCategory::Checkpoint, DType::F32, gathered);
     for (int g = 0; g < groups; ++g) {
       float* staged = staged_[g].data<float>();
-      for (int id = 0; id < reg_.size(); ++id) {
+      for (int fid = 0; fid < file_.size(); ++fid) {
+        const int id = local_[size_t(fid)];
+        if (id < 0) continue;  // another stage's
         const ParamInfo& p = reg_.info(id);
         const RowPiece block = row_piece(p.global_shape, tp_rank_, tp_size_);
-        float* dst = staged + (*offsets_)[size_t(id)];
+        float* dst = staged + (*offsets_)[size_t(fid)];
         const float* local = src[g] + p.offset;
         const float* from = nullptr;
         if (is_whole(p)) {
@@ -256,10 +286,12 @@ void TensorParallelCheckpoint::unstage(float* values, float* exp_avg, float* exp
     std::vector<int64_t> counts(static_cast<size_t>(tp_size_));
     for (int g = 0; g < groups; ++g) {
       float* staged = staged_[g].data<float>();
-      for (int id = 0; id < reg_.size(); ++id) {
+      for (int fid = 0; fid < file_.size(); ++fid) {
+        const int id = local_[size_t(fid)];
+        if (id < 0) continue;  // another stage's
         const ParamInfo& p = reg_.info(id);
         const RowPiece block = row_piece(p.global_shape, tp_rank_, tp_size_);
-        float* blocks = staged + (*offsets_)[size_t(id)];
+        float* blocks = staged + (*offsets_)[size_t(fid)];
         float* local = dst[g] + p.offset;
         if (block_is_own_piece(p, tp_size_)) {
           std::memcpy(local, blocks, size_t(block.elems()) * sizeof(float));

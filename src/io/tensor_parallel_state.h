@@ -31,23 +31,35 @@ void extract_local(const ParamInfo& p, Tensor global, int tp_rank, int tp_size, 
 // The same, for the piece p's placement names (whichever ranks hold it).
 void extract_local(const ParamInfo& p, Tensor global, Tensor local);
 
-// Checkpoints of a tensor-parallel model, through global tensors. Writing: the ranks of data
-// coordinate 0 write, tensor rank t rows block t of tp (RowPiece(global, t, tp)) of every
-// global tensor; every other rank writes nothing. World rank r = (pipeline * data + d) * tp + t,
-// so ranks 0..tp-1 come first and their blocks tile each tensor in rank order: that is the
-// partition write_checkpoint gets. Reading uses the same partition, then rebuilds each rank's
-// pieces and hands them to the data-parallel replicas.
+// Checkpoints of a model split over tensor and pipeline ranks, through global tensors. The file
+// holds every global tensor of the model; each pipeline stage holds some of them (a stage's copy
+// of the tied embedding is not written: its owner, the first stage, writes it), so the tensors
+// the file lists are every stage's, gathered once at construction (file_registry(): the same on
+// every rank, in pipeline-rank order). Writing: the ranks of data coordinate 0 write, tensor
+// rank t of the stage owning a tensor rows block t of tp (RowPiece(global, t, tp)); every other
+// rank writes nothing of it. World rank r = (pipeline * data + d) * tp + t, so a stage's data-0
+// ranks are consecutive and their blocks tile each tensor in rank order: that is the partition
+// write_checkpoint gets. Reading uses the same partition, then rebuilds each rank's pieces and
+// hands them to the data-parallel replicas.
 //
 // The checkpoint communicator must rank processes as the grid's world does (CheckpointManager's
-// io_comm, a duplicate of the world). Parameters must be Whole or tensor Shards; pipeline
-// parallelism and ZeRO-sharded state are not handled here.
+// io_comm, a duplicate of the world). Parameters must be Whole or tensor Shards; ZeRO-sharded
+// state is not handled here.
 //
-//   save:   mgr.save(reg, tpc.stage(values, m, v), state)           every rank
-//   resume: read_checkpoint(path, comm, reg, tpc.targets(true));
-//           tpc.unstage(values, m, v)                                every rank
+//   save:   mgr.save(tpc.file_registry(), tpc.stage(values, m, v), state)        every rank
+//   resume: read_checkpoint(path, comm, tpc.file_registry(), tpc.targets(true));
+//           tpc.unstage(values, m, v)                                            every rank
 class TensorParallelCheckpoint {
  public:
   TensorParallelCheckpoint(const ParamRegistry& reg, ProcessGrid& grid);
+
+  // The file's tensors: names, global shapes and kinds of every stage's parameters (their
+  // pieces and local layout are this object's business). Not allocated.
+  ParamRegistry& file_registry() { return file_; }
+  // The pipeline rank that owns file tensor `id`, and its id in this rank's registry (-1: held
+  // by another stage).
+  int owner(int id) const { return owner_[size_t(id)]; }
+  int local_id(int id) const { return local_[size_t(id)]; }
 
   // Copies this rank's row blocks of every global tensor into the staging buffers (the data-0
   // tensor group gathers each global tensor in turn: one global tensor of transient memory;
@@ -77,11 +89,14 @@ class TensorParallelCheckpoint {
   void allocate(int groups);
 
   const ParamRegistry& reg_;
+  ParamRegistry file_;        // every stage's parameters, global shapes
+  std::vector<int> owner_;    // file id -> pipeline rank
+  std::vector<int> local_;    // file id -> this rank's id (-1: another stage's)
   Communicator& tensor_;
   Communicator& data_;
   int tp_size_ = 1, tp_rank_ = 0;
   bool io_rank_ = false;
-  std::shared_ptr<const std::vector<int64_t>> offsets_;  // per parameter, into the staging buffers
+  std::shared_ptr<const std::vector<int64_t>> offsets_;  // per file tensor, into the staging buffers
   int64_t numel_ = 1;
   CheckpointPartition partition_;
   Buffer staged_[3];  // values, exp_avg, exp_avg_sq: this rank's row blocks

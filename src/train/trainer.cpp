@@ -179,10 +179,9 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
       config_.model, device,
       ShardSpec::tensor_parallel(config_.model, grid_.coord(Axis::Tensor), tp, 0, 1, sequence_parallel), groups, chunks);
   if (pp_) runner_ = std::make_unique<PipelineRunner>(*model_, *pp_, *schedule_, stages);
-  if (tp_) {
-    tp_stats_before_ = tp_->stats();
-    tp_ckpt_ = std::make_unique<TensorParallelCheckpoint>(model_->params(), grid_);
-  }
+  if (tp_) tp_stats_before_ = tp_->stats();
+  // Checkpoints of global tensors from the tensor pieces and pipeline stages.
+  if (tp_ || pp_) tp_ckpt_ = std::make_unique<TensorParallelCheckpoint>(model_->params(), grid_);
   const ZeroConfig& zc = config_.train.zero;
   const PrecisionConfig& precision = config_.train.precision;
   scaler_ = std::make_unique<LossScaler>(precision.fp16_scaler, precision.fp16);
@@ -512,7 +511,7 @@ void Trainer::load_weights(const std::string& init_from, bool checkpoint) {
   if (checkpoint) {
     TrainState st;
     if (tp_ckpt_) {
-      st = read_checkpoint(init_from, ckpt_->io_comm(), model_->params(), tp_ckpt_->targets(false));
+      st = read_checkpoint(init_from, ckpt_->io_comm(), file_registry(), tp_ckpt_->targets(false));
       tp_ckpt_->unstage(model_->params().values().data<float>(), nullptr, nullptr);
       tp_ckpt_->release();
     } else {
@@ -1101,9 +1100,21 @@ Trainer::Outcome Trainer::train() {
   grid_.world().barrier();
   if (config_.metrics.timeline_steps.enabled() && !timeline_) {
     // The run's start, right after the barrier: the clock the ranks' timelines share.
-    const json header = {{"rank", grid_.world_rank()},     {"world", grid_.world_size()},
-                         {"stage", 0},                     {"stages", 1},
-                         {"micro_batches", tc.grad_accum}, {"schedule", schedule_->name()},
+    // stage/stages: this rank's pipeline coordinate and the pipeline's ranks; chunks: the model
+    // chunks each holds (interleaved, DualPipeV).
+    const json header = {{"rank", grid_.world_rank()},
+                         {"world", grid_.world_size()},
+                         {"stage", grid_.coord(Axis::Pipeline)},
+                         {"stages", grid_.size(Axis::Pipeline)},
+                         {"chunks", schedule_->chunks()},
+                         {"micro_batches", tc.grad_accum},
+                         {"schedule", schedule_->name()},
+                         // The schedule's bubble with the papers' chunk costs (backward = 2 x
+                         // forward, its input and weight halves 1 each, free communication),
+                         // simulated: what the measured bubble is compared with.
+                         {"ideal_bubble", bubble_fraction(schedule_table(*schedule_, grid_.size(Axis::Pipeline),
+                                                                         int(tc.grad_accum)),
+                                                          stage_map(*schedule_, grid_.size(Axis::Pipeline)))},
                          {"clock", "steady clock; origin taken by every rank right after a barrier at the start"}};
     timeline_ = std::make_unique<Timeline>(
         config_.metrics.timeline_steps, step_ + 1,
@@ -1237,8 +1248,9 @@ TrainState Trainer::state() {
                {"pipeline", grid_.size(Axis::Pipeline)},
                {"expert", grid_.size(Axis::Expert)},
                {"sequence_parallel", model_->shard().sequence_parallel},
-               {"partition", tp_ckpt_ ? "the ranks of data coordinate 0 wrote, tensor rank t rows [R*t/T, R*(t+1)/T) "
-                                        "of dimension 0 of every global tensor"
+               {"schedule", pp_ ? json(schedule_->name()) : json()},
+               {"partition", tp_ckpt_ ? "the ranks of data coordinate 0 wrote, tensor rank t of the pipeline stage "
+                                        "holding a global tensor rows [R*t/T, R*(t+1)/T) of its dimension 0"
                                       : "each rank wrote rows [R*r/N, R*(r+1)/N) of dimension 0 of every tensor"}};
   return st;
 }
@@ -1278,7 +1290,7 @@ double Trainer::save_checkpoint() {
   if (zero_) live = zero_checkpoint_buffers(*zero_);
   // Tensor parallelism: the global tensors' row blocks, staged by the data-0 tensor group.
   if (tp_ckpt_) live = tp_ckpt_->stage(live.values, live.exp_avg, live.exp_avg_sq);
-  const double stall = ckpt_->save(reg, live, state());
+  const double stall = ckpt_->save(file_registry(), live, state());
   if (tp_ckpt_) tp_ckpt_->release();  // written, or copied by the asynchronous writer
   last_saved_step_ = step_;
   last_save_time_ = clock();
@@ -1337,12 +1349,13 @@ bool Trainer::resume(const std::string& spec) {
     TrainState st;
     const auto t0 = Clock::now();
     check_same_file_on_every_rank(grid_.world(), "--resume", path);
-    throw_if_root_failed(grid_.world(), grid_.world_rank() == 0 ? model_mismatch(path, reg, config_.model) : "");
+    throw_if_root_failed(grid_.world(),
+                         grid_.world_rank() == 0 ? model_mismatch(path, file_registry(), config_.model) : "");
     try {
       if (zero_) {
         st = read_checkpoint(path, ckpt_->io_comm(), reg, zero_checkpoint_targets(*zero_));
       } else if (tp_ckpt_) {
-        st = read_checkpoint(path, ckpt_->io_comm(), reg, tp_ckpt_->targets(true));
+        st = read_checkpoint(path, ckpt_->io_comm(), file_registry(), tp_ckpt_->targets(true));
         tp_ckpt_->unstage(reg.values().data<float>(), optimizer_->exp_avg().data<float>(),
                           optimizer_->exp_avg_sq().data<float>());
         tp_ckpt_->release();
@@ -1400,7 +1413,7 @@ bool Trainer::resume(const std::string& spec) {
     }
     const double secs = seconds_since(t0);
     // The file's tensors (weights and both moments), global whatever this rank holds of them.
-    const double mb = double(reg.global_numel()) * 12.0 / 1e6;
+    const double mb = double(file_registry().global_numel()) * 12.0 / 1e6;
     log::info("resumed from {} at step {} ({} samples consumed; written by {} rank(s), now {}); read and verified "
               "{:.0f} MB in {:.2f} s ({:.0f} MB/s)",
               path, step_, consumed_samples_, st.layout.value("world_size", 0), grid_.world_size(), mb, secs,
@@ -1511,7 +1524,45 @@ std::string Trainer::sample(const std::string& prompt) {
 void Trainer::save_hf(const std::string& dir) {
   const DType dtype = dtype_from_torch_name(config_.output.save_hf_dtype);
   if (zero_) zero_->gather_all();  // stage 3: whole weights for the export, handed back after it
-  if (tp_) {
+  if (pp_) {
+    // Pipeline: the first stage's data-0 tensor-rank-0 process assembles every stage's global
+    // tensors (each stage's data-0 tensor group gathers its own, tensor rank 0 sends them over
+    // the pipeline group) and writes the files: the whole model in its memory, once.
+    ParamRegistry& file = file_registry();
+    const bool data0 = grid_.coord(Axis::Data) == 0, writer = data0 && grid_.coord(Axis::Tensor) == 0;
+    const int me = pp_->rank();
+    ParamRegistry whole;
+    for (const ParamInfo& p : file.all()) {
+      ParamOptions o;
+      o.trainable = p.trainable;
+      o.group = p.group;
+      whole.add(p.name, p.global_shape, p.kind, p.layer, o);
+    }
+    if (writer && me == 0) whole.allocate(Device::cpu());
+    if (data0) {
+      Buffer global;
+      for (int id = 0; id < file.size(); ++id) {
+        const ParamInfo& fp = file.info(id);
+        const int owner = tp_ckpt_->owner(id);
+        if (owner == me) {
+          const int local = tp_ckpt_->local_id(id);
+          const ParamInfo& p = model_->params().info(local);
+          Tensor g = me == 0 && writer ? whole.param(id) : Tensor();
+          if (!g.raw()) {
+            if (global.numel() < fp.global_shape.numel()) {
+              global = Buffer("save_hf.global", MemCategory::Checkpoint, DType::F32, fp.global_shape.numel());
+            }
+            g = global.tensor(0, fp.global_shape);
+          }
+          gather_global(p, model_->params().param(local), tp_, g);
+          if (writer && me != 0) pp_->send(g, 0, 1);
+        } else if (writer && me == 0) {
+          pp_->recv(whole.param(id), owner, 1);
+        }
+      }
+    }
+    if (writer && me == 0) save_hf_weights(dir, whole, config_.model.to_hf_json(), int64_t(5) << 30, dtype);
+  } else if (tp_) {
     // The data-0 tensor group gathers each global tensor; its rank 0 writes.
     if (grid_.coord(Axis::Data) == 0) {
       save_hf_weights(dir, model_->params(), config_.model.to_hf_json(), int64_t(5) << 30, dtype, tp_);

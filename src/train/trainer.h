@@ -196,6 +196,9 @@ class Trainer {
   DataPipeline& pipeline();
   Tokenizer& tokenizer();
   TrainState state();
+  // The tensors a checkpoint file holds: the model's registry, or with tensor or pipeline
+  // parallelism every stage's global tensors.
+  ParamRegistry& file_registry() { return tp_ckpt_ ? tp_ckpt_->file_registry() : model_->params(); }
   // Why the current state must not become a checkpoint ("" when it may): saving it would
   // rotate away the good ones written before training went wrong. Collective.
   std::string unsafe_to_save();

@@ -190,8 +190,8 @@ TEST(ProcessGrid, LayoutErrorsAreRaisedOnEveryRank) {
     EXPECT_NE(std::string(e.what()).find("but the job has " + std::to_string(n) + " ranks"), std::string::npos)
         << e.what();
   }
-  // Tensor parallelism: a valid layout where the sizes divide; pipeline parallelism is refused by
-  // this build for training.
+  // Tensor and pipeline parallelism: valid layouts where the sizes divide; expert parallelism is
+  // refused by this build for training.
   ParallelConfig tp;
   tp.tensor = 2;
   tp.data = 0;
@@ -202,7 +202,11 @@ TEST(ProcessGrid, LayoutErrorsAreRaisedOnEveryRank) {
     ParallelConfig pp;
     pp.pipeline = 2;
     ProcessGrid gp(MPI_COMM_WORLD, pp);
-    EXPECT_THROW(require_implemented_axes(gp), Error);
+    EXPECT_NO_THROW(require_implemented_axes(gp));
+    ParallelConfig ex;
+    ex.expert = 2;
+    ProcessGrid ge(MPI_COMM_WORLD, ex);
+    EXPECT_THROW(require_implemented_axes(ge), Error);
   } catch (const Error& e) {
     EXPECT_EQ(n % 2, 1) << e.what();
     EXPECT_NE(std::string(e.what()).find("does not divide"), std::string::npos) << e.what();

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <fstream>
 
+#include "io/hf_weights.h"
 #include "io/tensor_parallel_state.h"
 #include "run_files.h"
 #include "train/trainer.h"
@@ -124,6 +125,93 @@ TEST(PipelineParallel, PipelineTimesDataAndTensorMatchOneRank) {
       t.init_weights("");
       t.train();
       expect_same_training(ref, t, grid, model + " pipeline 2 x " + other + " 2");
+    }
+  }
+}
+
+// A checkpoint written at one pipeline size resumes at another: the steps after the resume have
+// the losses of the uninterrupted run, and the weights end the same.
+TEST(PipelineParallel, CheckpointsResumeAtOtherPipelineSizes) {
+  const int W = world_size();
+  if (W < 2) GTEST_SKIP() << "needs 2 or 4 ranks";
+  for (const std::string model : {"dense_tied", "v3"}) {
+    RunFiles files(4, model_of(model));
+    ProcessGrid solo(MPI_COMM_SELF, {});
+    Trainer full(files.config(), solo);
+    full.init_weights("");
+    full.train();
+    // (written at, resumed at): pipeline W -> 1 and 1 -> 2, and at 4 ranks 2 -> 4 under DualPipeV.
+    std::vector<std::tuple<int, int, std::string>> moves = {{W, 1, "1f1b"}, {1, 2, "1f1b"}};
+    if (W == 4) moves.push_back({2, 4, "dualpipev"});
+    for (auto [from, to, schedule] : moves) {
+      const std::string dir = "checkpoint.dir=" + quoted(files.dir() / fmt::format("ckpt_{}_{}_{}", model, from, to));
+      auto layout = [&](int pp, std::vector<std::string> more) {
+        more.push_back("parallel.pipeline=" + std::to_string(pp));
+        more.push_back("parallel.schedule=\"" + schedule + "\"");
+        return more;
+      };
+      {
+        const RunConfig cfg = files.config(layout(from, {"train.max_steps=2", "checkpoint.save_final=true", dir}));
+        ProcessGrid grid(MPI_COMM_WORLD, cfg.parallel);
+        Trainer a(cfg, grid);
+        a.init_weights("");
+        a.train();
+      }
+      const RunConfig cfg = files.config(layout(to, {dir}));
+      ProcessGrid grid(MPI_COMM_WORLD, cfg.parallel);
+      Trainer b(cfg, grid);
+      ASSERT_TRUE(b.resume("auto"));
+      EXPECT_EQ(b.step(), 2);
+      b.train();
+      ASSERT_EQ(b.history().size(), 2u);
+      for (size_t i = 0; i < 2; ++i) {
+        const double want = full.history()[2 + i].loss;
+        EXPECT_NEAR(b.history()[i].loss, want, 1e-5 * std::fabs(want))
+            << model << ": pipeline " << from << " -> " << to << ", step " << i + 3;
+      }
+      const ParamRegistry& reg = b.model().params();
+      for (int id = 0; id < reg.size(); ++id) {
+        const ParamInfo& p = reg.info(id);
+        Tensor w = full.model().params().param(full.model().params().find(p.name)), mine = reg.param(id);
+        EXPECT_LE(rel(std::vector<float>(mine.data<float>(), mine.data<float>() + mine.numel()),
+                      std::vector<float>(w.data<float>(), w.data<float>() + w.numel())),
+                  1e-5)
+            << model << ": pipeline " << from << " -> " << to << ": " << p.name;
+      }
+    }
+  }
+}
+
+// --save-hf of a pipeline run: one process writes every stage's tensors, equal to the one-rank
+// run's weights.
+TEST(PipelineParallel, HuggingFaceExportHoldsEveryStagesWeights) {
+  const int W = world_size();
+  if (W < 2) GTEST_SKIP() << "needs 2 or 4 ranks";
+  for (const std::string model : {"dense_tied", "v3"}) {
+    RunFiles files(2, model_of(model));
+    ProcessGrid solo(MPI_COMM_SELF, {});
+    Trainer ref(files.config(), solo);
+    ref.init_weights("");
+    ref.train();
+    const RunConfig cfg = files.config({"parallel.pipeline=" + std::to_string(W)});
+    ProcessGrid grid(MPI_COMM_WORLD, cfg.parallel);
+    Trainer t(cfg, grid);
+    t.init_weights("");
+    t.train();
+    const std::string dir = (files.dir() / ("hf_" + model)).string();
+    t.save_hf(dir);
+    if (world_rank() == 0) {
+      Transformer loaded(ref.model().config(), Device::cpu());
+      const auto counts = load_hf_weights(dir, loaded.params());
+      EXPECT_EQ(counts.loaded, int64_t(loaded.params().size())) << model;
+      for (int id = 0; id < loaded.params().size(); ++id) {
+        const std::string& name = loaded.params().info(id).name;
+        Tensor a = loaded.params().param(id), b = ref.model().params().param(ref.model().params().find(name));
+        EXPECT_LE(rel(std::vector<float>(a.data<float>(), a.data<float>() + a.numel()),
+                      std::vector<float>(b.data<float>(), b.data<float>() + b.numel())),
+                  1e-5)
+            << model << ": " << name;
+      }
     }
   }
 }

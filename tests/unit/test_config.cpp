@@ -463,6 +463,27 @@ TEST(Config, TensorAndSequenceParallelKeys) {
   EXPECT_THAT(msg({"parallel.sequence_paralel=true"}), HasSubstr("unknown key 'parallel.sequence_paralel'"));
 }
 
+TEST(Config, PipelineKeys) {
+  TempDir d;
+  const std::string path = d.write("pp.json", run_json());
+  const RunConfig c = RunConfig::load(path, {"parallel.pipeline=4", "parallel.schedule=\"interleaved\"",
+                                             "parallel.virtual_stages=2", "parallel.partition=[1, 2, 1, 2, 1, 1, 1, 1]"});
+  EXPECT_EQ(c.parallel.pipeline, 4);
+  EXPECT_EQ(c.parallel.schedule, "interleaved");
+  EXPECT_EQ(c.parallel.virtual_stages, 2);
+  EXPECT_EQ(c.parallel.partition, (std::vector<int64_t>{1, 2, 1, 2, 1, 1, 1, 1}));
+  EXPECT_EQ(c.to_json()["parallel"]["schedule"], "interleaved");
+  const RunConfig plain = RunConfig::load(path, {});
+  EXPECT_EQ(plain.parallel.schedule, "1f1b");
+  EXPECT_TRUE(plain.parallel.partition.empty());
+  auto msg = [&](std::vector<std::string> o) { return error_of([&] { RunConfig::load(path, o); }); };
+  EXPECT_THAT(msg({"parallel.schedule=\"gpipe\""}), HasSubstr("parallel.schedule"));
+  EXPECT_THAT(msg({"parallel.schedule=\"interleaved\""}), HasSubstr("parallel.virtual_stages"));
+  EXPECT_THAT(msg({"parallel.virtual_stages=2"}), HasSubstr("parallel.virtual_stages"));
+  EXPECT_THAT(msg({"parallel.partition=[1, \"x\"]"}), HasSubstr("parallel.partition"));
+  EXPECT_THAT(msg({"parallel.partition=3"}), HasSubstr("parallel.partition"));
+}
+
 TEST(LrSchedule, DeepSpeedFormulas) {
   auto sched = [](const std::string& text) {
     json j = json::parse(text);
