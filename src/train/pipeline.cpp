@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "backend/ops.h"
 #include "core/clock.h"
@@ -204,7 +205,8 @@ std::vector<LossSums> PipelineRunner::run_step(const std::vector<MicroBatch>& mi
   for (const ScheduleAction& a : plan) {
     const int s = stage_of_chunk_[size_t(a.chunk)], mb = a.micro_batch;
     const MicroBatch& data = micro[size_t(mb)];
-    const Timeline::Scope recorded(timeline, step, a);
+    // The action's own time starts once its input is here (a wait is recorded as "recv").
+    std::optional<Timeline::Scope> recorded;
     switch (a.kind) {
       case ScheduleAction::Kind::Forward: {
         Tensor in;
@@ -216,6 +218,7 @@ std::vector<LossSums> PipelineRunner::run_step(const std::vector<MicroBatch>& mi
             in = receive(m);
           }
         }
+        recorded.emplace(timeline, step, a);
         const LossSums ls = model_.forward_chunk(mb, a.chunk, data.tokens, data.targets, scales, in);
         if (s > 0 && holder(s - 1).first != me) {
           // The copy in the activation store is the chunk's input now: the buffer is free.
@@ -247,6 +250,7 @@ std::vector<LossSums> PipelineRunner::run_step(const std::vector<MicroBatch>& mi
         }
         Buffer din;
         if (s > 0) din = make_buffer(shape);
+        recorded.emplace(timeline, step, a);
         const BackwardPart part =
             a.kind == ScheduleAction::Kind::Backward ? BackwardPart::Full : BackwardPart::Input;
         model_.backward_chunk(mb, a.chunk, dout, s > 0 ? din.tensor(0, shape) : Tensor(), part);
@@ -270,6 +274,7 @@ std::vector<LossSums> PipelineRunner::run_step(const std::vector<MicroBatch>& mi
         break;
       }
       case ScheduleAction::Kind::BackwardWeight:
+        recorded.emplace(timeline, step, a);
         model_.backward_weights_chunk(mb, a.chunk);
         break;
     }
