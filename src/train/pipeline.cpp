@@ -286,13 +286,11 @@ std::vector<LossSums> PipelineRunner::run_step(const std::vector<MicroBatch>& mi
 }
 
 // ---------------------------------------------------------------------------------------
-LossSums PipelineRunner::forward_loss(Tensor tokens, Tensor targets) {
+void PipelineRunner::forward_through(Tensor tokens, const std::function<void(Tensor in)>& last_stage) {
   const int S = num_stages(), me = pp_.rank();
-  const int64_t B = tokens.size(0), T = tokens.size(1);
-  const Shape shape = model_.boundary_shape(B, T, /*inference=*/true);
+  const Shape shape = model_.boundary_shape(tokens.size(0), tokens.size(1), /*inference=*/true);
   n_micro_ = 1;
   Buffer in_buf = make_buffer(shape), out_buf = make_buffer(shape);
-  double result[4] = {0, 0, 0, 0};
   for (int s = 0; s < S; ++s) {
     const auto [rank, chunk] = holder(s);
     if (rank != me) continue;
@@ -302,9 +300,7 @@ LossSums PipelineRunner::forward_loss(Tensor tokens, Tensor targets) {
       if (holder(s - 1).first != me) pp_.recv(in, holder(s - 1).first, tag(kForward, s, 0));
     }
     if (s == S - 1) {
-      const LossSums ls = model_.forward_loss(tokens, targets, in);
-      result[0] = ls.sum;
-      result[1] = double(ls.count);
+      last_stage(in);
       break;
     }
     Tensor out = out_buf.tensor(0, shape);
@@ -315,9 +311,18 @@ LossSums PipelineRunner::forward_loss(Tensor tokens, Tensor targets) {
       std::swap(in_buf, out_buf);  // the next stage is this rank's: its input is this output
     }
   }
-  pp_.broadcast(Tensor(result, DType::F64, Shape{2}), loss_rank());
   free_.push_back(std::move(in_buf));
   free_.push_back(std::move(out_buf));
+}
+
+LossSums PipelineRunner::forward_loss(Tensor tokens, Tensor targets) {
+  double result[2] = {0, 0};
+  forward_through(tokens, [&](Tensor in) {
+    const LossSums ls = model_.forward_loss(tokens, targets, in);
+    result[0] = ls.sum;
+    result[1] = double(ls.count);
+  });
+  pp_.broadcast(Tensor(result, DType::F64, Shape{2}), loss_rank());
   LossSums out;
   out.sum = result[0];
   out.count = int64_t(result[1]);
@@ -325,34 +330,8 @@ LossSums PipelineRunner::forward_loss(Tensor tokens, Tensor targets) {
 }
 
 void PipelineRunner::last_logits(Tensor tokens, Tensor logits) {
-  const int S = num_stages(), me = pp_.rank();
-  const int64_t B = tokens.size(0), T = tokens.size(1);
-  const Shape shape = model_.boundary_shape(B, T, /*inference=*/true);
-  n_micro_ = 1;
-  Buffer in_buf = make_buffer(shape), out_buf = make_buffer(shape);
-  for (int s = 0; s < S; ++s) {
-    const auto [rank, chunk] = holder(s);
-    if (rank != me) continue;
-    Tensor in;
-    if (s > 0) {
-      in = in_buf.tensor(0, shape);
-      if (holder(s - 1).first != me) pp_.recv(in, holder(s - 1).first, tag(kForward, s, 0));
-    }
-    if (s == S - 1) {
-      model_.last_logits(tokens, logits, in);
-      break;
-    }
-    Tensor out = out_buf.tensor(0, shape);
-    model_.forward_hidden(chunk, tokens, in, out);
-    if (holder(s + 1).first != me) {
-      pp_.send(out, holder(s + 1).first, tag(kForward, s + 1, 0));
-    } else {
-      std::swap(in_buf, out_buf);
-    }
-  }
+  forward_through(tokens, [&](Tensor in) { model_.last_logits(tokens, logits, in); });
   pp_.broadcast(logits, loss_rank());
-  free_.push_back(std::move(in_buf));
-  free_.push_back(std::move(out_buf));
 }
 
 // ---------------------------------------------------------------------------------------

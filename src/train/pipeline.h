@@ -22,6 +22,7 @@
 // owner's values to the copy after a load.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <utility>
@@ -138,6 +139,9 @@ class PipelineRunner {
   Tensor take(const Message& m, Timeline* timeline, int64_t step);
   void send(const Message& m, Tensor t, Buffer buffer, Timeline* timeline, int64_t step);
   void complete_sends(bool wait);
+  // Inference: tokens through this rank's stages in order, from and to the neighbouring ranks;
+  // `last_stage(in)` runs the last stage's part on the rank holding it.
+  void forward_through(Tensor tokens, const std::function<void(Tensor in)>& last_stage);
   Buffer make_buffer(Shape shape);
 
   Transformer& model_;

@@ -32,12 +32,7 @@ json model_of(const std::string& name) {
 }
 
 double rel(const std::vector<float>& a, const std::vector<float>& b) {
-  double diff = 0, scale = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
-    diff = std::max(diff, std::fabs(double(a[i]) - double(b[i])));
-    scale = std::max(scale, std::fabs(double(b[i])));
-  }
-  return a.size() == b.size() ? diff / std::max(scale, 1e-30) : INFINITY;
+  return a.size() == b.size() ? rel_error(a.data(), b.data(), int64_t(a.size())) : INFINITY;
 }
 
 // Every step's loss and gradient norm, and every weight this rank holds (its stages' pieces,
