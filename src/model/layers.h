@@ -53,9 +53,16 @@ struct RoutingStats {
   // Wall time in the router (gate GEMM, scores, top-k, plan, aux loss; forward and backward)
   // and in moving token rows into and out of expert order.
   double route_seconds = 0, permute_seconds = 0;
+  // Expert parallelism: expert rows this rank received to compute (its experts' share of the
+  // expert group's tokens), the all-to-alls' bytes sent (dispatch and combine, forward and
+  // backward) and the time the layer waited for them, and the time in the expert GEMMs.
+  int64_t received_rows = 0;
+  double a2a_bytes = 0, a2a_seconds = 0, expert_seconds = 0;
   void reset() {
     std::fill(tokens_per_expert.begin(), tokens_per_expert.end(), 0);
     aux_loss = route_seconds = permute_seconds = 0;
+    received_rows = 0;
+    a2a_bytes = a2a_seconds = expert_seconds = 0;
   }
 };
 

@@ -59,16 +59,18 @@ void MoEBlock::for_each_expert(const Meta& m, Fn&& fn) const {
 MoEBlock::MoEBlock(const ModelConfig& c, const ShardSpec& shard, ParamRegistry& reg, int layer)
     : reg_(reg),
       key_(fmt::format("layers.{}.mlp.", layer)),
-      n_experts_(shard.experts.size()),
+      n_experts_(c.n_routed_experts),
+      n_local_(shard.experts.size()),
+      first_(shard.experts.begin),
+      ep_(shard.ep_size),
       inter_(shard.moe_ffn.size()),
       shared_inter_(shard.shared_ffn.size()),
       scoring_(scoring_func(c.scoring_func)),
       aux_alpha_(c.aux_loss_alpha),
       seq_aux_(c.seq_aux),
       sharded_(shard.tp_size > 1) {
-  DS_CHECK(shard.ep_size == 1,
-           "layer {}: DeepSeekMoE is not split over expert groups yet ({} ranks): run MoE models with an expert "
-           "parallel size of 1", layer, shard.ep_size);
+  DS_CHECK(n_local_ * ep_ == c.n_routed_experts, "layer {}: {} experts held of {} over {} expert-parallel ranks",
+           layer, n_local_, c.n_routed_experts, ep_);
   const int64_t C = c.hidden_size, E = n_experts_, I = inter_;
   route_.method = topk_method(c.topk_method);
   route_.top_k = int(c.num_experts_per_tok);
@@ -94,13 +96,20 @@ MoEBlock::MoEBlock(const ModelConfig& c, const ShardSpec& shard, ParamRegistry& 
     bias_ = reg.add(layer_name(layer, "mlp.gate.e_score_correction_bias"), {E}, ParamKind::RouterBias, layer,
                     /*follow_previous=*/false, /*trainable=*/false);
   }
-  // Routed experts are reduced over the ranks that hold the same experts (ParamGroup::Expert).
-  ParamOptions expert;
-  expert.group = ParamGroup::Expert;
-  ParamOptions expert_follow = expert;
-  expert_follow.follow_previous = true;
-  for (int64_t j = 0; j < E; ++j) {
-    const std::string base = fmt::format("mlp.experts.{}.", j);
+  // Routed experts are reduced over the ranks that hold the same experts (ParamGroup::Expert);
+  // with expert parallelism this rank holds experts [first_, first_ + El) of E.
+  for (int64_t j = 0; j < n_local_; ++j) {
+    ParamOptions expert;
+    expert.group = ParamGroup::Expert;
+    if (ep_ > 1) {
+      expert.placement.kind = Placement::Kind::Expert;
+      expert.placement.axis = "expert";
+      expert.placement.index = first_ + j;
+      expert.placement.count = E;
+    }
+    ParamOptions expert_follow = expert;
+    expert_follow.follow_previous = true;
+    const std::string base = fmt::format("mlp.experts.{}.", first_ + j);
     expert_gate_.push_back(
         reg.add(layer_name(layer, base + "gate_proj.weight"), {I, C}, ParamKind::Linear, layer, expert));
     expert_up_.push_back(
@@ -153,13 +162,40 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   ops::moe_dispatch_plan(offsets, sorted, position, ids);
   // The one synchronisation MoE needs: the per-expert row counts decide the shapes of the
   // expert GEMMs, so they come to the host once per forward (as in Megatron-Core).
-  m.offsets.assign(size_t(E + 1), 0);
-  ops::copy(Tensor(m.offsets.data(), DType::I64, Shape{E + 1}), offsets);
+  m.plan.assign(size_t(E + 1), 0);
+  ops::copy(Tensor(m.plan.data(), DType::I64, Shape{E + 1}), offsets);
+  for (int64_t e = 0; e < E; ++e) stats_.tokens_per_expert[size_t(e)] += m.plan[size_t(e + 1)] - m.plan[size_t(e)];
+  const int64_t El = n_local_;
+  if (ep_ == 1) {
+    m.offsets = m.plan;
+  } else {
+    // Expert parallelism: every rank tells every other how many of its rows go to each of that
+    // rank's experts (El counts per pair), then the rows follow (below).
+    std::vector<int64_t> send_counts(static_cast<size_t>(E)), recv_counts(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) send_counts[size_t(e)] = m.plan[size_t(e + 1)] - m.plan[size_t(e)];
+    const auto c0 = Clock::now();
+    ctx.groups.ep->all_to_all(Tensor(recv_counts.data(), DType::I64, Shape{E}),
+                              Tensor(send_counts.data(), DType::I64, Shape{E}));
+    stats_.a2a_seconds += seconds_since(c0);
+    m.recv_counts = recv_counts;
+    m.send_rows.assign(size_t(ep_), 0);
+    m.recv_rows.assign(size_t(ep_), 0);
+    m.offsets.assign(size_t(El + 1), 0);
+    for (int q = 0; q < ep_; ++q) {
+      for (int64_t j = 0; j < El; ++j) {
+        m.send_rows[size_t(q)] += send_counts[size_t(q * El + j)];
+        m.recv_rows[size_t(q)] += recv_counts[size_t(q * El + j)];
+        m.offsets[size_t(j + 1)] += recv_counts[size_t(q * El + j)];
+      }
+    }
+    for (int64_t j = 0; j < El; ++j) m.offsets[size_t(j + 1)] += m.offsets[size_t(j)];
+  }
   const int64_t* off = m.offsets.data();
+  const int64_t R = off[El];  // rows this rank's experts compute
+  stats_.received_rows += R;
   m.active.clear();
-  for (int64_t e = 0; e < E; ++e) {
-    stats_.tokens_per_expert[size_t(e)] += off[e + 1] - off[e];
-    if (off[e + 1] > off[e]) m.active.push_back(e);
+  for (int64_t j = 0; j < El; ++j) {
+    if (off[j + 1] > off[j]) m.active.push_back(j);
   }
   std::stable_sort(m.active.begin(), m.active.end(),
                    [&](int64_t a, int64_t b) { return off[a + 1] - off[a] > off[b + 1] - off[b]; });
@@ -188,6 +224,19 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   }
   stats_.route_seconds += seconds_since(t);
 
+  // Routed experts' rows in expert order; with expert parallelism on their way to the experts'
+  // owners while the shared experts compute.
+  Tensor grouped = acts.put(mb, key_ + "experts.grouped", {M, C}, cd);
+  t = Clock::now();
+  ops::moe_permute(grouped, xm, sorted, int(k));
+  stats_.permute_seconds += seconds_since(t);
+  Tensor received;  // the rows from the expert group, by source rank
+  Work dispatch;
+  if (ep_ > 1) {
+    received = ctx.scratch->get("moe.a2a", {R, C}, cd);
+    dispatch = exchange_rows(ctx, received, m.recv_rows, grouped, m.send_rows);
+  }
+
   // Shared experts on all rows, this rank's columns: summed over the tensor group (reduce-
   // scattered into this rank's rows with sequence parallelism).
   if (shared_inter_ > 0) {
@@ -198,24 +247,45 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
     row_parallel_forward(ctx, sharded_, outr, h, reg_.compute(shared_down_), "moe.shared.partial");
   }
 
-  // Routed experts: one GEMM per expert over its contiguous rows. The outputs overwrite the
-  // inputs in `grouped`, which the backward re-gathers instead of keeping a second copy. All
-  // in the compute dtype; moe_unpermute sums the weighted outputs into the fp32 residual. They
-  // are whole on every tensor rank: their output for this rank's rows is complete.
-  Tensor grouped = acts.put(mb, key_ + "experts.grouped", {M, C}, cd);
-  Tensor gate_up = acts.put(mb, key_ + "experts.gate_up", {M, 2 * I}, cd);
-  Tensor h = acts.put(mb, key_ + "experts.h", {M, I}, cd);
+  // Routed experts: one GEMM per expert over its contiguous rows. Without expert parallelism
+  // the outputs overwrite the inputs in `grouped`, which the backward re-gathers instead of
+  // keeping a second copy; with it the owner keeps the rows it received (experts.local_in) and
+  // sends the outputs back into `grouped`. All in the compute dtype; moe_unpermute sums the
+  // weighted outputs into the fp32 residual. They are whole on every tensor rank: their output
+  // for this rank's rows is complete.
+  Tensor xl = grouped, yl = grouped;
+  if (ep_ > 1) {
+    const auto w0 = Clock::now();
+    dispatch.wait();
+    stats_.a2a_seconds += seconds_since(w0);
+    xl = acts.put(mb, key_ + "experts.local_in", {R, C}, cd);
+    yl = ctx.scratch->get("moe.local_out", {R, C}, cd);
+    t = Clock::now();
+    sort_chunks(xl, received, m.recv_counts, /*to_experts=*/true);
+    stats_.permute_seconds += seconds_since(t);
+  }
+  Tensor gate_up = acts.put(mb, key_ + "experts.gate_up", {R, 2 * I}, cd);
+  Tensor h = acts.put(mb, key_ + "experts.h", {R, I}, cd);
   t = Clock::now();
-  ops::moe_permute(grouped, xm, sorted, int(k));
-  stats_.permute_seconds += seconds_since(t);
   for_each_expert(m, [&](int64_t e, int64_t r0, int64_t r1) {
-    ops::linear_forward(gate_up.slice(r0, r1), grouped.slice(r0, r1),
+    ops::linear_forward(gate_up.slice(r0, r1), xl.slice(r0, r1),
                         reg_.compute_rows(expert_gate_[size_t(e)], expert_up_[size_t(e)]));
   });
   ops::swiglu_forward(h, gate_up);
   for_each_expert(m, [&](int64_t e, int64_t r0, int64_t r1) {
-    ops::linear_forward(grouped.slice(r0, r1), h.slice(r0, r1), reg_.compute(expert_down_[size_t(e)]));
+    ops::linear_forward(yl.slice(r0, r1), h.slice(r0, r1), reg_.compute(expert_down_[size_t(e)]));
   });
+  stats_.expert_seconds += seconds_since(t);
+  if (ep_ > 1) {
+    // Combine: the outputs back to the tokens' ranks, into `grouped` (global expert order).
+    Tensor back = ctx.scratch->get("moe.a2a", {R, C}, cd);
+    t = Clock::now();
+    sort_chunks(back, yl, m.recv_counts, /*to_experts=*/false);
+    stats_.permute_seconds += seconds_since(t);
+    const auto w0 = Clock::now();
+    exchange_rows(ctx, grouped, m.send_rows, back, m.recv_rows).wait();
+    stats_.a2a_seconds += seconds_since(w0);
+  }
   t = Clock::now();
   ops::moe_unpermute(outr, grouped, weights, position);
   stats_.permute_seconds += seconds_since(t);
@@ -260,32 +330,64 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
     ops::fill(dxr, 0.0f);
   }
 
-  // Routed experts, in expert order.
+  // Routed experts, in expert order. Their output gradients, from the token rank's rows: in
+  // place with one expert-parallel rank, otherwise sent to the experts' owners (as the
+  // forward's dispatch) and the input gradients returned (as its combine).
   Tensor grouped = acts.get(mb, key_ + "experts.grouped");  // the experts' outputs
   Tensor gate_up = acts.get(mb, key_ + "experts.gate_up");
   Tensor h = acts.get(mb, key_ + "experts.h");
+  const int64_t R = m.offsets.back();
   Tensor dgrouped = scratch.get("moe.dgrouped", {M, C}, cd);
   Tensor dweights = scratch.get("moe.dweights", {n, k});
-  Tensor dh = scratch.get("mlp.dh", {M, I}, cd);
-  Tensor dgu = scratch.get("mlp.dgate_up", {M, 2 * I}, cd);
+  Tensor dh = scratch.get("mlp.dh", {R, I}, cd);
+  Tensor dgu = scratch.get("mlp.dgate_up", {R, 2 * I}, cd);
   auto t = Clock::now();
   ops::moe_unpermute_backward(dgrouped, dweights, doutr, grouped, weights, sorted);
   stats_.permute_seconds += seconds_since(t);
+  Tensor dyl = dgrouped;
+  if (ep_ > 1) {
+    Tensor received = scratch.get("moe.a2a", {R, C}, cd);
+    const auto w0 = Clock::now();
+    exchange_rows(ctx, received, m.recv_rows, dgrouped, m.send_rows).wait();
+    stats_.a2a_seconds += seconds_since(w0);
+    dyl = scratch.get("moe.local_dy", {R, C}, cd);
+    t = Clock::now();
+    sort_chunks(dyl, received, m.recv_counts, /*to_experts=*/true);
+    stats_.permute_seconds += seconds_since(t);
+  }
+  t = Clock::now();
   for_each_expert(m, [&](int64_t e, int64_t r0, int64_t r1) {
-    wg.linear(dh.slice(r0, r1), reg_.grad(expert_down_[size_t(e)]), dgrouped.slice(r0, r1), h.slice(r0, r1),
+    wg.linear(dh.slice(r0, r1), reg_.grad(expert_down_[size_t(e)]), dyl.slice(r0, r1), h.slice(r0, r1),
               reg_.compute(expert_down_[size_t(e)]));
   });
   ops::swiglu_backward(dgu, dh, gate_up);
-  // The expert inputs again (into dgrouped, now consumed); their gradients go into grouped,
-  // whose outputs are consumed too.
+  // The expert inputs: without expert parallelism gathered again (into dgrouped, now
+  // consumed), their gradients going into grouped, whose outputs are consumed too; with it the
+  // rows the owner kept, their gradients into a temporary.
   Tensor xg = dgrouped, dxg = grouped;
-  t = Clock::now();
-  ops::moe_permute(xg, xm, sorted, int(k));
-  stats_.permute_seconds += seconds_since(t);
+  if (ep_ > 1) {
+    xg = acts.get(mb, key_ + "experts.local_in");
+    dxg = scratch.get("moe.local_dx", {R, C}, cd);
+  } else {
+    const auto p0 = Clock::now();
+    ops::moe_permute(xg, xm, sorted, int(k));
+    stats_.permute_seconds += seconds_since(p0);
+  }
   for_each_expert(m, [&](int64_t e, int64_t r0, int64_t r1) {
     const int g = expert_gate_[size_t(e)], u = expert_up_[size_t(e)];
     wg.linear(dxg.slice(r0, r1), reg_.grad_rows(g, u), dgu.slice(r0, r1), xg.slice(r0, r1), reg_.compute_rows(g, u));
   });
+  stats_.expert_seconds += seconds_since(t);
+  if (ep_ > 1) {
+    Tensor back = scratch.get("moe.a2a", {R, C}, cd);
+    t = Clock::now();
+    sort_chunks(back, dxg, m.recv_counts, /*to_experts=*/false);
+    stats_.permute_seconds += seconds_since(t);
+    const auto w0 = Clock::now();
+    exchange_rows(ctx, grouped, m.send_rows, back, m.recv_rows).wait();
+    stats_.a2a_seconds += seconds_since(w0);
+    dxg = grouped;
+  }
   t = Clock::now();
   ops::moe_permute_backward(dxr, dxg, position, /*accumulate=*/true);
   stats_.permute_seconds += seconds_since(t);
@@ -311,6 +413,42 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
   ops::moe_scores_backward(dscores, dscores, scores, scoring_);
   wg.linear(dxr, reg_.grad(gate_), dscores, xm, reg_.param(gate_), /*accumulate_dx=*/true);
   stats_.route_seconds += seconds_since(t);
+}
+
+Work MoEBlock::exchange_rows(const Ctx& ctx, Tensor out, const std::vector<int64_t>& out_rows, Tensor in,
+                             const std::vector<int64_t>& in_rows) {
+  DS_CHECK(in.ndim() == 2 && out.ndim() == 2 && in.size(1) == out.size(1), "exchange_rows: rows {} and {}",
+           in.shape().str(), out.shape().str());
+  const int64_t C = in.size(1);
+  std::vector<int64_t> out_counts(out_rows.size()), in_counts(in_rows.size());
+  double sent = 0;
+  for (size_t q = 0; q < in_rows.size(); ++q) {
+    in_counts[q] = in_rows[q] * C;
+    if (int(q) != ctx.groups.ep->rank()) sent += double(in_counts[q]);
+  }
+  for (size_t q = 0; q < out_rows.size(); ++q) out_counts[q] = out_rows[q] * C;
+  stats_.a2a_bytes += sent * double(dtype_size(in.dtype()));
+  return ctx.groups.ep->all_to_all_v_async(out, out_counts, in, in_counts);
+}
+
+void MoEBlock::sort_chunks(Tensor out, Tensor in, const std::vector<int64_t>& counts, bool to_experts) const {
+  // Block (s, j) starts at src[s * El + j] in source-major order and at dst[j * ep + s] in
+  // expert-major order.
+  const int64_t El = n_local_;
+  const size_t blocks = counts.size();
+  std::vector<int64_t> by_source(blocks + 1, 0), by_expert(blocks + 1, 0);
+  for (size_t b = 0; b < blocks; ++b) by_source[b + 1] = by_source[b] + counts[b];
+  for (int64_t j = 0, at = 0; j < El; ++j) {
+    for (int s = 0; s < ep_; ++s) {
+      by_expert[size_t(s * El + j)] = at;
+      at += counts[size_t(s * El + j)];
+    }
+  }
+  for (size_t b = 0; b < blocks; ++b) {
+    if (counts[b] == 0) continue;
+    const int64_t from = to_experts ? by_source[b] : by_expert[b], to = to_experts ? by_expert[b] : by_source[b];
+    ops::copy(out.slice(to, to + counts[b]), in.slice(from, from + counts[b]));
+  }
 }
 
 RoutingStats* MoEBlock::routing() {

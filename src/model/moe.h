@@ -11,9 +11,16 @@
 //   gate_up, h, grouped = per expert e, rows [offsets[e], offsets[e+1]):
 //                         down_e(silu(gate_e(xg)) * up_e(xg)), in place over xg
 //   out (N,C)          += sum_k weights * grouped rows + shared(x)     ops::moe_unpermute
-// Expert parallelism slots in between moe_permute and the expert GEMMs (an all-to-all of the
-// grouped rows by expert owner, with the per-expert counts from the plan) and between the
-// GEMMs and moe_unpermute (the way back); routing and the plan stay on the token's rank.
+// Expert parallelism (ShardSpec::experts, ctx.groups.ep of ep ranks; DeepSeek-V3's and
+// Megatron-Core's all-to-all dispatcher): rank r holds routed experts [r*El, (r+1)*El), El =
+// E/ep, so the grouped rows of one owner are contiguous. Routing and the plan stay on the
+// token's rank, over all E experts. Dispatch: the per-expert row counts are exchanged first
+// (all_to_all, El per rank), then the rows (all_to_all_v), which arrive by source rank; a local
+// permutation (sort_chunks) puts them in expert order, the expert GEMMs run over them, and the
+// way back mirrors it (combine) into `grouped` before moe_unpermute. The dispatch is in flight
+// while the shared experts compute. The backward sends the output gradients the same way and
+// returns the input gradients. Each owner keeps the rows it received for its weight gradients.
+// ep = 1 skips all of it: the experts run on `grouped` in place.
 //
 // Training semantics beyond Hugging Face: the load-balancing loss (aux_loss_alpha > 0; with
 // sigmoid scores on affinities normalised per token, DeepSeek-V3 eqs. 18-20) is
@@ -53,8 +60,8 @@ class MoEBlock : public FeedForwardBlock {
   // Registers model.layers.{layer}.mlp.gate.weight (E,C), gate.e_score_correction_bias (E)
   // (noaux_tc only, not trainable), experts.{j}.{gate,up,down}_proj.weight with each expert's
   // gate and up adjacent (one (2I,C) matrix), and shared_experts.* when n_shared_experts > 0
-  // (this rank's columns shard.shared_ffn of them). Sized from the shard's experts and columns;
-  // a split over expert groups (ep_size > 1) is not implemented yet.
+  // (this rank's columns shard.shared_ffn of them). Sized from the shard's experts and columns:
+  // with expert parallelism only experts shard.experts are registered (Placement::Expert).
   MoEBlock(const ModelConfig& c, const ShardSpec& shard, ParamRegistry& reg, int layer);
 
   // x (B,T,C) normalised input, all the micro-batch's rows; the layer's output is added to out
@@ -89,15 +96,30 @@ class MoEBlock : public FeedForwardBlock {
   struct Meta {
     float aux_scale = 0;        // d(loss)/d(aux): alpha * the loss scale
     bool pending = false;       // the grouped buffer holds the experts' outputs, not yet consumed
-    std::vector<int64_t> active;  // experts with rows, largest first
-    std::vector<int64_t> offsets;  // (E+1) host copy of the plan's offsets
+    std::vector<int64_t> active;  // this rank's experts (local index) with rows, largest first
+    std::vector<int64_t> offsets;  // (El+1) this rank's experts' rows in the expert GEMMs' layout
+    std::vector<int64_t> plan;     // (E+1) host copy of the plan's offsets (the token rank's rows)
+    // Expert parallelism: rows sent to and received from each rank of the expert group, and the
+    // received rows per (source rank, local expert), source-major.
+    std::vector<int64_t> send_rows, recv_rows, recv_counts;
   };
   template <class Fn>
   void for_each_expert(const Meta& m, Fn&& fn) const;
+  // Expert parallelism: rows of `in` to the ranks of the expert group, in_rows[q] rows to rank
+  // q in rank order, and out_rows[s] rows from rank s into `out` (all_to_all_v, asynchronous).
+  Work exchange_rows(const Ctx& ctx, Tensor out, const std::vector<int64_t>& out_rows, Tensor in,
+                     const std::vector<int64_t>& in_rows);
+  // The received rows' blocks, (source rank, local expert) source-major, into expert-major order
+  // (to_experts) or back; counts (ep x El) rows per block. A permutation of row blocks that a GPU
+  // kernel can replace.
+  void sort_chunks(Tensor out, Tensor in, const std::vector<int64_t>& counts, bool to_experts) const;
 
   ParamRegistry& reg_;
   std::string key_;  // "layers.{layer}.mlp."
-  int64_t n_experts_, inter_, shared_inter_;
+  int64_t n_experts_;        // E, routed experts of the model (the router's width)
+  int64_t n_local_, first_;  // El experts held here, from first_
+  int ep_ = 1;               // ranks of the expert group
+  int64_t inter_, shared_inter_;
   ops::MoERouteParams route_;
   ops::MoEScoring scoring_;
   double aux_alpha_;
