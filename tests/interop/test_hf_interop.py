@@ -118,10 +118,11 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
     def tearDownClass(cls):
         shutil.rmtree(cls.dir)
 
-    def export(self, name, tensor=1):
+    def export(self, name, tensor=1, pipeline=1):
         """Trains `name` for STEPS steps (over `tensor` tensor-parallel ranks with sequence
-        parallelism when above 1) and saves it; returns the directory and dstrain's eval loss."""
-        d = os.path.join(self.dir, name if tensor == 1 else f"{name}_tp{tensor}")
+        parallelism when above 1, or over `pipeline` 1F1B pipeline stages) and saves it; returns the
+        directory and dstrain's eval loss."""
+        d = os.path.join(self.dir, name + (f"_tp{tensor}" if tensor > 1 else "") + (f"_pp{pipeline}" if pipeline > 1 else ""))
         os.makedirs(d)
         with open(os.path.join(d, "model.json"), "w") as f:
             json.dump(MODELS[name], f)
@@ -144,7 +145,10 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
         if tensor > 1:
             train = ["mpirun", "-np", str(tensor), "--bind-to", "none", *train, "--set", f"parallel.tensor={tensor}",
                      "parallel.sequence_parallel=true"]
-        run(train, extra_env=MPI_ENV if tensor > 1 else {})
+        if pipeline > 1:
+            train = ["mpirun", "-np", str(pipeline), "--bind-to", "none", *train, "--set",
+                     f"parallel.pipeline={pipeline}", 'parallel.schedule="1f1b"']
+        run(train, extra_env=MPI_ENV if tensor > 1 or pipeline > 1 else {})
         ev = run([os.path.join(BUILD, "app", "dstrain"), "eval", "--config", config, "--init-from", hf]).stdout
         m = re.search(r"eval loss ([0-9.]+) over (\d+) tokens", ev)
         self.assertIsNotNone(m, ev)
@@ -158,12 +162,12 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
         ce = float(re.search(r"^ce ([-0-9.e+]+)$", p.stdout, re.M).group(1))
         return np.fromfile(out, dtype=np.float32).reshape(WINDOWS, T, vocab), ce
 
-    def check(self, name, tensor=1):
+    def check(self, name, tensor=1, pipeline=1):
         import numpy as np
         import torch
         import transformers
         start = time.time()
-        hf, eval_loss = self.export(name, tensor)
+        hf, eval_loss = self.export(name, tensor, pipeline)
         cfg = MODELS[name]
 
         # config.json loads as written, as the class it names.
@@ -202,7 +206,7 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
         abs_diff = (ours - theirs).abs().max().item()
         scale = theirs.abs().max().item()
         rel_diff = abs_diff / scale
-        print(f"{name}{f' (tensor {tensor})' if tensor > 1 else ''}: logits max |diff| {abs_diff:.3g} ({rel_diff:.3g} of max |logit| {scale:.3g}); loss: "
+        print(f"{name}{f' (tensor {tensor})' if tensor > 1 else ''}{f' (pipeline {pipeline})' if pipeline > 1 else ''}: logits max |diff| {abs_diff:.3g} ({rel_diff:.3g} of max |logit| {scale:.3g}); loss: "
               f"transformers {hf_loss:.7f}, dstrain eval {eval_loss:.6f} ({abs(eval_loss - hf_loss) / hf_loss:.2g} "
               f"rel), dstrain forward {ce:.7f} ({abs(ce - hf_loss) / hf_loss:.2g} rel); {time.time() - start:.1f} s",
               flush=True)
@@ -226,6 +230,11 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
         # Trained over 2 tensor-parallel ranks with sequence parallelism: the export (gathered
         # from the pieces) is a model transformers runs as it runs the others.
         self.check("v3", tensor=2)
+
+    def test_deepseek_v3_trained_pipeline_parallel(self):
+        # Trained over 2 pipeline stages (1F1B; the last stage's MTP reads its copy of the
+        # embedding): the export, assembled from the stages, is a model transformers runs too.
+        self.check("v3", pipeline=2)
 
 
 if __name__ == "__main__":
