@@ -99,9 +99,9 @@ class PipelineRunner {
   // Sums the gradients of the owner and its copy (a sendrecv between the two ranks; a + b on
   // one, b + a on the other: the same bits).
   void reduce_tied_grads();
-  // Sends the owner's tensors of the tied parameter to the copy (values after a load, and
-  // the optimizer's moments): `tensors(id)` gives them for a registry id, in the same order on
-  // both ranks.
+  // Sends the owner's tensors of the tied parameter to the copy, which receives them in place:
+  // its values after a load, and on resume the optimizer's moments; the same tensors, in the
+  // same order, on both ranks.
   void copy_tied(const std::vector<Tensor>& tensors);
   // The tied parameter's registry id on this rank (-1 without a tie).
   int tied_param() const { return tie_param_; }
