@@ -276,16 +276,8 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
     ops::linear_forward(yl.slice(r0, r1), h.slice(r0, r1), reg_.compute(expert_down_[size_t(e)]));
   });
   stats_.expert_seconds += seconds_since(t);
-  if (ep_ > 1) {
-    // Combine: the outputs back to the tokens' ranks, into `grouped` (global expert order).
-    Tensor back = ctx.scratch->get("moe.a2a", {R, C}, cd);
-    t = Clock::now();
-    sort_chunks(back, yl, m.recv_counts, /*to_experts=*/false);
-    stats_.permute_seconds += seconds_since(t);
-    const auto w0 = Clock::now();
-    exchange_rows(ctx, grouped, m.send_rows, back, m.recv_rows).wait();
-    stats_.a2a_seconds += seconds_since(w0);
-  }
+  // Combine: the outputs back to the tokens' ranks, into `grouped` (global expert order).
+  if (ep_ > 1) return_rows(ctx, m, yl, grouped);
   t = Clock::now();
   ops::moe_unpermute(outr, grouped, weights, position);
   stats_.permute_seconds += seconds_since(t);
@@ -379,13 +371,7 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
   });
   stats_.expert_seconds += seconds_since(t);
   if (ep_ > 1) {
-    Tensor back = scratch.get("moe.a2a", {R, C}, cd);
-    t = Clock::now();
-    sort_chunks(back, dxg, m.recv_counts, /*to_experts=*/false);
-    stats_.permute_seconds += seconds_since(t);
-    const auto w0 = Clock::now();
-    exchange_rows(ctx, grouped, m.send_rows, back, m.recv_rows).wait();
-    stats_.a2a_seconds += seconds_since(w0);
+    return_rows(ctx, m, dxg, grouped);
     dxg = grouped;
   }
   t = Clock::now();
@@ -429,6 +415,16 @@ Work MoEBlock::exchange_rows(const Ctx& ctx, Tensor out, const std::vector<int64
   for (size_t q = 0; q < out_rows.size(); ++q) out_counts[q] = out_rows[q] * C;
   stats_.a2a_bytes += sent * double(dtype_size(in.dtype()));
   return ctx.groups.ep->all_to_all_v_async(out, out_counts, in, in_counts);
+}
+
+void MoEBlock::return_rows(const Ctx& ctx, const Meta& m, Tensor local, Tensor grouped) {
+  Tensor back = ctx.scratch->get("moe.a2a", local.shape(), local.dtype());
+  auto t = Clock::now();
+  sort_chunks(back, local, m.recv_counts, /*to_experts=*/false);
+  stats_.permute_seconds += seconds_since(t);
+  t = Clock::now();
+  exchange_rows(ctx, grouped, m.send_rows, back, m.recv_rows).wait();
+  stats_.a2a_seconds += seconds_since(t);
 }
 
 void MoEBlock::sort_chunks(Tensor out, Tensor in, const std::vector<int64_t>& counts, bool to_experts) const {

@@ -113,6 +113,10 @@ class MoEBlock : public FeedForwardBlock {
   // (to_experts) or back; counts (ep x El) rows per block. A permutation of row blocks that a GPU
   // kernel can replace.
   void sort_chunks(Tensor out, Tensor in, const std::vector<int64_t>& counts, bool to_experts) const;
+  // The way back: `local` (this rank's experts' rows, expert-major) to the ranks whose tokens
+  // they are, into `grouped` (their rows in global expert order). Used by the forward's combine
+  // and by the backward's return of the input gradients.
+  void return_rows(const Ctx& ctx, const Meta& m, Tensor local, Tensor grouped);
 
   ParamRegistry& reg_;
   std::string key_;  // "layers.{layer}.mlp."

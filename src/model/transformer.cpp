@@ -264,7 +264,7 @@ void Transformer::forward_body(int slot, const StageSpec& st, Tensor tokens, Ten
   // Sequence parallelism splits the token rows over the tensor group; a forward without a
   // backward (evaluation, generation) whose rows do not split runs without it (the same
   // parameters serve both layouts).
-  ctx_.sequence_parallel = shard_.sequence_parallel && (slot != kInferenceMb || B * T % shard_.tp_size == 0);
+  ctx_.sequence_parallel = rows_split(B, T, slot == kInferenceMb);
   // A copy, so the caller's tokens need not outlive the forward.
   Tensor tok = acts_.put(slot, "tokens", {B, T}, DType::I32);
   ops::copy(tok, tokens);
@@ -304,11 +304,20 @@ int Transformer::head_chunk() const {
   return -1;
 }
 
+bool Transformer::rows_split(int64_t B, int64_t T, bool inference) const {
+  return shard_.sequence_parallel && shard_.tp_size > 1 && (!inference || B * T % shard_.tp_size == 0);
+}
+
 Shape Transformer::boundary_shape(int64_t B, int64_t T, bool inference) const {
   const int tp = shard_.tp_size;
-  if (!shard_.sequence_parallel || tp == 1 || (inference && B * T % tp != 0)) return Shape{B, T, config_.hidden_size};
+  if (!rows_split(B, T, inference)) return Shape{B, T, config_.hidden_size};
   DS_CHECK(B * T % tp == 0, "{} x {} token rows do not split over {} tensor-parallel ranks", B, T, tp);
   return Shape{B * T / tp, config_.hidden_size};
+}
+
+void Transformer::require_whole_model(const char* what) const {
+  DS_CHECK(num_chunks() == 1 && chunks_[0].embedding && chunks_[0].head,
+           "{} runs the whole model, but this rank holds {}: use the chunk's form", what, chunks_[0].str());
 }
 
 void Transformer::forward_head_body(Tensor tokens, Tensor in) {
@@ -638,8 +647,7 @@ LossSums Transformer::forward_backward(Tensor tokens, Tensor targets, const Loss
 }
 
 LossSums Transformer::forward(int mb, Tensor tokens, Tensor targets, const LossScales& scales) {
-  DS_CHECK(num_chunks() == 1 && chunks_[0].embedding && chunks_[0].head,
-           "forward() runs the whole model, but this rank holds {}: use forward_chunk", chunks_[0].str());
+  require_whole_model("forward()");
   return forward_chunk(mb, 0, tokens, targets, scales);
 }
 
@@ -770,8 +778,7 @@ void Transformer::backward_weights_chunk(int mb, int chunk) {
 }
 
 void Transformer::forward_logits(Tensor tokens, Tensor logits) {
-  DS_CHECK(num_chunks() == 1 && chunks_[0].embedding && chunks_[0].head,
-           "forward_logits runs the whole model, but this rank holds {}", chunks_[0].str());
+  require_whole_model("forward_logits");
   forward_head_body(tokens, Tensor());
   const int64_t B = tokens.size(0), T = tokens.size(1), N = B * T, C = config_.hidden_size, V = config_.vocab_size;
   DS_CHECK(logits.numel() == N * V, "logits {} for ({}, {}) tokens and vocabulary {}", logits.shape().str(), B, T,

@@ -158,6 +158,11 @@ class Transformer {
   // Runs stage s of micro-batch slot `slot`: "residual.{first_layer}" from the embedding of
   // tokens or a copy of `in`, its layers, and with the head "final_norm.out" (B,T,C).
   void forward_body(int slot, const StageSpec& s, Tensor tokens, Tensor in = {});
+  // Whether the token rows between the blocks are split over the tensor group (sequence
+  // parallelism): in training always, in inference when they divide.
+  bool rows_split(int64_t B, int64_t T, bool inference) const;
+  // Errors unless this rank holds the whole model as one chunk (`what` needs it).
+  void require_whole_model(const char* what) const;
   // forward_body of the chunk holding the head for inference.
   void forward_head_body(Tensor tokens, Tensor in);
   // Chunked vocabulary projection and cross-entropy of x (N,C) against targets (N); with

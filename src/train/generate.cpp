@@ -43,11 +43,10 @@ std::vector<int32_t> generate_tokens(Transformer& model, const std::vector<int32
       vocab, stop_ids);
 }
 
-std::vector<int32_t> generate_tokens(const ModelConfig& c, const LastLogitsFn& last_logits,
+std::vector<int32_t> generate_tokens(const ModelConfig& config, const LastLogitsFn& last_logits,
                                      const std::vector<int32_t>& prompt, const GenerateConfig& g, int64_t context,
                                      int64_t vocab, const std::vector<int64_t>& stop_ids) {
   DS_CHECK(!prompt.empty(), "generation needs at least one prompt token");
-  const ModelConfig& config = c;
   const int64_t V = config.vocab_size;
   DS_CHECK(vocab > 0 && vocab <= V, "generation over {} ids from a model of {}", vocab, V);
   DS_CHECK(g.max_new_tokens > 0, "generate.max_new_tokens is {}; it must be positive", g.max_new_tokens);

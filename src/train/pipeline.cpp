@@ -118,8 +118,12 @@ std::vector<PipelineRunner::Message> PipelineRunner::needed_receives(const std::
   return out;
 }
 
+int PipelineRunner::sender(const Message& m) const {
+  return holder(m.dir == kForward ? m.stage - 1 : m.stage + 1).first;
+}
+
 void PipelineRunner::post_receive(const Message& m, Shape shape) {
-  const int peer = holder(m.dir == kForward ? m.stage - 1 : m.stage + 1).first;
+  const int peer = sender(m);
   Pending p;
   p.buffer = make_buffer(shape);
   p.view = p.buffer.tensor(0, shape);
@@ -133,7 +137,7 @@ Tensor PipelineRunner::take(const Message& m, Timeline* timeline, int64_t step) 
            m.dir == kForward ? "activation" : "gradient", m.stage, m.mb);
   Pending& p = it->second;
   if (p.work.valid()) {
-    const int peer = holder(m.dir == kForward ? m.stage - 1 : m.stage + 1).first;
+    const int peer = sender(m);
     const auto w0 = Clock::now();
     int64_t id = -1;
     if (timeline && timeline->recording(step)) id = timeline->begin("recv", step, m.mb, 0, peer);
@@ -162,19 +166,27 @@ void PipelineRunner::send(const Message& m, Tensor t, Buffer buffer, Timeline* t
   sends_[m] = std::move(p);
 }
 
+void PipelineRunner::release_receive(const Message& m) {
+  auto it = receives_.find(m);
+  DS_CHECK(it != receives_.end(), "pipeline rank {}: releasing a message for stage {} micro-batch {} that it does not hold",
+           pp_.rank(), m.stage, m.mb);
+  if (it->second.buffer.numel() > 0) free_.push_back(std::move(it->second.buffer));
+  receives_.erase(it);
+}
+
+std::map<PipelineRunner::Message, PipelineRunner::Pending>::iterator PipelineRunner::finish_send(
+    std::map<Message, Pending>::iterator it) {
+  Pending& p = it->second;
+  p.work.wait();
+  // The send ends when this rank sees it complete (at the next action boundary).
+  if (p.timeline_id >= 0) p.timeline->end(p.timeline_id);
+  if (p.buffer.numel() > 0) free_.push_back(std::move(p.buffer));
+  return sends_.erase(it);
+}
+
 void PipelineRunner::complete_sends(bool wait) {
   for (auto it = sends_.begin(); it != sends_.end();) {
-    Pending& p = it->second;
-    if (wait) {
-      p.work.wait();
-    } else if (!p.work.test()) {
-      ++it;
-      continue;
-    }
-    // The send ends when this rank sees it complete (at the next action boundary).
-    if (p.timeline_id >= 0) p.timeline->end(p.timeline_id);
-    if (p.buffer.numel() > 0) free_.push_back(std::move(p.buffer));
-    it = sends_.erase(it);
+    it = wait || it->second.work.test() ? finish_send(it) : std::next(it);
   }
 }
 
@@ -220,12 +232,8 @@ std::vector<LossSums> PipelineRunner::run_step(const std::vector<MicroBatch>& mi
         }
         recorded.emplace(timeline, step, a);
         const LossSums ls = model_.forward_chunk(mb, a.chunk, data.tokens, data.targets, scales, in);
-        if (s > 0 && holder(s - 1).first != me) {
-          // The copy in the activation store is the chunk's input now: the buffer is free.
-          auto it = receives_.find(Message{kForward, s, mb});
-          free_.push_back(std::move(it->second.buffer));
-          receives_.erase(it);
-        }
+        // The copy in the activation store is the chunk's input now: the buffer is free.
+        if (s > 0 && holder(s - 1).first != me) release_receive(Message{kForward, s, mb});
         if (s == S - 1) {
           sums[size_t(mb)] = ls;
         } else if (holder(s + 1).first != me) {
@@ -240,11 +248,7 @@ std::vector<LossSums> PipelineRunner::run_step(const std::vector<MicroBatch>& mi
           // The forward's output may still be on its way out: it is the activation store's, which
           // this backward hands back.
           auto out = sends_.find(Message{kForward, s + 1, mb});
-          if (out != sends_.end()) {
-            out->second.work.wait();
-            if (out->second.timeline_id >= 0) out->second.timeline->end(out->second.timeline_id);
-            sends_.erase(out);
-          }
+          if (out != sends_.end()) finish_send(out);
           const Message m{kBackward, s, mb};
           dout = holder(s + 1).first == me ? take(m, timeline, step) : receive(m);
         }
@@ -254,11 +258,7 @@ std::vector<LossSums> PipelineRunner::run_step(const std::vector<MicroBatch>& mi
         const BackwardPart part =
             a.kind == ScheduleAction::Kind::Backward ? BackwardPart::Full : BackwardPart::Input;
         model_.backward_chunk(mb, a.chunk, dout, s > 0 ? din.tensor(0, shape) : Tensor(), part);
-        if (s < S - 1) {
-          auto it = receives_.find(Message{kBackward, s, mb});
-          free_.push_back(std::move(it->second.buffer));
-          receives_.erase(it);
-        }
+        if (s < S - 1) release_receive(Message{kBackward, s, mb});
         if (s > 0) {
           const Message m{kBackward, s - 1, mb};
           Tensor t = din.tensor(0, shape);

@@ -137,7 +137,14 @@ class PipelineRunner {
   void post_receive(const Message& m, Shape shape);
   // The received (or locally handed over) tensor of a message, waited for.
   Tensor take(const Message& m, Timeline* timeline, int64_t step);
+  // The rank that sends message m.
+  int sender(const Message& m) const;
+  // A received (or handed over) message is used up: its buffer goes back to the pool.
+  void release_receive(const Message& m);
   void send(const Message& m, Tensor t, Buffer buffer, Timeline* timeline, int64_t step);
+  // Waits for a send, closes its timeline event, pools its buffer; returns the next send.
+  std::map<Message, Pending>::iterator finish_send(std::map<Message, Pending>::iterator it);
+  // Finishes the sends that have completed (all of them, waiting, with `wait`).
   void complete_sends(bool wait);
   // Inference: tokens through this rank's stages in order, from and to the neighbouring ranks;
   // `last_stage(in)` runs the last stage's part on the rank holding it.

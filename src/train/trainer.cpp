@@ -706,30 +706,6 @@ void Trainer::reduce_routing_stats(StepRecord& r) {
     timed_collective([&] { dp_.all_reduce(Tensor(routing.data(), DType::F64, Shape{int64_t(routing.size())})); });
   }
   size_t at = 0;
-  if (pp_) {
-    // Each stage holds some MoE layers: every rank gets every layer's statistics (in layer order).
-    json mine = json::array();
-    for (auto& [l, ffn] : moe) {
-      const size_t E = ffn->routing()->tokens_per_expert.size();
-      mine.push_back({l, std::vector<double>(routing.begin() + std::ptrdiff_t(at), routing.begin() + std::ptrdiff_t(at + 1 + E))});
-      at += 1 + E;
-      r.moe_route_seconds += ffn->routing()->route_seconds;
-      r.moe_permute_seconds += ffn->routing()->permute_seconds;
-    }
-    for (const std::string& theirs : all_gather_strings(*pp_, mine.dump())) {
-      for (const json& e : json::parse(theirs)) {
-        const std::vector<double> v = e[1].get<std::vector<double>>();
-        MoeLayerStats ms;
-        ms.layer = e[0].get<int>();
-        ms.aux_loss = v[0] / scaler_->scale();
-        r.aux_loss += ms.aux_loss;
-        for (size_t i = 1; i < v.size(); ++i) ms.tokens.push_back(int64_t(v[i]));
-        r.moe.push_back(std::move(ms));
-      }
-    }
-    std::sort(r.moe.begin(), r.moe.end(), [](const MoeLayerStats& a, const MoeLayerStats& b) { return a.layer < b.layer; });
-    return;
-  }
   for (auto& [l, ffn] : moe) {
     r.moe_route_seconds += ffn->routing()->route_seconds;
     r.moe_permute_seconds += ffn->routing()->permute_seconds;
@@ -740,6 +716,23 @@ void Trainer::reduce_routing_stats(StepRecord& r) {
     for (size_t e = 0; e < ffn->routing()->tokens_per_expert.size(); ++e) ms.tokens.push_back(int64_t(routing[at++]));
     r.moe.push_back(std::move(ms));
   }
+  if (!pp_) return;
+  // Each stage holds some MoE layers: every rank gets every layer's statistics, in layer order.
+  json mine = json::array();
+  for (const MoeLayerStats& ms : r.moe) mine.push_back({ms.layer, ms.aux_loss, ms.tokens});
+  r.moe.clear();
+  for (const std::string& theirs : all_gather_strings(*pp_, mine.dump())) {
+    for (const json& e : json::parse(theirs)) {
+      MoeLayerStats ms;
+      ms.layer = e[0].get<int>();
+      ms.aux_loss = e[1].get<double>();
+      ms.tokens = e[2].get<std::vector<int64_t>>();
+      r.moe.push_back(std::move(ms));
+    }
+  }
+  std::sort(r.moe.begin(), r.moe.end(), [](const MoeLayerStats& a, const MoeLayerStats& b) { return a.layer < b.layer; });
+  r.aux_loss = 0;
+  for (const MoeLayerStats& ms : r.moe) r.aux_loss += ms.aux_loss;
 }
 
 void Trainer::judge_step(StepRecord& r) {
@@ -1480,8 +1473,8 @@ std::vector<LossSums> Trainer::evaluate_each(int64_t batches) {
         std::copy_n(sample.begin(), T, inputs.begin() + i * T);
         std::copy_n(sample.begin() + 1, T, targets.begin() + i * T);
       }
-      LossSums s = runner_ ? runner_->forward_loss(tokens_tensor(inputs, rows, T), tokens_tensor(targets, rows, T))
-                           : model_->forward_loss(tokens_tensor(inputs, rows, T), tokens_tensor(targets, rows, T));
+      const Tensor x = tokens_tensor(inputs, rows, T), y = tokens_tensor(targets, rows, T);
+      LossSums s = runner_ ? runner_->forward_loss(x, y) : model_->forward_loss(x, y);
       sums[2 * d] += s.sum;
       sums[2 * d + 1] += double(s.count);
     }
@@ -1513,11 +1506,12 @@ std::string Trainer::sample(const std::string& prompt) {
   std::vector<int32_t> ids = tok.encode(prompt);
   ids.insert(ids.begin(), tok.eos_id());
   std::vector<int64_t> stops = {tok.eos_id()};
-  std::vector<int32_t> out =
-      runner_ ? generate_tokens(
-                    config_.model, [&](Tensor t, Tensor logits) { runner_->last_logits(t, logits); }, ids,
-                    config_.generate, config_.data.seq_len, tok.vocab_size(), stops)
-              : generate_tokens(*model_, ids, config_.generate, config_.data.seq_len, tok.vocab_size(), stops);
+  // Through the pipeline's stages (the logits reach every rank) or this rank's whole model.
+  const LastLogitsFn last_logits = [&](Tensor t, Tensor logits) {
+    runner_ ? runner_->last_logits(t, logits) : model_->last_logits(t, logits);
+  };
+  std::vector<int32_t> out = generate_tokens(config_.model, last_logits, ids, config_.generate, config_.data.seq_len,
+                                             tok.vocab_size(), stops);
   return tok.decode(out);
 }
 

@@ -150,6 +150,15 @@ inline json v2_model() {
   return run;
 }
 
+// n token ids in [0, vocab), uniformly from a seeded generator.
+inline std::vector<int32_t> random_tokens(size_t n, int vocab, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> d(0, vocab - 1);
+  std::vector<int32_t> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
 // The largest difference between a and b relative to b's largest magnitude.
 inline double rel_error(const float* a, const float* b, int64_t n) {
   double diff = 0, scale = 0;

@@ -20,14 +20,6 @@
 namespace dstrain {
 namespace {
 
-std::vector<int32_t> random_tokens(size_t n, int vocab, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<int> d(0, vocab - 1);
-  std::vector<int32_t> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
-
 class ExpertParallel : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(ExpertParallel, MatchesTheWholeModelPerRankAndSummedOverRanks) {

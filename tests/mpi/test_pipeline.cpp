@@ -49,14 +49,6 @@ struct Case {
   int chunks;
 };
 
-std::vector<int32_t> random_tokens(size_t n, int vocab, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<int> d(0, vocab - 1);
-  std::vector<int32_t> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
-
 class Pipeline : public ::testing::Test {
  protected:
   void SetUp() override {
