@@ -48,16 +48,21 @@ struct AdamWStep {
 //   scores  = moe_scores(x · gate^T)                    (N,E)   router probabilities
 //   ids, w  = moe_route(scores, bias)                    (N,k)   top-k experts and weights
 //   plan    = moe_dispatch_plan(ids)                     per-expert row ranges
+//   [plan   = moe_capacity_plan(plan, w)                 optional: at most capacity rows per expert]
 //   xg      = moe_permute(x, plan)                       (N*k,C) rows grouped by expert
 //   [all-to-all of xg by expert owner would go here]
 //   yg[e]   = expert_e(xg[e])                            one GEMM per expert
 //   out    += moe_unpermute(yg, w, plan)                 weighted combine per token
-// N tokens, E routed experts, k = num_experts_per_tok, M = N*k dispatched rows.
+// N tokens, E routed experts, k = num_experts_per_tok, M = N*k dispatched rows; with a capacity,
+// R <= M kept rows, and a dropped (token, slot) pair has no grouped row (position -1).
 enum class MoEScoring { Softmax, Sigmoid };
 // greedy: top-k of the scores. group_limited_greedy (V2): keep the topk_group groups with the
 // largest max score. noaux_tc (V3): choose on scores + bias, groups ranked by the sum of
 // their two largest, weights from the unbiased scores.
 enum class MoETopK { Greedy, GroupLimitedGreedy, NoAuxTC };
+// Which rows an expert over its capacity keeps (Megatron-Core's moe_token_drop_policy): those of
+// the largest routing weights, or the earliest tokens.
+enum class MoEDropPolicy { Probs, Position };
 struct MoERouteParams {
   MoETopK method = MoETopK::Greedy;
   int top_k = 1;

@@ -58,10 +58,13 @@ struct RoutingStats {
   // backward) and the time the layer waited for them, and the time in the expert GEMMs.
   int64_t received_rows = 0;
   double a2a_bytes = 0, a2a_seconds = 0, expert_seconds = 0;
+  // With an expert capacity (moe.capacity_factor): the (token, slot) pairs of this rank's rows
+  // dropped because their expert was full. tokens_per_expert counts them (the router's choice).
+  int64_t dropped_rows = 0;
   void reset() {
     std::fill(tokens_per_expert.begin(), tokens_per_expert.end(), 0);
     aux_loss = route_seconds = permute_seconds = 0;
-    received_rows = 0;
+    received_rows = dropped_rows = 0;
     a2a_bytes = a2a_seconds = expert_seconds = 0;
   }
 };

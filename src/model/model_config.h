@@ -55,6 +55,11 @@ struct ModelConfig {
   bool norm_topk_prob = false;
   double aux_loss_alpha = 0.0;
   bool seq_aux = true;
+  // Training-time choices of the run configuration ("moe" block), not of the architecture:
+  // neither read from nor written to config.json. Expert capacity factor (0: none, no token is
+  // dropped, as DeepSeek) and Megatron-Core's drop policy, "probs" or "position" (moe.h).
+  double moe_capacity_factor = 0;
+  std::string moe_drop_policy = "probs";
   // ---- multi-token prediction (V3) ----
   int64_t num_nextn_predict_layers = 0;
 

@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <exception>
 
 #include "core/clock.h"
@@ -18,6 +19,12 @@ ops::MoETopK topk_method(const std::string& m) {
   if (m == "group_limited_greedy") return ops::MoETopK::GroupLimitedGreedy;
   DS_CHECK(m == "noaux_tc", "topk_method '{}': expected greedy, group_limited_greedy or noaux_tc", m);
   return ops::MoETopK::NoAuxTC;
+}
+
+ops::MoEDropPolicy drop_policy(const std::string& p) {
+  if (p == "probs") return ops::MoEDropPolicy::Probs;
+  DS_CHECK(p == "position", "moe drop_policy '{}': expected probs or position", p);
+  return ops::MoEDropPolicy::Position;
 }
 
 ops::MoEScoring scoring_func(const std::string& s) {
@@ -67,6 +74,8 @@ MoEBlock::MoEBlock(const ModelConfig& c, const ShardSpec& shard, ParamRegistry& 
       shared_inter_(shard.shared_ffn.size()),
       scoring_(scoring_func(c.scoring_func)),
       aux_alpha_(c.aux_loss_alpha),
+      capacity_factor_(c.moe_capacity_factor),
+      drop_policy_(drop_policy(c.moe_drop_policy)),
       seq_aux_(c.seq_aux),
       sharded_(shard.tp_size > 1) {
   DS_CHECK(n_local_ * ep_ == c.n_routed_experts, "layer {}: {} experts held of {} over {} expert-parallel ranks",
@@ -90,6 +99,8 @@ MoEBlock::MoEBlock(const ModelConfig& c, const ShardSpec& shard, ParamRegistry& 
   }
   DS_CHECK(route_.method != ops::MoETopK::NoAuxTC || E / route_.n_group >= 2,
            "layer {}: noaux_tc needs at least 2 experts per group", layer);
+  DS_CHECK(capacity_factor_ >= 0 && std::isfinite(capacity_factor_),
+           "layer {}: moe capacity_factor {} (0: no capacity, else > 0)", layer, capacity_factor_);
 
   gate_ = reg.add(layer_name(layer, "mlp.gate.weight"), {E, C}, ParamKind::Linear, layer);
   if (route_.method == ops::MoETopK::NoAuxTC) {
@@ -159,12 +170,28 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   Tensor offsets = acts.put(mb, key_ + "plan.offsets", {E + 1}, DType::I64);
   Tensor sorted = acts.put(mb, key_ + "plan.sorted", {M}, DType::I32);
   Tensor position = acts.put(mb, key_ + "plan.position", {M}, DType::I32);
-  ops::moe_dispatch_plan(offsets, sorted, position, ids);
+  // With a capacity the router's plan (routed) is cut to at most `capacity` rows per expert
+  // (offsets), here on the token's rank, before any row moves: the loads and the aux loss stay
+  // the router's choice, as Megatron-Core computes them before capacity.
+  const int64_t capacity = capacity_factor_ > 0 ? expert_capacity(M) : -1;
+  Tensor routed = capacity < 0 ? offsets : ctx.scratch->get("moe.routed_offsets", {E + 1}, DType::I64);
+  ops::moe_dispatch_plan(routed, sorted, position, ids);
+  if (capacity >= 0) ops::moe_capacity_plan(offsets, sorted, position, routed, weights, capacity, drop_policy_);
   // The one synchronisation MoE needs: the per-expert row counts decide the shapes of the
-  // expert GEMMs, so they come to the host once per forward (as in Megatron-Core).
+  // expert GEMMs, so they come to the host once per forward (as in Megatron-Core); with a
+  // capacity the router's counts come along, for the loads.
   m.plan.assign(size_t(E + 1), 0);
   ops::copy(Tensor(m.plan.data(), DType::I64, Shape{E + 1}), offsets);
-  for (int64_t e = 0; e < E; ++e) stats_.tokens_per_expert[size_t(e)] += m.plan[size_t(e + 1)] - m.plan[size_t(e)];
+  std::vector<int64_t> routed_host;
+  if (capacity >= 0) {
+    routed_host.assign(size_t(E + 1), 0);
+    ops::copy(Tensor(routed_host.data(), DType::I64, Shape{E + 1}), routed);
+  }
+  const std::vector<int64_t>& loads = capacity < 0 ? m.plan : routed_host;
+  for (int64_t e = 0; e < E; ++e) stats_.tokens_per_expert[size_t(e)] += loads[size_t(e + 1)] - loads[size_t(e)];
+  const int64_t kept = m.plan[size_t(E)];  // grouped rows: M, or fewer after dropping
+  stats_.dropped_rows += M - kept;
+  Tensor kept_sorted = sorted.slice(0, kept);
   const int64_t El = n_local_;
   if (ep_ == 1) {
     m.offsets = m.plan;
@@ -226,9 +253,9 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
 
   // Routed experts' rows in expert order; with expert parallelism on their way to the experts'
   // owners while the shared experts compute.
-  Tensor grouped = acts.put(mb, key_ + "experts.grouped", {M, C}, cd);
+  Tensor grouped = acts.put(mb, key_ + "experts.grouped", {kept, C}, cd);
   t = Clock::now();
-  ops::moe_permute(grouped, xm, sorted, int(k));
+  ops::moe_permute(grouped, xm, kept_sorted, int(k));
   stats_.permute_seconds += seconds_since(t);
   Tensor received;  // the rows from the expert group, by source rank
   Work dispatch;
@@ -293,7 +320,7 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
   DS_CHECK(m.pending, "{}: MoE backward of micro-batch {} without a forward since its last backward", key_, mb);
   const int64_t C = x.size(2), N = x.numel() / C, E = n_experts_, k = route_.top_k, I = inter_;
   const Range mine = ctx.token_rows(N);
-  const int64_t n = mine.size(), M = n * k;
+  const int64_t n = mine.size(), kept = m.plan.back();  // grouped rows (n*k less the dropped)
   DS_CHECK(dout.numel() == n * C && dx.numel() == n * C, "MoE backward: dout {} dx {} for rows [{}, {}) of x {}",
            dout.shape().str(), dx.shape().str(), mine.begin, mine.end, x.shape().str());
   m.pending = false;
@@ -301,7 +328,7 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
   Tensor scores = acts.get(mb, key_ + "gate.scores");
   Tensor ids = acts.get(mb, key_ + "gate.ids");
   Tensor weights = acts.get(mb, key_ + "gate.weights");
-  Tensor sorted = acts.get(mb, key_ + "plan.sorted");
+  Tensor sorted = acts.get(mb, key_ + "plan.sorted").slice(0, kept);
   Tensor position = acts.get(mb, key_ + "plan.position");
   // The expert temporaries share the dense MLP's scratch slots: the shared experts, the
   // routed experts and the dense layers use them one after another, never at once.
@@ -329,7 +356,7 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
   Tensor gate_up = acts.get(mb, key_ + "experts.gate_up");
   Tensor h = acts.get(mb, key_ + "experts.h");
   const int64_t R = m.offsets.back();
-  Tensor dgrouped = scratch.get("moe.dgrouped", {M, C}, cd);
+  Tensor dgrouped = scratch.get("moe.dgrouped", {kept, C}, cd);
   Tensor dweights = scratch.get("moe.dweights", {n, k});
   Tensor dh = scratch.get("mlp.dh", {R, I}, cd);
   Tensor dgu = scratch.get("mlp.dgate_up", {R, 2 * I}, cd);
@@ -445,6 +472,11 @@ void MoEBlock::sort_chunks(Tensor out, Tensor in, const std::vector<int64_t>& co
     const int64_t from = to_experts ? by_source[b] : by_expert[b], to = to_experts ? by_expert[b] : by_source[b];
     ops::copy(out.slice(to, to + counts[b]), in.slice(from, from + counts[b]));
   }
+}
+
+int64_t MoEBlock::expert_capacity(int64_t rows) const {
+  // Megatron-Core's get_capacity: ceil(rows / E * capacity_factor), rows = tokens x top-k.
+  return int64_t(std::ceil(double(rows) / double(n_experts_) * capacity_factor_));
 }
 
 RoutingStats* MoEBlock::routing() {

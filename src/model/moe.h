@@ -7,6 +7,7 @@
 //   scores (N,E)        = softmax|sigmoid(x · gate^T)                   ops::moe_scores
 //   ids, weights (N,k)  = top-k of scores (+ bias for noaux_tc)         ops::moe_route
 //   offsets, sorted     = the (token, slot) pairs grouped by expert     ops::moe_dispatch_plan
+//   [at most capacity rows per expert, the others dropped]            ops::moe_capacity_plan
 //   grouped (M,C)       = x rows in expert order                        ops::moe_permute
 //   gate_up, h, grouped = per expert e, rows [offsets[e], offsets[e+1]):
 //                         down_e(silu(gate_e(xg)) * up_e(xg)), in place over xg
@@ -27,6 +28,16 @@
 // scaled by LossScales (sequence-wise with seq_aux, else per micro-batch) and its gradient
 // flows through the scores only; noaux_tc's e_score_correction_bias is not trained but moved
 // by update_routing_bias (DeepSeek-V3's auxiliary-loss-free balancing).
+//
+// Token dropping (optional, off by default: DeepSeek drops no tokens): with
+// ModelConfig::moe_capacity_factor f > 0, each expert takes at most capacity = ceil(M / E * f)
+// rows of a micro-batch's M = n*k routed rows on this rank (Megatron-Core's get_capacity and
+// moe_token_drop_policy: those of the largest routing weights, "probs", or the earliest tokens,
+// "position"). A dropped (token, slot) pair is cut from the plan on the token's rank, before the
+// dispatch: no expert sees its row, it adds nothing to out and its weight gets no gradient. The
+// split over an expert group is still the whole model's result. The aux loss and
+// tokens_per_expert are those of the router's choice before dropping; RoutingStats::dropped_rows
+// counts the dropped pairs.
 //
 // Tensor parallelism (ShardSpec::tensor_parallel, as Megatron-Core): the router (gate weight,
 // e_score_correction_bias) is replicated and the routed experts stay whole (their axis is
@@ -82,11 +93,13 @@ class MoEBlock : public FeedForwardBlock {
 
   // The routing of micro-batch mb's forward (until its activations are released), for the
   // rows this rank routed (all N, or its n with sequence parallelism): ids (n,k) int32,
-  // weights (n,k), scores (n,E), offsets (E+1) int64 (expert e's grouped rows).
+  // weights (n,k), scores (n,E), offsets (E+1) int64 (expert e's grouped rows, after dropping).
   Tensor ids(const ActivationStore& acts, int mb) const { return acts.get(mb, key_ + "gate.ids"); }
   Tensor weights(const ActivationStore& acts, int mb) const { return acts.get(mb, key_ + "gate.weights"); }
   Tensor scores(const ActivationStore& acts, int mb) const { return acts.get(mb, key_ + "gate.scores"); }
   Tensor offsets(const ActivationStore& acts, int mb) const { return acts.get(mb, key_ + "plan.offsets"); }
+  // (n*k) int32: the grouped row of each (token, slot) pair, -1 for a pair dropped by capacity.
+  Tensor positions(const ActivationStore& acts, int mb) const { return acts.get(mb, key_ + "plan.position"); }
   const ops::MoERouteParams& route_params() const { return route_; }
   ops::MoEScoring scoring() const { return scoring_; }
   int bias_param() const { return bias_; }  // -1 unless noaux_tc
@@ -117,6 +130,8 @@ class MoEBlock : public FeedForwardBlock {
   // they are, into `grouped` (their rows in global expert order). Used by the forward's combine
   // and by the backward's return of the input gradients.
   void return_rows(const Ctx& ctx, const Meta& m, Tensor local, Tensor grouped);
+  // The rows each expert may take of `rows` routed (token, slot) pairs.
+  int64_t expert_capacity(int64_t rows) const;
 
   ParamRegistry& reg_;
   std::string key_;  // "layers.{layer}.mlp."
@@ -127,6 +142,8 @@ class MoEBlock : public FeedForwardBlock {
   ops::MoERouteParams route_;
   ops::MoEScoring scoring_;
   double aux_alpha_;
+  double capacity_factor_;  // 0: no capacity (no token is dropped)
+  ops::MoEDropPolicy drop_policy_;
   bool seq_aux_;
   bool sharded_;  // shared experts split over a tensor group of more than one rank
   int gate_ = -1, bias_ = -1;
@@ -144,9 +161,11 @@ class MoEBlock : public FeedForwardBlock {
   // this rank's shared columns: gate.scores (n,E) after softmax/sigmoid,
   // gate.weights (n,k), gate.ids (n,k) int32, gate.aux_coef (G,E) (G = B with seq_aux, else
   // 1), gate.scores_all (N,E) (the tensor group's scores: only with sequence parallelism and
-  // an aux loss), plan.offsets (E+1) int64, plan.sorted and plan.position (M) int32,
-  // experts.grouped (M,C) expert inputs in expert order, then their outputs, experts.gate_up
-  // (M,2I), experts.h (M,I), shared_experts.gate_up (N,2S), shared_experts.h (N,S).
+  // an aux loss), plan.offsets (E+1) int64, plan.sorted and plan.position (M) int32 (with
+  // dropping: sorted's first Mk entries are the kept pairs, position -1 for a dropped one),
+  // experts.grouped (Mk,C) expert inputs in expert order, then their outputs (Mk = M less the
+  // dropped rows), experts.gate_up (R,2I), experts.h (R,I) (R: the rows this rank's experts
+  // compute), shared_experts.gate_up (N,2S), shared_experts.h (N,S).
 };
 
 }  // namespace dstrain

@@ -278,6 +278,31 @@ GenerateConfig read_generate(const JsonReader& r) {
   return g;
 }
 
+// Optional token dropping of the MoE layers (Megatron-Core's moe_expert_capacity_factor and
+// moe_token_drop_policy): "capacity_factor" > 0, or null / absent for none (DeepSeek's
+// default); "drop_policy" "probs" (default) or "position". Onto the model's runtime fields.
+void read_moe(const JsonReader& r, ModelConfig& model) {
+  if (!r.is_null("capacity_factor")) {
+    const double f = r.get<double>("capacity_factor");
+    if (!(f > 0) || !std::isfinite(f)) {
+      r.error("capacity_factor", fmt::format("is {}; it must be a positive number (null or absent: no capacity, no "
+                                             "token dropped)",
+                                             f));
+    }
+    if (model.n_routed_experts <= 0) {
+      r.error("capacity_factor", "is set, but the model has no routed experts (n_routed_experts)");
+    }
+    model.moe_capacity_factor = f;
+  }
+  if (!r.is_null("drop_policy")) model.moe_drop_policy = r.get<std::string>("drop_policy");
+  if (model.moe_drop_policy != "probs" && model.moe_drop_policy != "position") {
+    r.error("drop_policy", fmt::format("is \"{}\"; it must be \"probs\" (keep each expert's largest routing "
+                                       "weights) or \"position\" (keep its earliest tokens)",
+                                       model.moe_drop_policy));
+  }
+  r.done();
+}
+
 }  // namespace
 
 DType PrecisionConfig::communication_dtype() const {
@@ -324,6 +349,7 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
   c.source = source;
   c.model = read_model(top, init_from);
   if (top.has("parallel")) c.parallel = ParallelConfig::from_json(top.child("parallel"));
+  if (top.has("moe") && !top.is_null("moe")) read_moe(top.child("moe"), c.model);
   c.train = read_train(top.child("train"));
   c.data = DataConfig::from_json(top.child("data"));
   c.output.save_hf_dtype = hf_dtype_of(c.train.precision);
@@ -391,6 +417,8 @@ json RunConfig::to_json() const {
   t["communication_data_type"] = p.communication_data_type;
   j["train"] = t;
   j["parallel"] = parallel.to_json();
+  j["moe"] = {{"capacity_factor", model.moe_capacity_factor > 0 ? json(model.moe_capacity_factor) : json(nullptr)},
+              {"drop_policy", model.moe_drop_policy}};
   j["data"] = data.to_json();
   j["output"] = {{"dir", output.dir}, {"save_hf", output.save_hf}, {"save_hf_dtype", output.save_hf_dtype}};
   j["checkpoint"] = checkpoint.to_json();

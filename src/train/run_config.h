@@ -1,5 +1,6 @@
 // The run configuration: one JSON file with "model", "train", "data", "output" and
-// "generate" parts. "train" uses DeepSpeed's ds_config key names wherever a feature maps.
+// "generate" parts ("moe", token dropping, goes onto the model's runtime fields). "train" uses
+// DeepSpeed's ds_config key names wherever a feature maps.
 // Every key is validated; unknown keys are errors; command-line --set overrides any key.
 #pragma once
 

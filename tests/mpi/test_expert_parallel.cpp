@@ -4,10 +4,13 @@
 // model on every rank: each rank's losses, routing and dense gradients are those of its own
 // tokens through the whole model, and each expert's gradient on its owner is the sum over the
 // ranks of the whole model's gradients of that expert. Rows go to the experts' owners and come
-// back through all-to-alls; on one rank the split is the whole model.
+// back through all-to-alls; on one rank the split is the whole model. The same holds with an
+// expert capacity (token dropping, both drop policies): the pairs are dropped on the token's
+// rank before the dispatch, so the split drops the whole model's pairs and sends only the rest.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <cmath>
 #include <random>
 #include <string>
 #include <vector>
@@ -20,13 +23,21 @@
 namespace dstrain {
 namespace {
 
+// A model, "v2" or "v3", and optionally an expert capacity: "v3_capacity_probs" drops by
+// routing weight, "..._capacity_position" by token order, at capacity factor 1.
 class ExpertParallel : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(ExpertParallel, MatchesTheWholeModelPerRankAndSummedOverRanks) {
   MpiCommunicator ep(MPI_COMM_WORLD, "expert");
   const int rank = ep.rank(), size = ep.size();
-  const json run = GetParam() == "v2" ? v2_model() : v3_model();
-  const ModelConfig c = ModelConfig::from_hf_json(run["model"], GetParam());
+  const std::string name = GetParam();
+  const json run = name.rfind("v2", 0) == 0 ? v2_model() : v3_model();
+  ModelConfig c = ModelConfig::from_hf_json(run["model"], name);
+  const bool capacity = name.find("_capacity_") != std::string::npos;
+  if (capacity) {
+    c.moe_capacity_factor = 1.0;
+    c.moe_drop_policy = name.substr(name.rfind('_') + 1);
+  }
   const int64_t B = 2, T = 8, D = c.num_nextn_predict_layers;
   // Each rank's own tokens, two micro-batches.
   std::vector<std::vector<int32_t>> tokens, targets;
@@ -64,18 +75,35 @@ TEST_P(ExpertParallel, MatchesTheWholeModelPerRankAndSummedOverRanks) {
   // Routing: this rank's tokens' loads, and the rows its experts computed (all ranks' tokens).
   auto moe_w = whole.moe_layers(), moe_s = split.moe_layers();
   ASSERT_EQ(moe_w.size(), moe_s.size());
+  const int64_t El = c.n_routed_experts / size, rows = 2 * B * T * c.num_experts_per_tok;  // routed, 2 micro-batches
+  int64_t dropped = 0;
   for (size_t i = 0; i < moe_w.size(); ++i) {
     const RoutingStats& a = *moe_w[i].second->routing();
     const RoutingStats& b = *moe_s[i].second->routing();
     EXPECT_EQ(b.tokens_per_expert, a.tokens_per_expert) << "layer " << moe_w[i].first;
-    std::vector<int64_t> all = a.tokens_per_expert;
-    ep.all_reduce(Tensor(all.data(), DType::I64, Shape{int64_t(all.size())}));
-    const int64_t El = c.n_routed_experts / size;
-    int64_t mine = 0;
-    for (int64_t e = rank * El; e < (rank + 1) * El; ++e) mine += all[size_t(e)];
-    EXPECT_EQ(b.received_rows, mine) << "layer " << moe_w[i].first;
+    EXPECT_EQ(b.dropped_rows, a.dropped_rows) << "layer " << moe_w[i].first;
+    dropped += a.dropped_rows;
+    if (!capacity) {
+      std::vector<int64_t> all = a.tokens_per_expert;
+      ep.all_reduce(Tensor(all.data(), DType::I64, Shape{int64_t(all.size())}));
+      int64_t mine = 0;
+      for (int64_t e = rank * El; e < (rank + 1) * El; ++e) mine += all[size_t(e)];
+      EXPECT_EQ(b.received_rows, mine) << "layer " << moe_w[i].first;
+    } else {
+      // Only kept rows travel: summed over the group, the rows computed are the rows kept, and
+      // each expert computes at most capacity rows per micro-batch of each rank.
+      std::vector<int64_t> sums = {b.received_rows, rows - a.dropped_rows};
+      ep.all_reduce(Tensor(sums.data(), DType::I64, Shape{2}));
+      EXPECT_EQ(sums[0], sums[1]) << "layer " << moe_w[i].first;
+      const int64_t cap = int64_t(std::ceil(double(rows / 2) / double(c.n_routed_experts) * c.moe_capacity_factor));
+      EXPECT_LE(b.received_rows, 2 * size * El * cap) << "layer " << moe_w[i].first;
+    }
     EXPECT_NEAR(b.aux_loss, a.aux_loss, 1e-6 * std::fabs(a.aux_loss) + 1e-12);
     if (size > 1) EXPECT_GT(b.a2a_bytes, 0);
+  }
+  if (capacity) {
+    ep.all_reduce(Tensor(&dropped, DType::I64, Shape{1}));
+    EXPECT_GT(dropped, 0) << "the case must drop rows";
   }
   // Gradients: dense ones are this rank's tokens'; an expert's is the sum over the ranks'.
   ParamRegistry& wr = whole.params();
@@ -99,7 +127,9 @@ TEST_P(ExpertParallel, MatchesTheWholeModelPerRankAndSummedOverRanks) {
   EXPECT_EQ(experts, int(moe_s.size()) * 3 * int(c.n_routed_experts / size));
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, ExpertParallel, ::testing::Values("v2", "v3"));
+INSTANTIATE_TEST_SUITE_P(Models, ExpertParallel,
+                         ::testing::Values("v2", "v3", "v2_capacity_probs", "v3_capacity_probs",
+                                           "v3_capacity_position"));
 
 }  // namespace
 }  // namespace dstrain

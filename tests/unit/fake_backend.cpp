@@ -175,6 +175,7 @@ void run_widened(const char* op, Fn fn, const A&... a) {
 using ops::AdamWStep;
 using ops::AttentionLayout;
 using ops::MoERouteParams;
+using ops::MoEDropPolicy;
 using ops::MoEScoring;
 using ops::YarnParams;
 

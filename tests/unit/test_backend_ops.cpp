@@ -452,6 +452,32 @@ void moe_cases(Cases& c) {
     auto& ub = c.add("moe_unpermute_backward", r.what,
                      [](T t) { ops::moe_unpermute_backward(t[0], t[1], t[2], t[3], t[4], t[5]); });
     ub.args = {Cases::zeros({M, C}), Cases::zeros({N, k}), c.normal({N, C}), c.normal({M, C}), weights, sorted};
+
+    // Capacity 1 (about M/E = k rows per expert): both drop policies, then the permutation of
+    // the R kept rows (sorted's first R entries; position -1 for a dropped pair).
+    for (ops::MoEDropPolicy policy : {ops::MoEDropPolicy::Probs, ops::MoEDropPolicy::Position}) {
+      const std::string what = std::string(r.what) + (policy == ops::MoEDropPolicy::Probs ? ", probs" : ", position");
+      auto& cp = c.add("moe_capacity_plan", what + ", capacity 1", [policy](T t) {
+        ops::moe_capacity_plan(t[0], t[1], t[2], t[3], t[4], 1, policy);
+      });
+      cp.args = {Cases::zeros({E + 1}, DType::I64), sorted, position, offsets, weights};
+    }
+    HostTensor kept = Cases::zeros({E + 1}, DType::I64), ksorted = sorted, kposition = position;
+    ops::moe_capacity_plan(kept.t(), ksorted.t(), kposition.t(), offsets.t(), weights.t(), 1, ops::MoEDropPolicy::Probs);
+    const int64_t R = kept.p<int64_t>()[E];
+    HostTensor rsorted = Cases::zeros({R}, DType::I32);
+    std::memcpy(rsorted.p<int32_t>(), ksorted.p<int32_t>(), size_t(R) * sizeof(int32_t));
+    const std::string dropped = std::string(r.what) + fmt::format(", {} of {} rows kept", R, M);
+    auto& kpf = c.add("moe_permute", dropped, [k](T t) { ops::moe_permute(t[0], t[1], t[2], k); });
+    kpf.args = {Cases::zeros({R, C}), c.normal({N, C}), rsorted};
+    auto& kpb = c.add("moe_permute_backward", dropped + ", dx (+=)",
+                      [](T t) { ops::moe_permute_backward(t[0], t[1], t[2], true); });
+    kpb.args = {c.normal({N, C}), c.normal({R, C}), kposition};
+    auto& kuf = c.add("moe_unpermute", dropped + ", out (+=)", [](T t) { ops::moe_unpermute(t[0], t[1], t[2], t[3]); });
+    kuf.args = {c.normal({N, C}), c.normal({R, C}), weights, kposition};
+    auto& kub = c.add("moe_unpermute_backward", dropped,
+                      [](T t) { ops::moe_unpermute_backward(t[0], t[1], t[2], t[3], t[4], t[5]); });
+    kub.args = {Cases::zeros({R, C}), c.normal({N, k}), c.normal({N, C}), c.normal({R, C}), weights, rsorted};
   }
 
   auto& bu = c.add("moe_bias_update", "E=8, counts below, at and above the mean",

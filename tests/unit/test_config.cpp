@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <numbers>
@@ -285,6 +286,51 @@ TEST(Config, DeepSeekMoEFieldsThatCannotWorkAreErrors) {
   EXPECT_THAT(parse(R"({"rope_scaling": {"type": "dynamic", "factor": 2}})"), HasSubstr("yarn"));
   EXPECT_EQ(parse(R"({"topk_method": "gready", "scoring_func": "softmax"})"), "no error");
   EXPECT_EQ(parse(R"({"q_lora_rank": null})"), "no error");
+}
+
+// The "moe" block: optional token dropping, onto the model's runtime fields, never into its
+// config.json; every key checked.
+TEST(Config, MoECapacityBlockParsesAndIsChecked) {
+  TempDir d;
+  const std::string moe_model = std::string("\"") + DSTRAIN_SOURCE_DIR + "/inputs/models/deepseek-v3-tiny.json\"";
+  auto run = [&](const std::string& top_extra, bool moe = true) {
+    std::string text = run_json("", top_extra);
+    if (moe) text.replace(text.find(kModel), std::strlen(kModel), moe_model);
+    return d.write("moe.json", text);
+  };
+  // Absent: no capacity, DeepSeek's behaviour.
+  RunConfig none = RunConfig::load(run(""), {});
+  EXPECT_EQ(none.model.moe_capacity_factor, 0.0);
+  EXPECT_EQ(none.model.moe_drop_policy, "probs");
+  EXPECT_TRUE(none.to_json()["moe"]["capacity_factor"].is_null());
+  EXPECT_EQ(none.to_json()["moe"]["drop_policy"], "probs");
+
+  RunConfig c = RunConfig::load(run(R"(, "moe": {"capacity_factor": 1.25, "drop_policy": "position"})"), {});
+  EXPECT_DOUBLE_EQ(c.model.moe_capacity_factor, 1.25);
+  EXPECT_EQ(c.model.moe_drop_policy, "position");
+  const json resolved = c.to_json();
+  EXPECT_DOUBLE_EQ(resolved["moe"]["capacity_factor"].get<double>(), 1.25);
+  EXPECT_EQ(resolved["moe"]["drop_policy"], "position");
+  // A training choice, not the architecture: config.json neither has it nor changes with it.
+  EXPECT_EQ(c.model.to_hf_json().dump(), none.model.to_hf_json().dump());
+  EXPECT_EQ(resolved["model"].dump().find("capacity"), std::string::npos);
+  EXPECT_EQ(ModelConfig::from_hf_json(c.model.to_hf_json(), "round trip").moe_capacity_factor, 0.0);
+
+  EXPECT_EQ(RunConfig::load(run(R"(, "moe": {"capacity_factor": null})"), {}).model.moe_capacity_factor, 0.0);
+  EXPECT_EQ(RunConfig::load(run(R"(, "moe": {"capacity_factor": 2})"), {}).model.moe_drop_policy, "probs");
+  EXPECT_DOUBLE_EQ(RunConfig::load(run(""), {"moe.capacity_factor=1.5"}).model.moe_capacity_factor, 1.5);
+
+  auto error = [&](const std::string& moe) { return error_of([&] { RunConfig::load(run(moe), {}); }); };
+  EXPECT_THAT(error(R"(, "moe": {"capacity_factr": 1.0})"), HasSubstr("unknown key 'moe.capacity_factr'"));
+  EXPECT_THAT(error(R"(, "moe": {"capacity_factr": 1.0})"), HasSubstr("did you mean 'moe.capacity_factor'"));
+  EXPECT_THAT(error(R"(, "moe": {"capacity_factor": 0})"),
+              HasSubstr("key 'moe.capacity_factor' is 0; it must be a positive number"));
+  EXPECT_THAT(error(R"(, "moe": {"capacity_factor": -1.5})"), HasSubstr("key 'moe.capacity_factor' is -1.5"));
+  EXPECT_THAT(error(R"(, "moe": {"capacity_factor": "1"})"), HasSubstr("'moe.capacity_factor' must be a number"));
+  EXPECT_THAT(error(R"(, "moe": {"capacity_factor": 1, "drop_policy": "random"})"),
+              HasSubstr("key 'moe.drop_policy' is \"random\"; it must be \"probs\""));
+  EXPECT_THAT(error_of([&] { RunConfig::load(run(R"(, "moe": {"capacity_factor": 1})", /*moe=*/false), {}); }),
+              HasSubstr("key 'moe.capacity_factor' is set, but the model has no routed experts"));
 }
 
 TEST(Config, BatchArithmeticFollowsDeepSpeed) {

@@ -1,7 +1,8 @@
 // DeepSeekMoE checks: routing kernels against a straightforward reference for each top-k
 // method, the token permutation, the MoE layer's gradients against finite differences (aux
 // loss included), its forward against a naive per-token double-precision version, the
-// auxiliary-loss-free bias update, and thread-count independence.
+// auxiliary-loss-free bias update, thread-count independence, and the optional expert capacity
+// (token dropping) against its definition.
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -503,11 +504,14 @@ struct Layer {
     block->forward(ctx, 0, f32(x, {B, T, C}), f32(out, {B, T, C}));
     return dot(out, R) + block->routing()->aux_loss;
   }
+  // Each token's experts that computed its row: the chosen ones, less those dropped by capacity.
   std::vector<std::set<int32_t>> chosen() {
     Tensor ids = block->ids(acts, 0);
+    const int32_t* pos = block->positions(acts, 0).data<int32_t>();
     const int64_t N = ids.size(0), k = ids.size(1);
     std::vector<std::set<int32_t>> s(static_cast<size_t>(N));
-    for (int64_t n = 0; n < N; ++n) s[size_t(n)] = {ids.data<int32_t>() + n * k, ids.data<int32_t>() + (n + 1) * k};
+    for (int64_t i = 0; i < N * k; ++i)
+      if (pos[i] >= 0) s[size_t(i / k)].insert(ids.data<int32_t>()[i]);
     return s;
   }
 };
@@ -515,21 +519,23 @@ struct Layer {
 // |grad - fd| / max |grad| of the tensor: measured at most 4.9e-4 (fp32 forwards).
 constexpr double kBlockGradTol = 1.5e-3;
 
-class MoEBlockGradients : public ::testing::TestWithParam<BlockCase> {};
-
-TEST_P(MoEBlockGradients, MatchFiniteDifferences) {
-  const BlockCase bc = GetParam();
+// The layer's gradients (of x, the router, the routed and shared experts) against finite
+// differences of its loss, samples whose routing (or dropping) flips skipped; `label` names it.
+// Returns the rows an expert capacity dropped in the unperturbed forward.
+int64_t expect_block_gradients_match_fd(const ModelConfig& config, const std::string& label) {
   const OneThread one_thread;
   const int64_t B = 2, T = 5, C = 12, N = B * T;
-  Layer L(block_config(bc), 21);
+  Layer L(config, 21);
   std::mt19937 rng(4);
   std::vector<float> x = normal(size_t(N * C), rng);
+  int64_t dropped = 0;
   // Two losses: the full one, and the aux term alone (R = 0), whose gradient reaches only the
   // router and x and would otherwise hide under the tolerance of the main term.
   for (bool aux_only : {false, true}) {
     std::vector<float> R = aux_only ? std::vector<float>(size_t(N * C), 0.0f) : normal(size_t(N * C), rng);
     L.reg.grads().zero();
     L.loss(x, R, B, T);
+    dropped = L.block->routing()->dropped_rows;
     const auto routing0 = L.chosen();
     std::vector<float> dx(size_t(N * C), 7.0f);  // overwritten, not accumulated
     L.block->backward(L.ctx, 0, f32(x, {B, T, C}), f32(R, {B, T, C}), f32(dx, {B, T, C}));
@@ -580,10 +586,18 @@ TEST_P(MoEBlockGradients, MatchFiniteDifferences) {
     }
     std::printf("[ MoE FD ] %-26s %s: max |grad - fd| / max|grad|: x %.1e router %.1e experts %.1e shared %.1e "
                 "(%d checked, %d skipped: routing flipped)\n",
-                bc.name, aux_only ? "aux only " : "full loss", err_x, err_router, err_experts, err_shared, checked,
+                label.c_str(), aux_only ? "aux only " : "full loss", err_x, err_router, err_experts, err_shared, checked,
                 skipped);
     EXPECT_LT(skipped * 10, checked) << "too many samples changed the routing";
   }
+  return dropped;
+}
+
+class MoEBlockGradients : public ::testing::TestWithParam<BlockCase> {};
+
+TEST_P(MoEBlockGradients, MatchFiniteDifferences) {
+  const BlockCase bc = GetParam();
+  expect_block_gradients_match_fd(block_config(bc), bc.name);
 }
 
 const BlockCase kBlockCases[] = {
@@ -694,6 +708,245 @@ TEST_P(MoEBlockForward, MatchesNaivePerTokenDouble) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Configs, MoEBlockForward, ::testing::ValuesIn(kBlockCases),
+                         [](const auto& tp) { return std::string(tp.param.name); });
+
+// ---- expert capacity (token dropping) --------------------------------------------------
+// The (token, slot) pairs an expert capacity drops, from the definition: each expert's pairs in
+// token order; past `capacity` of them, keep the largest weights (equal ones: the earlier token)
+// or, by position, the first ones. dropped[n*k + slot].
+std::vector<char> ref_dropped(const int32_t* ids, const float* w, int64_t N, int64_t k, int64_t E, int64_t capacity,
+                              bool by_probs) {
+  std::vector<char> dropped(size_t(N * k), 0);
+  for (int64_t e = 0; e < E; ++e) {
+    std::vector<int64_t> pairs;
+    for (int64_t i = 0; i < N * k; ++i)
+      if (ids[i] == e) pairs.push_back(i);
+    if (int64_t(pairs.size()) <= capacity) continue;
+    std::vector<int64_t> order = pairs;
+    if (by_probs) std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return w[a] > w[b]; });
+    for (size_t r = size_t(capacity); r < order.size(); ++r) dropped[size_t(order[r])] = 1;
+  }
+  return dropped;
+}
+
+TEST(MoECapacityPlan, KeepsTheLargestWeightsOrTheEarliestTokens) {
+  // 6 tokens, k = 1, E = 2: expert 0 chosen by tokens 0, 1, 3, 4, 5 (weights .1 .5 .5 .2 .7),
+  // expert 1 by token 2.
+  const int64_t N = 6, E = 2, M = N;
+  std::vector<int32_t> ids = {0, 0, 1, 0, 0, 0};
+  std::vector<float> w = {0.1f, 0.5f, 0.9f, 0.5f, 0.2f, 0.7f};
+  struct Want {
+    int64_t capacity;
+    ops::MoEDropPolicy policy;
+    std::vector<int32_t> kept_pairs;  // in grouped order
+  };
+  const Want wants[] = {
+      {2, ops::MoEDropPolicy::Probs, {1, 5, 2}},     // .7 and the earlier of the two .5
+      {3, ops::MoEDropPolicy::Probs, {1, 3, 5, 2}},  // both .5, in token order
+      {2, ops::MoEDropPolicy::Position, {0, 1, 2}},
+      {5, ops::MoEDropPolicy::Probs, {0, 1, 3, 4, 5, 2}},  // nobody over capacity: the plan as it was
+  };
+  for (const Want& want : wants) {
+    std::vector<int64_t> offsets(size_t(E + 1)), kept(size_t(E + 1));
+    std::vector<int32_t> sorted(static_cast<size_t>(M)), position(static_cast<size_t>(M));
+    ops::moe_dispatch_plan(Tensor(offsets.data(), DType::I64, Shape{E + 1}), i32(sorted, {M}), i32(position, {M}),
+                           i32(ids, {N, 1}));
+    const std::vector<int32_t> plan_sorted = sorted, plan_position = position;
+    ops::moe_capacity_plan(Tensor(kept.data(), DType::I64, Shape{E + 1}), i32(sorted, {M}), i32(position, {M}),
+                           Tensor(offsets.data(), DType::I64, Shape{E + 1}), f32(w, {N, 1}), want.capacity,
+                           want.policy);
+    const int64_t R = int64_t(want.kept_pairs.size());
+    const int64_t kept0 = std::min<int64_t>(want.capacity, 5);
+    EXPECT_EQ(kept, (std::vector<int64_t>{0, kept0, kept0 + 1})) << "capacity " << want.capacity;
+    EXPECT_EQ(std::vector<int32_t>(sorted.begin(), sorted.begin() + R), want.kept_pairs) << "capacity " << want.capacity;
+    for (int64_t p = R; p < M; ++p) EXPECT_EQ(sorted[size_t(p)], -1);
+    for (int64_t i = 0; i < M; ++i) {
+      const auto at = std::find(want.kept_pairs.begin(), want.kept_pairs.end(), int32_t(i));
+      EXPECT_EQ(position[size_t(i)], at == want.kept_pairs.end() ? -1 : int32_t(at - want.kept_pairs.begin()))
+          << "pair " << i << ", capacity " << want.capacity;
+    }
+    if (R == M) {
+      EXPECT_EQ(sorted, plan_sorted);
+      EXPECT_EQ(position, plan_position);
+    }
+  }
+}
+
+// Token dropping of the layer: a block case with a capacity factor and drop policy.
+struct CapacityCase {
+  const char* name;
+  BlockCase block;
+  const char* policy;
+  double factor;
+};
+
+void PrintTo(const CapacityCase& c, std::ostream* os) { *os << c.name; }
+
+ModelConfig capacity_config(const CapacityCase& cc) {
+  ModelConfig c = block_config(cc.block);
+  c.moe_capacity_factor = cc.factor;
+  c.moe_drop_policy = cc.policy;
+  return c;
+}
+
+// Forward and backward of one micro-batch: out, dx and every gradient, flattened.
+std::vector<float> forward_backward(Layer& L, const std::vector<float>& x0, const std::vector<float>& R0, int64_t B,
+                                    int64_t T) {
+  const int64_t C = L.config.hidden_size;
+  std::vector<float> x = x0, r = R0, out(x0.size(), 0.0f), dx(x0.size(), 0.0f);
+  L.reg.grads().zero();
+  L.block->routing()->reset();
+  L.block->forward(L.ctx, 0, f32(x, {B, T, C}), f32(out, {B, T, C}));
+  L.block->backward(L.ctx, 0, f32(x, {B, T, C}), f32(r, {B, T, C}), f32(dx, {B, T, C}));
+  std::vector<float> all = out;
+  all.insert(all.end(), dx.begin(), dx.end());
+  all.insert(all.end(), L.reg.grads().data<float>(), L.reg.grads().data<float>() + L.reg.flat_numel());
+  return all;
+}
+
+// A capacity that no expert exceeds changes no bit: the largest load exactly at capacity.
+TEST(MoECapacity, AtOrAboveEveryLoadChangesNothing) {
+  const int64_t B = 2, T = 8, C = 12, N = B * T, k = 2;
+  for (const BlockCase& bc : kBlockCases) {
+    const int64_t E = bc.experts, M = N * k;
+    std::mt19937 rng(8);
+    const std::vector<float> x = normal(size_t(N * C), rng), R = normal(size_t(N * C), rng);
+    Layer plain(block_config(bc), 13);
+    const std::vector<float> want = forward_backward(plain, x, R, B, T);
+    const RoutingStats want_stats = *plain.block->routing();
+    const int64_t max_load = *std::max_element(want_stats.tokens_per_expert.begin(), want_stats.tokens_per_expert.end());
+    // ceil(M / E * f) = max_load exactly, and a factor far above it.
+    for (double factor : {(double(max_load) - 0.5) * double(E) / double(M), double(E)}) {
+      ModelConfig c = block_config(bc);
+      c.moe_capacity_factor = factor;
+      for (const char* policy : {"probs", "position"}) {
+        c.moe_drop_policy = policy;
+        Layer capped(c, 13);
+        const std::vector<float> got = forward_backward(capped, x, R, B, T);
+        const RoutingStats& s = *capped.block->routing();
+        EXPECT_EQ(0, std::memcmp(got.data(), want.data(), want.size() * sizeof(float)))
+            << bc.name << " factor " << factor << " " << policy;
+        EXPECT_EQ(s.dropped_rows, 0) << bc.name;
+        EXPECT_EQ(s.tokens_per_expert, want_stats.tokens_per_expert) << bc.name;
+        EXPECT_EQ(s.aux_loss, want_stats.aux_loss) << bc.name;
+        EXPECT_EQ(s.received_rows, M) << bc.name;
+      }
+    }
+  }
+}
+
+class MoECapacity : public ::testing::TestWithParam<CapacityCase> {};
+
+// The dropped pairs are those of the definition, no expert computes more than capacity rows,
+// and the output is the naive per-token one with the dropped pairs' weights zeroed; the loads
+// and the aux loss stay the router's.
+TEST_P(MoECapacity, DropsThePairsOverCapacity) {
+  const CapacityCase cc = GetParam();
+  const int64_t B = 2, T = 5, C = 12, I = 5, k = 2, N = B * T, M = N * k;
+  Layer L(capacity_config(cc), 5);
+  const ModelConfig& c = L.config;
+  const int64_t E = c.n_routed_experts, S = c.moe_intermediate_size * c.n_shared_experts;
+  const int64_t capacity = int64_t(std::ceil(double(M) / double(E) * cc.factor));
+  std::mt19937 rng(6);
+  std::vector<float> x = normal(size_t(N * C), rng), out = normal(size_t(N * C), rng);
+  const std::vector<float> out0 = out;
+  L.block->routing()->reset();
+  L.block->forward(L.ctx, 0, f32(x, {B, T, C}), f32(out, {B, T, C}));
+  const RoutingStats stats = *L.block->routing();
+
+  const int32_t* ids = L.block->ids(L.acts, 0).data<int32_t>();
+  const float* w = L.block->weights(L.acts, 0).data<float>();
+  const bool by_probs = std::string(cc.policy) == "probs";
+  const std::vector<char> dropped = ref_dropped(ids, w, N, k, E, capacity, by_probs);
+  const int64_t n_dropped = std::count(dropped.begin(), dropped.end(), 1);
+  ASSERT_GT(n_dropped, 0) << "the case must drop rows";
+  // The policies choose differently here, so that the case tells them apart.
+  EXPECT_NE(ref_dropped(ids, w, N, k, E, capacity, !by_probs), dropped) << "both policies drop the same pairs";
+  EXPECT_EQ(stats.dropped_rows, n_dropped);
+  EXPECT_EQ(stats.received_rows, M - n_dropped);
+  const int32_t* pos = L.block->positions(L.acts, 0).data<int32_t>();
+  const int64_t* off = L.block->offsets(L.acts, 0).data<int64_t>();
+  for (int64_t i = 0; i < M; ++i) EXPECT_EQ(pos[i] < 0, bool(dropped[size_t(i)])) << "pair " << i;
+  for (int64_t e = 0; e < E; ++e) {
+    int64_t load = 0;
+    for (int64_t i = 0; i < M; ++i) load += ids[i] == e;
+    EXPECT_EQ(stats.tokens_per_expert[size_t(e)], load) << "expert " << e << ": the router's load";
+    EXPECT_LE(off[e + 1] - off[e], capacity) << "expert " << e;
+    EXPECT_EQ(off[e + 1] - off[e], std::min(load, capacity)) << "expert " << e;
+  }
+  // The aux loss of the same layer without a capacity: the same.
+  Layer plain(block_config(cc.block), 5);
+  std::vector<float> out_plain(size_t(N * C), 0.0f);
+  plain.block->routing()->reset();
+  plain.block->forward(plain.ctx, 0, f32(x, {B, T, C}), f32(out_plain, {B, T, C}));
+  EXPECT_EQ(stats.aux_loss, plain.block->routing()->aux_loss);
+
+  // Naive, in double: shared experts plus the kept pairs' weighted experts.
+  auto P = [&](const std::string& name) { return L.reg.param(L.reg.find("model.layers.0.mlp." + name)).data<float>(); };
+  auto mlp = [&](const float* g, const float* u, const float* d, int64_t inter, const float* xt, double* y, double s) {
+    std::vector<double> hid(static_cast<size_t>(inter));
+    for (int64_t i = 0; i < inter; ++i) {
+      double a = 0, b = 0;
+      for (int64_t cc2 = 0; cc2 < C; ++cc2) {
+        a += double(g[i * C + cc2]) * xt[cc2];
+        b += double(u[i * C + cc2]) * xt[cc2];
+      }
+      hid[size_t(i)] = a / (1.0 + std::exp(-a)) * b;
+    }
+    for (int64_t cc2 = 0; cc2 < C; ++cc2) {
+      double v = 0;
+      for (int64_t i = 0; i < inter; ++i) v += double(d[cc2 * inter + i]) * hid[size_t(i)];
+      y[cc2] += s * v;
+    }
+  };
+  double worst = 0, worst_plain = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    const float* xt = x.data() + n * C;
+    std::vector<double> y(static_cast<size_t>(C), 0.0);
+    for (int64_t j = 0; j < k; ++j) {
+      const double weight = dropped[size_t(n * k + j)] ? 0.0 : double(w[n * k + j]);
+      const std::string ex = fmt::format("experts.{}.", ids[n * k + j]);
+      mlp(P(ex + "gate_proj.weight"), P(ex + "up_proj.weight"), P(ex + "down_proj.weight"), I, xt, y.data(), weight);
+    }
+    if (S > 0) {
+      mlp(P("shared_experts.gate_proj.weight"), P("shared_experts.up_proj.weight"),
+          P("shared_experts.down_proj.weight"), S, xt, y.data(), 1.0);
+    }
+    for (int64_t cc2 = 0; cc2 < C; ++cc2) {
+      const double ref = out0[size_t(n * C + cc2)] + y[size_t(cc2)];
+      worst = std::max(worst, std::fabs(out[size_t(n * C + cc2)] - ref) / std::max(1.0, std::fabs(ref)));
+      worst_plain = std::max(worst_plain, std::fabs(double(out_plain[size_t(n * C + cc2)]) -
+                                                    (ref - out0[size_t(n * C + cc2)])));
+    }
+  }
+  std::printf("[ MoE cap ] %-34s capacity %ld: %ld of %ld rows dropped, max relative error of out %.1e\n", cc.name,
+              long(capacity), long(n_dropped), long(M), worst);
+  EXPECT_LT(worst, 1e-5);
+  EXPECT_GT(worst_plain, 1e-3) << "dropping must change the output";
+  // The count accumulates over forwards until reset.
+  L.block->forward(L.ctx, 0, f32(x, {B, T, C}), f32(out, {B, T, C}));
+  EXPECT_EQ(L.block->routing()->dropped_rows, 2 * n_dropped);
+  L.block->routing()->reset();
+  EXPECT_EQ(L.block->routing()->dropped_rows, 0);
+}
+
+// Gradients of the layer with dropping against finite differences of its loss (a dropped pair
+// adds nothing, so its weight and its expert get no gradient from it).
+TEST_P(MoECapacity, GradientsMatchFiniteDifferences) {
+  const CapacityCase cc = GetParam();
+  EXPECT_GT(expect_block_gradients_match_fd(capacity_config(cc), cc.name), 0) << "the case must drop rows";
+}
+
+const CapacityCase kCapacityCases[] = {
+    {"softmax_greedy_seq_aux_probs", kBlockCases[0], "probs", 1.0},
+    {"softmax_greedy_seq_aux_position", kBlockCases[0], "position", 1.0},
+    {"softmax_group_limited_probs", kBlockCases[1], "probs", 1.0},
+    {"sigmoid_noaux_tc_groups_probs", kBlockCases[2], "probs", 1.0},
+    {"sigmoid_noaux_tc_groups_position", kBlockCases[2], "position", 1.0},
+    {"sigmoid_noaux_tc_no_shared_position", kBlockCases[3], "position", 0.5},
+};
+
+INSTANTIATE_TEST_SUITE_P(Configs, MoECapacity, ::testing::ValuesIn(kCapacityCases),
                          [](const auto& tp) { return std::string(tp.param.name); });
 
 TEST(MoEBlock, RegistersHuggingFaceNames) {

@@ -13,6 +13,7 @@ namespace dstrain::cpu {
 using ops::AdamWStep;
 using ops::AttentionLayout;
 using ops::MoERouteParams;
+using ops::MoEDropPolicy;
 using ops::MoEScoring;
 using ops::YarnParams;
 

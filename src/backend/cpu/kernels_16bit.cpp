@@ -602,7 +602,7 @@ int64_t rows_of(const Tensor& t) { return t.numel() / t.size(-1); }
 void moe_permute_16bit(Tensor xg, Tensor x, Tensor sorted, int top_k) {
   if (!floats({&xg, &x})) return DS_CPU_WIDENED(moe_permute)(xg, x, sorted, top_k);
   const int64_t C = x.size(-1), M = sorted.numel(), N = rows_of(x);
-  DS_CHECK(xg.numel() == M * C && M == N * top_k, "moe_permute: xg {} from x {} with {} rows", xg.shape().str(),
+  DS_CHECK(xg.numel() == M * C && M <= N * top_k, "moe_permute: xg {} from x {} with {} rows", xg.shape().str(),
            x.shape().str(), M);
   const int32_t* sp = sorted.data<int32_t>();
 #pragma omp parallel for schedule(static)
@@ -615,14 +615,15 @@ void moe_permute_16bit(Tensor xg, Tensor x, Tensor sorted, int top_k) {
 void moe_permute_backward_16bit(Tensor dx, Tensor dxg, Tensor position, bool accumulate) {
   if (!floats({&dx, &dxg})) return DS_CPU_WIDENED(moe_permute_backward)(dx, dxg, position, accumulate);
   const int64_t C = dx.size(-1), N = rows_of(dx), M = position.numel(), k = M / N;
-  DS_CHECK(M == N * k && dxg.numel() == M * C, "moe_permute_backward: dxg {} for dx {} and {} rows",
-           dxg.shape().str(), dx.shape().str(), M);
+  DS_CHECK(M == N * k && dxg.numel() % C == 0 && dxg.numel() <= M * C,
+           "moe_permute_backward: dxg {} for dx {} and {} pairs", dxg.shape().str(), dx.shape().str(), M);
   const int32_t* pp = position.data<int32_t>();
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     float* d = out_row(dx, n * C, C, 0, accumulate);
     if (!accumulate) std::fill(d, d + C, 0.0f);
     for (int64_t j = 0; j < k; ++j) {
+      if (pp[n * k + j] < 0) continue;  // dropped
       accumulate_row(d, at(dxg.raw(), dxg.dtype(), int64_t(pp[n * k + j]) * C), dxg.dtype(), C);
     }
     out_done(dx, n * C, C, d);
@@ -632,8 +633,8 @@ void moe_permute_backward_16bit(Tensor dx, Tensor dxg, Tensor position, bool acc
 void moe_unpermute_16bit(Tensor out, Tensor yg, Tensor weights, Tensor position) {
   if (!floats({&out, &yg, &weights})) return DS_CPU_WIDENED(moe_unpermute)(out, yg, weights, position);
   const int64_t C = out.size(-1), N = rows_of(out), M = position.numel(), k = M / N;
-  DS_CHECK(M == N * k && yg.numel() == M * C && weights.numel() == M, "moe_unpermute: yg {} weights {} for out {}",
-           yg.shape().str(), weights.shape().str(), out.shape().str());
+  DS_CHECK(M == N * k && yg.numel() % C == 0 && yg.numel() <= M * C && weights.numel() == M,
+           "moe_unpermute: yg {} weights {} for out {}", yg.shape().str(), weights.shape().str(), out.shape().str());
   const int32_t* pp = position.data<int32_t>();
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
@@ -641,6 +642,7 @@ void moe_unpermute_16bit(Tensor out, Tensor yg, Tensor weights, Tensor position)
     float* a = scratch(0, C);
     std::fill(a, a + C, 0.0f);
     for (int64_t j = 0; j < k; ++j) {
+      if (pp[n * k + j] < 0) continue;  // dropped
       axpy_row(a, load1(weights, n * k + j), at(yg.raw(), yg.dtype(), int64_t(pp[n * k + j]) * C), yg.dtype(), C);
     }
     float* o = out_row(out, n * C, C, 1, true);
@@ -653,13 +655,16 @@ void moe_unpermute_backward_16bit(Tensor dyg, Tensor dweights, Tensor dout, Tens
   if (!floats({&dyg, &dweights, &dout, &yg, &weights})) {
     return DS_CPU_WIDENED(moe_unpermute_backward)(dyg, dweights, dout, yg, weights, sorted);
   }
-  const int64_t C = dout.size(-1), N = rows_of(dout), M = sorted.numel(), k = M / N;
-  DS_CHECK(M == N * k && dyg.numel() == M * C && yg.numel() == M * C && weights.numel() == M && dweights.numel() == M,
-           "moe_unpermute_backward: dyg {} yg {} weights {} for dout {}", dyg.shape().str(), yg.shape().str(),
-           weights.shape().str(), dout.shape().str());
+  const int64_t C = dout.size(-1), N = rows_of(dout), M = weights.numel(), k = M / N, R = sorted.numel();
+  DS_CHECK(M == N * k && R <= M && dyg.numel() == R * C && yg.numel() == R * C && dweights.numel() == M,
+           "moe_unpermute_backward: dyg {} yg {} weights {} sorted {} for dout {}", dyg.shape().str(),
+           yg.shape().str(), weights.shape().str(), sorted.shape().str(), dout.shape().str());
   const int32_t* sp = sorted.data<int32_t>();
+  if (R < M) {
+    for (int64_t i = 0; i < M; ++i) store1(dweights, i, 0.0f);  // the dropped pairs' weights had no effect
+  }
 #pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < M; ++p) {
+  for (int64_t p = 0; p < R; ++p) {
     const int64_t pair = sp[p];
     const float* d = in_row(dout, (pair / k) * C, C, 0);
     const float* y = in_row(yg, p * C, C, 1);

@@ -2,6 +2,7 @@
 // token permutation between token order and expert-grouped order, on the CPU. Every loop is
 // parallel over independent rows and every sum has a fixed order, so results do not depend
 // on the thread count.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -299,9 +300,60 @@ void moe_dispatch_plan(Tensor offsets, Tensor sorted, Tensor position, Tensor id
   }
 }
 
+void moe_capacity_plan(Tensor kept, Tensor sorted, Tensor position, Tensor offsets, Tensor weights, int64_t capacity,
+                       ops::MoEDropPolicy policy) {
+  const int64_t E = offsets.numel() - 1, M = sorted.numel();
+  DS_CHECK(E >= 1 && kept.numel() == E + 1 && position.numel() == M && weights.numel() == M && capacity >= 0,
+           "moe_capacity_plan: kept {} offsets {} sorted {} position {} weights {} capacity {}", kept.shape().str(),
+           offsets.shape().str(), sorted.shape().str(), position.shape().str(), weights.shape().str(), capacity);
+  const int64_t* off = offsets.data<int64_t>();
+  DS_CHECK(off[0] == 0 && off[E] == M, "moe_capacity_plan: offsets cover rows [{}, {}) of a plan of {}", off[0],
+           off[E], M);
+  const float* wp = weights.data<float>();
+  int32_t* sp = sorted.data<int32_t>();
+  int32_t* pp = position.data<int32_t>();
+  int64_t* kp = kept.data<int64_t>();
+  // Serial, like the plan: O(M) plus a sort of each overfull expert's rows. The kept rows move
+  // up (to at <= the row they are read from), so the plan is rewritten in place.
+  std::vector<int32_t> rows_of_e, order;
+  std::vector<char> keep;
+  int64_t at = 0;
+  kp[0] = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t begin = off[e], end = off[e + 1], n = end - begin;
+    DS_CHECK(n >= 0, "moe_capacity_plan: offsets decrease at expert {}", e);
+    keep.assign(size_t(n), 1);
+    if (n > capacity) {
+      std::fill(keep.begin(), keep.end(), 0);
+      if (policy == ops::MoEDropPolicy::Position) {
+        std::fill(keep.begin(), keep.begin() + capacity, 1);  // the rows are in token order
+      } else {
+        // The largest weights; a stable sort leaves equal weights in token order.
+        order.resize(size_t(n));
+        for (int64_t i = 0; i < n; ++i) order[size_t(i)] = int32_t(i);
+        std::stable_sort(order.begin(), order.end(),
+                         [&](int32_t a, int32_t b) { return wp[sp[begin + a]] > wp[sp[begin + b]]; });
+        for (int64_t i = 0; i < capacity; ++i) keep[size_t(order[size_t(i)])] = 1;
+      }
+    }
+    rows_of_e.assign(sp + begin, sp + end);
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t pair = rows_of_e[size_t(i)];
+      if (keep[size_t(i)]) {
+        sp[at] = pair;
+        pp[pair] = int32_t(at++);
+      } else {
+        pp[pair] = -1;
+      }
+    }
+    kp[e + 1] = at;
+  }
+  std::fill(sp + at, sp + M, -1);
+}
+
 void moe_permute(Tensor xg, Tensor x, Tensor sorted, int top_k) {
   const int64_t C = x.size(-1), M = sorted.numel(), N = rows(x);
-  DS_CHECK(xg.numel() == M * C && M == N * top_k, "moe_permute: xg {} from x {} with {} rows", xg.shape().str(),
+  DS_CHECK(xg.numel() == M * C && M <= N * top_k, "moe_permute: xg {} from x {} with {} rows", xg.shape().str(),
            x.shape().str(), M);
   const float* xp = x.data<float>();
   const int32_t* sp = sorted.data<int32_t>();
@@ -314,8 +366,8 @@ void moe_permute(Tensor xg, Tensor x, Tensor sorted, int top_k) {
 
 void moe_permute_backward(Tensor dx, Tensor dxg, Tensor position, bool accumulate) {
   const int64_t C = dx.size(-1), N = rows(dx), M = position.numel(), k = M / N;
-  DS_CHECK(M == N * k && dxg.numel() == M * C, "moe_permute_backward: dxg {} for dx {} and {} rows",
-           dxg.shape().str(), dx.shape().str(), M);
+  DS_CHECK(M == N * k && dxg.numel() % C == 0 && dxg.numel() <= M * C,
+           "moe_permute_backward: dxg {} for dx {} and {} pairs", dxg.shape().str(), dx.shape().str(), M);
   const float* gp = dxg.data<float>();
   const int32_t* pp = position.data<int32_t>();
   float* dp = dx.data<float>();
@@ -324,6 +376,7 @@ void moe_permute_backward(Tensor dx, Tensor dxg, Tensor position, bool accumulat
     float* d = dp + n * C;
     if (!accumulate) std::fill(d, d + C, 0.0f);
     for (int64_t j = 0; j < k; ++j) {
+      if (pp[n * k + j] < 0) continue;  // dropped
       const float* g = gp + int64_t(pp[n * k + j]) * C;
 #pragma omp simd
       for (int64_t c = 0; c < C; ++c) d[c] += g[c];
@@ -333,8 +386,8 @@ void moe_permute_backward(Tensor dx, Tensor dxg, Tensor position, bool accumulat
 
 void moe_unpermute(Tensor out, Tensor yg, Tensor weights, Tensor position) {
   const int64_t C = out.size(-1), N = rows(out), M = position.numel(), k = M / N;
-  DS_CHECK(M == N * k && yg.numel() == M * C && weights.numel() == M, "moe_unpermute: yg {} weights {} for out {}",
-           yg.shape().str(), weights.shape().str(), out.shape().str());
+  DS_CHECK(M == N * k && yg.numel() % C == 0 && yg.numel() <= M * C && weights.numel() == M,
+           "moe_unpermute: yg {} weights {} for out {}", yg.shape().str(), weights.shape().str(), out.shape().str());
   const float* yp = yg.data<float>();
   const float* wp = weights.data<float>();
   const int32_t* pp = position.data<int32_t>();
@@ -348,6 +401,7 @@ void moe_unpermute(Tensor out, Tensor yg, Tensor weights, Tensor position) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       float* a = acc.data();
       for (int64_t j = 0; j < k; ++j) {
+        if (pp[n * k + j] < 0) continue;  // dropped
         const float w = wp[n * k + j];
         const float* y = yp + int64_t(pp[n * k + j]) * C;
 #pragma omp simd
@@ -361,20 +415,21 @@ void moe_unpermute(Tensor out, Tensor yg, Tensor weights, Tensor position) {
 }
 
 void moe_unpermute_backward(Tensor dyg, Tensor dweights, Tensor dout, Tensor yg, Tensor weights, Tensor sorted) {
-  const int64_t C = dout.size(-1), N = rows(dout), M = sorted.numel(), k = M / N;
-  DS_CHECK(M == N * k && dyg.numel() == M * C && yg.numel() == M * C && weights.numel() == M && dweights.numel() == M,
-           "moe_unpermute_backward: dyg {} yg {} weights {} for dout {}", dyg.shape().str(), yg.shape().str(),
-           weights.shape().str(), dout.shape().str());
+  const int64_t C = dout.size(-1), N = rows(dout), M = weights.numel(), k = M / N, R = sorted.numel();
+  DS_CHECK(M == N * k && R <= M && dyg.numel() == R * C && yg.numel() == R * C && dweights.numel() == M,
+           "moe_unpermute_backward: dyg {} yg {} weights {} sorted {} for dout {}", dyg.shape().str(),
+           yg.shape().str(), weights.shape().str(), sorted.shape().str(), dout.shape().str());
   const float* dop = dout.data<float>();
   const float* yp = yg.data<float>();
   const float* wp = weights.data<float>();
   const int32_t* sp = sorted.data<int32_t>();
   float* dyp = dyg.data<float>();
   float* dwp = dweights.data<float>();
+  if (R < M) std::fill(dwp, dwp + M, 0.0f);  // the dropped pairs' weights had no effect
   // Each grouped row belongs to exactly one (token, slot) pair: no two rows write the same
   // dweights entry.
 #pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < M; ++p) {
+  for (int64_t p = 0; p < R; ++p) {
     const int64_t pair = sp[p];
     const float* d = dop + (pair / k) * C;
     const float* y = yp + p * C;
