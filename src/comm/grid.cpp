@@ -106,17 +106,6 @@ ProcessGrid::ProcessGrid(MPI_Comm world, const ParallelConfig& config) {
   DS_MPI_CHECK(MPI_Allreduce(&leader, &num_nodes_, 1, MPI_INT, MPI_SUM, world_->mpi_comm()));
 }
 
-void require_implemented_axes(const ProcessGrid& grid) {
-  for (Axis a : {Axis::Expert}) {
-    const std::string_view axis = axis_name(a);
-    if (grid.size(a) != 1) {
-      throw Error(fmt::format("parallel.{} = {}: {} parallelism is not implemented in this build of dstrain; set "
-                              "parallel.{} to 1 and use data parallelism",
-                              axis, grid.size(a), axis, axis));
-    }
-  }
-}
-
 std::string ProcessGrid::describe() const {
   return fmt::format("{} rank{} on {} node{} ({} per node): data {} x tensor {} x pipeline {}, expert {} within data",
                      world_size(), world_size() == 1 ? "" : "s", num_nodes_, num_nodes_ == 1 ? "" : "s", local_size_,

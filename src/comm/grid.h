@@ -38,11 +38,6 @@ struct ParallelConfig {
   json to_json() const;
 };
 
-// Axes whose parallelism this build does not implement yet (expert > 1) are
-// an error, raised alike on every rank: the trainer calls it, so that the grid itself can
-// describe every layout.
-void require_implemented_axes(const class ProcessGrid& grid);
-
 class ProcessGrid {
  public:
   // Validates the layout against the world size (errors are raised on every rank alike).

@@ -81,7 +81,8 @@ double TensorParallelGradSync::take_seconds() {
 
 bool counts_piece(const ParamInfo& p, int tp_rank, int tp_size) {
   if (tp_size <= 1) return true;
-  if (p.placement.kind == Placement::Kind::Whole) return tp_rank == 0;
+  // Whole parameters and routed experts (whole on every tensor rank) count on tensor rank 0.
+  if (p.placement.kind == Placement::Kind::Whole || p.placement.kind == Placement::Kind::Expert) return tp_rank == 0;
   if (p.placement.kind == Placement::Kind::Shard && p.placement.count < tp_size) {
     // Rank t holds piece t * count / tp: the first of its holders is the lowest such t.
     const int64_t first = (p.placement.index * tp_size + p.placement.count - 1) / p.placement.count;
@@ -90,17 +91,21 @@ bool counts_piece(const ParamInfo& p, int tp_rank, int tp_size) {
   return true;
 }
 
-double tensor_parallel_grad_sum_squares(const ParamRegistry& params, Communicator* tp) {
+double tensor_parallel_grad_sum_squares(const ParamRegistry& params, Communicator* tp, Communicator* ep) {
   // A pipeline stage's copy of a tied weight is counted by the stage that owns it.
   const bool copies = std::any_of(params.all().begin(), params.all().end(),
                                   [](const ParamInfo& p) { return p.pipeline_copy; });
-  if (ProcessGroups::size_of(tp) <= 1 && !copies) return ops::read_sum_squares(params.grads().tensor());
+  const bool experts = ProcessGroups::size_of(ep) > 1;
+  if (ProcessGroups::size_of(tp) <= 1 && !copies && !experts) return ops::read_sum_squares(params.grads().tensor());
   const int tp_rank = tp ? tp->rank() : 0, tp_size = ProcessGroups::size_of(tp);
-  double mine = 0;
+  double mine = 0, mine_experts = 0;
   for (int id = 0; id < params.size(); ++id) {
     const ParamInfo& p = params.info(id);
-    if (!p.pipeline_copy && counts_piece(p, tp_rank, tp_size)) mine += ops::read_sum_squares(params.grad(id));
+    if (p.pipeline_copy || !counts_piece(p, tp_rank, tp_size)) continue;
+    (experts && p.placement.kind == Placement::Kind::Expert ? mine_experts : mine) +=
+        ops::read_sum_squares(params.grad(id));
   }
+  if (experts) mine += ep->all_reduce_value<double>(mine_experts);
   return tp_size > 1 ? tp->all_reduce_value<double>(mine) : mine;
 }
 

@@ -191,7 +191,8 @@ std::vector<std::string> HFWeights::names() const {
   return out;
 }
 
-HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg) {
+HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const ParamRegistry* model) {
+  const ParamRegistry& all = model ? *model : reg;
   DS_CHECK(reg.flat_numel() == 0 || reg.values().allocated(),
            "load_hf_weights('{}'): allocate the parameter registry before loading into it", path);
   DS_CHECK(reg.device().is_cpu(), "load_hf_weights('{}'): parameters are on {}; load into host memory", path,
@@ -203,17 +204,19 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg) {
   std::vector<std::string> missing, unexpected;
   for (const ParamInfo& p : reg.all()) {
     if (!is_tensor_piece(p)) check_whole(p, "load_hf_weights");
+  }
+  for (const ParamInfo& p : all.all()) {
     if (!w.has(p.name)) missing.push_back(p.name);
   }
-  const bool tied = reg.find(kHead) < 0 && reg.find(kEmbed) >= 0;
+  const bool tied = all.find(kHead) < 0 && all.find(kEmbed) >= 0;
   for (const std::string& name : w.names()) {
-    if (reg.find(name) >= 0) continue;
+    if (all.find(name) >= 0) continue;
     if (name.ends_with("rotary_emb.inv_freq")) {  // recomputed from rope_theta
       ++stats.skipped_inv_freq;
     } else if (name == kHead && tied && w.has(kEmbed)) {
       check_tied_head(w);
       stats.tied_lm_head_checked = true;
-    } else if (std::string original; is_shared_copy(w, reg, name, &original)) {
+    } else if (std::string original; is_shared_copy(w, all, name, &original)) {
       ++stats.shared_copies;
     } else {
       unexpected.push_back(name);

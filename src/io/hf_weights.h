@@ -61,8 +61,10 @@ struct HFLoadStats {
 // bitwise equal to model.embed_tokens.weight. Parameters must be in host memory, whole or
 // tensor-parallel pieces (placement Shard over "tensor"): a piece is cut out of its global
 // tensor (extract_local; one global tensor of transient memory), so every rank of any
-// layout loads the same files, without communication.
-HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg);
+// layout loads the same files, without communication. `model`, when given, lists every
+// tensor of the model (other pipeline stages' and expert ranks' too): the files' tensors are
+// checked against it, and this rank loads the ones `reg` holds.
+HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const ParamRegistry* model = nullptr);
 
 // Writes `reg` as a Hugging Face checkpoint in `dir`: config.json, then model.safetensors,
 // or model-0000i-of-0000N.safetensors shards of at most max_shard_bytes of tensor data

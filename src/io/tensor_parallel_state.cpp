@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <set>
 
 #include "core/json_reader.h"
 
@@ -11,7 +12,11 @@ namespace dstrain {
 
 namespace {
 
-bool is_whole(const ParamInfo& p) { return p.placement.kind == Placement::Kind::Whole; }
+// Held whole by the ranks that hold it: replicated, or a routed expert of an expert-parallel
+// model (whole on every tensor rank of its owners).
+bool is_whole(const ParamInfo& p) {
+  return p.placement.kind == Placement::Kind::Whole || p.placement.kind == Placement::Kind::Expert;
+}
 
 // The placements this file handles, checked against the shapes, so that a registration that
 // does not describe its piece fails here rather than copying the wrong elements.
@@ -130,21 +135,44 @@ void extract_local(const ParamInfo& p, Tensor global, int tp_rank, int tp_size, 
 // ---- TensorParallelCheckpoint ----------------------------------------------------------
 
 TensorParallelCheckpoint::TensorParallelCheckpoint(const ParamRegistry& reg, ProcessGrid& grid)
-    : reg_(reg), tensor_(grid.comm(Axis::Tensor)), data_(grid.comm(Axis::Data)) {
+    : reg_(reg), tensor_(grid.comm(Axis::Tensor)), data_(grid.comm(Axis::Data)), expert_data_(grid.expert_data()) {
   tp_size_ = grid.size(Axis::Tensor);
   tp_rank_ = grid.coord(Axis::Tensor);
-  io_rank_ = grid.coord(Axis::Data) == 0;
-  const int me = grid.coord(Axis::Pipeline);
+  data_rank_ = grid.coord(Axis::Data);
+  const int me = grid.coord(Axis::Pipeline), ep = grid.size(Axis::Expert);
   // The file's tensors: each stage's own parameters (not its copies of another stage's), in
-  // pipeline-rank order, from one exchange of their names, shapes and kinds.
+  // pipeline-rank order, from one exchange of their names, shapes and kinds. Under expert
+  // parallelism a stage's ranks hold different routed experts: the expert group's lists are
+  // merged first, each layer's experts in expert-rank order where expert rank 0's stand (the
+  // order of the model held whole). Entries: name, dims, kind, layer, trainable, group, the
+  // expert rank holding it (-1: every rank).
   json mine = json::array();
   for (const ParamInfo& p : reg.all()) {
     check_piece(p);
-    if (!is_whole(p)) check_rank(p, tp_rank_, tp_size_);
+    if (p.placement.kind == Placement::Kind::Shard) check_rank(p, tp_rank_, tp_size_);
     if (p.pipeline_copy) continue;
     std::vector<int64_t> dims;
     for (int d = 0; d < p.global_shape.ndim(); ++d) dims.push_back(p.global_shape[d]);
-    mine.push_back({p.name, dims, int(p.kind), p.layer, p.trainable, int(p.group)});
+    const bool expert = p.placement.kind == Placement::Kind::Expert;
+    mine.push_back({p.name, dims, int(p.kind), p.layer, p.trainable, int(p.group), expert ? grid.coord(Axis::Expert) : -1});
+  }
+  if (ep > 1) {
+    std::vector<json> lists;
+    for (const std::string& l : all_gather_strings(grid.comm(Axis::Expert), mine.dump())) lists.push_back(json::parse(l));
+    json merged = json::array();
+    std::set<int> layers_done;
+    for (const json& e : lists[0]) {
+      if (e[6].get<int>() < 0) {
+        merged.push_back(e);
+      } else if (layers_done.insert(e[3].get<int>()).second) {
+        for (const json& list : lists) {
+          for (const json& x : list) {
+            if (x[6].get<int>() >= 0 && x[3] == e[3]) merged.push_back(x);
+          }
+        }
+      }
+    }
+    mine = std::move(merged);
   }
   const std::vector<std::string> stages =
       grid.size(Axis::Pipeline) > 1 ? all_gather_strings(grid.comm(Axis::Pipeline), mine.dump())
@@ -160,32 +188,35 @@ TensorParallelCheckpoint::TensorParallelCheckpoint(const ParamRegistry& reg, Pro
       DS_CHECK(file_.find(name) < 0, "'{}' is owned by two pipeline stages", name);
       file_.add(name, shape, ParamKind(e[2].get<int>()), e[3].get<int>(), o);
       owner_.push_back(int(stage));
+      writer_.push_back(std::max(e[6].get<int>(), 0));
       local_.push_back(int(stage) == me ? reg.find(name) : -1);
     }
   }
   auto globals = std::make_shared<std::vector<Shape>>();
   auto offsets = std::make_shared<std::vector<int64_t>>();
   auto owners = std::make_shared<std::vector<int>>(owner_);
+  auto writers = std::make_shared<std::vector<int>>(writer_);
   int64_t n = 0;
   for (int id = 0; id < file_.size(); ++id) {
     const ParamInfo& p = file_.info(id);
     globals->push_back(p.global_shape);
     offsets->push_back(n);
-    if (io_rank_ && local_[size_t(id)] >= 0) n += row_piece(p.global_shape, tp_rank_, tp_size_).elems();
+    io_rank_ = io_rank_ || writes(id);
+    if (writes(id)) n += row_piece(p.global_shape, tp_rank_, tp_size_).elems();
   }
   offsets_ = std::move(offsets);
   numel_ = std::max<int64_t>(n, 1);
-  // World rank r = (pipeline * data + d) * tp + t: each stage's data-0 ranks are consecutive,
-  // and their blocks 0..tp-1 tile every tensor of that stage in rank order.
+  // World rank r = (pipeline * data + d) * tp + t: the ranks of a stage and data coordinate are
+  // consecutive, and their blocks 0..tp-1 tile every tensor of that stage in rank order.
   const int tp = tp_size_, dp = grid.size(Axis::Data), world = grid.world_size();
-  partition_ = [globals, owners, tp, dp, world](int id, int rank) {
+  partition_ = [globals, owners, writers, tp, dp, world](int id, int rank) {
     DS_CHECK(rank >= 0 && rank < world,
              "checkpoint of a model-parallel model: rank {} of the checkpoint communicator is outside the grid's {} "
              "ranks; use a communicator ranked as the grid's world",
              rank, world);
     const Shape& g = globals->at(size_t(id));
     const int t = rank % tp, d = (rank / tp) % dp, pipeline = rank / (tp * dp);
-    if (d == 0 && pipeline == owners->at(size_t(id))) return row_piece(g, t, tp);
+    if (d == writers->at(size_t(id)) && pipeline == owners->at(size_t(id))) return row_piece(g, t, tp);
     RowPiece none = row_piece(g, 0, 1);
     none.rows = 0;
     return none;
@@ -212,7 +243,7 @@ CheckpointBuffers TensorParallelCheckpoint::stage(const float* values, const flo
   const int groups = exp_avg ? 3 : 1;
   allocate(groups);
   const float* src[3] = {values, exp_avg, exp_avg_sq};
-  if (io_rank_) {
+  {
     // Row blocks of a dim-0 piece lie inside the piece (count divides tp); whole parameters
     // are here whole; only dim-1 pieces are gathered, one global tensor at a time.
     int64_t gathered = 0;
@@ -224,9 +255,8 @@ CheckpointBuffers TensorParallelCheckpoint::stage(const float* values, const flo
     for (int g = 0; g < groups; ++g) {
       float* staged = staged_[g].data<float>();
       for (int fid = 0; fid < file_.size(); ++fid) {
-        const int id = local_[size_t(fid)];
-        if (id < 0) continue;  // another stage's
-        const ParamInfo& p = reg_.info(id);
+        if (!writes(fid)) continue;  // another stage's, or written by other replicas
+        const ParamInfo& p = reg_.info(local_[size_t(fid)]);
         const RowPiece block = row_piece(p.global_shape, tp_rank_, tp_size_);
         float* dst = staged + (*offsets_)[size_t(fid)];
         const float* local = src[g] + p.offset;
@@ -276,7 +306,7 @@ void TensorParallelCheckpoint::unstage(float* values, float* exp_avg, float* exp
            "the optimizer state",
            read_groups_ == 0 ? "nothing was" : "only the model was", read_groups_ == 3);
   float* dst[3] = {values, exp_avg, exp_avg_sq};
-  if (io_rank_) {
+  {
     int64_t gathered = 0;
     for (const ParamInfo& p : reg_.all()) {
       if (!is_whole(p) && !block_is_own_piece(p, tp_size_)) gathered = std::max(gathered, p.global_shape.numel());
@@ -287,9 +317,8 @@ void TensorParallelCheckpoint::unstage(float* values, float* exp_avg, float* exp
     for (int g = 0; g < groups; ++g) {
       float* staged = staged_[g].data<float>();
       for (int fid = 0; fid < file_.size(); ++fid) {
-        const int id = local_[size_t(fid)];
-        if (id < 0) continue;  // another stage's
-        const ParamInfo& p = reg_.info(id);
+        if (!writes(fid)) continue;  // another stage's, or read by other replicas
+        const ParamInfo& p = reg_.info(local_[size_t(fid)]);
         const RowPiece block = row_piece(p.global_shape, tp_rank_, tp_size_);
         float* blocks = staged + (*offsets_)[size_t(fid)];
         float* local = dst[g] + p.offset;
@@ -310,15 +339,26 @@ void TensorParallelCheckpoint::unstage(float* values, float* exp_avg, float* exp
       }
     }
   }
-  // The data-parallel replicas hold the same pieces: data coordinate 0's.
-  if (data_.size() > 1) {
-    constexpr int64_t kChunk = int64_t(1) << 28;  // elements per broadcast, well inside one MPI call
-    const int64_t n = reg_.flat_numel();
-    for (int g = 0; g < groups; ++g) {
-      for (int64_t b = 0; b < n; b += kChunk) {
-        data_.broadcast(Tensor(dst[g] + b, DType::F32, Shape{std::min(kChunk, n - b)}), 0);
+  // The data-parallel replicas hold the same pieces: the dense parameters data coordinate 0's,
+  // the routed experts those of the expert group 0's owner (rank 0 of expert_data), each
+  // broadcast over the ranks holding it, one run of consecutive parameters of a group at a time.
+  constexpr int64_t kChunk = int64_t(1) << 28;  // elements per broadcast, well inside one MPI call
+  for (int run = 0; run < reg_.size();) {
+    const bool expert = reg_.info(run).placement.kind == Placement::Kind::Expert;
+    int end = run + 1;
+    while (end < reg_.size() && (reg_.info(end).placement.kind == Placement::Kind::Expert) == expert) ++end;
+    Communicator& replicas = expert ? expert_data_ : data_;
+    if (replicas.size() > 1) {
+      const int64_t b0 = reg_.info(run).offset;
+      const ParamInfo& last = reg_.info(end - 1);
+      const int64_t b1 = last.offset + last.shape.numel();
+      for (int g = 0; g < groups; ++g) {
+        for (int64_t b = b0; b < b1; b += kChunk) {
+          replicas.broadcast(Tensor(dst[g] + b, DType::F32, Shape{std::min(kChunk, b1 - b)}), 0);
+        }
       }
     }
+    run = end;
   }
 }
 

@@ -31,20 +31,24 @@ void extract_local(const ParamInfo& p, Tensor global, int tp_rank, int tp_size, 
 // The same, for the piece p's placement names (whichever ranks hold it).
 void extract_local(const ParamInfo& p, Tensor global, Tensor local);
 
-// Checkpoints of a model split over tensor and pipeline ranks, through global tensors. The file
-// holds every global tensor of the model; each pipeline stage holds some of them (a stage's copy
-// of the tied embedding is not written: its owner, the first stage, writes it), so the tensors
-// the file lists are every stage's, gathered once at construction (file_registry(): the same on
-// every rank, in pipeline-rank order). Writing: the ranks of data coordinate 0 write, tensor
-// rank t of the stage owning a tensor rows block t of tp (RowPiece(global, t, tp)); every other
-// rank writes nothing of it. World rank r = (pipeline * data + d) * tp + t, so a stage's data-0
-// ranks are consecutive and their blocks tile each tensor in rank order: that is the partition
-// write_checkpoint gets. Reading uses the same partition, then rebuilds each rank's pieces and
-// hands them to the data-parallel replicas.
+// Checkpoints of a model split over tensor, pipeline and expert ranks, through global tensors. The
+// file holds every global tensor of the model; each pipeline stage holds some of them (a stage's
+// copy of the tied embedding is not written: its owner, the first stage, writes it), and under
+// expert parallelism each rank of an expert group holds some of a stage's routed experts, so the
+// tensors the file lists are every stage's and expert rank's, gathered once at construction
+// (file_registry(): the same on every rank, in pipeline-rank order, each layer's experts in
+// expert order, as the model held whole lists them). Writing: a tensor's writers are the ranks
+// of its stage at data coordinate w, where w = 0 for dense tensors and the owning expert rank e
+// for a routed expert (data coordinate e holds expert rank e's experts): tensor rank t writes rows
+// block t of tp (RowPiece(global, t, tp)); every other rank writes nothing of it. World rank
+// r = (pipeline * data + d) * tp + t, so those ranks are consecutive and their blocks tile the
+// tensor in rank order: that is the partition write_checkpoint gets. Reading uses the same
+// partition, then rebuilds each rank's pieces and hands them to the replicas (dense tensors over
+// the data axis, experts over the ranks holding the same experts).
 //
 // The checkpoint communicator must rank processes as the grid's world does (CheckpointManager's
-// io_comm, a duplicate of the world). Parameters must be Whole or tensor Shards; ZeRO-sharded
-// state is not handled here.
+// io_comm, a duplicate of the world). Parameters must be Whole, tensor Shards or routed Experts;
+// ZeRO-sharded state is not handled here.
 //
 //   save:   mgr.save(tpc.file_registry(), tpc.stage(values, m, v), state)        every rank
 //   resume: read_checkpoint(path, comm, tpc.file_registry(), tpc.targets(true));
@@ -56,10 +60,14 @@ class TensorParallelCheckpoint {
   // The file's tensors: names, global shapes and kinds of every stage's parameters (their
   // pieces and local layout are this object's business). Not allocated.
   ParamRegistry& file_registry() { return file_; }
-  // The pipeline rank that owns file tensor `id`, and its id in this rank's registry (-1: held
-  // by another stage).
+  // The pipeline rank that owns file tensor `id`, the data coordinate whose ranks write it (0,
+  // or a routed expert's expert rank), and its id in this rank's registry (-1: held by another
+  // stage or expert rank).
   int owner(int id) const { return owner_[size_t(id)]; }
+  int writer(int id) const { return writer_[size_t(id)]; }
   int local_id(int id) const { return local_[size_t(id)]; }
+  // Whether this rank writes (and reads) rows of file tensor `id`.
+  bool writes(int id) const { return local_[size_t(id)] >= 0 && data_rank_ == writer_[size_t(id)]; }
 
   // Copies this rank's row blocks of every global tensor into the staging buffers (the data-0
   // tensor group gathers each global tensor in turn: one global tensor of transient memory;
@@ -77,7 +85,7 @@ class TensorParallelCheckpoint {
   // exp_avg_sq are filled when given (and read).
   void unstage(float* values, float* exp_avg, float* exp_avg_sq);
 
-  // Whether this rank writes and reads rows (data coordinate 0).
+  // Whether this rank writes and reads rows of any tensor.
   bool io_rank() const { return io_rank_; }
   // Elements of each staging buffer (at least 1, so that a rank without rows still passes
   // non-null buffers).
@@ -91,10 +99,12 @@ class TensorParallelCheckpoint {
   const ParamRegistry& reg_;
   ParamRegistry file_;        // every stage's parameters, global shapes
   std::vector<int> owner_;    // file id -> pipeline rank
-  std::vector<int> local_;    // file id -> this rank's id (-1: another stage's)
+  std::vector<int> writer_;   // file id -> data coordinate of its writers
+  std::vector<int> local_;    // file id -> this rank's id (-1: another stage's or expert rank's)
   Communicator& tensor_;
   Communicator& data_;
-  int tp_size_ = 1, tp_rank_ = 0;
+  Communicator& expert_data_;
+  int tp_size_ = 1, tp_rank_ = 0, data_rank_ = 0;
   bool io_rank_ = false;
   std::shared_ptr<const std::vector<int64_t>> offsets_;  // per file tensor, into the staging buffers
   int64_t numel_ = 1;

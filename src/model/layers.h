@@ -55,9 +55,11 @@ struct RoutingStats {
   double route_seconds = 0, permute_seconds = 0;
   // Expert parallelism: expert rows this rank received to compute (its experts' share of the
   // expert group's tokens), the all-to-alls' bytes sent (dispatch and combine, forward and
-  // backward) and the time the layer waited for them, and the time in the expert GEMMs.
+  // backward), the time the layer waited for them (dispatch: the counts and the rows on their
+  // way to the experts, forward and backward; combine: the results on their way back), and the
+  // time in the expert GEMMs.
   int64_t received_rows = 0;
-  double a2a_bytes = 0, a2a_seconds = 0, expert_seconds = 0;
+  double a2a_bytes = 0, dispatch_seconds = 0, combine_seconds = 0, expert_seconds = 0;
   // With an expert capacity (moe.capacity_factor): the (token, slot) pairs of this rank's rows
   // dropped because their expert was full. tokens_per_expert counts them (the router's choice).
   int64_t dropped_rows = 0;
@@ -65,7 +67,7 @@ struct RoutingStats {
     std::fill(tokens_per_expert.begin(), tokens_per_expert.end(), 0);
     aux_loss = route_seconds = permute_seconds = 0;
     received_rows = dropped_rows = 0;
-    a2a_bytes = a2a_seconds = expert_seconds = 0;
+    a2a_bytes = dispatch_seconds = combine_seconds = expert_seconds = 0;
   }
 };
 

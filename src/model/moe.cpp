@@ -203,7 +203,7 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
     const auto c0 = Clock::now();
     ctx.groups.ep->all_to_all(Tensor(recv_counts.data(), DType::I64, Shape{E}),
                               Tensor(send_counts.data(), DType::I64, Shape{E}));
-    stats_.a2a_seconds += seconds_since(c0);
+    stats_.dispatch_seconds += seconds_since(c0);
     m.recv_counts = recv_counts;
     m.send_rows.assign(size_t(ep_), 0);
     m.recv_rows.assign(size_t(ep_), 0);
@@ -284,7 +284,7 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   if (ep_ > 1) {
     const auto w0 = Clock::now();
     dispatch.wait();
-    stats_.a2a_seconds += seconds_since(w0);
+    stats_.dispatch_seconds += seconds_since(w0);
     xl = acts.put(mb, key_ + "experts.local_in", {R, C}, cd);
     yl = ctx.scratch->get("moe.local_out", {R, C}, cd);
     t = Clock::now();
@@ -368,7 +368,7 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
     Tensor received = scratch.get("moe.a2a", {R, C}, cd);
     const auto w0 = Clock::now();
     exchange_rows(ctx, received, m.recv_rows, dgrouped, m.send_rows).wait();
-    stats_.a2a_seconds += seconds_since(w0);
+    stats_.dispatch_seconds += seconds_since(w0);
     dyl = scratch.get("moe.local_dy", {R, C}, cd);
     t = Clock::now();
     sort_chunks(dyl, received, m.recv_counts, /*to_experts=*/true);
@@ -451,7 +451,7 @@ void MoEBlock::return_rows(const Ctx& ctx, const Meta& m, Tensor local, Tensor g
   stats_.permute_seconds += seconds_since(t);
   t = Clock::now();
   exchange_rows(ctx, grouped, m.send_rows, back, m.recv_rows).wait();
-  stats_.a2a_seconds += seconds_since(t);
+  stats_.combine_seconds += seconds_since(t);
 }
 
 void MoEBlock::sort_chunks(Tensor out, Tensor in, const std::vector<int64_t>& counts, bool to_experts) const {

@@ -159,6 +159,9 @@ struct Metrics::Impl {
   // the share of the step in routing and permutation.
   std::vector<double> moe_load, moe_dead, moe_share;
   std::vector<double> tp_share;  // tensor-group collectives over the step
+  // Expert parallelism: the busiest rank's received rows over the mean, and the all-to-alls'
+  // share of the step.
+  std::vector<double> ep_load, ep_share;
   int64_t checkpoints = 0;
   int64_t last_warn_step[4] = {-1000000, -1000000, -1000000, -1000000};
   double peak_flops = 0;  // what the endpoint thread shows
@@ -336,6 +339,11 @@ void Metrics::on_step(const StepMetrics& m) {
       impl_->moe_dead.push_back(dead);
       impl_->moe_share.push_back((m.extra.value("moe_route_s", 0.0) + m.extra.value("moe_permute_s", 0.0)) / t);
     }
+    if (m.extra.contains("expert_parallel")) {
+      const json& ep = m.extra["expert_parallel"];
+      impl_->ep_load.push_back(ep.value("received_max_over_mean", 0.0));
+      impl_->ep_share.push_back(ep.value("a2a_s", 0.0) / t);
+    }
     if (m.extra.contains("tensor_parallel")) impl_->tp_share.push_back(m.extra["tensor_parallel"].value("comm_s", 0.0) / t);
   }
   warn_if_abnormal(m);
@@ -485,6 +493,21 @@ std::string Metrics::prometheus_text() const {
     metric("dstrain_pipeline_comm_bytes", "gauge",
            "Bytes rank 0 sent and received between pipeline stages in the last step.", {{"", pp.value("comm_bytes", 0.0)}});
   }
+  if (impl_->last_extra.contains("expert_parallel")) {
+    const json& ep = impl_->last_extra["expert_parallel"];
+    metric("dstrain_expert_parallel_received_max_over_mean", "gauge",
+           "Rows the busiest expert-parallel rank's experts computed in the last step over the mean of all ranks.",
+           {{"", ep.value("received_max_over_mean", 0.0)}});
+    metric("dstrain_expert_parallel_a2a_bytes", "gauge", "Bytes rank 0 sent in the MoE all-to-alls of the last step.",
+           {{"", ep.value("a2a_bytes", 0.0)}});
+    metric("dstrain_expert_parallel_a2a_seconds", "gauge",
+           "Rank 0's time in the MoE all-to-alls (dispatch and combine) of the last step.", {{"", ep.value("a2a_s", 0.0)}});
+    metric("dstrain_expert_parallel_duration_seconds", "gauge",
+           "Rank 0's time in the MoE layers' dispatch, expert GEMMs and combine in the last step.",
+           {{"{part=\"dispatch\"}", ep.value("dispatch_s", 0.0)},
+            {"{part=\"compute\"}", ep.value("expert_s", 0.0)},
+            {"{part=\"combine\"}", ep.value("combine_s", 0.0)}});
+  }
   if (impl_->last_extra.contains("moe")) {
     std::vector<std::pair<std::string, double>> load, dead, aux;
     for (const auto& [layer, v] : impl_->last_extra["moe"].items()) {
@@ -544,6 +567,12 @@ std::string Metrics::summary_table() const {
                     load < 2.0});
     rows.push_back({"dead experts (last step, all layers)", fmt::format("{:.0f}", dead), "0", dead == 0});
     rows.push_back({"MoE routing + permutation", pct(share), "< 10% of a step", share < 0.10});
+  }
+  if (!impl_->ep_load.empty()) {
+    const double load = median(impl_->ep_load), share = median(impl_->ep_share);
+    rows.push_back({"expert-parallel load (busiest rank over mean)", fmt::format("{:.2f}x", load), "< 1.10x the mean",
+                    load < 1.10});
+    rows.push_back({"expert-parallel all-to-all", pct(share), "< 20% of a step", share < 0.20});
   }
   if (!impl_->tp_share.empty()) {
     // Blocking and on the critical path: Megatron-style tensor parallelism inside an NVLink node

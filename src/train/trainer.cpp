@@ -31,8 +31,15 @@ Tensor tokens_tensor(std::vector<int32_t>& v, int64_t B, int64_t T) { return Ten
 }  // namespace
 
 double model_state_bytes_per_rank(const RunConfig& config, int64_t dp) {
-  // Tensor parallelism splits (nearly) every parameter over the tensor group.
-  const double params = double(config.model.num_parameters()) / double(std::max<int64_t>(config.parallel.tensor, 1));
+  // Tensor parallelism splits (nearly) every parameter over the tensor group, except the routed
+  // experts, which expert parallelism splits over the expert group.
+  const ModelConfig& mc = config.model;
+  double routed = 0;
+  for (int64_t l = 0; l < mc.num_hidden_layers + mc.num_nextn_predict_layers; ++l) {
+    if (mc.is_moe_layer(l)) routed += 3.0 * double(mc.n_routed_experts * mc.moe_intermediate_size * mc.hidden_size);
+  }
+  const double params = (double(mc.num_parameters()) - routed) / double(std::max<int64_t>(config.parallel.tensor, 1)) +
+                        routed / double(std::max<int64_t>(config.parallel.expert, 1));
   const double n = double(std::max<int64_t>(dp, 1));
   const PrecisionConfig& pc = config.train.precision;
   // Whole weights (4) and their 16-bit compute copy; gradients (4) and a 16-bit all-reduce's
@@ -70,6 +77,16 @@ CheckpointTargets zero_checkpoint_targets(ZeroOptimizer& z) {
   t.exp_avg_sq = z.exp_avg_sq().data<float>();
   t.piece_offsets = std::make_shared<const std::vector<int64_t>>(z.shard_offsets());
   return t;
+}
+
+// "1, 2, 4": the expert-parallel sizes that divide both the routed experts and the data-parallel
+// ranks.
+std::string divisors_text(int64_t experts, int64_t data) {
+  std::string s;
+  for (int64_t d = 1; d <= std::min(experts, data); ++d) {
+    if (experts % d == 0 && data % d == 0) s += fmt::format("{}{}", s.empty() ? "" : ", ", d);
+  }
+  return s;
 }
 
 // A model whose state per rank (model_state_bytes_per_rank) cannot fit the rank's memory
@@ -113,7 +130,6 @@ void check_same_config(Communicator& world, const RunConfig& c) {
 
 Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
     : config_(std::move(config)), grid_(grid), dp_(grid.comm(Axis::Data)) {
-  require_implemented_axes(grid_);
   config_.train.resolve_batch(dp_.size(), config_.source);
   check_same_config(grid_.world(), config_);
   environment_ = check_same_environment(grid_.world(), local_environment());
@@ -138,6 +154,46 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
   }
   ProcessGroups groups;
   groups.tp = tp_;
+  // Expert parallelism: the routed experts split over the expert group (carved out of the
+  // data-parallel ranks), tokens sent to their experts' owners by all-to-alls.
+  const int ep = grid_.size(Axis::Expert);
+  if (ep > 1) {
+    const ModelConfig& mc = config_.model;
+    DS_CHECK(mc.n_routed_experts > 0,
+             "{}: parallel.expert = {} splits routed experts over ranks, but the model ({}) has none (n_routed_experts "
+             "is null: a dense model); set parallel.expert to 1",
+             config_.source, ep, mc.model_type);
+    DS_CHECK(mc.n_routed_experts % ep == 0,
+             "{}: parallel.expert = {} does not divide the model's n_routed_experts = {}: each rank of an expert group "
+             "holds the same number of experts; choose parallel.expert among {}",
+             config_.source, ep, mc.n_routed_experts, divisors_text(mc.n_routed_experts, grid_.size(Axis::Data)));
+    DS_CHECK(config_.train.zero.stage == 0,
+             "{}: zero_optimization.stage {} with parallel.expert = {} is not implemented: ZeRO shards whole "
+             "parameters over all data-parallel ranks; use stage 0 with expert parallelism",
+             config_.source, config_.train.zero.stage, ep);
+    ep_ = &grid_.comm(Axis::Expert);
+    groups.ep = ep_;
+    if (grid_.world_rank() == 0) {
+      // Group-limited routing (V2's device-limited, V3's node-limited) picks topk_group of the
+      // n_group expert groups per token; where the groups lie on whole ranks (or nodes) that
+      // bounds the ranks a token's rows are sent to.
+      const int64_t El = mc.n_routed_experts / ep, per_group = mc.n_routed_experts / mc.n_group;
+      std::string bound;
+      if (mc.topk_method != "greedy") {
+        // Ranks a group lies on (whole groups per rank: 1), when groups and ranks align.
+        const int64_t ranks = per_group % El == 0 ? per_group / El : El % per_group == 0 ? 1 : 0;
+        bound = ranks > 0 ? fmt::format("; {} of {} expert groups per token, each on {} rank(s): a token's rows go to "
+                                        "at most {} rank(s)",
+                                        mc.topk_group, mc.n_group, ranks,
+                                        std::min<int64_t>({int64_t(ep), mc.num_experts_per_tok, mc.topk_group * ranks}))
+                          : fmt::format("; {} of {} expert groups per token (the groups do not align with the ranks' "
+                                        "experts)",
+                                        mc.topk_group, mc.n_group);
+      }
+      log::info("expert parallelism: {} routed experts per MoE layer over {} ranks, {} per rank ({}){}",
+                mc.n_routed_experts, ep, El, ParamGroupComms::from_grid(grid_).describe(), bound);
+    }
+  }
   // Pipeline parallelism: the stages, and this rank's chunks of them.
   const int pp = grid_.size(Axis::Pipeline);
   const ParallelConfig& par = config_.parallel;
@@ -177,11 +233,13 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
   }
   model_ = std::make_unique<Transformer>(
       config_.model, device,
-      ShardSpec::tensor_parallel(config_.model, grid_.coord(Axis::Tensor), tp, 0, 1, sequence_parallel), groups, chunks);
+      ShardSpec::tensor_parallel(config_.model, grid_.coord(Axis::Tensor), tp, grid_.coord(Axis::Expert), ep,
+                                 sequence_parallel),
+      groups, chunks);
   if (pp_) runner_ = std::make_unique<PipelineRunner>(*model_, *pp_, *schedule_, stages);
   if (tp_) tp_stats_before_ = tp_->stats();
-  // Checkpoints of global tensors from the tensor pieces and pipeline stages.
-  if (tp_ || pp_) tp_ckpt_ = std::make_unique<TensorParallelCheckpoint>(model_->params(), grid_);
+  // Checkpoints of global tensors from the tensor pieces, pipeline stages and expert owners.
+  if (tp_ || pp_ || ep_) tp_ckpt_ = std::make_unique<TensorParallelCheckpoint>(model_->params(), grid_);
   const ZeroConfig& zc = config_.train.zero;
   const PrecisionConfig& precision = config_.train.precision;
   scaler_ = std::make_unique<LossScaler>(precision.fp16_scaler, precision.fp16);
@@ -295,13 +353,16 @@ void check_finite_weights(const ParamRegistry& reg, const std::string& source) {
 // Every rank must start from the same weights: ranks that loaded different files (another
 // directory, a stale copy on a node-local disk) would train a model spliced from both, since
 // each checkpoint writes the rows of its own rank.
-void check_same_weights(Communicator& world, const ParamRegistry& reg, const std::string& source) {
+// With skip_experts the routed experts are left out (ranks of an expert group hold different ones).
+void check_same_weights(Communicator& world, const ParamRegistry& reg, const std::string& source,
+                        bool skip_experts = false) {
   const int P = reg.size(), n = world.size();
   std::vector<int64_t> mine(static_cast<size_t>(P)), all(static_cast<size_t>(P) * size_t(n));
 #pragma omp parallel for schedule(dynamic)
   for (int id = 0; id < P; ++id) {
     const Tensor p = reg.param(id);
-    mine[size_t(id)] = int64_t(XXH3_64bits(p.data<float>(), p.nbytes()));
+    const bool skip = skip_experts && reg.info(id).placement.kind == Placement::Kind::Expert;
+    mine[size_t(id)] = skip ? 0 : int64_t(XXH3_64bits(p.data<float>(), p.nbytes()));
   }
   world.all_gather(Tensor(all.data(), DType::I64, Shape{int64_t(all.size())}), Tensor(mine.data(), DType::I64, Shape{P}));
   int first = -1;
@@ -467,10 +528,12 @@ void Trainer::init_weights(const std::string& init_from) {
   // owner's only).
   if (runner_ && runner_->has_tie()) runner_->copy_tied({reg.param(runner_->tied_param())});
   if (checkpoint) check_finite_weights(reg, "checkpoint '" + init_from + "'");
-  // Over the data-parallel ranks: those hold the same pieces (tensor ranks hold different ones).
-  check_same_weights(dp_, reg,
-                     init_from.empty() ? fmt::format("initialised from train.seed {}", config_.train.seed)
-                                       : "--init-from " + init_from);
+  // Over the data-parallel ranks: those hold the same pieces (tensor ranks hold different ones);
+  // with expert parallelism the same routed experts only where the expert coordinate agrees.
+  const std::string source = init_from.empty() ? fmt::format("initialised from train.seed {}", config_.train.seed)
+                                               : "--init-from " + init_from;
+  check_same_weights(dp_, reg, source, /*skip_experts=*/ep_ != nullptr);
+  if (ep_) check_same_weights(grid_.expert_data(), reg, source);
   apply_precision();
   if (zero_) zero_->adopt_weights();  // each rank keeps its pieces (stage 3: and hands the rest back)
 }
@@ -535,7 +598,7 @@ void Trainer::load_weights(const std::string& init_from, bool checkpoint) {
   }
   // Every rank reads the files itself: they are identical, and this needs no broadcast of
   // the whole model.
-  auto counts = load_hf_weights(init_from, model_->params());
+  auto counts = load_hf_weights(init_from, model_->params(), tp_ckpt_ ? &file_registry() : nullptr);
   log::info("loaded {} tensors from {}", counts.loaded, init_from);
 }
 
@@ -705,21 +768,49 @@ void Trainer::reduce_routing_stats(StepRecord& r) {
   if (!routing.empty()) {
     timed_collective([&] { dp_.all_reduce(Tensor(routing.data(), DType::F64, Shape{int64_t(routing.size())})); });
   }
+  // Expert parallelism: the rows each data-parallel rank's experts received, per layer (each
+  // rank is an expert rank of its group: the max over the mean is the groups' imbalance).
+  const int64_t L = int64_t(moe.size()), dp = dp_.size();
+  std::vector<int64_t> received(size_t(L * dp), 0);
+  if (ep_ && L > 0) {
+    std::vector<int64_t> mine;
+    for (auto& [l, ffn] : moe) mine.push_back(ffn->routing()->received_rows);
+    timed_collective([&] { dp_.all_gather(Tensor(received.data(), DType::I64, Shape{L * dp}), Tensor(mine.data(), DType::I64, Shape{L})); });
+  }
   size_t at = 0;
-  for (auto& [l, ffn] : moe) {
-    r.moe_route_seconds += ffn->routing()->route_seconds;
-    r.moe_permute_seconds += ffn->routing()->permute_seconds;
+  for (int64_t i = 0; i < L; ++i) {
+    const auto& [l, ffn] = moe[size_t(i)];
+    const RoutingStats& st = *ffn->routing();
+    r.moe_route_seconds += st.route_seconds;
+    r.moe_permute_seconds += st.permute_seconds;
     MoeLayerStats ms;
     ms.layer = l;
     ms.aux_loss = routing[at++] / scaler_->scale();
     r.aux_loss += ms.aux_loss;
-    for (size_t e = 0; e < ffn->routing()->tokens_per_expert.size(); ++e) ms.tokens.push_back(int64_t(routing[at++]));
+    for (size_t e = 0; e < st.tokens_per_expert.size(); ++e) ms.tokens.push_back(int64_t(routing[at++]));
+    if (ep_) {
+      for (int64_t d = 0; d < dp; ++d) ms.received.push_back(received[size_t(d * L + i)]);
+      r.ep.a2a_bytes += st.a2a_bytes;
+      r.ep.dispatch_seconds += st.dispatch_seconds;
+      r.ep.combine_seconds += st.combine_seconds;
+      r.ep.expert_seconds += st.expert_seconds;
+    }
     r.moe.push_back(std::move(ms));
+  }
+  if (ep_) {
+    // Rows received per data-parallel rank over all layers (with pipeline stages: all stages').
+    r.ep.received_rows.assign(size_t(dp), 0);
+    for (int64_t d = 0; d < dp; ++d) {
+      for (int64_t i = 0; i < L; ++i) r.ep.received_rows[size_t(d)] += received[size_t(d * L + i)];
+    }
+    if (pp_) {
+      timed_collective([&] { pp_->all_reduce(Tensor(r.ep.received_rows.data(), DType::I64, Shape{dp})); });
+    }
   }
   if (!pp_) return;
   // Each stage holds some MoE layers: every rank gets every layer's statistics, in layer order.
   json mine = json::array();
-  for (const MoeLayerStats& ms : r.moe) mine.push_back({ms.layer, ms.aux_loss, ms.tokens});
+  for (const MoeLayerStats& ms : r.moe) mine.push_back({ms.layer, ms.aux_loss, ms.tokens, ms.received});
   r.moe.clear();
   for (const std::string& theirs : all_gather_strings(*pp_, mine.dump())) {
     for (const json& e : json::parse(theirs)) {
@@ -727,6 +818,7 @@ void Trainer::reduce_routing_stats(StepRecord& r) {
       ms.layer = e[0].get<int>();
       ms.aux_loss = e[1].get<double>();
       ms.tokens = e[2].get<std::vector<int64_t>>();
+      ms.received = e[3].get<std::vector<int64_t>>();
       r.moe.push_back(std::move(ms));
     }
   }
@@ -882,7 +974,7 @@ bool Trainer::train_step(StepRecord& r) {
   if (zero_) {
     r.grad_norm = zero_->grad_norm();
   } else {
-    double sq = tensor_parallel_grad_sum_squares(model_->params(), tp_);
+    double sq = tensor_parallel_grad_sum_squares(model_->params(), tp_, ep_);
     if (pp_) timed_collective([&] { sq = pp_->all_reduce_value<double>(sq); });
     r.grad_norm = std::sqrt(sq);
   }
@@ -1029,6 +1121,18 @@ StepMetrics Trainer::step_metrics(const StepRecord& r, double elapsed, int64_t s
                            {"recv_wait_s", r.pp_recv_wait_seconds},
                            {"activation_bytes", model_->activations().bytes_allocated()}};
   }
+  if (ep_) {
+    // Every data-parallel rank's received rows; rank 0's all-to-all traffic and time split.
+    m.extra["expert_parallel"] = {{"size", ep_->size()},
+                                  {"received_rows", r.ep.received_rows},
+                                  {"received_max_over_mean", r.ep.received_max_over_mean()},
+                                  {"imbalanced", r.ep.received_max_over_mean() > kExpertImbalance},
+                                  {"a2a_bytes", r.ep.a2a_bytes},
+                                  {"a2a_s", r.ep.dispatch_seconds + r.ep.combine_seconds},
+                                  {"dispatch_s", r.ep.dispatch_seconds},
+                                  {"expert_s", r.ep.expert_seconds},
+                                  {"combine_s", r.ep.combine_seconds}};
+  }
   if (zero_) {
     // Rank 0's ZeRO state, with the step's peaks of what is only held while in use.
     const ZeroMemory z = zero_->memory();
@@ -1051,10 +1155,15 @@ StepMetrics Trainer::step_metrics(const StepRecord& r, double elapsed, int64_t s
     m.extra["moe_permute_s"] = r.moe_permute_seconds;
     json moe = json::object();
     for (const MoeLayerStats& ms : r.moe) {
-      moe[std::to_string(ms.layer)] = {{"max_over_mean_load", ms.max_over_mean()},
-                                       {"dead_experts", ms.dead()},
-                                       {"aux_loss", ms.aux_loss},
-                                       {"tokens_per_expert", ms.tokens}};
+      json& layer = moe[std::to_string(ms.layer)];
+      layer = {{"max_over_mean_load", ms.max_over_mean()},
+               {"dead_experts", ms.dead()},
+               {"aux_loss", ms.aux_loss},
+               {"tokens_per_expert", ms.tokens}};
+      if (!ms.received.empty()) {
+        layer["received_rows"] = ms.received;
+        layer["received_max_over_mean"] = ms.received_max_over_mean();
+      }
     }
     m.extra["moe"] = moe;
   }
@@ -1161,6 +1270,21 @@ Trainer::Outcome Trainer::train() {
                 r.step, r.ce_loss, r.aux_loss, r.mtp_loss, worst->max_over_mean(), worst->layer, dead, experts,
                 100 * r.moe_route_seconds / r.step_seconds, 100 * r.moe_permute_seconds / r.step_seconds);
     }
+    if (ep_ && print) {
+      const ExpertParallelStep& e = r.ep;
+      const double mom = e.received_max_over_mean();
+      log::info("experts {:>6} | rows received per rank max {:.2f} x mean over {} ranks | all-to-all {:.1f} MB, "
+                "dispatch {:.1f}% + experts {:.1f}% + combine {:.1f}% of the step",
+                r.step, mom, e.received_rows.size(), e.a2a_bytes / 1e6, 100 * e.dispatch_seconds / r.step_seconds,
+                100 * e.expert_seconds / r.step_seconds, 100 * e.combine_seconds / r.step_seconds);
+      if (mom > kExpertImbalance) {
+        const auto busiest = std::max_element(e.received_rows.begin(), e.received_rows.end()) - e.received_rows.begin();
+        log::warn("step {}: expert-parallel load is imbalanced: data-parallel rank {}'s experts computed {:.2f} x the "
+                  "mean rows (above {:.2f}); the step waits for it. Its experts are over-chosen: balance the routing "
+                  "(aux_loss_alpha, or noaux_tc's train.router_bias_update_rate) or set moe.capacity_factor",
+                  r.step, busiest, mom, kExpertImbalance);
+      }
+    }
     if (tc.eval_interval > 0 && (!config_.data.val.empty() || !config_.data.split.empty()) &&
         (r.step % tc.eval_interval == 0 || r.step == tc.max_steps)) {
       const std::vector<LossSums> e = evaluate_each(tc.eval_batches);
@@ -1242,8 +1366,9 @@ TrainState Trainer::state() {
                {"expert", grid_.size(Axis::Expert)},
                {"sequence_parallel", model_->shard().sequence_parallel},
                {"schedule", pp_ ? json(schedule_->name()) : json()},
-               {"partition", tp_ckpt_ ? "the ranks of data coordinate 0 wrote, tensor rank t of the pipeline stage "
-                                        "holding a global tensor rows [R*t/T, R*(t+1)/T) of its dimension 0"
+               {"partition", tp_ckpt_ ? "the ranks of data coordinate 0 (for a routed expert: of its expert rank) wrote, "
+                                        "tensor rank t of the pipeline stage holding a global tensor rows "
+                                        "[R*t/T, R*(t+1)/T) of its dimension 0"
                                       : "each rank wrote rows [R*r/N, R*(r+1)/N) of dimension 0 of every tensor"}};
   return st;
 }
@@ -1518,13 +1643,13 @@ std::string Trainer::sample(const std::string& prompt) {
 void Trainer::save_hf(const std::string& dir) {
   const DType dtype = dtype_from_torch_name(config_.output.save_hf_dtype);
   if (zero_) zero_->gather_all();  // stage 3: whole weights for the export, handed back after it
-  if (pp_) {
-    // Pipeline: the first stage's data-0 tensor-rank-0 process assembles every stage's global
-    // tensors (each stage's data-0 tensor group gathers its own, tensor rank 0 sends them over
-    // the pipeline group) and writes the files: the whole model in its memory, once.
+  if (pp_ || ep_) {
+    // Pipeline stages or expert owners: world rank 0 assembles every global tensor (the ranks
+    // that write it to checkpoints gather it over their tensor group, their tensor rank 0 sends
+    // it) and writes the files: the whole model in its memory, once.
     ParamRegistry& file = file_registry();
-    const bool data0 = grid_.coord(Axis::Data) == 0, writer = data0 && grid_.coord(Axis::Tensor) == 0;
-    const int me = pp_->rank();
+    const bool root = grid_.world_rank() == 0;
+    const int dp = grid_.size(Axis::Data), tp = grid_.size(Axis::Tensor);
     ParamRegistry whole;
     for (const ParamInfo& p : file.all()) {
       ParamOptions o;
@@ -1532,30 +1657,26 @@ void Trainer::save_hf(const std::string& dir) {
       o.group = p.group;
       whole.add(p.name, p.global_shape, p.kind, p.layer, o);
     }
-    if (writer && me == 0) whole.allocate(Device::cpu());
-    if (data0) {
-      Buffer global;
-      for (int id = 0; id < file.size(); ++id) {
-        const ParamInfo& fp = file.info(id);
-        const int owner = tp_ckpt_->owner(id);
-        if (owner == me) {
-          const int local = tp_ckpt_->local_id(id);
-          const ParamInfo& p = model_->params().info(local);
-          Tensor g = me == 0 && writer ? whole.param(id) : Tensor();
-          if (!g.raw()) {
-            if (global.numel() < fp.global_shape.numel()) {
-              global = Buffer("save_hf.global", MemCategory::Checkpoint, DType::F32, fp.global_shape.numel());
-            }
-            g = global.tensor(0, fp.global_shape);
+    if (root) whole.allocate(Device::cpu());
+    Buffer global;
+    for (int id = 0; id < file.size(); ++id) {
+      const ParamInfo& fp = file.info(id);
+      if (tp_ckpt_->writes(id)) {
+        const int local = tp_ckpt_->local_id(id);
+        Tensor g = root ? whole.param(id) : Tensor();
+        if (!g.raw()) {
+          if (global.numel() < fp.global_shape.numel()) {
+            global = Buffer("save_hf.global", MemCategory::Checkpoint, DType::F32, fp.global_shape.numel());
           }
-          gather_global(p, model_->params().param(local), tp_, g);
-          if (writer && me != 0) pp_->send(g, 0, 1);
-        } else if (writer && me == 0) {
-          pp_->recv(whole.param(id), owner, 1);
+          g = global.tensor(0, fp.global_shape);
         }
+        gather_global(model_->params().info(local), model_->params().param(local), tp_, g);
+        if (!root && grid_.coord(Axis::Tensor) == 0) grid_.world().send(g, 0, 1);
+      } else if (root) {
+        grid_.world().recv(whole.param(id), (tp_ckpt_->owner(id) * dp + tp_ckpt_->writer(id)) * tp, 1);
       }
     }
-    if (writer && me == 0) save_hf_weights(dir, whole, config_.model.to_hf_json(), int64_t(5) << 30, dtype);
+    if (root) save_hf_weights(dir, whole, config_.model.to_hf_json(), int64_t(5) << 30, dtype);
   } else if (tp_) {
     // The data-0 tensor group gathers each global tensor; its rank 0 writes.
     if (grid_.coord(Axis::Data) == 0) {

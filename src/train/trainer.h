@@ -40,15 +40,33 @@ struct MoeLayerStats {
   int layer = 0;
   double aux_loss = 0;
   std::vector<int64_t> tokens;  // (n_routed_experts) assignments
-  double max_over_mean() const {
+  double max_over_mean() const { return max_over_mean_of(tokens); }
+  int64_t dead() const { return std::count(tokens.begin(), tokens.end(), 0); }
+  // Expert parallelism: the rows each data-parallel rank's experts computed (index = data
+  // coordinate; empty without expert parallelism), and the busiest rank over the mean.
+  std::vector<int64_t> received;
+  double received_max_over_mean() const { return max_over_mean_of(received); }
+  static double max_over_mean_of(const std::vector<int64_t>& v) {
     int64_t total = 0, mx = 0;
-    for (int64_t t : tokens) {
+    for (int64_t t : v) {
       total += t;
       mx = std::max(mx, t);
     }
-    return total ? double(mx) * double(tokens.size()) / double(total) : 0.0;
+    return total ? double(mx) * double(v.size()) / double(total) : 0.0;
   }
-  int64_t dead() const { return std::count(tokens.begin(), tokens.end(), 0); }
+};
+
+// Expert parallelism in a step: the rows each data-parallel rank's experts computed over all
+// MoE layers, and rank 0's all-to-all bytes sent and its time in the MoE layers' dispatch
+// (sending rows to the experts' owners and waiting for them, forward and backward), the
+// experts' GEMMs and the combine (the results back to the tokens' ranks).
+// Expert-parallel ranks whose received rows exceed the mean by more than this fraction are
+// imbalanced: a warning, and "imbalanced" in the metrics.
+inline constexpr double kExpertImbalance = 1.10;
+struct ExpertParallelStep {
+  std::vector<int64_t> received_rows;
+  double a2a_bytes = 0, dispatch_seconds = 0, expert_seconds = 0, combine_seconds = 0;
+  double received_max_over_mean() const { return MoeLayerStats::max_over_mean_of(received_rows); }
 };
 
 struct StepRecord {
@@ -76,6 +94,7 @@ struct StepRecord {
   // sum included), messages, and the time it waited for receives (the bubble it saw).
   double pp_comm_bytes = 0, pp_recv_wait_seconds = 0;
   int64_t pp_messages = 0;
+  ExpertParallelStep ep;  // with parallel.expert > 1
   bool skipped = false;             // no update: non-finite loss or gradients, or a loss spike
   std::string skip_reason;
   // fp16: the loss scale the step's backward used, and whether its gradients overflowed (the
@@ -144,6 +163,8 @@ class Trainer {
   const LossScaler& loss_scaler() const { return *scaler_; }
   const RunConfig& config() const { return config_; }
   const std::vector<StepRecord>& history() const { return history_; }
+  // The run's metrics (null before train()).
+  const Metrics* metrics() const { return metrics_.get(); }
   // The job's build, libraries and CPUs, as recorded in checkpoints and metrics.jsonl.
   const json& environment() const { return environment_.record; }
   int64_t step() const { return step_; }
@@ -225,6 +246,7 @@ class Trainer {
   // rank's chunks, and the hook that hands the reducer each gradient once all micro-batches
   // reported it.
   Communicator* pp_ = nullptr;
+  Communicator* ep_ = nullptr;  // the expert group (null: every rank holds every expert)
   std::unique_ptr<PipelineRunner> runner_;
   std::unique_ptr<FinalGradHooks> final_hooks_;
   ParamHookChain param_hooks_;  // the model's ParamHooks: the reducer's grad_ready (later ZeRO-3's gathers)
