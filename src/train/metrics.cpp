@@ -509,12 +509,17 @@ std::string Metrics::prometheus_text() const {
             {"{part=\"combine\"}", ep.value("combine_s", 0.0)}});
   }
   if (impl_->last_extra.contains("moe")) {
-    std::vector<std::pair<std::string, double>> load, dead, aux;
+    std::vector<std::pair<std::string, double>> load, dead, aux, dropped;
     for (const auto& [layer, v] : impl_->last_extra["moe"].items()) {
       const std::string l = fmt::format("{{layer=\"{}\"}}", layer);
       load.push_back({l, v.value("max_over_mean_load", 0.0)});
       dead.push_back({l, v.value("dead_experts", 0.0)});
       aux.push_back({l, v.value("aux_loss", 0.0)});
+      if (v.contains("dropped_rows")) dropped.push_back({l, v.value("dropped_rows", 0.0)});
+    }
+    if (!dropped.empty()) {
+      metric("dstrain_moe_dropped_rows", "gauge",
+             "(Token, expert) pairs dropped by moe.capacity_factor in the last step, per MoE layer.", dropped);
     }
     metric("dstrain_moe_load_max_over_mean", "gauge", "Tokens of the busiest expert over the mean, per MoE layer.", load);
     metric("dstrain_moe_dead_experts", "gauge", "Experts that received no token in the last step, per MoE layer.", dead);

@@ -752,6 +752,7 @@ void Trainer::reduce_routing_stats(StepRecord& r) {
     const RoutingStats& st = *ffn->routing();
     routing.push_back(st.aux_loss);
     for (int64_t c : st.tokens_per_expert) routing.push_back(double(c));
+    routing.push_back(double(st.dropped_rows));
   }
   if (!routing.empty() && model_->shard().sequence_parallel) {
     // Each tensor rank routed its own rows: the loads add up over the group. The auxiliary
@@ -760,7 +761,7 @@ void Trainer::reduce_routing_stats(StepRecord& r) {
     size_t at = 0;
     for (auto& [l, ffn] : moe) {
       if (tp_->rank() != 0) loads[at] = 0;
-      at += 1 + ffn->routing()->tokens_per_expert.size();
+      at += 2 + ffn->routing()->tokens_per_expert.size();
     }
     timed_collective([&] { tp_->all_reduce(Tensor(loads.data(), DType::F64, Shape{int64_t(loads.size())})); });
     routing = std::move(loads);
@@ -788,6 +789,7 @@ void Trainer::reduce_routing_stats(StepRecord& r) {
     ms.aux_loss = routing[at++] / scaler_->scale();
     r.aux_loss += ms.aux_loss;
     for (size_t e = 0; e < st.tokens_per_expert.size(); ++e) ms.tokens.push_back(int64_t(routing[at++]));
+    ms.dropped = int64_t(routing[at++]);
     if (ep_) {
       for (int64_t d = 0; d < dp; ++d) ms.received.push_back(received[size_t(d * L + i)]);
       r.ep.a2a_bytes += st.a2a_bytes;
@@ -810,7 +812,7 @@ void Trainer::reduce_routing_stats(StepRecord& r) {
   if (!pp_) return;
   // Each stage holds some MoE layers: every rank gets every layer's statistics, in layer order.
   json mine = json::array();
-  for (const MoeLayerStats& ms : r.moe) mine.push_back({ms.layer, ms.aux_loss, ms.tokens, ms.received});
+  for (const MoeLayerStats& ms : r.moe) mine.push_back({ms.layer, ms.aux_loss, ms.tokens, ms.received, ms.dropped});
   r.moe.clear();
   for (const std::string& theirs : all_gather_strings(*pp_, mine.dump())) {
     for (const json& e : json::parse(theirs)) {
@@ -819,6 +821,7 @@ void Trainer::reduce_routing_stats(StepRecord& r) {
       ms.aux_loss = e[1].get<double>();
       ms.tokens = e[2].get<std::vector<int64_t>>();
       ms.received = e[3].get<std::vector<int64_t>>();
+      ms.dropped = e[4].get<int64_t>();
       r.moe.push_back(std::move(ms));
     }
   }
@@ -1160,6 +1163,7 @@ StepMetrics Trainer::step_metrics(const StepRecord& r, double elapsed, int64_t s
                {"dead_experts", ms.dead()},
                {"aux_loss", ms.aux_loss},
                {"tokens_per_expert", ms.tokens}};
+      if (config_.model.moe_capacity_factor > 0) layer["dropped_rows"] = ms.dropped;
       if (!ms.received.empty()) {
         layer["received_rows"] = ms.received;
         layer["received_max_over_mean"] = ms.received_max_over_mean();
@@ -1259,16 +1263,22 @@ Trainer::Outcome Trainer::train() {
     if (config_.data.train.size() > 1 && print) log::info("data mix {:>6} | {}", r.step, pipeline().mix_report());
     if (!r.moe.empty() && print) {
       const MoeLayerStats* worst = &r.moe[0];
-      int64_t dead = 0, experts = 0;
+      int64_t dead = 0, experts = 0, dropped = 0, assigned = 0;
       for (const MoeLayerStats& ms : r.moe) {
         if (ms.max_over_mean() > worst->max_over_mean()) worst = &ms;
         dead += ms.dead();
         experts += int64_t(ms.tokens.size());
+        dropped += ms.dropped;
+        for (int64_t t : ms.tokens) assigned += t;
       }
       log::info("routing {:>6} | ce {:.4f} + aux {:.5f} + mtp {:.4f} | worst expert load {:.2f} x mean (layer {}) | "
                 "dead experts {} of {} | routing {:.1f}% + permutation {:.1f}% of the step",
                 r.step, r.ce_loss, r.aux_loss, r.mtp_loss, worst->max_over_mean(), worst->layer, dead, experts,
                 100 * r.moe_route_seconds / r.step_seconds, 100 * r.moe_permute_seconds / r.step_seconds);
+      if (config_.model.moe_capacity_factor > 0) {
+        log::info("routing {:>6} | moe.capacity_factor {}: {} of {} (token, expert) pairs dropped ({:.2f}%)", r.step,
+                  config_.model.moe_capacity_factor, dropped, assigned, assigned ? 100.0 * double(dropped) / double(assigned) : 0.0);
+      }
     }
     if (ep_ && print) {
       const ExpertParallelStep& e = r.ep;

@@ -39,7 +39,8 @@ namespace dstrain {
 struct MoeLayerStats {
   int layer = 0;
   double aux_loss = 0;
-  std::vector<int64_t> tokens;  // (n_routed_experts) assignments
+  std::vector<int64_t> tokens;  // (n_routed_experts) assignments, the router's choice
+  int64_t dropped = 0;          // of those, dropped by moe.capacity_factor
   double max_over_mean() const { return max_over_mean_of(tokens); }
   int64_t dead() const { return std::count(tokens.begin(), tokens.end(), 0); }
   // Expert parallelism: the rows each data-parallel rank's experts computed (index = data

@@ -56,7 +56,7 @@ void expect_same_training(Trainer& ref, Trainer& ep, ProcessGrid& grid, const st
       int64_t assigned = 0, received = 0;
       for (int64_t t : a.moe[l].tokens) assigned += t;
       for (int64_t r : a.moe[l].received) received += r;
-      EXPECT_EQ(received, assigned) << what << ": rows received over the ranks, layer " << a.moe[l].layer;
+      EXPECT_EQ(received + a.moe[l].dropped, assigned) << what << ": rows received over the ranks, layer " << a.moe[l].layer;
     }
   }
   const ParamRegistry& reg = ep.model().params();
@@ -123,6 +123,50 @@ TEST_P(ExpertTraining, MatchesEveryExpertOnEveryRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, ExpertTraining, ::testing::Values("v2", "v3"));
+
+// Token dropping (moe.capacity_factor 1) is decided on the token's rank before the dispatch: the
+// expert-parallel run drops the same pairs and trains the same model; the metrics report them.
+// Dropped by position: with drop_policy "probs" an expert keeps its largest routing weights, and
+// a freshly initialised sigmoid router gives every weight nearly 0.5, so two layouts whose expert
+// GEMMs group rows differently (last-bit differences, 1e-7) can keep different ones of two
+// near-equal weights; the model-level test (test_expert_parallel) checks "probs" exactly.
+TEST(ExpertParallel, TokenDroppingIsTheSameAtEveryExpertSize) {
+  if (world_size() < 2) GTEST_SKIP() << "needs 2 or 4 ranks";
+  RunFiles files(kSteps, model_of("v3"));
+  const std::vector<std::string> capacity = {"moe.capacity_factor=1.0", "moe.drop_policy=\"position\"",
+                                             "train.steps_per_print=1"};
+  const RunConfig base = files.config(capacity);
+  ProcessGrid dp(MPI_COMM_WORLD, base.parallel);
+  Trainer ref(base, dp);
+  ref.init_weights("");
+  ref.train();
+  std::vector<std::string> o = capacity;
+  o.push_back("parallel.expert=" + std::to_string(world_size()));
+  const RunConfig cfg = files.config(o);
+  ProcessGrid grid(MPI_COMM_WORLD, cfg.parallel);
+  Trainer t(cfg, grid);
+  t.init_weights("");
+  t.train();
+  expect_same_training(ref, t, grid, "v3 capacity 1.0 expert " + std::to_string(world_size()));
+  int64_t dropped = 0;
+  for (size_t i = 0; i < t.history().size(); ++i) {
+    for (size_t l = 0; l < t.history()[i].moe.size(); ++l) {
+      const MoeLayerStats &a = t.history()[i].moe[l], &b = ref.history()[i].moe[l];
+      EXPECT_EQ(a.dropped, b.dropped) << "step " << i + 1 << " layer " << a.layer;
+      // The rows computed are the kept ones.
+      int64_t assigned = 0, received = 0;
+      for (int64_t x : a.tokens) assigned += x;
+      for (int64_t x : a.received) received += x;
+      EXPECT_EQ(received + a.dropped, assigned) << "step " << i + 1 << " layer " << a.layer;
+      dropped += a.dropped;
+    }
+  }
+  EXPECT_GT(dropped, 0) << "capacity 1.0 dropped nothing: the test does not exercise dropping";
+  if (world_rank() == 0) {
+    ASSERT_NE(t.metrics(), nullptr);
+    EXPECT_NE(t.metrics()->prometheus_text().find("dstrain_moe_dropped_rows"), std::string::npos);
+  }
+}
 
 // Expert parallelism with tensor parallelism and sequence parallelism (expert 2 within data 2,
 // tensor 2), and with pipeline stages (expert 2 within data 2, pipeline 2), at 4 ranks.
