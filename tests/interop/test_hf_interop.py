@@ -118,11 +118,13 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
     def tearDownClass(cls):
         shutil.rmtree(cls.dir)
 
-    def export(self, name, tensor=1, pipeline=1):
+    def export(self, name, tensor=1, pipeline=1, expert=1):
         """Trains `name` for STEPS steps (over `tensor` tensor-parallel ranks with sequence
-        parallelism when above 1, or over `pipeline` 1F1B pipeline stages) and saves it; returns the
-        directory and dstrain's eval loss."""
-        d = os.path.join(self.dir, name + (f"_tp{tensor}" if tensor > 1 else "") + (f"_pp{pipeline}" if pipeline > 1 else ""))
+        parallelism when above 1, over `pipeline` 1F1B pipeline stages, or with its routed experts
+        split over `expert` data-parallel ranks) and saves it; returns the directory and dstrain's
+        eval loss."""
+        d = os.path.join(self.dir, name + (f"_tp{tensor}" if tensor > 1 else "") + (f"_pp{pipeline}" if pipeline > 1 else "")
+                         + (f"_ep{expert}" if expert > 1 else ""))
         os.makedirs(d)
         with open(os.path.join(d, "model.json"), "w") as f:
             json.dump(MODELS[name], f)
@@ -148,7 +150,9 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
         if pipeline > 1:
             train = ["mpirun", "-np", str(pipeline), "--bind-to", "none", *train, "--set",
                      f"parallel.pipeline={pipeline}", 'parallel.schedule="1f1b"']
-        run(train, extra_env=MPI_ENV if tensor > 1 or pipeline > 1 else {})
+        if expert > 1:
+            train = ["mpirun", "-np", str(expert), "--bind-to", "none", *train, "--set", f"parallel.expert={expert}"]
+        run(train, extra_env=MPI_ENV if tensor > 1 or pipeline > 1 or expert > 1 else {})
         ev = run([os.path.join(BUILD, "app", "dstrain"), "eval", "--config", config, "--init-from", hf]).stdout
         m = re.search(r"eval loss ([0-9.]+) over (\d+) tokens", ev)
         self.assertIsNotNone(m, ev)
@@ -162,12 +166,12 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
         ce = float(re.search(r"^ce ([-0-9.e+]+)$", p.stdout, re.M).group(1))
         return np.fromfile(out, dtype=np.float32).reshape(WINDOWS, T, vocab), ce
 
-    def check(self, name, tensor=1, pipeline=1):
+    def check(self, name, tensor=1, pipeline=1, expert=1):
         import numpy as np
         import torch
         import transformers
         start = time.time()
-        hf, eval_loss = self.export(name, tensor, pipeline)
+        hf, eval_loss = self.export(name, tensor, pipeline, expert)
         cfg = MODELS[name]
 
         # config.json loads as written, as the class it names.
@@ -206,7 +210,7 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
         abs_diff = (ours - theirs).abs().max().item()
         scale = theirs.abs().max().item()
         rel_diff = abs_diff / scale
-        print(f"{name}{f' (tensor {tensor})' if tensor > 1 else ''}{f' (pipeline {pipeline})' if pipeline > 1 else ''}: logits max |diff| {abs_diff:.3g} ({rel_diff:.3g} of max |logit| {scale:.3g}); loss: "
+        print(f"{name}{f' (tensor {tensor})' if tensor > 1 else ''}{f' (pipeline {pipeline})' if pipeline > 1 else ''}{f' (expert {expert})' if expert > 1 else ''}: logits max |diff| {abs_diff:.3g} ({rel_diff:.3g} of max |logit| {scale:.3g}); loss: "
               f"transformers {hf_loss:.7f}, dstrain eval {eval_loss:.6f} ({abs(eval_loss - hf_loss) / hf_loss:.2g} "
               f"rel), dstrain forward {ce:.7f} ({abs(ce - hf_loss) / hf_loss:.2g} rel); {time.time() - start:.1f} s",
               flush=True)
@@ -235,6 +239,11 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
         # Trained over 2 pipeline stages (1F1B; the last stage's MTP reads its copy of the
         # embedding): the export, assembled from the stages, is a model transformers runs too.
         self.check("v3", pipeline=2)
+
+    def test_deepseek_v3_trained_expert_parallel(self):
+        # Trained with its routed experts split over 2 ranks (all-to-all dispatch and combine):
+        # the export, assembled from the experts' owners, is a model transformers runs too.
+        self.check("v3", expert=2)
 
 
 if __name__ == "__main__":
