@@ -243,7 +243,7 @@ CheckpointBuffers TensorParallelCheckpoint::stage(const float* values, const flo
   const int groups = exp_avg ? 3 : 1;
   allocate(groups);
   const float* src[3] = {values, exp_avg, exp_avg_sq};
-  {
+  if (io_rank_) {
     // Row blocks of a dim-0 piece lie inside the piece (count divides tp); whole parameters
     // are here whole; only dim-1 pieces are gathered, one global tensor at a time.
     int64_t gathered = 0;
@@ -306,7 +306,7 @@ void TensorParallelCheckpoint::unstage(float* values, float* exp_avg, float* exp
            "the optimizer state",
            read_groups_ == 0 ? "nothing was" : "only the model was", read_groups_ == 3);
   float* dst[3] = {values, exp_avg, exp_avg_sq};
-  {
+  if (io_rank_) {
     int64_t gathered = 0;
     for (const ParamInfo& p : reg_.all()) {
       if (!is_whole(p) && !block_is_own_piece(p, tp_size_)) gathered = std::max(gathered, p.global_shape.numel());

@@ -1287,7 +1287,10 @@ Trainer::Outcome Trainer::train() {
                 "dispatch {:.1f}% + experts {:.1f}% + combine {:.1f}% of the step",
                 r.step, mom, e.received_rows.size(), e.a2a_bytes / 1e6, 100 * e.dispatch_seconds / r.step_seconds,
                 100 * e.expert_seconds / r.step_seconds, 100 * e.combine_seconds / r.step_seconds);
-      if (mom > kExpertImbalance) {
+      // Warned again after 10 printed steps at the earliest, so a lasting imbalance does not
+      // bury the progress output.
+      if (mom > kExpertImbalance && r.step >= ep_warned_step_ + 10 * tc.steps_per_print) {
+        ep_warned_step_ = r.step;
         const auto busiest = std::max_element(e.received_rows.begin(), e.received_rows.end()) - e.received_rows.begin();
         log::warn("step {}: expert-parallel load is imbalanced: data-parallel rank {}'s experts computed {:.2f} x the "
                   "mean rows (above {:.2f}); the step waits for it. Its experts are over-chosen: balance the routing "

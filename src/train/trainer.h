@@ -248,6 +248,7 @@ class Trainer {
   // reported it.
   Communicator* pp_ = nullptr;
   Communicator* ep_ = nullptr;  // the expert group (null: every rank holds every expert)
+  int64_t ep_warned_step_ = -1000000;  // the last step that warned of expert-parallel imbalance
   std::unique_ptr<PipelineRunner> runner_;
   std::unique_ptr<FinalGradHooks> final_hooks_;
   ParamHookChain param_hooks_;  // the model's ParamHooks: the reducer's grad_ready (later ZeRO-3's gathers)
