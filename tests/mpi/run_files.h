@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "core/tensor.h"
 #include "data/token_shard.h"
 #include "train/run_config.h"
 
@@ -168,6 +169,14 @@ inline double rel_error(const float* a, const float* b, int64_t n) {
   }
   return diff / std::max(scale, 1e-30);
 }
+
+// The same for whole vectors; infinite when their sizes differ.
+inline double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() ? rel_error(a.data(), b.data(), int64_t(a.size())) : INFINITY;
+}
+
+// A host F32 tensor's values.
+inline std::vector<float> values(Tensor t) { return std::vector<float>(t.data<float>(), t.data<float>() + t.numel()); }
 
 inline uint64_t checksum(const void* data, size_t bytes) {
   uint64_t h = 1469598103934665603ull;

@@ -31,12 +31,6 @@ json model_of(const std::string& name) {
   return run;
 }
 
-std::vector<float> values(Tensor t) { return std::vector<float>(t.data<float>(), t.data<float>() + t.numel()); }
-
-double rel(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() ? rel_error(a.data(), b.data(), int64_t(a.size())) : INFINITY;
-}
-
 // Every step's losses, gradient norm and expert loads, and every weight this rank holds (its
 // experts and the replicated rest) against the run with every expert everywhere; the expert
 // group holds every expert once.
@@ -75,7 +69,7 @@ void expect_same_training(Trainer& ref, Trainer& ep, ProcessGrid& grid, const st
       }
       continue;
     }
-    const double e = rel(mine, want);
+    const double e = rel_error(mine, want);
     EXPECT_LE(e, 1e-5) << what << ": " << p.name;
     worst = std::max(worst, e);
     experts += p.placement.kind == Placement::Kind::Expert;
@@ -205,7 +199,7 @@ TEST(ExpertParallel, ComposesWithTensorAndPipelineParallelism) {
     for (int id = 0; id < reg.size(); ++id) {
       const int w = rr.find(reg.info(id).name);
       ASSERT_GE(w, 0) << reg.info(id).name;
-      EXPECT_LE(rel(values(reg.param(id)), values(rr.param(w))), 1e-5) << other << ": " << reg.info(id).name;
+      EXPECT_LE(rel_error(values(reg.param(id)), values(rr.param(w))), 1e-5) << other << ": " << reg.info(id).name;
     }
   }
 }
@@ -250,7 +244,7 @@ TEST(ExpertParallel, CheckpointsReshardBetweenExpertSizes) {
         for (int id = 0; id < reg.size(); ++id) {
           const ParamInfo& p = reg.info(id);
           const double tol = p.kind == ParamKind::RouterBias ? 1e-4 : 1e-5;  // bias: +-gamma steps, compared relative
-          EXPECT_LE(rel(values(reg.param(id)), values(fr.param(fr.find(p.name)))), tol) << model << ": " << p.name;
+          EXPECT_LE(rel_error(values(reg.param(id)), values(fr.param(fr.find(p.name)))), tol) << model << ": " << p.name;
         }
       }
     }
@@ -298,7 +292,7 @@ TEST(ExpertParallel, HuggingFaceExportHoldsEveryExpert) {
     EXPECT_EQ(counts.loaded, int64_t(loaded.params().size()));
     for (int id = 0; id < loaded.params().size(); ++id) {
       const std::string& name = loaded.params().info(id).name;
-      EXPECT_LE(rel(values(loaded.params().param(id)), values(rr.param(rr.find(name)))), 1e-5) << name;
+      EXPECT_LE(rel_error(values(loaded.params().param(id)), values(rr.param(rr.find(name)))), 1e-5) << name;
     }
   }
   MPI_Barrier(MPI_COMM_WORLD);
@@ -312,7 +306,7 @@ TEST(ExpertParallel, HuggingFaceExportHoldsEveryExpert) {
   for (int id = 0; id < reg.size(); ++id) {
     const ParamInfo& p = reg.info(id);
     experts += p.placement.kind == Placement::Kind::Expert;
-    EXPECT_LE(rel(values(reg.param(id)), values(rr.param(rr.find(p.name)))), 1e-5) << p.name;
+    EXPECT_LE(rel_error(values(reg.param(id)), values(rr.param(rr.find(p.name)))), 1e-5) << p.name;
   }
   EXPECT_EQ(experts, int(back.model().moe_layers().size()) * 3 * 4);
 }

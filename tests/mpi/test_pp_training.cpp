@@ -31,10 +31,6 @@ json model_of(const std::string& name) {
   return run;
 }
 
-double rel(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() ? rel_error(a.data(), b.data(), int64_t(a.size())) : INFINITY;
-}
-
 // Every step's loss and gradient norm, and every weight this rank holds (its stages' pieces,
 // gathered over its tensor group) against the one-rank run; every weight of the model is held
 // by some rank.
@@ -60,7 +56,7 @@ void expect_same_training(Trainer& ref, Trainer& pp, ProcessGrid& grid, const st
     const int w = whole.find(p.name);
     ASSERT_GE(w, 0) << p.name;
     Tensor rw = whole.param(w);
-    const double e = rel(g, std::vector<float>(rw.data<float>(), rw.data<float>() + rw.numel()));
+    const double e = rel_error(g, values(rw));
     EXPECT_LE(e, 1e-5) << what << ": " << p.name << (p.pipeline_copy ? " (the last stage's copy)" : "");
     worst = std::max(worst, e);
     owned += !p.pipeline_copy;
@@ -168,9 +164,7 @@ TEST(PipelineParallel, CheckpointsResumeAtOtherPipelineSizes) {
       for (int id = 0; id < reg.size(); ++id) {
         const ParamInfo& p = reg.info(id);
         Tensor w = full.model().params().param(full.model().params().find(p.name)), mine = reg.param(id);
-        EXPECT_LE(rel(std::vector<float>(mine.data<float>(), mine.data<float>() + mine.numel()),
-                      std::vector<float>(w.data<float>(), w.data<float>() + w.numel())),
-                  1e-5)
+        EXPECT_LE(rel_error(values(mine), values(w)), 1e-5)
             << model << ": pipeline " << from << " -> " << to << ": " << p.name;
       }
     }
@@ -202,9 +196,7 @@ TEST(PipelineParallel, HuggingFaceExportHoldsEveryStagesWeights) {
       for (int id = 0; id < loaded.params().size(); ++id) {
         const std::string& name = loaded.params().info(id).name;
         Tensor a = loaded.params().param(id), b = ref.model().params().param(ref.model().params().find(name));
-        EXPECT_LE(rel(std::vector<float>(a.data<float>(), a.data<float>() + a.numel()),
-                      std::vector<float>(b.data<float>(), b.data<float>() + b.numel())),
-                  1e-5)
+        EXPECT_LE(rel_error(values(a), values(b)), 1e-5)
             << model << ": " << name;
       }
     }

@@ -66,17 +66,6 @@ std::vector<float> columns(Tensor t, int64_t c0, int64_t width) {
   return out;
 }
 
-// Largest |a - b| relative to the largest |b|.
-double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double diff = 0, scale = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
-    diff = std::max(diff, std::fabs(double(a[i]) - double(b[i])));
-    scale = std::max(scale, std::fabs(double(b[i])));
-  }
-  return diff / std::max(scale, 1e-30);
-}
-
 // The pieces' partial sums are added over the ranks in the all-reduce, not inside one GEMM:
 // fp32 rounding of a different summation order, nothing more. One rank: bitwise.
 void expect_close(const std::vector<float>& a, const std::vector<float>& b, int ranks, const std::string& what) {

@@ -43,15 +43,6 @@ std::map<std::string, std::vector<float>> global_weights(Trainer& t, Communicato
   return out;
 }
 
-double rel(const std::vector<float>& a, const std::vector<float>& b) {
-  double diff = 0, scale = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
-    diff = std::max(diff, std::fabs(double(a[i]) - double(b[i])));
-    scale = std::max(scale, std::fabs(double(b[i])));
-  }
-  return a.size() == b.size() ? diff / std::max(scale, 1e-30) : INFINITY;
-}
-
 void expect_same_training(Trainer& ref, Trainer& tp, Communicator* tp_comm, const std::string& what) {
   ASSERT_EQ(ref.history().size(), tp.history().size());
   for (size_t i = 0; i < ref.history().size(); ++i) {
@@ -64,7 +55,7 @@ void expect_same_training(Trainer& ref, Trainer& tp, Communicator* tp_comm, cons
   double worst = 0;
   for (const auto& [name, w] : wr) {
     ASSERT_TRUE(wt.count(name)) << what << ": " << name;
-    const double e = rel(wt.at(name), w);
+    const double e = rel_error(wt.at(name), w);
     EXPECT_LE(e, 1e-5) << what << ": " << name << " after " << ref.history().size() << " steps";
     worst = std::max(worst, e);
   }
@@ -162,7 +153,7 @@ TEST(TensorParallel, CheckpointsResumeAtOtherTensorSizes) {
       }
       Communicator* tp = grid.size(Axis::Tensor) > 1 ? &grid.comm(Axis::Tensor) : nullptr;
       const auto wf = global_weights(full, nullptr), wb = global_weights(b, tp);
-      for (const auto& [name, w] : wf) EXPECT_LE(rel(wb.at(name), w), 1e-5) << model << ": " << name;
+      for (const auto& [name, w] : wf) EXPECT_LE(rel_error(wb.at(name), w), 1e-5) << model << ": " << name;
     }
   }
 }
