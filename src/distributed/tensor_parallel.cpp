@@ -82,7 +82,7 @@ double TensorParallelGradSync::take_seconds() {
 bool counts_piece(const ParamInfo& p, int tp_rank, int tp_size) {
   if (tp_size <= 1) return true;
   // Whole parameters and routed experts (whole on every tensor rank) count on tensor rank 0.
-  if (p.placement.kind == Placement::Kind::Whole || p.placement.kind == Placement::Kind::Expert) return tp_rank == 0;
+  if (p.placement.held_whole()) return tp_rank == 0;
   if (p.placement.kind == Placement::Kind::Shard && p.placement.count < tp_size) {
     // Rank t holds piece t * count / tp: the first of its holders is the lowest such t.
     const int64_t first = (p.placement.index * tp_size + p.placement.count - 1) / p.placement.count;

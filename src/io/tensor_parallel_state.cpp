@@ -12,11 +12,7 @@ namespace dstrain {
 
 namespace {
 
-// Held whole by the ranks that hold it: replicated, or a routed expert of an expert-parallel
-// model (whole on every tensor rank of its owners).
-bool is_whole(const ParamInfo& p) {
-  return p.placement.kind == Placement::Kind::Whole || p.placement.kind == Placement::Kind::Expert;
-}
+bool is_whole(const ParamInfo& p) { return p.placement.held_whole(); }
 
 // The placements this file handles, checked against the shapes, so that a registration that
 // does not describe its piece fails here rather than copying the wrong elements.

@@ -125,8 +125,7 @@ Transformer::Transformer(const ModelConfig& config, Device device, const ShardSp
   // MTP's projection) sees only this rank's token rows: its gradient is a partial sum.
   for (int id = 0; ctx_.sequence_parallel && id < reg_.size(); ++id) {
     const ParamInfo& p = reg_.info(id);
-    const bool replicated = p.placement.kind == Placement::Kind::Whole || p.placement.kind == Placement::Kind::Expert;
-    if (replicated && p.trainable) reg_.set_tp_partial_grad(id, true);
+    if (p.placement.held_whole() && p.trainable) reg_.set_tp_partial_grad(id, true);
   }
   reg_.allocate(device);
 }
@@ -137,7 +136,7 @@ namespace {
 void fill_normal_piece(Tensor x, const ParamInfo& p, double std, uint64_t seed) {
   const uint64_t stream = stream_id(p.name);
   // A whole tensor, or one expert of several (itself whole, under its own name).
-  if (p.placement.kind == Placement::Kind::Whole || p.placement.kind == Placement::Kind::Expert) {
+  if (p.placement.held_whole()) {
     ops::fill_normal(x, std, seed, stream, 0);
     return;
   }

@@ -30,6 +30,9 @@ struct Placement {
   std::string axis;
   int64_t index = 0, count = 1;
   int64_t begin = 0, length = 0;
+  // The ranks that hold it hold the whole tensor: replicated, or one routed expert (whole on
+  // every tensor rank of its owners).
+  bool held_whole() const { return kind == Kind::Whole || kind == Kind::Expert; }
 };
 
 // The rows of a tensor of global shape `global` that rank `rank` of `n` holds when the tensor
