@@ -350,19 +350,28 @@ void check_finite_weights(const ParamRegistry& reg, const std::string& source) {
            "use weights saved before the run diverged", source, bad, report);
 }
 
+// xxh3 of every parameter's values, in registry order.
+std::vector<int64_t> weight_hashes(const ParamRegistry& reg) {
+  std::vector<int64_t> out(static_cast<size_t>(reg.size()));
+#pragma omp parallel for schedule(dynamic)
+  for (int id = 0; id < reg.size(); ++id) {
+    const Tensor p = reg.param(id);
+    out[size_t(id)] = int64_t(XXH3_64bits(p.data<float>(), p.nbytes()));
+  }
+  return out;
+}
+
 // Every rank must start from the same weights: ranks that loaded different files (another
 // directory, a stale copy on a node-local disk) would train a model spliced from both, since
-// each checkpoint writes the rows of its own rank.
-// With skip_experts the routed experts are left out (ranks of an expert group hold different ones).
-void check_same_weights(Communicator& world, const ParamRegistry& reg, const std::string& source,
-                        bool skip_experts = false) {
+// each checkpoint writes the rows of its own rank. `mine` (weight_hashes) is compared over
+// `world`; with skip_experts the routed experts are left out (ranks of an expert group hold
+// different ones).
+void check_same_weights(Communicator& world, const ParamRegistry& reg, std::vector<int64_t> mine,
+                        const std::string& source, bool skip_experts = false) {
   const int P = reg.size(), n = world.size();
-  std::vector<int64_t> mine(static_cast<size_t>(P)), all(static_cast<size_t>(P) * size_t(n));
-#pragma omp parallel for schedule(dynamic)
-  for (int id = 0; id < P; ++id) {
-    const Tensor p = reg.param(id);
-    const bool skip = skip_experts && reg.info(id).placement.kind == Placement::Kind::Expert;
-    mine[size_t(id)] = skip ? 0 : int64_t(XXH3_64bits(p.data<float>(), p.nbytes()));
+  std::vector<int64_t> all(static_cast<size_t>(P) * size_t(n));
+  for (int id = 0; skip_experts && id < P; ++id) {
+    if (reg.info(id).placement.kind == Placement::Kind::Expert) mine[size_t(id)] = 0;
   }
   world.all_gather(Tensor(all.data(), DType::I64, Shape{int64_t(all.size())}), Tensor(mine.data(), DType::I64, Shape{P}));
   int first = -1;
@@ -532,8 +541,9 @@ void Trainer::init_weights(const std::string& init_from) {
   // with expert parallelism the same routed experts only where the expert coordinate agrees.
   const std::string source = init_from.empty() ? fmt::format("initialised from train.seed {}", config_.train.seed)
                                                : "--init-from " + init_from;
-  check_same_weights(dp_, reg, source, /*skip_experts=*/ep_ != nullptr);
-  if (ep_) check_same_weights(grid_.expert_data(), reg, source);
+  const std::vector<int64_t> hashes = weight_hashes(reg);
+  check_same_weights(dp_, reg, hashes, source, /*skip_experts=*/ep_ != nullptr);
+  if (ep_) check_same_weights(grid_.expert_data(), reg, hashes, source);
   apply_precision();
   if (zero_) zero_->adopt_weights();  // each rank keeps its pieces (stage 3: and hands the rest back)
 }
