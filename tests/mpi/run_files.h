@@ -178,6 +178,19 @@ inline double rel_error(const std::vector<float>& a, const std::vector<float>& b
 // A host F32 tensor's values.
 inline std::vector<float> values(Tensor t) { return std::vector<float>(t.data<float>(), t.data<float>() + t.numel()); }
 
+// The `block` object ("pipeline", "tensor_parallel", ...) of the last line of a run's
+// metrics.jsonl that has one, at the top level or under "extra"; null when no line has it.
+inline json last_metrics_block(const std::filesystem::path& metrics_jsonl, const std::string& block) {
+  std::ifstream in(metrics_jsonl);
+  std::string line, last;
+  while (std::getline(in, line)) {
+    if (line.find("\"" + block + "\"") != std::string::npos) last = line;
+  }
+  if (last.empty()) return nullptr;
+  const json j = json::parse(last);
+  return j.contains(block) ? j[block] : j["extra"][block];
+}
+
 inline uint64_t checksum(const void* data, size_t bytes) {
   uint64_t h = 1469598103934665603ull;
   const auto* p = static_cast<const unsigned char*>(data);

@@ -337,14 +337,8 @@ TEST(ExpertParallel, MetricsReportReceivedRowsAndAllToAllTraffic) {
     EXPECT_GT(r.ep.expert_seconds, 0);
   }
   if (world_rank() == 0) {
-    std::ifstream in(files.dir() / "out" / "metrics.jsonl");
-    std::string line, last;
-    while (std::getline(in, line)) {
-      if (line.find("\"expert_parallel\"") != std::string::npos) last = line;
-    }
-    ASSERT_FALSE(last.empty()) << "metrics.jsonl has no expert_parallel block";
-    const json j = json::parse(last);
-    const json& ep = j.contains("expert_parallel") ? j["expert_parallel"] : j["extra"]["expert_parallel"];
+    const json ep = last_metrics_block(files.dir() / "out" / "metrics.jsonl", "expert_parallel");
+    ASSERT_FALSE(ep.is_null()) << "metrics.jsonl has no expert_parallel block";
     EXPECT_EQ(ep["size"].get<int>(), W);
     EXPECT_EQ(ep["received_rows"].size(), size_t(W));
     EXPECT_GE(ep["received_max_over_mean"].get<double>(), 1.0);

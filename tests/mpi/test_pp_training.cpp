@@ -9,7 +9,6 @@
 
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 
 #include "io/hf_weights.h"
 #include "io/tensor_parallel_state.h"
@@ -221,14 +220,8 @@ TEST(PipelineParallel, MetricsReportTheStagesTraffic) {
     EXPECT_EQ(r.pp_messages, 8 * 2 * boundaries) << "step " << r.step;
   }
   if (world_rank() == 0) {
-    std::ifstream in(files.dir() / "out" / "metrics.jsonl");
-    std::string line, last;
-    while (std::getline(in, line)) {
-      if (line.find("\"pipeline\"") != std::string::npos) last = line;
-    }
-    ASSERT_FALSE(last.empty()) << "metrics.jsonl has no pipeline block";
-    const json j = json::parse(last);
-    const json& pp = j.contains("pipeline") ? j["pipeline"] : j["extra"]["pipeline"];
+    const json pp = last_metrics_block(files.dir() / "out" / "metrics.jsonl", "pipeline");
+    ASSERT_FALSE(pp.is_null()) << "metrics.jsonl has no pipeline block";
     EXPECT_EQ(pp["size"].get<int>(), W);
     EXPECT_EQ(pp["schedule"].get<std::string>(), "1f1b");
     EXPECT_GT(pp["comm_bytes"].get<double>(), 0);

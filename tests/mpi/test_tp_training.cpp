@@ -10,7 +10,6 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 
 #include "io/tensor_parallel_state.h"
 #include "run_files.h"
@@ -173,14 +172,8 @@ TEST(TensorParallel, MetricsReportTheTensorGroupsCommunication) {
     EXPECT_GT(r.tp_comm_seconds, 0) << "step " << r.step;
   }
   if (world_rank() == 0) {
-    std::ifstream in(files.dir() / "out" / "metrics.jsonl");
-    std::string line, last;
-    while (std::getline(in, line)) {
-      if (line.find("\"tensor_parallel\"") != std::string::npos) last = line;
-    }
-    ASSERT_FALSE(last.empty()) << "metrics.jsonl has no tensor_parallel block";
-    const json j = json::parse(last);
-    const json& tp = j.contains("tensor_parallel") ? j["tensor_parallel"] : j["extra"]["tensor_parallel"];
+    const json tp = last_metrics_block(files.dir() / "out" / "metrics.jsonl", "tensor_parallel");
+    ASSERT_FALSE(tp.is_null()) << "metrics.jsonl has no tensor_parallel block";
     EXPECT_EQ(tp["size"].get<int>(), W);
     EXPECT_TRUE(tp["sequence_parallel"].get<bool>());
     EXPECT_GT(tp["comm_bytes"].get<double>(), 0);
