@@ -30,7 +30,7 @@ ORDER = [
 ]
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"')
-SOURCE_SUFFIXES = (".h", ".hpp", ".cpp", ".cc", ".h.in")
+SOURCE_SUFFIXES = (".h", ".hpp", ".cpp", ".cc", ".cu", ".cuh", ".h.in")
 
 
 def folder_of(rel):
