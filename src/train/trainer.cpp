@@ -1735,7 +1735,9 @@ void Trainer::save_hf(const std::string& dir) {
           }
           g = global.tensor(0, fp.global_shape);
         }
-        gather_global(model_->params().info(local), model_->params().param(local), tp_, g);
+        // Over the host (a run on a device sends a host copy): the root's tensor is host memory.
+        const ops::HostView piece(model_->params().param(local));
+        gather_global(model_->params().info(local), piece.get(), tp_, g);
         if (!root && grid_.coord(Axis::Tensor) == 0) grid_.world().send(g, 0, 1);
       } else if (root) {
         grid_.world().recv(whole.param(id), (tp_ckpt_->owner(id) * dp + tp_ckpt_->writer(id)) * tp, 1);

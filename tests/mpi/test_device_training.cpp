@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <ostream>
 
 #include "../unit/fake_backend.h"
 #include "backend/ops.h"
@@ -64,7 +65,7 @@ struct Setting {
   int min_ranks = 1;
 };
 
-std::string PrintTo(const Setting& s) { return s.name; }
+void PrintTo(const Setting& s, std::ostream* os) { *os << s.name; }
 
 class DeviceTraining : public ::testing::TestWithParam<Setting> {};
 
@@ -72,7 +73,10 @@ TEST_P(DeviceTraining, TrainsTheBitsOfTheHost) {
   const Setting& s = GetParam();
   if (world_size() < s.min_ranks) GTEST_SKIP() << s.name << " needs " << s.min_ranks << " ranks";
   RunFiles files(kSteps, s.model == "v3" ? v3_model() : json::object());
-  const RunConfig cfg = files.config(s.overrides);
+  // Exports in fp32 whatever the compute precision, so that the round trip is exact.
+  std::vector<std::string> overrides = s.overrides;
+  overrides.push_back(R"(output.save_hf_dtype="float32")");
+  const RunConfig cfg = files.config(overrides);
   ProcessGrid grid(MPI_COMM_WORLD, cfg.parallel);
   Trainer host(cfg, grid);
   host.init_weights("");
@@ -81,6 +85,17 @@ TEST_P(DeviceTraining, TrainsTheBitsOfTheHost) {
   dev.init_weights("");
   dev.train();
   expect_same_bits(host, dev, s.name);
+  // The Hugging Face export of the device run holds the host run's weights, and loads back
+  // onto the device.
+  const std::string hf = (files.dir() / "hf").string();
+  dev.save_hf(hf);
+  Trainer back(cfg, grid, fake::use_fake_backend());
+  back.init_weights(hf);
+  const ParamRegistry& reg = back.model().params();
+  for (int id = 0; id < reg.size(); ++id) {
+    EXPECT_EQ(host_values(reg.param(id)), values(host.model().params().param(id)))
+        << s.name << ": " << reg.info(id).name << " after --save-hf and --init-from on the device";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
