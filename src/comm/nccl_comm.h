@@ -16,7 +16,7 @@
 //   two ranks that both receive first deadlock, and so may two that both send large tensors
 //   first (exchange with all_to_all_v, or let one send first and the other receive first).
 //   Receives posted ahead and matched by tag, as the pipeline runner does over MPI, do not work
-//   over NCCL.
+//   over NCCL; nor does a rank's send to itself.
 // - A deadline for every operation, from its issue (the process watchdog's,
 //   resilience.collective_timeout_s, unless given): an operation that has not completed by
 //   then, or an asynchronous NCCL error, aborts the communicator (ncclCommAbort) and raises an

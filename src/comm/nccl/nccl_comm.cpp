@@ -681,6 +681,9 @@ class NcclCommunicator final : public Communicator {
   Work send_async(Tensor t, int peer, int) override {
     on_gpu(t, "send", "the tensor");
     DS_CHECK(peer >= 0 && peer < size(), "send on '{}': peer {} outside [0, {})", name(), peer, size());
+    // NCCL pairs a rank's send to itself with its receive only inside one group: alone, it waits forever.
+    DS_CHECK(peer != rank(), "send on '{}': rank {} sends to itself, which an NCCL communicator cannot do; "
+             "copy the tensor instead", name(), peer);
     const Wire w = wire(t.dtype());
     return core_->issue(fmt::format("send to rank {}", peer), double(t.nbytes()), [=](NcclCore& c, const Op& o) {
       const size_t n = size_t(t.numel()) * w.scale;
@@ -692,6 +695,9 @@ class NcclCommunicator final : public Communicator {
   Work recv_async(Tensor t, int peer, int) override {
     on_gpu(t, "recv", "the tensor");
     DS_CHECK(peer >= 0 && peer < size(), "recv on '{}': peer {} outside [0, {})", name(), peer, size());
+    // NCCL pairs a rank's send to itself with its receive only inside one group: alone, it waits forever.
+    DS_CHECK(peer != rank(), "recv on '{}': rank {} receives from itself, which an NCCL communicator cannot do; "
+             "copy the tensor instead", name(), peer);
     const Wire w = wire(t.dtype());
     return core_->issue(fmt::format("recv from rank {}", peer), double(t.nbytes()), [=](NcclCore& c, const Op& o) {
       const size_t n = size_t(t.numel()) * w.scale;
@@ -709,8 +715,7 @@ class NcclCommunicator final : public Communicator {
  private:
   void on_gpu(const Tensor& t, const char* op, const char* what) const {
     DS_CHECK(t.device().type == DeviceType::CUDA,
-             "{} on '{}': NCCL communicators take GPU tensors; {} is on {} (host values go over the MPI "
-             "communicators, ProcessGrid::comm())",
+             "{} on '{}': NCCL communicators take GPU tensors; {} is on {} (send host tensors over MPI)",
              op, name(), what, t.device().str());
     DS_CHECK(t.device().index == core_->device(), "{} on '{}': {} is on {} but this communicator's GPU is cuda:{}", op,
              name(), what, t.device().str(), core_->device());
