@@ -22,8 +22,8 @@
 //   then, or an asynchronous NCCL error, aborts the communicator (ncclCommAbort) and raises an
 //   error naming the rank, the operation, its sequence number and the communicator; every later
 //   use of the communicator raises it again.
-// - Reductions: Sum, Max and Min of F32, F64, BF16, F16, I64, I32, U32 and U8 (NCCL sums 16-bit
-//   floats in fp32 and rounds once per addition). Data movement takes any dtype.
+// - Reductions: Sum, Max and Min of F32, F64, BF16, F16, I64, I32, U32 and U8 (each addition of
+//   16-bit floats is rounded once to their type, as over MPI). Data movement takes any dtype.
 // - stats(): operations, bytes and GPU time of the operations that have completed.
 #pragma once
 
