@@ -3,6 +3,7 @@
 #include <mutex>
 
 #include "backend/ops.h"
+#include "comm/nccl_comm.h"
 #include "core/error.h"
 
 namespace dstrain {
@@ -160,8 +161,13 @@ namespace dstrain {
 
 ProcessGrid& use_device_communicators(ProcessGrid& grid, Device device) {
   if (device.is_cpu()) return grid;
-  grid.wrap_communicators(device.str(), [device](MpiCommunicator& mpi) -> std::unique_ptr<Communicator> {
-    return std::make_unique<RoutedCommunicator>(mpi, nullptr);
+  const bool nccl = device.type == DeviceType::CUDA && nccl_built();
+  grid.wrap_communicators(device.str(), [device, nccl](MpiCommunicator& mpi) -> std::unique_ptr<Communicator> {
+    // The pipeline runner posts receives ahead and matches them by tag, which NCCL cannot
+    // (comm/nccl_comm.h): the pipeline axis stages its device tensors through host memory.
+    std::unique_ptr<Communicator> direct;
+    if (nccl && mpi.name() != axis_name(Axis::Pipeline)) direct = make_nccl_communicator(mpi, device);
+    return std::make_unique<RoutedCommunicator>(mpi, std::move(direct));
   });
   return grid;
 }
