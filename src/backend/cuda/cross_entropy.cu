@@ -44,8 +44,8 @@ struct Lse {
 
 __device__ __forceinline__ void add(Lse& a, float x) {
   if (x > a.m) {
-    // x - x: 1 for a finite x, NaN for +inf (the CPU's exp(inf - inf)).
-    a.s = a.s * double(expf(a.m - x)) + double(expf(x - x));
+    // The new maximum's own term exp(x - x): 1, or NaN for +inf (the CPU's exp(inf - inf)).
+    a.s = a.s * double(expf(a.m - x)) + (x == INFINITY ? double(NAN) : 1.0);
     a.m = x;
   } else if (x != -INFINITY) {
     a.s += double(expf(x - a.m));  // NaN stays NaN
@@ -72,8 +72,18 @@ __device__ __forceinline__ Lse warp_combine(Lse v) {
 // a fixed order; returned to every thread. sh: kWarps + 1 entries of shared memory, reusable
 // when the call returns.
 __device__ float row_lse(const void* logits, Elem ge, int64_t row0, int64_t V, Lse* sh) {
+  // Each thread takes the row's elements threadIdx.x + k * kThreads in order, four loads in flight.
   Lse a{-INFINITY, 0.0};
-  for (int64_t v = threadIdx.x; v < V; v += kThreads) add(a, ld(logits, ge, row0 + v));
+  int64_t v = threadIdx.x;
+  for (; v + 3 * kThreads < V; v += 4 * kThreads) {
+    const float x0 = ld(logits, ge, row0 + v), x1 = ld(logits, ge, row0 + v + kThreads);
+    const float x2 = ld(logits, ge, row0 + v + 2 * kThreads), x3 = ld(logits, ge, row0 + v + 3 * kThreads);
+    add(a, x0);
+    add(a, x1);
+    add(a, x2);
+    add(a, x3);
+  }
+  for (; v < V; v += kThreads) add(a, ld(logits, ge, row0 + v));
   a = warp_combine(a);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (lane == 0) sh[warp] = a;
@@ -157,6 +167,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     const float l = ld(lse, se, n);
     const int64_t t = int64_t(target) - vocab_begin;
+#pragma unroll 4
     for (int64_t v = threadIdx.x; v < V; v += kThreads) {
       float d = scale * expf(ld(logits, ge, n * V + v) - l);
       if (v == t) d -= scale;

@@ -48,8 +48,9 @@ void scatter_rows(const char* op, Tensor dtable, Tensor dout, Tensor tokens, int
   const int32_t* tp = ids_of(tokens, op, "tokens");
   const Elem de = elem_of(dtable, op), ge = elem_of(dout, op);
   if (N == 0 || C == 0 || Vl == 0) return;
-  DS_CHECK(N <= INT_MAX && Vl < INT_MAX, "{}: {} tokens into {} rows exceed the 32-bit range of the token sort", op,
-           N, Vl);
+  DS_CHECK(N <= INT_MAX && Vl < INT_MAX && C <= 65535 * 256,
+           "{}: {} tokens into {} rows of {} exceed the CUDA kernel's range (2^31 tokens and rows, 2^24 columns)", op,
+           N, Vl, C);
   const size_t bytes = embedding_scatter_workspace(N, Vl);
   Buffer ws("embedding_backward token sort", MemCategory::Workspace, DType::U8, int64_t(bytes), dtable.device());
   launch_embedding_scatter(dtable.raw(), de, dout.raw(), ge, tp, N, C, vocab_begin, Vl, ws.data(), bytes);

@@ -93,21 +93,34 @@ __global__ void embedding_keys_kernel(const int32_t* ids, int64_t N, int64_t voc
   }
 }
 
-// One block per run of equal keys (found at its first sorted position): each element of the
-// row starts from dtable and adds the run's rows of dout in token order (the sort is stable),
-// as the CPU kernel's loop over tokens does. No two blocks touch the same row.
-__global__ void embedding_scatter_kernel(void* dtable, Elem de, const void* dout, Elem ge, const uint32_t* keys,
-                                         const uint32_t* positions, int64_t N, int64_t C, uint32_t Vl) {
+// Runs of equal keys, found at their first sorted position: blockIdx.y picks kThreads
+// columns, blockIdx.x strides over the sorted positions. Each element of a row starts from
+// dtable and adds the run's rows of dout in token order (the sort is stable), as the CPU
+// kernel's loop over tokens does; the loads of 8 rows are issued before their in-order sums.
+// No two blocks touch the same element.
+constexpr int kScatterUnroll = 8;
+
+__global__ void __launch_bounds__(kThreads)
+    embedding_scatter_kernel(void* dtable, Elem de, const void* dout, Elem ge, const uint32_t* keys,
+                             const uint32_t* positions, int64_t N, int64_t C, uint32_t Vl) {
+  const int64_t c = int64_t(blockIdx.y) * kThreads + threadIdx.x;
+  if (c >= C) return;
   for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
     const uint32_t r = keys[i];
     if (r == Vl || (i > 0 && keys[i - 1] == r)) continue;
     int64_t end = i + 1;
     while (end < N && keys[end] == r) ++end;
-    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-      float acc = ld(dtable, de, int64_t(r) * C + c);
-      for (int64_t j = i; j < end; ++j) acc += ld(dout, ge, int64_t(positions[j]) * C + c);
-      st(dtable, de, int64_t(r) * C + c, acc);
+    float acc = ld(dtable, de, int64_t(r) * C + c);
+    int64_t j = i;
+    for (; j + kScatterUnroll <= end; j += kScatterUnroll) {
+      float v[kScatterUnroll];
+#pragma unroll
+      for (int u = 0; u < kScatterUnroll; ++u) v[u] = ld(dout, ge, int64_t(positions[j + u]) * C + c);
+#pragma unroll
+      for (int u = 0; u < kScatterUnroll; ++u) acc += v[u];
     }
+    for (; j < end; ++j) acc += ld(dout, ge, int64_t(positions[j]) * C + c);
+    st(dtable, de, int64_t(r) * C + c, acc);
   }
 }
 
@@ -362,8 +375,9 @@ void launch_embedding_scatter(void* dtable, Elem de, const void* dout, Elem ge, 
   DS_CUDA_LAUNCHED("embedding_keys");
   DS_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys_in, keys, positions_in, positions, int(N), 0,
                                                 sort_bits(Vl), stream()));
-  embedding_scatter_kernel<<<row_blocks(N), kThreads, 0, stream()>>>(dtable, de, dout, ge, keys, positions, N, C,
-                                                                     uint32_t(Vl));
+  // Enough blocks to fill the GPU, each checking a few sorted positions for the start of a run.
+  const dim3 grid(unsigned(std::min<int64_t>(N, 2048)), blocks_for(C, kThreads));
+  embedding_scatter_kernel<<<grid, kThreads, 0, stream()>>>(dtable, de, dout, ge, keys, positions, N, C, uint32_t(Vl));
   DS_CUDA_LAUNCHED("embedding_scatter");
 }
 
