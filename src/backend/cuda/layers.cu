@@ -188,7 +188,8 @@ constexpr int kDwCols = 32, kDwRows = 8;
 constexpr int64_t kDwMaxChunks = 256, kDwMinRowsPerChunk = 64;
 
 int64_t dw_rows_per_chunk(int64_t N) {
-  const int64_t chunks = std::min(kDwMaxChunks, std::max<int64_t>(1, (N + kDwMinRowsPerChunk - 1) / kDwMinRowsPerChunk));
+  const int64_t wanted = (N + kDwMinRowsPerChunk - 1) / kDwMinRowsPerChunk;
+  const int64_t chunks = std::min(kDwMaxChunks, std::max<int64_t>(1, wanted));
   return std::max<int64_t>(1, (N + chunks - 1) / chunks);
 }
 int64_t dw_chunks(int64_t N) {
@@ -219,7 +220,8 @@ __global__ void __launch_bounds__(kDwCols * kDwRows)
 }
 
 // dweight[c] += the chunks' partial sums, in chunk order.
-__global__ void rmsnorm_dweight_final_kernel(void* dweight, Elem dwe, const float* partials, int64_t chunks, int64_t C) {
+__global__ void rmsnorm_dweight_final_kernel(void* dweight, Elem dwe, const float* partials, int64_t chunks,
+                                             int64_t C) {
   for (int64_t c = thread_index(); c < C; c += thread_stride()) {
     double s = 0;
     for (int64_t k = 0; k < chunks; ++k) s += double(partials[k * C + c]);
