@@ -762,6 +762,7 @@ void Transformer::backward_chunk(int mb, int chunk, Tensor dout, Tensor din, Bac
   wgrad_.end_deferral();
   split_mb_ = -1;
   acts_.release(sl);
+  ctx_.wait_for_device();
   backward_s_ += seconds_since(t1);
 }
 
@@ -776,6 +777,7 @@ void Transformer::backward_weights_chunk(int mb, int chunk) {
     for (auto [first, last] : it->second) ctx_.grad_ready(first, last);
     ready_after_weights_.erase(it);
   }
+  ctx_.wait_for_device();
   backward_s_ += seconds_since(t0);
 }
 

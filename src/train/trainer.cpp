@@ -18,6 +18,7 @@
 
 #include "core/clock.h"
 #include "core/log.h"
+#include "backend/cuda_device.h"
 #include "distributed/routed_comm.h"
 #include "io/checkpoint.h"
 #include "io/hf_weights.h"
@@ -928,6 +929,7 @@ void Trainer::update_weights(StepRecord& r) {
       if (!reg.info(id).trainable) zero_->take_rule_update(id);
     }
   }
+  model_->ctx().wait_for_device();
   r.optimizer_seconds = seconds_since(o0);
 }
 
@@ -1147,6 +1149,18 @@ StepMetrics Trainer::step_metrics(const StepRecord& r, double elapsed, int64_t s
   m.rank_step_s = r.rank_step_seconds;
   m.rank_compute_s = r.rank_compute_seconds;
   m.rank_peak_rss_bytes = r.rank_peak_rss_bytes;
+  if (gpu_monitor_) {
+    // This rank's GPU (rank 0's in the record): NVML's utilisation and memory, and what dstrain's
+    // own buffers hold on it at their peak.
+    json gpu = {{"device", model_->ctx().device.str()},
+                {"dstrain_peak_bytes", double(memory_stats(DeviceType::CUDA).total())}};
+    if (const std::optional<GpuSample> g = gpu_monitor_->sample()) {
+      gpu["utilization_percent"] = g->utilization_percent;
+      gpu["memory_used_bytes"] = g->memory_used_bytes;
+      gpu["memory_total_bytes"] = g->memory_total_bytes;
+    }
+    m.extra["gpu"] = gpu;
+  }
   if (config_.data.train.size() > 1) m.extra["data_mix"] = pipeline().drawn();
   if (tp_) {
     m.extra["tensor_parallel"] = {{"size", tp_->size()},
@@ -1271,9 +1285,23 @@ Trainer::Outcome Trainer::train() {
         header, Clock::now());
   }
   if (!metrics_) {
+    // On a GPU, MFU is against its datasheet bf16 peak, and NVML reports its utilisation and memory.
+    PeakMeasure peak;
+    const Device device = model_->ctx().device;
+    if (device.type == DeviceType::CUDA) {
+      peak = [index = device.index] {
+        Peak p;
+        p.flops = cuda::bf16_peak_flops(index, &p.source);
+        return p;
+      };
+      gpu_monitor_ = std::make_unique<GpuMonitor>(GpuMonitor::by_pci_bus_id(cuda::pci_bus_id(device.index)));
+      if (!gpu_monitor_->available() && grid_.world_rank() == 0) {
+        log::warn("GPU utilisation is not reported: {}", gpu_monitor_->unavailable_reason());
+      }
+    }
     metrics_ = std::make_unique<Metrics>(config_.metrics, config_.model, config_.data.seq_len, grid_.world_rank(),
                                          grid_.world_size(), grid_.local_size(), config_.output.dir,
-                                         tc.steps_per_print);
+                                         tc.steps_per_print, peak);
     metrics_->on_run_start(environment_.record);
   }
   if (!pipeline_started_) {
