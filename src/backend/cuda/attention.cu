@@ -1,0 +1,684 @@
+// Causal grouped-query attention on the GPU, FlashAttention-2 style: no T x T matrix is ever
+// stored. The forward streams key/value tiles past a tile of queries with an online softmax and
+// keeps only the output and each row's log-sum-exp; the backward recomputes the probabilities
+// from them. The backward is deterministic without atomics: one kernel owns a key tile and sums
+// dK and dV over its query heads and query tiles in a fixed order, another owns a query tile and
+// sums dQ over the key tiles. Semantics are the CPU kernel's (backend/cpu/attention.cpp).
+//
+// Every kernel runs 256 threads as a 16 x 16 grid: a thread owns the tile entries of rows
+// ty + 16r and columns tx + 16c (scores), or columns 64c + 4tx + u (outputs over a head dim).
+// Tiles are staged in shared memory as fp32 whatever the tensors' types; all math is fp32.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "backend/cuda/attention_kernels.h"
+
+namespace dstrain::cuda::attn {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+__device__ __forceinline__ float ld(const void* p, Elem e, int64_t i) {
+  if (e == Elem::F32) return static_cast<const float*>(p)[i];
+  if (e == Elem::BF16) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+  return __half2float(static_cast<const __half*>(p)[i]);
+}
+
+__device__ __forceinline__ void st(void* p, Elem e, int64_t i, float v) {
+  if (e == Elem::F32) {
+    static_cast<float*>(p)[i] = v;
+  } else if (e == Elem::BF16) {
+    static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+  } else {
+    static_cast<__half*>(p)[i] = __float2half_rn(v);
+  }
+}
+
+// The shape of one call, as the kernels use it.
+struct Shape {
+  int T = 0;
+  int64_t W = 0;      // qkv row width
+  int H = 0;          // query heads
+  int group = 1;      // query heads per kv head
+  int Dqk = 0, Dv = 0;
+  int64_t q_off = 0, k_off = 0, v_off = 0;
+  int kq = 0, kv = 0;  // Dqk, Dv rounded up to 4: the lengths of reductions over a head dim
+  int wq = 0, wv = 0;  // Dqk, Dv rounded up to 32: the widths of tiles that are only reduced over
+};
+
+struct FwdArgs {
+  Shape s;
+  const void* qkv;
+  Elem qkv_e;
+  void* out;
+  Elem out_e;
+  void* lse;
+  Elem lse_e;
+  float scale;
+};
+
+struct BwdArgs {
+  Shape s;
+  const void* qkv;
+  Elem qkv_e;
+  const void* dout;
+  Elem dout_e;
+  const void* lse;
+  Elem lse_e;
+  const float* delta;  // (B, H, T) rowsum(dout * out)
+  void* dqkv;
+  Elem dqkv_e;
+  float scale;
+};
+
+// Stages rows [0, rows) x columns [0, width) of a tile into shared memory s (row stride lds):
+// element (r, c) of global memory g at base + r*ld + c, zero where r >= valid_rows or c >= cols.
+// A warp reads along a row: coalesced.
+__device__ __forceinline__ void load_tile(float* s, int lds, int rows, int width, const void* g, Elem e,
+                                          int64_t base, int64_t ld_g, int valid_rows, int cols) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int r = warp; r < rows; r += kWarps) {
+    float* row = s + r * lds;
+    if (r < valid_rows) {
+      const int64_t gr = base + r * ld_g;
+      for (int c = lane; c < width; c += 32) row[c] = c < cols ? ld(g, e, gr + c) : 0.0f;
+    } else {
+      for (int c = lane; c < width; c += 32) row[c] = 0.0f;
+    }
+  }
+}
+
+__device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+
+__device__ __forceinline__ float comp(const float4& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
+
+// acc[r][c] += sum over k < K of A(ty + 16r, k) * B(tx + 16c, k): A and B row-major in shared
+// memory, rows lda and ldb apart (multiples of 4), K a multiple of 4.
+template <int R, int C>
+__device__ __forceinline__ void mm_nt(float (&acc)[R][C], const float* A, int lda, const float* B, int ldb, int K) {
+  const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+  const float* a0 = A + ty * lda;
+  const float* b0 = B + tx * ldb;
+  for (int k = 0; k < K; k += 4) {
+    float4 a[R], b[C];
+#pragma unroll
+    for (int r = 0; r < R; ++r) a[r] = ld4(a0 + 16 * r * lda + k);
+#pragma unroll
+    for (int c = 0; c < C; ++c) b[c] = ld4(b0 + 16 * c * ldb + k);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        float v = acc[r][c];
+        v = fmaf(a[r].x, b[c].x, v);
+        v = fmaf(a[r].y, b[c].y, v);
+        v = fmaf(a[r].z, b[c].z, v);
+        v = fmaf(a[r].w, b[c].w, v);
+        acc[r][c] = v;
+      }
+    }
+  }
+}
+
+// acc[r][4c + u] += sum over k < K of A(ty + 16r, k) * B(k, 64c + 4tx + u): A and B row-major
+// in shared memory, rows lda and ldb apart (multiples of 4), K a multiple of 4, B 64*C wide.
+template <int R, int C>
+__device__ __forceinline__ void mm_nn(float (&acc)[R][4 * C], const float* A, int lda, const float* B, int ldb,
+                                      int K) {
+  const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+  const float* a0 = A + ty * lda;
+  const float* b0 = B + 4 * tx;
+  for (int k = 0; k < K; k += 4) {
+    float4 a[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) a[r] = ld4(a0 + 16 * r * lda + k);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      float4 b[C];
+#pragma unroll
+      for (int c = 0; c < C; ++c) b[c] = ld4(b0 + (k + kk) * ldb + 64 * c);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float av = comp(a[r], kk);
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          acc[r][4 * c + 0] = fmaf(av, b[c].x, acc[r][4 * c + 0]);
+          acc[r][4 * c + 1] = fmaf(av, b[c].y, acc[r][4 * c + 1]);
+          acc[r][4 * c + 2] = fmaf(av, b[c].z, acc[r][4 * c + 2]);
+          acc[r][4 * c + 3] = fmaf(av, b[c].w, acc[r][4 * c + 3]);
+        }
+      }
+    }
+  }
+}
+
+// Max and sum over the 16 threads of a row (lanes tx of one half-warp), in a fixed order.
+__device__ __forceinline__ float row_max16(float v) {
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float row_sum16(float v) {
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// ---- shared-memory layouts (in floats), computed alike on the host and in the kernels --------
+
+struct FwdSmem {
+  int ldq, ldv, ldp;
+  int q, k, v, p, total;
+  __host__ __device__ FwdSmem(const Shape& s, int BQ, int BK, int NCV) {
+    ldq = s.wq + 4;
+    ldv = 64 * NCV + 4;
+    ldp = BK + 4;
+    q = 0;                 // Q tile (BQ, wq)
+    k = q + BQ * ldq;      // K tile (BK, wq)
+    v = k + BK * ldq;      // V tile (BK, 64*NCV)
+    p = v + BK * ldv;      // probabilities (BQ, BK)
+    total = p + BQ * ldp;
+  }
+};
+
+struct DkdvSmem {
+  int ldk, ldv, ldq, ldo, ldp;
+  int k, v, q, o, p, lse, delta, total;
+  __host__ __device__ DkdvSmem(const Shape& s, int BQ, int BK, int NCQ, int NCV) {
+    ldk = s.wq + 4;
+    ldv = s.wv + 4;
+    ldq = 64 * NCQ + 4;
+    ldo = 64 * NCV + 4;
+    ldp = BQ + 4;
+    k = 0;                 // K tile (BK, wq)
+    v = k + BK * ldk;      // V tile (BK, wv)
+    q = v + BK * ldv;      // Q tile (BQ, 64*NCQ)
+    o = q + BQ * ldq;      // dO tile (BQ, 64*NCV)
+    p = o + BQ * ldo;      // P^T, then dS^T (BK, BQ)
+    lse = p + BK * ldp;    // (BQ)
+    delta = lse + BQ;      // (BQ)
+    total = delta + BQ;
+  }
+};
+
+struct DqSmem {
+  int ldq, ldo, ldk, ldv, ldp;
+  int q, o, k, v, p, lse, delta, total;
+  __host__ __device__ DqSmem(const Shape& s, int BQ, int BK, int NCQ) {
+    ldq = s.wq + 4;
+    ldo = s.wv + 4;
+    ldk = 64 * NCQ + 4;
+    ldv = s.wv + 4;
+    ldp = BK + 4;
+    q = 0;                 // Q tile (BQ, wq)
+    o = q + BQ * ldq;      // dO tile (BQ, wv)
+    k = o + BQ * ldo;      // K tile (BK, 64*NCQ)
+    v = k + BK * ldk;      // V tile (BK, wv)
+    p = v + BK * ldv;      // dS (BQ, BK)
+    lse = p + BQ * ldp;    // (BQ)
+    delta = lse + BQ;      // (BQ)
+    total = delta + BQ;
+  }
+};
+
+// ---- forward ---------------------------------------------------------------------------------
+
+// One block per (query tile, query head, batch); the last query tiles (the most key tiles) first.
+template <int BQ, int BK, int NCV>
+__global__ void __launch_bounds__(kThreads) forward_kernel(const FwdArgs a) {
+  constexpr int R = BQ / 16, C = BK / 16;
+  extern __shared__ float4 smem4[];
+  float* smem = reinterpret_cast<float*>(smem4);
+  const Shape& s = a.s;
+  const FwdSmem L(s, BQ, BK, NCV);
+  float* Qs = smem + L.q;
+  float* Ks = smem + L.k;
+  float* Vs = smem + L.v;
+  float* Ps = smem + L.p;
+  const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+
+  const int qt = int(gridDim.x) - 1 - int(blockIdx.x), h = blockIdx.y, b = blockIdx.z;
+  const int g = h / s.group;
+  const int i0 = qt * BQ;
+  const int64_t row0 = int64_t(b) * s.T;  // batch b's first row of qkv
+  load_tile(Qs, L.ldq, BQ, s.wq, a.qkv, a.qkv_e, (row0 + i0) * s.W + s.q_off + int64_t(h) * s.Dqk, s.W,
+            min(BQ, s.T - i0), s.Dqk);
+
+  float m[R], l[R], o[R][4 * NCV];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+#pragma unroll
+    for (int x = 0; x < 4 * NCV; ++x) o[r][x] = 0.0f;
+  }
+
+  // Keys [0, i_last] are visible to some query of the tile.
+  const int i_last = min(i0 + BQ, s.T) - 1;
+  const int n_kt = i_last / BK + 1;
+  for (int kt = 0; kt < n_kt; ++kt) {
+    const int j0 = kt * BK;
+    __syncthreads();  // the previous tile's K, V and P are no longer read
+    load_tile(Ks, L.ldq, BK, s.wq, a.qkv, a.qkv_e, (row0 + j0) * s.W + s.k_off + int64_t(g) * s.Dqk, s.W,
+              min(BK, s.T - j0), s.Dqk);
+    load_tile(Vs, L.ldv, BK, 64 * NCV, a.qkv, a.qkv_e, (row0 + j0) * s.W + s.v_off + int64_t(g) * s.Dv, s.W,
+              min(BK, s.T - j0), s.Dv);
+    __syncthreads();
+
+    float sc[R][C];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int c = 0; c < C; ++c) sc[r][c] = 0.0f;
+    }
+    mm_nt<R, C>(sc, Qs, L.ldq, Ks, L.ldq, s.kq);
+
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int i = i0 + ty + 16 * r;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        const int j = j0 + tx + 16 * c;
+        sc[r][c] = (j <= i && j < s.T) ? sc[r][c] * a.scale : -INFINITY;
+        mx = fmaxf(mx, sc[r][c]);
+      }
+      // Key 0 is in the first tile and visible to every row: from there on m_new is finite.
+      const float m_new = fmaxf(m[r], row_max16(mx));
+      const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - m_new);
+      float sum = 0.0f;
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        sc[r][c] = sc[r][c] == -INFINITY ? 0.0f : expf(sc[r][c] - m_new);
+        sum += sc[r][c];
+      }
+      l[r] = l[r] * alpha + row_sum16(sum);
+      m[r] = m_new;
+#pragma unroll
+      for (int x = 0; x < 4 * NCV; ++x) o[r][x] *= alpha;
+#pragma unroll
+      for (int c = 0; c < C; ++c) Ps[(ty + 16 * r) * L.ldp + tx + 16 * c] = sc[r][c];
+    }
+    __syncthreads();
+    mm_nn<R, NCV>(o, Ps, L.ldp, Vs, L.ldv, BK);
+  }
+
+  const int64_t ldo = int64_t(s.H) * s.Dv;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int i = i0 + ty + 16 * r;
+    if (i >= s.T) continue;
+    const float inv = 1.0f / l[r];
+    const int64_t orow = (row0 + i) * ldo + int64_t(h) * s.Dv;
+#pragma unroll
+    for (int c = 0; c < NCV; ++c) {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int e = 64 * c + 4 * tx + u;
+        if (e < s.Dv) st(a.out, a.out_e, orow + e, o[r][4 * c + u] * inv);
+      }
+    }
+    if (tx == 0) st(a.lse, a.lse_e, (int64_t(b) * s.H + h) * s.T + i, m[r] + logf(l[r]));
+  }
+}
+
+// ---- backward --------------------------------------------------------------------------------
+
+// delta (B, H, T) = rowsum(dout * out): one warp per row of (B, T, H) rows of Dv.
+__global__ void __launch_bounds__(kThreads) delta_kernel(float* delta, const void* dout, Elem dout_e, const void* out,
+                                                         Elem out_e, int64_t rows, int T, int H, int Dv) {
+  const int64_t row = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (row >= rows) return;  // a whole warp leaves together
+  const int lane = threadIdx.x & 31;
+  float acc = 0.0f;
+  for (int e = lane; e < Dv; e += 32) acc = fmaf(ld(dout, dout_e, row * Dv + e), ld(out, out_e, row * Dv + e), acc);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (lane == 0) {
+    const int64_t h = row % H, t = (row / H) % T, b = row / (int64_t(H) * T);
+    delta[(b * H + h) * T + t] = acc;
+  }
+}
+
+// Stages lse and delta of query rows [i0, i0 + BQ) of head h (rows past T: 0, never used).
+template <int BQ>
+__device__ __forceinline__ void load_row_stats(float* lse_s, float* delta_s, const BwdArgs& a, int b, int h, int i0) {
+  const int64_t base = (int64_t(b) * a.s.H + h) * a.s.T;
+  for (int x = threadIdx.x; x < BQ; x += kThreads) {
+    const int i = i0 + x;
+    lse_s[x] = i < a.s.T ? ld(a.lse, a.lse_e, base + i) : 0.0f;
+    delta_s[x] = i < a.s.T ? a.delta[base + i] : 0.0f;
+  }
+}
+
+// dK and dV of one key tile of kv head g: one block per (key tile, kv head, batch), summing over
+// the query heads of the group in order and over the query tiles at or after the key tile.
+template <int BQ, int BK, int NCQ, int NCV>
+__global__ void __launch_bounds__(kThreads) dkdv_kernel(const BwdArgs a) {
+  constexpr int RK = BK / 16, CQ = BQ / 16;
+  extern __shared__ float4 smem4[];
+  float* smem = reinterpret_cast<float*>(smem4);
+  const Shape& s = a.s;
+  const DkdvSmem L(s, BQ, BK, NCQ, NCV);
+  float* Ks = smem + L.k;
+  float* Vs = smem + L.v;
+  float* Qs = smem + L.q;
+  float* Os = smem + L.o;  // dO
+  float* Ps = smem + L.p;  // P^T, then dS^T
+  float* lse_s = smem + L.lse;
+  float* delta_s = smem + L.delta;
+  const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+
+  const int kt = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
+  const int j0 = kt * BK;
+  const int64_t row0 = int64_t(b) * s.T;
+  const int64_t ldo = int64_t(s.H) * s.Dv;
+  load_tile(Ks, L.ldk, BK, s.wq, a.qkv, a.qkv_e, (row0 + j0) * s.W + s.k_off + int64_t(g) * s.Dqk, s.W,
+            min(BK, s.T - j0), s.Dqk);
+  load_tile(Vs, L.ldv, BK, s.wv, a.qkv, a.qkv_e, (row0 + j0) * s.W + s.v_off + int64_t(g) * s.Dv, s.W,
+            min(BK, s.T - j0), s.Dv);
+
+  float dk[RK][4 * NCQ], dv[RK][4 * NCV];
+#pragma unroll
+  for (int r = 0; r < RK; ++r) {
+#pragma unroll
+    for (int x = 0; x < 4 * NCQ; ++x) dk[r][x] = 0.0f;
+#pragma unroll
+    for (int x = 0; x < 4 * NCV; ++x) dv[r][x] = 0.0f;
+  }
+
+  const int n_qt = (s.T + BQ - 1) / BQ;
+  for (int h = g * s.group; h < (g + 1) * s.group; ++h) {
+    for (int qt = j0 / BQ; qt < n_qt; ++qt) {
+      const int i0 = qt * BQ;
+      __syncthreads();  // the previous tile's Q, dO and P are no longer read
+      load_tile(Qs, L.ldq, BQ, 64 * NCQ, a.qkv, a.qkv_e, (row0 + i0) * s.W + s.q_off + int64_t(h) * s.Dqk, s.W,
+                min(BQ, s.T - i0), s.Dqk);
+      load_tile(Os, L.ldo, BQ, 64 * NCV, a.dout, a.dout_e, (row0 + i0) * ldo + int64_t(h) * s.Dv, ldo,
+                min(BQ, s.T - i0), s.Dv);
+      load_row_stats<BQ>(lse_s, delta_s, a, b, h, i0);
+      __syncthreads();
+
+      // Transposed scores: rows are keys j, columns queries i.
+      float pt[RK][CQ], dst[RK][CQ];
+#pragma unroll
+      for (int r = 0; r < RK; ++r) {
+#pragma unroll
+        for (int c = 0; c < CQ; ++c) pt[r][c] = dst[r][c] = 0.0f;
+      }
+      mm_nt<RK, CQ>(pt, Ks, L.ldk, Qs, L.ldq, s.kq);   // (Q K^T)^T
+      mm_nt<RK, CQ>(dst, Vs, L.ldv, Os, L.ldo, s.kv);  // dP^T = (dO V^T)^T
+#pragma unroll
+      for (int r = 0; r < RK; ++r) {
+        const int j = j0 + ty + 16 * r;
+#pragma unroll
+        for (int c = 0; c < CQ; ++c) {
+          const int x = tx + 16 * c, i = i0 + x;
+          // P = softmax(scale Q K^T) from the saved log-sum-exp; dS = P (dP - delta).
+          const float p = (j <= i && i < s.T) ? expf(pt[r][c] * a.scale - lse_s[x]) : 0.0f;
+          dst[r][c] = p * (dst[r][c] - delta_s[x]);
+          Ps[(ty + 16 * r) * L.ldp + x] = p;
+        }
+      }
+      __syncthreads();
+      mm_nn<RK, NCV>(dv, Ps, L.ldp, Os, L.ldo, BQ);  // dV += P^T dO
+      __syncthreads();
+#pragma unroll
+      for (int r = 0; r < RK; ++r) {
+#pragma unroll
+        for (int c = 0; c < CQ; ++c) Ps[(ty + 16 * r) * L.ldp + tx + 16 * c] = dst[r][c];
+      }
+      __syncthreads();
+      mm_nn<RK, NCQ>(dk, Ps, L.ldp, Qs, L.ldq, BQ);  // dK += dS^T Q (times scale below)
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < RK; ++r) {
+    const int j = j0 + ty + 16 * r;
+    if (j >= s.T) continue;
+    const int64_t krow = (row0 + j) * s.W + s.k_off + int64_t(g) * s.Dqk;
+    const int64_t vrow = (row0 + j) * s.W + s.v_off + int64_t(g) * s.Dv;
+#pragma unroll
+    for (int c = 0; c < NCQ; ++c) {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int d = 64 * c + 4 * tx + u;
+        if (d < s.Dqk) st(a.dqkv, a.dqkv_e, krow + d, dk[r][4 * c + u] * a.scale);
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < NCV; ++c) {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int e = 64 * c + 4 * tx + u;
+        if (e < s.Dv) st(a.dqkv, a.dqkv_e, vrow + e, dv[r][4 * c + u]);
+      }
+    }
+  }
+}
+
+// dQ of one query tile of head h: one block per (query tile, query head, batch), summing over
+// the key tiles up to the diagonal in order; the last query tiles (the most key tiles) first.
+template <int BQ, int BK, int NCQ>
+__global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
+  constexpr int R = BQ / 16, C = BK / 16;
+  extern __shared__ float4 smem4[];
+  float* smem = reinterpret_cast<float*>(smem4);
+  const Shape& s = a.s;
+  const DqSmem L(s, BQ, BK, NCQ);
+  float* Qs = smem + L.q;
+  float* Os = smem + L.o;  // dO
+  float* Ks = smem + L.k;
+  float* Vs = smem + L.v;
+  float* Ps = smem + L.p;  // dS
+  float* lse_s = smem + L.lse;
+  float* delta_s = smem + L.delta;
+  const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+
+  const int qt = int(gridDim.x) - 1 - int(blockIdx.x), h = blockIdx.y, b = blockIdx.z;
+  const int g = h / s.group;
+  const int i0 = qt * BQ;
+  const int64_t row0 = int64_t(b) * s.T;
+  const int64_t ldo = int64_t(s.H) * s.Dv;
+  load_tile(Qs, L.ldq, BQ, s.wq, a.qkv, a.qkv_e, (row0 + i0) * s.W + s.q_off + int64_t(h) * s.Dqk, s.W,
+            min(BQ, s.T - i0), s.Dqk);
+  load_tile(Os, L.ldo, BQ, s.wv, a.dout, a.dout_e, (row0 + i0) * ldo + int64_t(h) * s.Dv, ldo, min(BQ, s.T - i0),
+            s.Dv);
+  load_row_stats<BQ>(lse_s, delta_s, a, b, h, i0);
+
+  float dq[R][4 * NCQ];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int x = 0; x < 4 * NCQ; ++x) dq[r][x] = 0.0f;
+  }
+
+  const int i_last = min(i0 + BQ, s.T) - 1;
+  const int n_kt = i_last / BK + 1;
+  for (int kt = 0; kt < n_kt; ++kt) {
+    const int j0 = kt * BK;
+    __syncthreads();  // the previous tile's K, V and dS are no longer read
+    load_tile(Ks, L.ldk, BK, 64 * NCQ, a.qkv, a.qkv_e, (row0 + j0) * s.W + s.k_off + int64_t(g) * s.Dqk, s.W,
+              min(BK, s.T - j0), s.Dqk);
+    load_tile(Vs, L.ldv, BK, s.wv, a.qkv, a.qkv_e, (row0 + j0) * s.W + s.v_off + int64_t(g) * s.Dv, s.W,
+              min(BK, s.T - j0), s.Dv);
+    __syncthreads();
+
+    float sc[R][C], dp[R][C];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int c = 0; c < C; ++c) sc[r][c] = dp[r][c] = 0.0f;
+    }
+    mm_nt<R, C>(sc, Qs, L.ldq, Ks, L.ldk, s.kq);  // Q K^T
+    mm_nt<R, C>(dp, Os, L.ldo, Vs, L.ldv, s.kv);  // dP = dO V^T
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int y = ty + 16 * r, i = i0 + y;
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        const int j = j0 + tx + 16 * c;
+        const float p = (j <= i && i < s.T) ? expf(sc[r][c] * a.scale - lse_s[y]) : 0.0f;
+        Ps[y * L.ldp + tx + 16 * c] = p * (dp[r][c] - delta_s[y]);
+      }
+    }
+    __syncthreads();
+    mm_nn<R, NCQ>(dq, Ps, L.ldp, Ks, L.ldk, BK);  // dQ += dS K (times scale below)
+  }
+
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int i = i0 + ty + 16 * r;
+    if (i >= s.T) continue;
+    const int64_t qrow = (row0 + i) * s.W + s.q_off + int64_t(h) * s.Dqk;
+#pragma unroll
+    for (int c = 0; c < NCQ; ++c) {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int d = 64 * c + 4 * tx + u;
+        if (d < s.Dqk) st(a.dqkv, a.dqkv_e, qrow + d, dq[r][4 * c + u] * a.scale);
+      }
+    }
+  }
+}
+
+// ---- launches --------------------------------------------------------------------------------
+
+int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+Shape shape_of(const Dims& d) {
+  Shape s;
+  s.T = int(d.T);
+  s.W = d.W;
+  s.H = d.H;
+  s.group = d.H / d.Hkv;
+  s.Dqk = d.Dqk;
+  s.Dv = d.Dv;
+  s.q_off = d.q_offset;
+  s.k_off = d.k_offset;
+  s.v_off = d.v_offset;
+  s.kq = round_up(d.Dqk, 4);
+  s.kv = round_up(d.Dv, 4);
+  s.wq = round_up(d.Dqk, 32);
+  s.wv = round_up(d.Dv, 32);
+  return s;
+}
+
+// The shared memory one block of the current device may have (opt-in maximum).
+int max_smem_bytes() {
+  int dev = 0, bytes = 0;
+  DS_CUDA_CHECK(cudaGetDevice(&dev));
+  DS_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  return bytes;
+}
+
+template <class Kernel>
+void allow_smem(Kernel kernel, size_t bytes) {
+  DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+}
+
+// Head-dim widths in units of 64 columns (1..4).
+int chunks(int dim) { return (dim + 63) / 64; }
+
+template <int BQ, int BK, int NCV>
+bool try_forward(const FwdArgs& a, int B, int limit) {
+  const size_t bytes = size_t(FwdSmem(a.s, BQ, BK, NCV).total) * sizeof(float);
+  if (bytes > size_t(limit)) return false;
+  auto kernel = forward_kernel<BQ, BK, NCV>;
+  allow_smem(kernel, bytes);
+  const dim3 grid(unsigned((a.s.T + BQ - 1) / BQ), unsigned(a.s.H), unsigned(B));
+  kernel<<<grid, kThreads, bytes, stream()>>>(a);
+  DS_CUDA_LAUNCHED("attention forward");
+  return true;
+}
+
+template <int NCV>
+bool forward_nc(const FwdArgs& a, int B, int limit) {
+  return try_forward<64, 64, NCV>(a, B, limit) || try_forward<64, 32, NCV>(a, B, limit);
+}
+
+template <int BQ, int BK, int NCQ>
+bool try_dq(const BwdArgs& a, int B, int limit) {
+  const size_t bytes = size_t(DqSmem(a.s, BQ, BK, NCQ).total) * sizeof(float);
+  if (bytes > size_t(limit)) return false;
+  auto kernel = dq_kernel<BQ, BK, NCQ>;
+  allow_smem(kernel, bytes);
+  const dim3 grid(unsigned((a.s.T + BQ - 1) / BQ), unsigned(a.s.H), unsigned(B));
+  kernel<<<grid, kThreads, bytes, stream()>>>(a);
+  DS_CUDA_LAUNCHED("attention backward (dq)");
+  return true;
+}
+
+template <int NCQ>
+bool dq_nc(const BwdArgs& a, int B, int limit) {
+  return try_dq<64, 64, NCQ>(a, B, limit) || try_dq<64, 32, NCQ>(a, B, limit) || try_dq<32, 32, NCQ>(a, B, limit);
+}
+
+template <int BQ, int BK, int NCQ, int NCV>
+bool try_dkdv(const BwdArgs& a, int B, int Hkv, int limit) {
+  const size_t bytes = size_t(DkdvSmem(a.s, BQ, BK, NCQ, NCV).total) * sizeof(float);
+  if (bytes > size_t(limit)) return false;
+  auto kernel = dkdv_kernel<BQ, BK, NCQ, NCV>;
+  allow_smem(kernel, bytes);
+  const dim3 grid(unsigned((a.s.T + BK - 1) / BK), unsigned(Hkv), unsigned(B));
+  kernel<<<grid, kThreads, bytes, stream()>>>(a);
+  DS_CUDA_LAUNCHED("attention backward (dk, dv)");
+  return true;
+}
+
+// The dK/dV kernels exist for a few (q/k, v) width pairs: (1,1), (2,2), (3,2) (DeepSeek's MLA:
+// 192 and 128), (3,3), (4,4); other pairs run in the next wider one (the extra columns are zero).
+bool dkdv(const BwdArgs& a, int B, int Hkv, int limit) {
+  const int ncq = chunks(a.s.Dqk), ncv = chunks(a.s.Dv);
+  const int n = std::max(ncq, ncv);
+  if (n == 1) return try_dkdv<64, 64, 1, 1>(a, B, Hkv, limit);
+  if (n == 2) return try_dkdv<64, 64, 2, 2>(a, B, Hkv, limit) || try_dkdv<32, 64, 2, 2>(a, B, Hkv, limit);
+  if (n == 3 && ncv <= 2) {
+    return try_dkdv<64, 64, 3, 2>(a, B, Hkv, limit) || try_dkdv<32, 64, 3, 2>(a, B, Hkv, limit);
+  }
+  if (n == 3) return try_dkdv<64, 64, 3, 3>(a, B, Hkv, limit) || try_dkdv<32, 64, 3, 3>(a, B, Hkv, limit);
+  return try_dkdv<32, 32, 4, 4>(a, B, Hkv, limit);
+}
+
+}  // namespace
+
+bool forward(MutPtr out, MutPtr lse, Ptr qkv, const Dims& d, float scale) {
+  if (d.B == 0 || d.T == 0) return true;
+  FwdArgs a{shape_of(d), qkv.p, qkv.e, out.p, out.e, lse.p, lse.e, scale};
+  const int limit = max_smem_bytes();
+  const int B = int(d.B);
+  switch (chunks(d.Dv)) {
+    case 1: return forward_nc<1>(a, B, limit);
+    case 2: return forward_nc<2>(a, B, limit);
+    case 3: return forward_nc<3>(a, B, limit);
+    default: return forward_nc<4>(a, B, limit);
+  }
+}
+
+int64_t backward_workspace(const Dims& d) { return d.B * d.H * d.T; }
+
+bool backward(MutPtr dqkv, Ptr dout, Ptr qkv, Ptr out, Ptr lse, float* workspace, const Dims& d, float scale) {
+  if (d.B == 0 || d.T == 0) return true;
+  const int64_t rows = d.B * d.T * d.H;
+  delta_kernel<<<blocks_for(rows, kWarps), kThreads, 0, stream()>>>(workspace, dout.p, dout.e, out.p, out.e, rows,
+                                                                      int(d.T), d.H, d.Dv);
+  DS_CUDA_LAUNCHED("attention backward (delta)");
+
+  BwdArgs a{shape_of(d), qkv.p, qkv.e, dout.p, dout.e, lse.p, lse.e, workspace, dqkv.p, dqkv.e, scale};
+  const int limit = max_smem_bytes();
+  const int B = int(d.B);
+  if (!dkdv(a, B, d.Hkv, limit)) return false;
+  switch (chunks(d.Dqk)) {
+    case 1: return dq_nc<1>(a, B, limit);
+    case 2: return dq_nc<2>(a, B, limit);
+    case 3: return dq_nc<3>(a, B, limit);
+    default: return dq_nc<4>(a, B, limit);
+  }
+}
+
+}  // namespace dstrain::cuda::attn
