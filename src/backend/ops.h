@@ -98,6 +98,12 @@ T read_scalar(Tensor t) {
 double read_sum_squares(Tensor x);
 int64_t read_count_non_finite(Tensor x);
 
+// DeepSeek's YaRN rotary embedding as Hugging Face computes it (DeepseekV2YarnRotaryEmbedding):
+// the inverse frequencies (dim/2, fp32; double where Hugging Face has Python floats, fp32 where
+// it has fp32 tensors) and the mscale factor of the tables; plain frequencies and 1 without
+// scaling (factor 1). Every backend's rope_tables_yarn builds its tables from these.
+std::vector<float> yarn_inv_freq(int dim, double theta, const YarnParams& yarn, float* mscale);
+
 // A tensor's contents where host code can read them: the tensor itself when it lives on the host,
 // else a host copy (ops::copy; the explicit transfer). Writes to a copy stay on the host until
 // write_back() sends them to the device tensor. For host-side consumers of device state:

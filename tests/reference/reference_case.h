@@ -134,7 +134,9 @@ class CaseFixture : public ::testing::TestWithParam<std::string> {
     for (size_t i = 0; i < h.size(); ++i) {
       EXPECT_NEAR(h[i].loss, losses[i], loss_tol * std::fabs(losses[i])) << "loss of step " << i + 1;
       EXPECT_NEAR(h[i].lr, lrs[i], 1e-6 * lrs[i]) << "learning rate of step " << i + 1;
-      if (i < norm_steps) EXPECT_NEAR(h[i].grad_norm, norms[i], norm_tol * norms[i]) << "gradient norm of step " << i + 1;
+      if (i < norm_steps) {
+        EXPECT_NEAR(h[i].grad_norm, norms[i], norm_tol * norms[i]) << "gradient norm of step " << i + 1;
+      }
     }
   }
 
@@ -178,7 +180,9 @@ class CaseFixture : public ::testing::TestWithParam<std::string> {
         const ops::HostView got(params.param(id));
         const double err = rel_error(got.data<float>(), read(*expected_, "final." + p.name));
         // Routing biases move by +-gamma steps: compared as weights, at the same tolerance.
-        if (compare_weights) EXPECT_LE(err, pr.weight_tol) << "weights of " << p.name;
+        if (compare_weights) {
+          EXPECT_LE(err, pr.weight_tol) << "weights of " << p.name;
+        }
         worst = std::max(worst, err);
       }
       std::printf("[ %s, %s on %s ] %zu steps: loss %.6f (reference %.6f), worst weight error %.2e%s\n",

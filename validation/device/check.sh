@@ -9,7 +9,8 @@
 # builds with -DDSTRAIN_CUDA=ON (sm_90, for the H200) on this machine and bundles the binaries,
 # every shared library they load except glibc, the driver and the CUDA/NCCL libraries, Open MPI's
 # plugins and helpers (relocated with OPAL_PREFIX), the PyTorch reference cases and the data
-# (about 60 MiB, under the device tool's 64 MiB). The device tool then carries it:
+# (about 150 MiB, carried as one xz archive under the device tool's 64 MiB). The device tool then
+# carries it:
 #   run(command="validation/device/check.sh run", carry=[".device"], timeout_s=540)
 #
 # `run` does, each step time-boxed, in under 8 minutes in all:
@@ -41,13 +42,17 @@ prepare() {
   ninja -C "$build" -j"$(nproc)" dstrain unit_tests reference_tests deepseek_reference_tests nccl_bandwidth
   # The PyTorch reference cases (Debian's python3-torch, here).
   ctest --test-dir "$build" -R 'reference\.make_case' --output-on-failure >/dev/null
-  rm -rf "$BUNDLE"
-  mkdir -p "$BUNDLE"/bin "$BUNDLE"/lib "$BUNDLE"/ompi/bin "$BUNDLE"/ompi/share "$BUNDLE"/data
+  # Staged outside the repository, then carried as one compressed archive (the device tool
+  # carries at most 64 MiB; the staged tree is about 150 MiB).
+  local final=$BUNDLE
+  BUNDLE=${TMPDIR:-/tmp}/dstrain-device-stage
+  rm -rf "$BUNDLE" "$final"
+  mkdir -p "$BUNDLE"/bin "$BUNDLE"/lib "$BUNDLE"/ompi/bin "$BUNDLE"/ompi/share "$BUNDLE"/data/fortunes "$final"
   cp "$build"/app/dstrain "$build"/tests/unit_tests "$build"/tests/reference_tests \
      "$build"/tests/deepseek_reference_tests "$build"/validation/nccl_bandwidth "$BUNDLE"/bin/
   strip --strip-unneeded "$BUNDLE"/bin/*
   cp -r "$build"/tests/reference_cases "$BUNDLE"/reference_cases
-  cp -r data/fortunes "$BUNDLE"/data/
+  cp data/fortunes/fortunes_text_document.bin data/fortunes/fortunes_text_document.idx "$BUNDLE"/data/fortunes/
   # Shared libraries, but not glibc's, the driver's or CUDA's (the GPU machine has its own).
   local skip='^(linux-vdso|ld-linux|libc\.|libm\.|libpthread|libdl\.|librt\.|libcuda\.|libcudart|libcublas|libnccl|libnvidia)'
   for b in "$BUNDLE"/bin/*; do
@@ -68,6 +73,9 @@ prepare() {
     done
   done
   du -sh "$BUNDLE"
+  tar -C "$BUNDLE" -cf - . | xz -T0 -6 >"$final/bundle.tar.xz"
+  rm -rf "$BUNDLE"
+  du -sh "$final/bundle.tar.xz"
   echo "prepared: run on the GPU machine with the device tool:"
   echo "  run(command=\"validation/device/check.sh run\", carry=[\".device\"], timeout_s=540)"
 }
@@ -101,10 +109,16 @@ run() {
   local summary=$OUT/summary.txt
   : >"$summary"
   note() { echo "$*" | tee -a "$summary"; }
-  if [[ ! -x $BUNDLE/bin/dstrain ]]; then
+  if [[ ! -f $BUNDLE/bundle.tar.xz ]]; then
     note "no bundle at $BUNDLE: run 'validation/device/check.sh prepare' first and carry .device"
     return 1
   fi
+  local unpacked=${TMPDIR:-/tmp}/dstrain-device
+  rm -rf "$unpacked" && mkdir -p "$unpacked" && xz -dc "$BUNDLE/bundle.tar.xz" | tar -C "$unpacked" -xf - || {
+    note "cannot unpack $BUNDLE/bundle.tar.xz"
+    return 1
+  }
+  BUNDLE=$unpacked
   export OPAL_PREFIX=$BUNDLE/ompi PATH=$BUNDLE/ompi/bin:$PATH
   export LD_LIBRARY_PATH=$BUNDLE/lib:$(cuda_library_path)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_pml=ob1 OMPI_MCA_btl=self,vader

@@ -10,8 +10,7 @@
 #include "core/cuda/runtime.h"
 
 #if defined(__CUDACC__)
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include "backend/cuda/elem.cuh"  // ld, st
 #endif
 
 namespace dstrain::cuda {
@@ -43,22 +42,6 @@ void launch_loss_sums(double* out, const void* losses, Elem e, const int32_t* ta
                       int32_t ignore_index);
 
 #if defined(__CUDACC__)
-// Element i of a floating-point array as fp32, and the other way (rounded to nearest even).
-// The branch is uniform across a launch.
-__device__ __forceinline__ float ld(const void* p, Elem e, int64_t i) {
-  switch (e) {
-    case Elem::BF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    case Elem::F16: return __half2float(static_cast<const __half*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
-}
-__device__ __forceinline__ void st(void* p, Elem e, int64_t i, float v) {
-  switch (e) {
-    case Elem::BF16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); return;
-    case Elem::F16: static_cast<__half*>(p)[i] = __float2half_rn(v); return;
-    default: static_cast<float*>(p)[i] = v; return;
-  }
-}
 
 // Grid of a grid-stride loop over n elements: enough blocks to fill the GPU, no more than a
 // launch allows.

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
-#include <numbers>
 #include <vector>
 
 #include "backend/cuda/cuda_ops.h"
@@ -144,48 +143,14 @@ void rope_backward(Tensor dx, int64_t offset, int n_heads, int head_dim, Tensor 
   rope_apply("rope_backward", dx, offset, n_heads, head_dim, cos, sin, /*inverse=*/true);
 }
 
-// yarn_get_mscale of modeling_deepseek (Python floats, so double).
-double yarn_mscale(double scale, double mscale) { return scale <= 1 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0; }
-
-// The CPU kernel's frequencies and mscale factor, computed the same way on the host (double where
-// Hugging Face has Python floats, fp32 where it has fp32 tensors); the tables on the device.
+// The frequencies and mscale factor on the host (ops::yarn_inv_freq, as the CPU kernel); the
+// tables on the device.
 void rope_tables_yarn(Tensor cos, Tensor sin, int dim, double theta, const ops::YarnParams& yarn) {
   const int64_t T = cos.size(0), half = dim / 2;
   DS_CHECK(dim > 0 && dim % 2 == 0 && cos.ndim() == 2 && cos.size(1) == half && sin.shape() == cos.shape(),
            "rope_tables_yarn: dim {} with tables {} and {}", dim, cos.shape().str(), sin.shape().str());
-  const bool scaled = yarn.factor > 1;
-  DS_CHECK(!scaled || yarn.original_max_position_embeddings > 0,
-           "rope_tables_yarn: YaRN factor {} needs original_max_position_embeddings > 0", yarn.factor);
-
-  double low = 0, high = 1;
-  if (scaled) {
-    auto correction_dim = [&](double n_rot) {
-      return double(dim) * std::log(double(yarn.original_max_position_embeddings) / (n_rot * 2 * std::numbers::pi)) /
-             (2 * std::log(theta));
-    };
-    low = std::max(std::floor(correction_dim(yarn.beta_fast)), 0.0);
-    high = std::min(std::ceil(correction_dim(yarn.beta_slow)), double(dim - 1));
-    if (low == high) high += 0.001;  // yarn_linear_ramp_mask's guard against a zero-width ramp
-  }
-  std::vector<float> inv_freq(static_cast<size_t>(half));
-  for (int64_t i = 0; i < half; ++i) {
-    const float base_pow = std::pow(float(theta), float(2 * i) / float(dim));
-    const float extra = 1.0f / base_pow;
-    if (!scaled) {
-      inv_freq[size_t(i)] = extra;
-      continue;
-    }
-    const float inter = 1.0f / (float(yarn.factor) * base_pow);
-    const float ramp = std::clamp((float(i) - float(low)) / float(high - low), 0.0f, 1.0f);
-    const float mask = 1.0f - ramp;  // inv_freq_mask: 1 keeps the original frequency
-    // torch rounds each product before the sum; volatile keeps the compiler from fusing
-    // them into one FMA, which would change the last bit inside the ramp.
-    const volatile float from_inter = inter * (1.0f - mask);
-    const volatile float from_extra = extra * mask;
-    inv_freq[size_t(i)] = from_inter + from_extra;
-  }
-  const float m = scaled ? float(yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(yarn.factor, yarn.mscale_all_dim))
-                         : 1.0f;
+  float m = 1;
+  const std::vector<float> inv_freq = ops::yarn_inv_freq(dim, theta, yarn, &m);
   tables_from("rope_tables_yarn", cos, sin, inv_freq, T, m);
 }
 

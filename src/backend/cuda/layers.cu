@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cub/device/device_radix_sort.cuh>
 
+#include "backend/cuda/elem.cuh"
 #include "backend/cuda/layers_kernels.h"
 
 namespace dstrain::cuda {
@@ -18,21 +19,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
-// Element i of a floating-point tensor as fp32, and the other way (rounded to nearest even).
-__device__ __forceinline__ float ld(const void* p, Elem e, int64_t i) {
-  switch (e) {
-    case Elem::BF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    case Elem::F16: return __half2float(static_cast<const __half*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
-}
-__device__ __forceinline__ void st(void* p, Elem e, int64_t i, float v) {
-  switch (e) {
-    case Elem::BF16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
-    case Elem::F16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
-    default: static_cast<float*>(p)[i] = v; break;
-  }
-}
 
 // Grid-stride loops over 64-bit counts.
 __device__ __forceinline__ int64_t thread_index() { return int64_t(blockIdx.x) * blockDim.x + threadIdx.x; }

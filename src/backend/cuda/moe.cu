@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "backend/cuda/elem.cuh"
 #include "backend/cuda/moe_kernels.h"
 
 namespace dstrain::cuda::moe {
@@ -17,21 +18,6 @@ constexpr int kRowThreads = 256;   // threads per block of the block-per-row ker
 constexpr int kRouteThreads = 64;  // tokens per block of the thread-per-token routing
 constexpr int kScanThreads = 1024;
 
-__device__ __forceinline__ float ld(const void* p, Elem e, int64_t i) {
-  if (e == Elem::BF16) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-  if (e == Elem::F16) return __half2float(static_cast<const __half*>(p)[i]);
-  return static_cast<const float*>(p)[i];
-}
-
-__device__ __forceinline__ void st(void* p, Elem e, int64_t i, float v) {
-  if (e == Elem::BF16) {
-    static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
-  } else if (e == Elem::F16) {
-    static_cast<__half*>(p)[i] = __float2half_rn(v);
-  } else {
-    static_cast<float*>(p)[i] = v;
-  }
-}
 
 // std::max(a, b) as the CPU computes it (a < b ? b : a), NaNs included.
 __device__ __forceinline__ float max_of(float a, float b) { return a < b ? b : a; }
