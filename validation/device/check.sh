@@ -140,8 +140,8 @@ run() {
     for b in "$BUNDLE"/bin/*; do echo "== $b"; ldd "$b" | grep -E 'not found|cublas|nccl|cudart|mpi' ; done; } \
     >"$OUT/environment.txt" 2>&1
   note "GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo 'nvidia-smi failed')"
-  if grep -q 'not found' "$OUT/environment.txt"; then
-    note "missing libraries: $(grep 'not found' "$OUT/environment.txt" | sort -u | tr -s ' \t' ' ' | paste -sd ';')"
+  if grep -q '=> not found' "$OUT/environment.txt"; then
+    note "missing libraries: $(grep '=> not found' "$OUT/environment.txt" | sort -u | tr -s ' \t' ' ' | paste -sd ';')"
   fi
 
   step op_suite 150 "$BUNDLE"/bin/unit_tests --gtest_filter='BackendOps.*:Kernels.*Cast*' --gtest_color=no
