@@ -4,6 +4,7 @@
 // three slots, as the CPU's fp32 kernels and their widened 16-bit forms do together.
 #include <cstring>
 
+#include "backend/cpu/cpu_ops.h"
 #include "backend/cuda/cuda_ops.h"
 #include "backend/cuda/elementwise_kernels.h"
 #include "core/error.h"
@@ -57,25 +58,10 @@ void cast(Tensor dst, Tensor src) {
   launch_cast(dst.raw(), elem_of(dst, "cast: dst"), src.raw(), elem_of(src, "cast: src"), src.numel());
 }
 
-// The checks of cpu::check_copy_blocks (false: nothing to copy).
-bool check_copy_blocks(const Tensor& dst, int64_t dst_offset, int64_t dst_step, const Tensor& src, int64_t src_offset,
-                       int64_t src_step, int64_t blocks, int64_t width) {
-  DS_CHECK(dst.ndim() >= 1 && src.ndim() >= 1, "copy_blocks: scalar tensors");
-  const int64_t dcols = dst.size(-1), scols = src.size(-1);
-  const int64_t rows = dst.numel() / dcols;
-  DS_CHECK(src.numel() / scols == rows, "copy_blocks: {} rows from {} rows", rows, src.numel() / scols);
-  DS_CHECK(blocks >= 0 && width >= 0 && dst_offset >= 0 && src_offset >= 0 && dst_step >= 0 && src_step >= 0,
-           "copy_blocks: negative offset, step or size");
-  if (blocks == 0 || width == 0 || rows == 0) return false;
-  DS_CHECK(dst_offset + (blocks - 1) * dst_step + width <= dcols && src_offset + (blocks - 1) * src_step + width <= scols,
-           "copy_blocks: {} blocks of {} at {}+j*{} (dst {} columns) from {}+j*{} (src {} columns) run past a row",
-           blocks, width, dst_offset, dst_step, dcols, src_offset, src_step, scols);
-  return true;
-}
-
 void copy_blocks(Tensor dst, int64_t dst_offset, int64_t dst_step, Tensor src, int64_t src_offset, int64_t src_step,
                  int64_t blocks, int64_t width, bool accumulate) {
-  if (!check_copy_blocks(dst, dst_offset, dst_step, src, src_offset, src_step, blocks, width)) return;
+  // The CPU kernel's argument checks, shared (false: nothing to copy).
+  if (!cpu::check_copy_blocks(dst, dst_offset, dst_step, src, src_offset, src_step, blocks, width)) return;
   const int64_t dcols = dst.size(-1), scols = src.size(-1);
   const int64_t rows = dst.numel() / dcols;
   launch_copy_blocks(dst.raw(), elem_of(dst, "copy_blocks: dst"), dcols, dst_offset, dst_step, src.raw(),
