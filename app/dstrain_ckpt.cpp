@@ -36,7 +36,8 @@ int cmd_info(const std::string& path, bool verify) {
     std::printf("environment   dstrain %s (%s), %s\n", text("dstrain_version").c_str(), text("commit").c_str(),
                 text("compiler").c_str());
     std::printf("              MPI: %s\n", text("mpi").c_str());
-    std::printf("              HDF5 %s, BLAS: %s\n", text("hdf5").c_str(), text("blas").c_str());
+    std::printf("              HDF5 %s, BLAS: %s, GEMM: %s\n", text("hdf5").c_str(), text("blas").c_str(),
+                text("gemm").c_str());
     std::printf("              %lld rank(s) on %s, %lld OpenMP threads each\n",
                 (long long)e.value("world_size", int64_t(0)), text("hosts").c_str(),
                 (long long)e.value("omp_threads", int64_t(0)));

@@ -146,12 +146,19 @@ def ceilings(py, cfg, precisions, threads):
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def openblas_ceiling(threads):
+SGEMM_NAME = ["sgemm"]  # the library of dstrain's fp32 GEMMs, as sgemm_ceiling names it
+
+
+def sgemm_ceiling(threads):
     exe = os.path.join(BUILD, "validation", "sgemm_ceiling")
     if not os.path.exists(exe):
         return None
     p = subprocess.run([exe, "2048", "5"], env=env_for(threads, False), capture_output=True, text=True)
-    return float(p.stdout.strip()) * 1e9 if p.returncode == 0 else None
+    if p.returncode != 0:
+        return None
+    lines = p.stdout.strip().splitlines()
+    SGEMM_NAME[0] = lines[1] if len(lines) > 1 else "sgemm"
+    return float(lines[0]) * 1e9
 
 
 def med(xs):
@@ -218,7 +225,7 @@ def print_table(a, size, peers, precisions, res, ceils, blases, out, note=""):
               f"({MICRO_BATCH * SEQ_LEN} rows, fwd+dgrad+wgrad) {mo / 1e9:.1f} GFLOP/s; {frac}", file=out)
     if blas:
         fl = res["fp32"].get("median", {}).get("flops") if "fp32" in res else None
-        print(f"  (OpenBLAS sgemm 2048^3, dstrain's BLAS: {blas / 1e9:.1f} GFLOP/s"
+        print(f"  (dstrain's fp32 GEMM, {SGEMM_NAME[0]}, 2048^3: {blas / 1e9:.1f} GFLOP/s"
               + (f"; dstrain fp32 at {fl / blas:.0%} of it)" if fl else ")"), file=out)
     same = LOSSES.get((os.path.join(BUILD, "app", "dstrain"), SIZES[size][1], "bf16"))
     if same is not None and same == LOSSES.get((os.path.join(BUILD, "app", "dstrain"), SIZES[size][1], "fp32")):
@@ -289,7 +296,7 @@ def main():
         for r in range(a.repeats):
             # The ceilings too are measured once a round, under the same conditions as the runs.
             ceils.append(ceilings(py, cfg, precisions, a.threads))
-            blases.append(openblas_ceiling(a.threads))
+            blases.append(sgemm_ceiling(a.threads))
             order = peers[r % len(peers):] + peers[:r % len(peers)]
             for prec in precisions:
                 cur = res[prec]
@@ -314,7 +321,7 @@ def main():
             if r + 1 < a.repeats:
                 print_table(a, size, peers, precisions, res, ceils, blases, sys.stderr,
                             f" after round {r + 1} of {a.repeats}")
-        results["sizes"][size] = {"name": name, "ceilings": ceils, "openblas_sgemm": blases, "runs": res}
+        results["sizes"][size] = {"name": name, "ceilings": ceils, "dstrain_sgemm": blases, "runs": res}
         ok &= print_table(a, size, peers, precisions, res, ceils, blases, sys.stdout)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
     if a.json:

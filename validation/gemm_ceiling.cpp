@@ -1,5 +1,5 @@
-// What the GEMM libraries dstrain can link reach on this CPU for 16-bit linear layers, beside
-// OpenBLAS sgemm (the fp32 path) and dstrain's own linear ops. Prints one table row per
+// What the GEMM libraries dstrain can link reach on this CPU for its linear layers, fp32 and
+// 16-bit, beside dstrain's own linear ops. Prints one table row per
 // (shape, layout, threads); GFLOP/s, median of the repeats ("-" = refused on this CPU).
 //
 //   gemm_ceiling [--threads 1,2] [--repeats 3] [--shapes square,d256,d1024] [--no-ops]
@@ -9,8 +9,9 @@
 //   dx   dx = dout · w     (M x K x N)
 //   dw   dw += dout^T · x  (N x K x M)
 // Columns:
-//   sgemm        OpenBLAS cblas_sgemm, fp32 operands (dstrain's fp32 path)
-//   cvt+sgemm    bf16 operands converted to fp32 (cpu::bf16_to_f32 bulk), then sgemm; fp32 out
+//   openblas     OpenBLAS cblas_sgemm, fp32 operands
+//   onednn       oneDNN dnnl_sgemm, fp32 operands (dstrain's fp32 path by default: cpu/sgemm.h)
+//   cvt+sgemm    bf16 operands converted to fp32 (cpu::bf16_to_f32 bulk), then cpu::sgemm; fp32 out
 //   dnnl-f32     oneDNN matmul, fp32 in and out (how oneDNN compares with OpenBLAS here)
 //   dnnl-bf16    oneDNN matmul, bf16 in, fp32 out (fp32 accumulation)
 //   dnnl-bf16o   oneDNN matmul, bf16 in, bf16 out
@@ -44,6 +45,7 @@
 #include "backend/cpu/convert16.h"
 #include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/gemm16.h"
+#include "backend/cpu/sgemm.h"
 #include "backend/ops.h"
 #include "core/dtype.h"
 
@@ -232,7 +234,8 @@ int main(int argc, char** argv) {
   std::printf("dstrain 16-bit GEMM path: %s\n", cpu::gemm16_path_description().c_str());
   std::printf("GFLOP/s, median of %d runs\n", repeats);
   std::printf("%-14s %-4s %5s %5s %5s %3s", "shape", "lay", "m", "n", "k", "thr");
-  for (const char* c : {"sgemm", "cvt+sgemm", "dnnl-f32", "dnnl-bf16", "dnnl-bf16o", "xsmm-bf16", "op-f32", "op-bf16",
+  std::printf("dstrain fp32 GEMM: %s\n", cpu::sgemm_library_name().c_str());
+  for (const char* c : {"openblas", "onednn", "cvt+sgemm", "dnnl-f32", "dnnl-bf16", "dnnl-bf16o", "xsmm-bf16", "op-f32", "op-bf16",
                         "bf16/f32"}) {
     std::printf(" %10s", c);
   }
@@ -266,11 +269,22 @@ int main(int argc, char** argv) {
       for (int t : threads) {
         omp_set_num_threads(t);
         std::vector<double> row;
+        const float c_beta = g.accumulate ? 1.0f : 0.0f;
+        row.push_back(gflops(
+            [&] {
+              cblas_sgemm(CblasRowMajor, g.ta ? CblasTrans : CblasNoTrans, g.tb ? CblasTrans : CblasNoTrans, g.m, g.n,
+                          g.k, 1.0f, Af, g.lda(), Bf, g.ldb(), c_beta, cf.data(), g.n);
+            },
+            flop, repeats));
+        row.push_back(gflops(
+            [&] {
+              dnnl_sgemm(g.ta ? 'T' : 'N', g.tb ? 'T' : 'N', g.m, g.n, g.k, 1.0f, Af, g.lda(), Bf, g.ldb(), c_beta,
+                         cf.data(), g.n);
+            },
+            flop, repeats));
         auto sgemm = [&](const float* A, const float* B) {
-          cblas_sgemm(CblasRowMajor, g.ta ? CblasTrans : CblasNoTrans, g.tb ? CblasTrans : CblasNoTrans, g.m, g.n, g.k,
-                      1.0f, A, g.lda(), B, g.ldb(), g.accumulate ? 1.0f : 0.0f, cf.data(), g.n);
+          cpu::sgemm(g.ta, g.tb, g.m, g.n, g.k, 1.0f, A, g.lda(), B, g.ldb(), c_beta, cf.data(), g.n);
         };
-        row.push_back(gflops([&] { sgemm(Af, Bf); }, flop, repeats));
         row.push_back(gflops(
             [&] {
               cpu::bulk_bf16_to_f32(Ab, af.data(), int64_t(na));

@@ -1,6 +1,7 @@
 #include "comm/environment.h"
 
 #include <cblas.h>
+#include <dnnl.h>
 #include <hdf5.h>
 #include <mpi.h>
 #include <omp.h>
@@ -132,6 +133,7 @@ json Environment::to_json() const {
           {"mpi", mpi},
           {"hdf5", hdf5},
           {"blas", blas},
+          {"gemm", gemm},
           {"omp_threads", omp_threads},
           {"cpu_model", cpu_model},
           {"cpu_features", joined(cpu_features)},
@@ -147,6 +149,7 @@ Environment Environment::from_json(const json& j) {
   e.mpi = j.at("mpi");
   e.hdf5 = j.at("hdf5");
   e.blas = j.at("blas");
+  e.gemm = j.value("gemm", std::string());  // absent from checkpoints of earlier versions
   e.omp_threads = j.at("omp_threads");
   e.cpu_model = j.at("cpu_model");
   std::istringstream words(j.at("cpu_features").get<std::string>());
@@ -188,6 +191,12 @@ Environment local_environment() {
     if (lower != core) config.push_back(w);
   }
   e.blas = joined(config);
+  // The layers' fp32 GEMMs run on oneDNN unless DSTRAIN_CPU_SGEMM picks OpenBLAS
+  // (backend/cpu/sgemm.h): either changes the bits of a step.
+  const dnnl_version_t* dnnl = dnnl_version();
+  const char* choice = std::getenv("DSTRAIN_CPU_SGEMM");
+  e.gemm = fmt::format("oneDNN {}.{}.{}, DSTRAIN_CPU_SGEMM {}", dnnl->major, dnnl->minor, dnnl->patch,
+                       choice ? fmt::format("'{}'", choice) : std::string("unset"));
   e.omp_threads = omp_get_max_threads();
   read_cpuinfo(e);
   return e;
@@ -212,7 +221,8 @@ JobEnvironment check_same_environment(Communicator& world, const Environment& mi
                          {"compiler", &Environment::compiler},
                          {"MPI library", &Environment::mpi},
                          {"HDF5 library", &Environment::hdf5},
-                         {"BLAS library", &Environment::blas}};
+                         {"BLAS library", &Environment::blas},
+                         {"GEMM library", &Environment::gemm}};
   std::string errors;
   for (const Field& f : build) {
     const std::string d = differences(all, [&](const Environment& e) { return e.*(f.member); });

@@ -20,6 +20,7 @@ struct Environment {
   std::string mpi;       // MPI_Get_library_version
   std::string hdf5;      // H5get_libversion
   std::string blas;      // openblas_get_config without the CPU-dependent core name
+  std::string gemm;      // the fp32 GEMM's library: "oneDNN 2.6.3, DSTRAIN_CPU_SGEMM unset"
   // The machine: ranks that differ here are a warning.
   int64_t omp_threads = 0;
   std::string cpu_model;

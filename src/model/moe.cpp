@@ -37,10 +37,12 @@ ops::MoEScoring scoring_func(const std::string& s) {
 
 // Runs fn(e, first_row, last_row) for every expert with rows. With many experts (at least
 // two per thread) they are spread over the threads, largest first, each GEMM on one thread
-// (OpenBLAS runs single-threaded inside a parallel region): small per-expert GEMMs scale
-// better that way than with threads inside each. With few experts they run one after
-// another with threaded GEMMs. Every expert's arithmetic is the same either way, so the
-// result does not depend on the thread count.
+// (the CPU backend's sgemm runs single-threaded inside a parallel region): small per-expert
+// GEMMs scale better that way than with threads inside each. With few experts they run one after
+// another with threaded GEMMs. The routing and the order of every sum of dstrain's own are the
+// same either way; whether the GEMMs' bits are depends on the library (OpenBLAS's are on most
+// cores, oneDNN's sgemm rounds differently by thread count), so runs are bitwise at the same
+// thread count.
 template <class Fn>
 void MoEBlock::for_each_expert(const Meta& m, Fn&& fn) const {
   const int64_t* off = m.offsets.data();

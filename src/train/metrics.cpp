@@ -1,6 +1,5 @@
 #include "train/metrics.h"
 
-#include <cblas.h>
 #include <httplib.h>
 #include <omp.h>
 #include <sys/resource.h>
@@ -14,6 +13,7 @@
 #include <mutex>
 #include <thread>
 
+#include "backend/cpu/sgemm.h"
 #include "core/buffer.h"
 #include "core/log.h"
 
@@ -60,12 +60,11 @@ Utilisation utilisation(double global_tokens_per_s, double flops_per_token, int 
 }
 
 Peak measure_peak_flops(int trials, double trial_seconds) {
-  // Large enough that OpenBLAS runs its steady-state kernel on every thread.
+  // The fp32 GEMM the layers use (backend/cpu/sgemm.h), large enough that it runs its
+  // steady-state kernel on every thread.
   constexpr int n = 1024;
   std::vector<float> a(static_cast<size_t>(n) * n, 0.5f), b(a.size(), 0.25f), c(a.size());
-  auto sgemm = [&] {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
-  };
+  auto sgemm = [&] { cpu::sgemm(false, true, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n); };
   // Where one sgemm is slow (generic kernels, oversubscribed cores) fewer trials keep the start
   // short: at least 3, and no new one after half a second.
   constexpr int kMinTrials = 3;
@@ -89,8 +88,8 @@ Peak measure_peak_flops(int trials, double trial_seconds) {
     } while (s < trial_seconds);
     best = std::max(best, 2.0 * n * double(n) * n * double(reps) / s);
   }
-  return {best, fmt::format("measured: best of {} trials of sgemm {}x{}x{} on {} threads", done, n, n, n,
-                            omp_get_max_threads())};
+  return {best, fmt::format("measured: best of {} trials of sgemm {}x{}x{} on {} threads ({})", done, n, n, n,
+                            omp_get_max_threads(), cpu::sgemm_library_name())};
 }
 
 double node_memory_bytes() {

@@ -164,9 +164,9 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
   check_same_config(grid_.world(), config_);
   environment_ = check_same_environment(grid_.world(), local_environment());
   const json& env = environment_.record;
-  log::info("environment: {}; {}; HDF5 {}; {} ({} kernels); {} ({}); {} rank(s) on {}", env["compiler"].get<std::string>(),
-            env["mpi"].get<std::string>(), env["hdf5"].get<std::string>(), env["blas"].get<std::string>(),
-            env["blas_kernels"].get<std::string>(), env["cpu_model"].get<std::string>(),
+  log::info("environment: {}; {}; HDF5 {}; {} ({} kernels); {}; {} ({}); {} rank(s) on {}",
+            env["compiler"].get<std::string>(), env["mpi"].get<std::string>(), env["hdf5"].get<std::string>(),
+            env["blas"].get<std::string>(), env["blas_kernels"].get<std::string>(), env["gemm"].get<std::string>(), env["cpu_model"].get<std::string>(),
             env["cpu_features"].get<std::string>(), grid_.world_size(), env["hosts"].get<std::string>());
   for (const std::string& w : environment_.warnings) {
     if (grid_.world_rank() == 0) log::warn("{}", w);

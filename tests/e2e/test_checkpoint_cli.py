@@ -111,6 +111,7 @@ class CheckpointCommandLine(unittest.TestCase):
         self.assertIn(mpi_release, env["mpi"])
         self.assertEqual(env["hdf5"], h5py.version.hdf5_version)
         self.assertRegex(env["blas"], r"^OpenBLAS \d+\.\d+")
+        self.assertRegex(env["gemm"], r"^oneDNN \d+\.\d+\.\d+, DSTRAIN_CPU_SGEMM ")
         self.assertRegex(env["compiler"], r"^(GCC|Clang) ")
         self.assertEqual(env["world_size"], 1)
         self.assertGreater(env["omp_threads"], 0)

@@ -119,10 +119,10 @@ class Observability(unittest.TestCase):
         kinds = [r["type"] for r in records]
         # The head: the job's build and libraries, and where the peak came from.
         self.assertEqual(kinds[0], "environment")
-        for key in ("dstrain_version", "commit", "compiler", "mpi", "hdf5", "blas", "omp_threads", "cpu_model",
+        for key in ("dstrain_version", "commit", "compiler", "mpi", "hdf5", "blas", "gemm", "omp_threads", "cpu_model",
                     "cpu_features", "blas_kernels", "world_size", "hosts"):
             self.assertIn(key, records[0]["environment"])
-        self.assertRegex(records[0]["peak_source"], r"^measured: best of \d+ trials of sgemm \d+x\d+x\d+ on 1 threads$")
+        self.assertRegex(records[0]["peak_source"], r"^measured: best of \d+ trials of sgemm \d+x\d+x\d+ on 1 threads \((oneDNN|OpenBLAS) [\d.]+ sgemm\)$")
         self.assertEqual(kinds.count("train"), 400)
         self.assertEqual(kinds.count("eval"), 2)
         self.assertEqual(kinds.count("checkpoint"), 2)

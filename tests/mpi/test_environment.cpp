@@ -35,6 +35,7 @@ TEST_F(SameEnvironment, LocalEnvironmentNamesTheBuildAndLibraries) {
   EXPECT_THAT(mine.mpi, HasSubstr("MPI"));
   EXPECT_THAT(mine.hdf5, ::testing::MatchesRegex("[0-9]+\\.[0-9]+\\.[0-9]+"));
   EXPECT_THAT(mine.blas, HasSubstr("OpenBLAS"));
+  EXPECT_THAT(mine.gemm, HasSubstr("oneDNN"));
   EXPECT_GT(mine.omp_threads, 0);
   EXPECT_FALSE(mine.cpu_model.empty());
   set_avx2_cpu();
@@ -64,6 +65,21 @@ TEST_F(SameEnvironment, ALibraryVersionOnOneRankIsAnErrorOnEveryRank) {
     EXPECT_THAT(what, ::testing::Not(HasSubstr("HDF5 library")));
   }
   // The job goes on after the error on every rank: nobody is left in a collective.
+  comm.barrier();
+}
+
+// DSTRAIN_CPU_SGEMM changes which library multiplies, so the bits of every step.
+TEST_F(SameEnvironment, AnotherGemmLibraryIsAnError) {
+  if (n == 1) return;  // one rank agrees with itself
+  if (r == odd) mine.gemm = "oneDNN 2.6.3, DSTRAIN_CPU_SGEMM 'openblas'";
+  std::string what;
+  try {
+    check_same_environment(comm, mine);
+  } catch (const Error& e) {
+    what = e.what();
+  }
+  EXPECT_THAT(what, HasSubstr("GEMM library"));
+  EXPECT_THAT(what, HasSubstr(fmt::format("DSTRAIN_CPU_SGEMM 'openblas'\" on rank {}", odd)));
   comm.barrier();
 }
 

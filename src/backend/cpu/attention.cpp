@@ -3,7 +3,6 @@
 // scratch of (block, T) floats, softmaxed, and multiplied by V. Only the output and the
 // row log-sum-exp are kept; the backward recomputes the probabilities from them. Memory
 // therefore grows with T, never with T^2 per head.
-#include <cblas.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -12,6 +11,7 @@
 
 #include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/attention_common.h"
+#include "backend/cpu/sgemm.h"
 #include "backend/cpu/vec_exp.h"
 
 namespace dstrain::cpu {
@@ -140,11 +140,9 @@ void attention_forward(Tensor out, Tensor lse, Tensor qkv, const ops::AttentionL
     const float* k = base + b * d.T * d.W + L.k_offset + g * d.Dqk;
     const float* v = base + b * d.T * d.W + L.v_offset + g * d.Dv;
     float* s = scratch.data();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(nq), int(nk), int(d.Dqk), scale, q, int(d.W), k,
-                int(d.W), 0.0f, s, int(nk));
+    sgemm(false, true, nq, nk, d.Dqk, scale, q, d.W, k, d.W, 0.0f, s, nk);
     causal_softmax_rows(s, nq, nk, t0, lp + (b * d.H + h) * d.T + t0);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(nq), int(d.Dv), int(nk), 1.0f, s, int(nk), v,
-                int(d.W), 0.0f, op + (b * d.T + t0) * ldo + h * d.Dv, int(ldo));
+    sgemm(false, false, nq, d.Dv, nk, 1.0f, s, nk, v, d.W, 0.0f, op + (b * d.T + t0) * ldo + h * d.Dv, ldo);
   });
 }
 
@@ -186,15 +184,12 @@ void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor
         const float* o = op + (b * d.T + t0) * ldo + h * d.Dv;
         const float* dO = dop + (b * d.T + t0) * ldo + h * d.Dv;
         // P = softmax(scale * Q K^T), recomputed from the saved log-sum-exp.
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(nq), int(nk), int(d.Dqk), scale, q, int(d.W), k,
-                    int(d.W), 0.0f, s, int(nk));
+        sgemm(false, true, nq, nk, d.Dqk, scale, q, d.W, k, d.W, 0.0f, s, nk);
         probabilities_from_lse(s, nq, nk, t0, lp + (b * d.H + h) * d.T + t0);
         // dV += P^T dO
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(nk), int(d.Dv), int(nq), 1.0f, s, int(nk), dO,
-                    int(ldo), 1.0f, dv, int(d.W));
+        sgemm(true, false, nk, d.Dv, nq, 1.0f, s, nk, dO, ldo, 1.0f, dv, d.W);
         // dP = dO V^T;  dS = P * (dP - rowsum(dO * O))
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(nq), int(nk), int(d.Dv), 1.0f, dO, int(ldo), v,
-                    int(d.W), 0.0f, dp, int(nk));
+        sgemm(false, true, nq, nk, d.Dv, 1.0f, dO, ldo, v, d.W, 0.0f, dp, nk);
         for (int64_t i = 0; i < nq; ++i) {
           float delta = 0;
           for (int64_t e = 0; e < d.Dv; ++e) delta += dO[i * ldo + e] * o[i * ldo + e];
@@ -205,10 +200,8 @@ void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor
           for (int64_t j = 0; j < valid; ++j) srow[j] = srow[j] * (dprow[j] - delta);
         }
         // dQ = scale * dS K;  dK += scale * dS^T Q
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(nq), int(d.Dqk), int(nk), scale, s, int(nk), k,
-                    int(d.W), 0.0f, dq, int(d.W));
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(nk), int(d.Dqk), int(nq), scale, s, int(nk), q,
-                    int(d.W), 1.0f, dk, int(d.W));
+        sgemm(false, false, nq, d.Dqk, nk, scale, s, nk, k, d.W, 0.0f, dq, d.W);
+        sgemm(true, false, nk, d.Dqk, nq, scale, s, nk, q, d.W, 1.0f, dk, d.W);
       }
     }
   });

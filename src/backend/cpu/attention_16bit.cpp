@@ -3,7 +3,6 @@
 // the rows of q, k and v it needs into per-thread tiles, computes in fp32 exactly as the fp32
 // kernel does, and rounds its output rows once into the 16-bit tensor: no whole-tensor
 // temporaries. fp32 tensors are used in place (a mix of fp32 and 16-bit is fine); lse is fp32.
-#include <cblas.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -13,6 +12,7 @@
 #include "backend/cpu/attention_common.h"
 #include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/kernels_16bit.h"
+#include "backend/cpu/sgemm.h"
 #include "backend/cpu/widen.h"
 
 namespace dstrain::cpu {
@@ -75,11 +75,9 @@ void attention_forward_16bit(Tensor out, Tensor lse, Tensor qkv, const ops::Atte
     const int64_t o_off = (b * d.T + t0) * ldo + h * d.Dv;
     const Mat o = write_block(out, o_off, ldo, nq, d.Dv, ot);
     float* s = scratch.data();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(nq), int(nk), int(d.Dqk), scale, q.p, int(q.ld), k.p,
-                int(k.ld), 0.0f, s, int(nk));
+    sgemm(false, true, nq, nk, d.Dqk, scale, q.p, q.ld, k.p, k.ld, 0.0f, s, nk);
     causal_softmax_rows(s, nq, nk, t0, lp + (b * d.H + h) * d.T + t0);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(nq), int(d.Dv), int(nk), 1.0f, s, int(nk), v.p,
-                int(v.ld), 0.0f, o.p, int(o.ld));
+    sgemm(false, false, nq, d.Dv, nk, 1.0f, s, nk, v.p, v.ld, 0.0f, o.p, o.ld);
     finish_block(out, o_off, ldo, nq, d.Dv, o);
   });
 }
@@ -125,15 +123,12 @@ void attention_backward_16bit(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, 
         const Mat o = read_block(out, o_off, ldo, nq, d.Dv, ot);
         const Mat dO = read_block(dout, o_off, ldo, nq, d.Dv, dot);
         // P = softmax(scale * Q K^T), recomputed from the saved log-sum-exp.
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(nq), int(nk), int(d.Dqk), scale, q.p, int(q.ld),
-                    k.p, int(k.ld), 0.0f, s, int(nk));
+        sgemm(false, true, nq, nk, d.Dqk, scale, q.p, q.ld, k.p, k.ld, 0.0f, s, nk);
         probabilities_from_lse(s, nq, nk, t0, lp + (b * d.H + h) * d.T + t0);
         // dV += P^T dO
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(nk), int(d.Dv), int(nq), 1.0f, s, int(nk), dO.p,
-                    int(dO.ld), 1.0f, dv.p, int(dv.ld));
+        sgemm(true, false, nk, d.Dv, nq, 1.0f, s, nk, dO.p, dO.ld, 1.0f, dv.p, dv.ld);
         // dP = dO V^T;  dS = P * (dP - rowsum(dO * O))
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(nq), int(nk), int(d.Dv), 1.0f, dO.p, int(dO.ld),
-                    v.p, int(v.ld), 0.0f, dp, int(nk));
+        sgemm(false, true, nq, nk, d.Dv, 1.0f, dO.p, dO.ld, v.p, v.ld, 0.0f, dp, nk);
         for (int64_t i = 0; i < nq; ++i) {
           float delta = 0;
           for (int64_t e = 0; e < d.Dv; ++e) delta += dO.p[i * dO.ld + e] * o.p[i * o.ld + e];
@@ -144,11 +139,9 @@ void attention_backward_16bit(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, 
           for (int64_t j = 0; j < valid; ++j) srow[j] = srow[j] * (dprow[j] - delta);
         }
         // dQ = scale * dS K;  dK += scale * dS^T Q
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(nq), int(d.Dqk), int(nk), scale, s, int(nk), k.p,
-                    int(k.ld), 0.0f, dq.p, int(dq.ld));
+        sgemm(false, false, nq, d.Dqk, nk, scale, s, nk, k.p, k.ld, 0.0f, dq.p, dq.ld);
         finish_block(dqkv, q_off, d.W, nq, d.Dqk, dq);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(nk), int(d.Dqk), int(nq), scale, s, int(nk), q.p,
-                    int(q.ld), 1.0f, dk.p, int(dk.ld));
+        sgemm(true, false, nk, d.Dqk, nq, scale, s, nk, q.p, q.ld, 1.0f, dk.p, dk.ld);
       }
     }
     finish_block(dqkv, k_off, d.W, d.T, d.Dqk, dk);

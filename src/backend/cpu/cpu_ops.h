@@ -1,4 +1,4 @@
-// The CPU backend (OpenMP + OpenBLAS): one kernel per op of backend/ops.def, same signatures.
+// The CPU backend (OpenMP, GEMMs through sgemm.h): one kernel per op of backend/ops.def, same signatures.
 // Its fp32 kernels are the reference every other backend and dtype is tested against.
 #pragma once
 

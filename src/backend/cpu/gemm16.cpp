@@ -12,12 +12,11 @@
 //   NULL and its batch interface fails), for small column-major blocks that we would have to tile
 //   and thread ourselves, with the A operand in its VNNI-packed layout and no transposed bf16 case:
 //   not used.
-// - Without hardware bf16 the fastest correct product is OpenBLAS's fp32 sgemm: widening a bf16
+// - Without hardware bf16 the fastest correct product is the fp32 sgemm (sgemm.h): widening a bf16
 //   or f16 operand to fp32 is exact and costs one pass over it, small beside the O(mnk) product, so
 //   the 16-bit GEMMs run at nearly the fp32 speed (and fp32 accumulation is what the contract asks).
 #include "backend/cpu/gemm16.h"
 
-#include <cblas.h>
 #include <cpuid.h>
 #include <omp.h>
 
@@ -34,6 +33,7 @@
 #include <dnnl.hpp>
 
 #include "backend/cpu/convert16.h"
+#include "backend/cpu/sgemm.h"
 #include "core/error.h"
 #include "core/log.h"
 
@@ -107,11 +107,10 @@ const float* as_f32(GemmOperand op, int64_t n, int slot) {
 
 void sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
            float beta, float* c, int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, int(m), int(n), int(k),
-              1.0f, a, int(lda), b, int(ldb), beta, c, int(ldc));
+  cpu::sgemm(ta, tb, m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
 }
 
-// ---- widen + OpenBLAS sgemm -----------------------------------------------------------------
+// ---- widen + sgemm --------------------------------------------------------------------------
 // A 16-bit C is computed in blocks of rows into fp32 scratch (and, when A is 16-bit and not
 // transposed, only that block of A is widened), so the scratch stays bounded however large C is.
 // Blocks of at least kMinBlockRows rows: each sgemm call packs all of B again, which costs about
@@ -286,13 +285,14 @@ std::string gemm16_path_description() {
   if (path_for(DType::BF16) == Gemm16Path::kOneDnnBf16) {
     return fmt::format(
         "hardware bf16 on this CPU: bf16 GEMMs use oneDNN {}.{} bf16 matmul (fp32 accumulation); f16 GEMMs widen to "
-        "fp32 ({} conversions) for OpenBLAS sgemm",
-        v->major, v->minor, convert16_isa_name());
+        "fp32 ({} conversions) for {}",
+        v->major, v->minor, convert16_isa_name(), sgemm_library_name());
   }
   return fmt::format(
       "no hardware bf16 on this CPU{}: bf16 and f16 GEMMs widen their operands to fp32 ({} conversions) for "
-      "OpenBLAS sgemm",
-      cpu_has_hardware_bf16() ? " that oneDNN can use" : " (no AVX-512 BF16, no AMX)", convert16_isa_name());
+      "{}",
+      cpu_has_hardware_bf16() ? " that oneDNN can use" : " (no AVX-512 BF16, no AMX)", convert16_isa_name(),
+      sgemm_library_name());
 }
 
 bool gemm16_computes_in_f32(DType half) {

@@ -5,7 +5,7 @@
 // - CPUs with hardware bf16 (AVX-512 BF16 or AMX-BF16): oneDNN's bf16 matmul (fp32 accumulation);
 //   fp32 operands are rounded to bf16 inside the kernel. F16 products take the next path.
 // - otherwise: the 16-bit operands are widened to fp32 (exactly) into reused per-thread scratch and
-//   OpenBLAS sgemm runs; 16-bit outputs are computed in row blocks and rounded once.
+//   the fp32 sgemm (sgemm.h) runs; 16-bit outputs are computed in row blocks and rounded once.
 #pragma once
 
 #include <cstdint>
@@ -39,7 +39,7 @@ const float* gemm16_widen_shared(GemmOperand op, int64_t n);
 
 enum class Gemm16Path {
   kAuto,           // the run-time choice
-  kConvertSgemm,   // widen to fp32 + OpenBLAS sgemm
+  kConvertSgemm,   // widen to fp32 + sgemm (sgemm.h)
   kOneDnnBf16,     // oneDNN bf16 matmul (needs hardware bf16)
   kOneDnnF32,      // oneDNN's code path with fp32 compute: lets tests check it on any CPU
 };

@@ -1,10 +1,9 @@
-// Dense layers through OpenBLAS sgemm. Weights are stored (out_features, in_features) as in
-// Hugging Face checkpoints, so the forward multiplies by the transpose.
-#include <cblas.h>
-
+// Dense layers through the backend's sgemm (sgemm.h). Weights are stored (out_features,
+// in_features) as in Hugging Face checkpoints, so the forward multiplies by the transpose.
 #include "backend/backend.h"
 #include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/gemm16.h"
+#include "backend/cpu/sgemm.h"
 
 namespace dstrain::cpu {
 namespace {
@@ -19,8 +18,8 @@ void linear_forward(Tensor out, Tensor x, Tensor w, bool accumulate) {
   const int64_t M = rows(x), K = x.size(-1), N = w.size(0);
   DS_CHECK(w.size(1) == K && rows(out) == M && out.size(-1) == N, "linear_forward: x {} · w {}^T -> out {}",
            x.shape().str(), w.shape().str(), out.shape().str());
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(M), int(N), int(K), 1.0f, x.data<float>(), int(K),
-              w.data<float>(), int(K), accumulate ? 1.0f : 0.0f, out.data<float>(), int(N));
+  sgemm(false, true, M, N, K, 1.0f, x.data<float>(), K, w.data<float>(), K, accumulate ? 1.0f : 0.0f,
+        out.data<float>(), N);
 }
 
 void linear_backward(Tensor dx, Tensor dw, Tensor dout, Tensor x, Tensor w, bool accumulate_dx) {
@@ -29,13 +28,12 @@ void linear_backward(Tensor dx, Tensor dw, Tensor dout, Tensor x, Tensor w, bool
            dout.shape().str(), x.shape().str(), w.shape().str());
   if (dx.defined()) {
     DS_CHECK(dx.numel() == M * K, "linear_backward: dx {} for x {}", dx.shape().str(), x.shape().str());
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(M), int(K), int(N), 1.0f, dout.data<float>(), int(N),
-                w.data<float>(), int(K), accumulate_dx ? 1.0f : 0.0f, dx.data<float>(), int(K));
+    sgemm(false, false, M, K, N, 1.0f, dout.data<float>(), N, w.data<float>(), K, accumulate_dx ? 1.0f : 0.0f,
+          dx.data<float>(), K);
   }
   if (dw.defined()) {
     DS_CHECK(dw.numel() == N * K, "linear_backward: dw {} for w {}", dw.shape().str(), w.shape().str());
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(N), int(K), int(M), 1.0f, dout.data<float>(), int(N),
-                x.data<float>(), int(K), 1.0f, dw.data<float>(), int(K));
+    sgemm(true, false, N, K, M, 1.0f, dout.data<float>(), N, x.data<float>(), K, 1.0f, dw.data<float>(), K);
   }
 }
 
@@ -44,7 +42,7 @@ void linear_backward(Tensor dx, Tensor dw, Tensor dout, Tensor x, Tensor w, bool
 // when the layer adds into the fp32 residual (accumulate); dout 16-bit, or the fp32 residual
 // gradient; dx 16-bit or fp32; dw fp32 (the master gradient, added to in fp32, never rounded to
 // 16 bits). Every product accumulates in fp32 (gemm16.h: oneDNN bf16 on CPUs with hardware bf16,
-// else widening to fp32 and OpenBLAS sgemm).
+// else widening to fp32 and sgemm).
 void linear_forward_16bit(Tensor out, Tensor x, Tensor w, bool accumulate) {
   check_matrix(w, "linear weight");
   const int64_t M = rows(x), K = x.size(-1), N = w.size(0);
