@@ -564,7 +564,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs a) {
 // (lane = 4*gid + tig: rows gid and gid + 8, columns 2*tig and 2*tig + 1 of each 8-column tile).
 // Probabilities and dS are rounded to the 16-bit type as mma inputs, as FlashAttention does;
 // softmax statistics, sums and outputs stay fp32. Tiles are staged in shared memory as the raw
-// 16-bit values, rows padded by 8 elements so that fragment loads do not conflict on banks.
+// 16-bit values, rows padded by 8 elements so that the 8 rows of an ldmatrix fall on distinct banks.
 
 using u16 = unsigned short;
 
@@ -608,32 +608,52 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
   }
 }
 
-__device__ __forceinline__ uint32_t lds32(const u16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+// Four 8x8 matrices of 16-bit elements from shared memory (ldmatrix): lane l gives the address
+// of row l % 8 of matrix l / 8 (16-byte aligned); r[q] receives matrix q's elements (row gid,
+// columns 2tig and 2tig + 1), or with Trans its transpose's (rows 2tig and 2tig + 1, column gid).
+template <bool Trans>
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const u16* row) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  if constexpr (Trans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  }
+}
 
-// A fragment: rows [m0, m0 + 16) x columns [k0, k0 + 16) of a row-major matrix (row stride ld).
+// A fragment: rows [m0, m0 + 16) x columns [k0, k0 + 16) of a row-major matrix (row stride ld):
+// a[0] = (gid, 2tig..), a[1] = (gid + 8, 2tig..), a[2] = (gid, 2tig + 8..), a[3] = (gid + 8, 2tig + 8..).
 __device__ __forceinline__ void frag_a(uint32_t (&a)[4], const u16* s, int ld, int m0, int k0) {
-  const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
-  const u16* p = s + (m0 + gid) * ld + k0 + 2 * tig;
-  a[0] = lds32(p);               // (gid,     2tig)
-  a[1] = lds32(p + 8 * ld);      // (gid + 8, 2tig)
-  a[2] = lds32(p + 8);           // (gid,     2tig + 8)
-  a[3] = lds32(p + 8 * ld + 8);  // (gid + 8, 2tig + 8)
+  const int lane = threadIdx.x & 31, q = lane >> 3, r = lane & 7;
+  ldsm_x4<false>(a, s + (m0 + r + 8 * (q & 1)) * ld + k0 + 8 * (q >> 1));
 }
 
-// B fragment B(k, n), k in [k0, k0 + 16), n in [n0, n0 + 8), of a matrix stored as (n, k) rows.
-__device__ __forceinline__ void frag_b_nk(uint32_t (&b)[2], const u16* s, int ld, int n0, int k0) {
-  const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
-  const u16* p = s + (n0 + gid) * ld + k0 + 2 * tig;
-  b[0] = lds32(p);      // k = 2tig, 2tig + 1
-  b[1] = lds32(p + 8);  // k = 2tig + 8, 2tig + 9
+// B fragments B(k, n), k in [k0, k0 + 16), of the column tiles n in [n0, n0 + 8) (b[0]) and
+// [n0 + 8, n0 + 16) (b[1]), of a matrix stored as (n, k) rows: b[t][0] = (k = 2tig.., n = gid),
+// b[t][1] = (k = 2tig + 8.., n = gid).
+__device__ __forceinline__ void frag_b_nk(uint32_t (&b)[2][2], const u16* s, int ld, int n0, int k0) {
+  const int lane = threadIdx.x & 31, q = lane >> 3, r = lane & 7;
+  uint32_t m[4];
+  ldsm_x4<false>(m, s + (n0 + r + 8 * (q >> 1)) * ld + k0 + 8 * (q & 1));
+  b[0][0] = m[0];
+  b[0][1] = m[1];
+  b[1][0] = m[2];
+  b[1][1] = m[3];
 }
 
-// The same fragment of a matrix stored as (k, n) rows.
-__device__ __forceinline__ void frag_b_kn(uint32_t (&b)[2], const u16* s, int ld, int n0, int k0) {
-  const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
-  const u16* p = s + (k0 + 2 * tig) * ld + n0 + gid;
-  b[0] = uint32_t(p[0]) | (uint32_t(p[ld]) << 16);
-  b[1] = uint32_t(p[8 * ld]) | (uint32_t(p[9 * ld]) << 16);
+// The same fragments of a matrix stored as (k, n) rows (transposed on the way).
+__device__ __forceinline__ void frag_b_kn(uint32_t (&b)[2][2], const u16* s, int ld, int n0, int k0) {
+  const int lane = threadIdx.x & 31, q = lane >> 3, r = lane & 7;
+  uint32_t m[4];
+  ldsm_x4<true>(m, s + (k0 + r + 8 * (q & 1)) * ld + n0 + 8 * (q >> 1));
+  b[0][0] = m[0];
+  b[0][1] = m[1];
+  b[1][0] = m[2];
+  b[1][1] = m[3];
 }
 
 // The A fragment (16 rows x 16 columns) of accumulator tiles c0 (columns 0-7) and c1 (8-15).
@@ -777,10 +797,11 @@ __global__ void __launch_bounds__(kTcThreads) forward_tc_kernel(const FwdArgs a)
       uint32_t af[4];
       frag_a(af, Qs, L.ldq, 16 * warp, k0);
 #pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        uint32_t bf[2];
+      for (int n = 0; n < 8; n += 2) {
+        uint32_t bf[2][2];
         frag_b_nk(bf, Ks, L.ldq, 8 * n, k0);
-        mma_16816<T>(sc[n], af, bf);
+        mma_16816<T>(sc[n], af, bf[0]);
+        mma_16816<T>(sc[n + 1], af, bf[1]);
       }
     }
 
@@ -826,10 +847,11 @@ __global__ void __launch_bounds__(kTcThreads) forward_tc_kernel(const FwdArgs a)
       uint32_t pa[4];
       acc_to_a<T>(pa, sc[2 * kk], sc[2 * kk + 1]);
 #pragma unroll
-      for (int n = 0; n < NO; ++n) {
-        uint32_t bf[2];
+      for (int n = 0; n < NO; n += 2) {
+        uint32_t bf[2][2];
         frag_b_kn(bf, Vs, L.ldv, 8 * n, 16 * kk);
-        mma_16816<T>(o[n], pa, bf);
+        mma_16816<T>(o[n], pa, bf[0]);
+        mma_16816<T>(o[n + 1], pa, bf[1]);
       }
     }
   }
@@ -919,20 +941,22 @@ __global__ void __launch_bounds__(kTcThreads) dq_tc_kernel(const BwdArgs a) {
       uint32_t af[4];
       frag_a(af, Qs, L.ldq, 16 * warp, k0);
 #pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        uint32_t bf[2];
+      for (int n = 0; n < 8; n += 2) {
+        uint32_t bf[2][2];
         frag_b_nk(bf, Ks, L.ldk, 8 * n, k0);
-        mma_16816<T>(sc[n], af, bf);
+        mma_16816<T>(sc[n], af, bf[0]);
+        mma_16816<T>(sc[n + 1], af, bf[1]);
       }
     }
     for (int k0 = 0; k0 < s.kv16; k0 += 16) {  // dP = dO V^T
       uint32_t af[4];
       frag_a(af, Os, L.ldo, 16 * warp, k0);
 #pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        uint32_t bf[2];
+      for (int n = 0; n < 8; n += 2) {
+        uint32_t bf[2][2];
         frag_b_nk(bf, Vs, L.ldv, 8 * n, k0);
-        mma_16816<T>(dp[n], af, bf);
+        mma_16816<T>(dp[n], af, bf[0]);
+        mma_16816<T>(dp[n + 1], af, bf[1]);
       }
     }
     // dS = P (dP - delta), P from the saved log-sum-exp; kept in sc.
@@ -951,10 +975,11 @@ __global__ void __launch_bounds__(kTcThreads) dq_tc_kernel(const BwdArgs a) {
       uint32_t da[4];
       acc_to_a<T>(da, sc[2 * kk], sc[2 * kk + 1]);
 #pragma unroll
-      for (int n = 0; n < NQ; ++n) {
-        uint32_t bf[2];
+      for (int n = 0; n < NQ; n += 2) {
+        uint32_t bf[2][2];
         frag_b_kn(bf, Ks, L.ldk, 8 * n, 16 * kk);
-        mma_16816<T>(dq[n], da, bf);
+        mma_16816<T>(dq[n], da, bf[0]);
+        mma_16816<T>(dq[n + 1], da, bf[1]);
       }
     }
   }
@@ -1037,20 +1062,22 @@ __global__ void __launch_bounds__(kTcDkdvThreads) dkdv_tc_kernel(const BwdArgs a
         uint32_t af[4];
         frag_a(af, Ks, L.ldk, 16 * wm, k0);
 #pragma unroll
-        for (int n = 0; n < 4; ++n) {
-          uint32_t bf[2];
+        for (int n = 0; n < 4; n += 2) {
+          uint32_t bf[2][2];
           frag_b_nk(bf, Qs, L.ldq, 32 * wn + 8 * n, k0);
-          mma_16816<T>(st[n], af, bf);
+          mma_16816<T>(st[n], af, bf[0]);
+          mma_16816<T>(st[n + 1], af, bf[1]);
         }
       }
       for (int k0 = 0; k0 < s.kv16; k0 += 16) {  // dP^T = V dO^T
         uint32_t af[4];
         frag_a(af, Vs, L.ldv, 16 * wm, k0);
 #pragma unroll
-        for (int n = 0; n < 4; ++n) {
-          uint32_t bf[2];
+        for (int n = 0; n < 4; n += 2) {
+          uint32_t bf[2][2];
           frag_b_nk(bf, Os, L.ldo, 32 * wn + 8 * n, k0);
-          mma_16816<T>(dpt[n], af, bf);
+          mma_16816<T>(dpt[n], af, bf[0]);
+          mma_16816<T>(dpt[n + 1], af, bf[1]);
         }
       }
 #pragma unroll
@@ -1072,16 +1099,18 @@ __global__ void __launch_bounds__(kTcDkdvThreads) dkdv_tc_kernel(const BwdArgs a
         frag_a(pa, Ps, L.ldp, 16 * wm, 16 * kk);
         frag_a(da, Ds, L.ldp, 16 * wm, 16 * kk);
 #pragma unroll
-        for (int n = 0; n < NV; ++n) {
-          uint32_t bf[2];
+        for (int n = 0; n < NV; n += 2) {
+          uint32_t bf[2][2];
           frag_b_kn(bf, Os, L.ldo, wn * 32 * NCV + 8 * n, 16 * kk);
-          mma_16816<T>(dv[n], pa, bf);
+          mma_16816<T>(dv[n], pa, bf[0]);
+          mma_16816<T>(dv[n + 1], pa, bf[1]);
         }
 #pragma unroll
-        for (int n = 0; n < NQ; ++n) {
-          uint32_t bf[2];
+        for (int n = 0; n < NQ; n += 2) {
+          uint32_t bf[2][2];
           frag_b_kn(bf, Qs, L.ldq, wn * 32 * NCQ + 8 * n, 16 * kk);
-          mma_16816<T>(dk[n], da, bf);
+          mma_16816<T>(dk[n], da, bf[0]);
+          mma_16816<T>(dk[n + 1], da, bf[1]);
         }
       }
     }
