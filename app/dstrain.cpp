@@ -20,6 +20,7 @@
 #include "core/log.h"
 #include "core/version.h"
 #include "io/hf_weights.h"
+#include "train/device_setup.h"
 #include "train/resilience.h"
 #include "train/trainer.h"
 
@@ -86,7 +87,7 @@ int cmd_train(const Options& o) {
   Watchdog::instance().start(c.resilience.collective_timeout_s);
   install_stop_signal_handlers();
   ProcessGrid grid(MPI_COMM_WORLD, c.parallel);
-  Trainer trainer(c, grid);
+  Trainer trainer(c, grid, choose_device(c, grid));
   print_header(trainer.config(), "train", grid);
   trainer.claim_output_dirs();
   if (grid.world_rank() == 0) {
@@ -129,7 +130,7 @@ int cmd_eval(const Options& o) {
   using namespace dstrain;
   RunConfig c = load_config(o);
   ProcessGrid grid(MPI_COMM_WORLD, c.parallel);
-  Trainer trainer(c, grid);
+  Trainer trainer(c, grid, choose_device(c, grid));
   print_header(trainer.config(), "eval", grid);
   trainer.init_weights(o.init_from);
   const LossSums s = trainer.evaluate(trainer.config().train.eval_batches);
@@ -142,7 +143,7 @@ int cmd_generate(const Options& o) {
   using namespace dstrain;
   RunConfig c = load_config(o);
   ProcessGrid grid(MPI_COMM_WORLD, c.parallel);
-  Trainer trainer(c, grid);
+  Trainer trainer(c, grid, choose_device(c, grid));
   print_header(trainer.config(), "generate", grid);
   trainer.init_weights(o.init_from);
   const std::string text = trainer.sample(trainer.config().generate.prompt);

@@ -26,5 +26,12 @@ Device use_device(int index);
 std::string describe(int index);
 // Waits for every op issued on the current device (no-op without CUDA).
 void synchronize();
+// The GPU's PCI bus id ("0000:3b:00.0"), how NVML finds the GPU a rank uses whatever
+// CUDA_VISIBLE_DEVICES says; empty without CUDA.
+std::string pci_bus_id(int index);
+// The GPU's dense bf16 tensor-core peak in FLOP/s from its datasheet (A100: 312 T; H100 and
+// H200 SXM: 989 T; H100 PCIe: 756 T; ...), what MFU is measured against; 0 for a GPU not in the
+// table (metrics.peak_tflops then gives it). `source` gets where the figure comes from.
+double bf16_peak_flops(int index, std::string* source);
 
 }  // namespace dstrain::cuda

@@ -13,5 +13,10 @@ std::string unavailable_reason() {
 Device use_device(int index) { DS_FAIL("cannot use GPU {}: {}", index, unavailable_reason()); }
 std::string describe(int) { return "no GPU: " + unavailable_reason(); }
 void synchronize() {}
+std::string pci_bus_id(int) { return ""; }
+double bf16_peak_flops(int, std::string* source) {
+  if (source) *source = "no GPU: " + unavailable_reason();
+  return 0;
+}
 
 }  // namespace dstrain::cuda

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -96,5 +97,32 @@ T read_scalar(Tensor t) {
 // guard, the gradient norm): the op into a one-element tensor on x's device, then read_scalar.
 double read_sum_squares(Tensor x);
 int64_t read_count_non_finite(Tensor x);
+
+// DeepSeek's YaRN rotary embedding as Hugging Face computes it (DeepseekV2YarnRotaryEmbedding):
+// the inverse frequencies (dim/2, fp32; double where Hugging Face has Python floats, fp32 where
+// it has fp32 tensors) and the mscale factor of the tables; plain frequencies and 1 without
+// scaling (factor 1). Every backend's rope_tables_yarn builds its tables from these.
+std::vector<float> yarn_inv_freq(int dim, double theta, const YarnParams& yarn, float* mscale);
+
+// A tensor's contents where host code can read them: the tensor itself when it lives on the host,
+// else a host copy (ops::copy; the explicit transfer). Writes to a copy stay on the host until
+// write_back() sends them to the device tensor. For host-side consumers of device state:
+// checkpoint files, weight hashes, Hugging Face exports.
+class HostView {
+ public:
+  explicit HostView(Tensor t);
+  // The host tensor (same dtype and shape).
+  const Tensor& get() const { return host_; }
+  template <class T>
+  T* data() const {
+    return host_.data<T>();
+  }
+  // Copies the host contents back to the device tensor (nothing to do on the host).
+  void write_back() const;
+
+ private:
+  Tensor source_, host_;
+  std::vector<unsigned char> storage_;
+};
 
 }  // namespace dstrain::ops

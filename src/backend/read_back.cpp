@@ -15,4 +15,18 @@ int64_t read_count_non_finite(Tensor x) {
   return read_scalar<int64_t>(out.tensor());
 }
 
+HostView::HostView(Tensor t) : source_(t) {
+  if (t.device().is_cpu()) {
+    host_ = t;
+    return;
+  }
+  storage_.resize(t.nbytes());
+  host_ = Tensor(storage_.data(), t.dtype(), t.shape());
+  copy(host_, t);
+}
+
+void HostView::write_back() const {
+  if (!source_.device().is_cpu()) copy(source_, host_);
+}
+
 }  // namespace dstrain::ops

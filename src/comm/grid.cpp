@@ -112,4 +112,17 @@ std::string ProcessGrid::describe() const {
                      sizes_[0], sizes_[1], sizes_[2], sizes_[3]);
 }
 
+void ProcessGrid::wrap_communicators(const std::string& key, const Wrap& wrap) {
+  if (key == wrap_key_) return;
+  // The old wrappers go first (they refer to the MPI communicators, which stay).
+  wrapped_world_.reset();
+  wrapped_expert_data_.reset();
+  for (auto& w : wrapped_axes_) w.reset();
+  wrap_key_ = key;
+  if (!wrap) return;
+  wrapped_world_ = wrap(*world_);
+  for (int a = 0; a < kNumAxes; ++a) wrapped_axes_[size_t(a)] = wrap(*axes_[size_t(a)]);
+  wrapped_expert_data_ = wrap(*expert_data_);
+}
+
 }  // namespace dstrain

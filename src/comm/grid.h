@@ -10,6 +10,7 @@
 #pragma once
 
 #include <array>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -47,12 +48,23 @@ class ProcessGrid {
   int world_size() const { return world_->size(); }
   int size(Axis a) const { return sizes_[size_t(a)]; }
   int coord(Axis a) const { return coords_[size_t(a)]; }
-  Communicator& world() { return *world_; }
+  Communicator& world() { return wrapped_world_ ? *wrapped_world_ : *world_; }
   MPI_Comm mpi_world() const { return world_->mpi_comm(); }  // for libraries that take a communicator (MPI-IO)
-  Communicator& comm(Axis a) { return *axes_[size_t(a)]; }
+  Communicator& comm(Axis a) {
+    return wrapped_axes_[size_t(a)] ? *wrapped_axes_[size_t(a)] : *axes_[size_t(a)];
+  }
   // The data-parallel ranks that hold the same experts (same expert coordinate): size
   // data / expert. With expert = 1 it spans the data axis.
-  Communicator& expert_data() { return *expert_data_; }
+  Communicator& expert_data() { return wrapped_expert_data_ ? *wrapped_expert_data_ : *expert_data_; }
+
+  // For a run on a device: world(), comm() and expert_data() return from now on what `wrap`
+  // makes of each MPI communicator (e.g. one that also carries device tensors). Collective:
+  // every rank calls it, and `wrap` is called in the same order on every rank (world, data,
+  // tensor, pipeline, expert, expert_data), as NCCL's communicator creation requires. `key`
+  // names the wrapping: wrapping again with the same key does nothing; another key replaces it.
+  using Wrap = std::function<std::unique_ptr<Communicator>(MpiCommunicator& mpi)>;
+  void wrap_communicators(const std::string& key, const Wrap& wrap);
+  const std::string& wrapped_by() const { return wrap_key_; }
 
   // Placement on nodes, from MPI_COMM_TYPE_SHARED: for choosing a GPU per rank.
   int local_rank() const { return local_rank_; }
@@ -65,6 +77,9 @@ class ProcessGrid {
   std::unique_ptr<MpiCommunicator> world_;
   std::array<std::unique_ptr<MpiCommunicator>, kNumAxes> axes_;
   std::unique_ptr<MpiCommunicator> expert_data_;
+  std::string wrap_key_;
+  std::unique_ptr<Communicator> wrapped_world_, wrapped_expert_data_;
+  std::array<std::unique_ptr<Communicator>, kNumAxes> wrapped_axes_;
   std::array<int, kNumAxes> sizes_{}, coords_{};
   int local_rank_ = 0, local_size_ = 1, num_nodes_ = 1;
 };

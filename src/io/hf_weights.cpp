@@ -195,8 +195,6 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const P
   const ParamRegistry& all = model ? *model : reg;
   DS_CHECK(reg.flat_numel() == 0 || reg.values().allocated(),
            "load_hf_weights('{}'): allocate the parameter registry before loading into it", path);
-  DS_CHECK(reg.device().is_cpu(), "load_hf_weights('{}'): parameters are on {}; load into host memory", path,
-           reg.device().str());
   const HFWeights w(path);
   HFLoadStats stats;
 
@@ -257,7 +255,9 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const P
   for (int id = 0; id < reg.size(); ++id) {
     const ParamInfo& p = reg.info(id);
     const std::string& name = p.name;
-    Tensor t = reg.param(id);
+    // Read on the host; a run on a device gets the values sent there.
+    const ops::HostView local(reg.param(id));
+    Tensor t = local.get();
     if (is_tensor_piece(p)) {
       const Tensor whole = global.tensor(0, p.global_shape);
       w.read_f32(name, whole);
@@ -266,6 +266,7 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const P
     } else {
       w.read_f32(name, t);
     }
+    local.write_back();
     ++stats.loaded;
     const int64_t n = ops::read_count_non_finite(t);
     if (n > 0) {
@@ -310,8 +311,6 @@ void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const jso
   const std::string torch_dtype = torch_dtype_name(dtype);
   DS_CHECK(reg.flat_numel() == 0 || reg.values().allocated(),
            "save_hf_weights('{}'): the parameter registry is not allocated", dir);
-  DS_CHECK(reg.device().is_cpu(), "save_hf_weights('{}'): parameters are on {}; copy them to host memory first", dir,
-           reg.device().str());
 
   std::vector<int> ids(size_t(reg.size()));
   std::iota(ids.begin(), ids.end(), 0);
@@ -342,9 +341,16 @@ void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const jso
     converted.clear();
     converted.reserve(group.size());
     gathered.clear();
-    gathered.reserve(group.size());
+    gathered.reserve(2 * group.size());
     for (int id : group) {
       const ParamInfo& p = reg.info(id);
+      // Written from the host: a run on a device copies each tensor over first.
+      Tensor local = reg.param(id);
+      if (!local.device().is_cpu()) {
+        gathered.emplace_back("save_hf.host", MemCategory::Workspace, DType::F32, local.numel(), Device::cpu());
+        ops::copy(gathered.back().tensor(0, local.shape()), local);
+        local = gathered.back().tensor(0, local.shape());
+      }
       Tensor master;
       if (tp && is_tensor_piece(p)) {
         const int64_t n = p.global_shape.numel();
@@ -355,9 +361,9 @@ void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const jso
           if (scratch.numel() < n) scratch = Buffer("save_hf.gathered", MemCategory::Workspace, DType::F32, n, Device::cpu());
           master = scratch.tensor(0, p.global_shape);
         }
-        gather_global(p, reg.param(id), tp, master);
+        gather_global(p, local, tp, master);
       } else {
-        master = reg.param(id).view(p.global_shape);
+        master = local.view(p.global_shape);
       }
       if (!root) continue;
       if (dtype == DType::F32) {

@@ -1,5 +1,7 @@
 #include "model/ctx.h"
 
+#include "backend/cuda_device.h"
+
 #include "backend/ops.h"
 
 namespace dstrain {
@@ -255,6 +257,10 @@ Range Ctx::token_rows(int64_t n) const {
 
 void Ctx::tp_all_reduce(Tensor t) const {
   if (ProcessGroups::size_of(groups.tp) > 1) groups.tp->all_reduce(t);
+}
+
+void Ctx::wait_for_device() const {
+  if (device.type == DeviceType::CUDA) cuda::synchronize();
 }
 
 }  // namespace dstrain

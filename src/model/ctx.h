@@ -219,6 +219,10 @@ struct Ctx {
   // All-reduce (sum) over the tensor group of a row-parallel output; nothing when the group
   // has one rank.
   void tp_all_reduce(Tensor t) const;
+  // Returns once every op issued on the device has finished (a no-op on the host and on devices
+  // whose ops run as they are called): phase timers read the clock after it, so a GPU's
+  // forward, backward and optimizer times are its own, not the time to issue them.
+  void wait_for_device() const;
   void before_use(int first, int last) const {
     if (hooks) hooks->before_use(first, last);
   }

@@ -584,7 +584,9 @@ LossSums Transformer::forward_loss(Tensor tokens, Tensor targets) { return forwa
 LossSums Transformer::forward_loss(Tensor tokens, Tensor targets, Tensor in) {
   forward_head_body(tokens, in);
   Tensor sums = zeroed_sums(kInferenceMb);
-  head(acts_.get(kInferenceMb, "final_norm.out"), targets, /*backward=*/false, 0.0f, Tensor(), sums.slice(0, 2));
+  Tensor tgt = acts_.put(kInferenceMb, "targets", targets.shape(), DType::I32);
+  ops::copy(tgt, targets);
+  head(acts_.get(kInferenceMb, "final_norm.out"), tgt, /*backward=*/false, 0.0f, Tensor(), sums.slice(0, 2));
   const LossSums s = read_sums(sums, /*with_mtp=*/false);
   acts_.release(kInferenceMb);
   return s;
@@ -675,14 +677,15 @@ LossSums Transformer::forward_chunk(int mb, int chunk, Tensor tokens, Tensor tar
   // Of final_norm.out: this rank's rows.
   Tensor dxf = acts_.put(sl, "head.dxf", {residual_shape(B, T).numel() / C, C}, ctx_.compute_dtype);
   Tensor sums = zeroed_sums(sl);
-  head(acts_.get(sl, "final_norm.out"), targets, /*backward=*/true, scales.token, dxf, sums.slice(0, 2));
+  // The targets on the model's device (the caller's may be on the host), for the loss and the
+  // shifted MTP inputs and targets.
+  Tensor tgt = acts_.put(sl, "targets", {B, T}, DType::I32);
+  ops::copy(tgt, targets.view({B, T}));
+  head(acts_.get(sl, "final_norm.out"), tgt, /*backward=*/true, scales.token, dxf, sums.slice(0, 2));
   const bool with_mtp = !mtp_.empty() && !scales.mtp_token.empty();
   if (with_mtp) {
     DS_CHECK(scales.mtp_token.size() == mtp_.size(), "{} MTP loss scales for {} depths", scales.mtp_token.size(),
              mtp_.size());
-    // The targets on the model's device, for the shifted MTP inputs and targets.
-    Tensor tgt = acts_.put(sl, "targets", {B, T}, DType::I32);
-    ops::copy(tgt, targets);
     mtp_forward_backward(sl, scales, tgt, dxf, sums);
   }
   const LossSums s = read_sums(sums, with_mtp);
@@ -759,6 +762,7 @@ void Transformer::backward_chunk(int mb, int chunk, Tensor dout, Tensor din, Bac
   wgrad_.end_deferral();
   split_mb_ = -1;
   acts_.release(sl);
+  ctx_.wait_for_device();
   backward_s_ += seconds_since(t1);
 }
 
@@ -773,6 +777,7 @@ void Transformer::backward_weights_chunk(int mb, int chunk) {
     for (auto [first, last] : it->second) ctx_.grad_ready(first, last);
     ready_after_weights_.erase(it);
   }
+  ctx_.wait_for_device();
   backward_s_ += seconds_since(t0);
 }
 

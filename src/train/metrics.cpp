@@ -159,6 +159,7 @@ struct Metrics::Impl {
   // the share of the step in routing and permutation.
   std::vector<double> moe_load, moe_dead, moe_share;
   std::vector<double> tp_share;  // tensor-group collectives over the step
+  std::vector<double> gpu_util;  // NVML's utilisation of rank 0's GPU, 0..1
   // Expert parallelism: the busiest rank's received rows over the mean, and the all-to-alls'
   // share of the step.
   std::vector<double> ep_load, ep_share;
@@ -345,6 +346,9 @@ void Metrics::on_step(const StepMetrics& m) {
       impl_->ep_share.push_back(ep.value("a2a_s", 0.0) / t);
     }
     if (m.extra.contains("tensor_parallel")) impl_->tp_share.push_back(m.extra["tensor_parallel"].value("comm_s", 0.0) / t);
+    if (m.extra.contains("gpu") && m.extra["gpu"].contains("utilization_percent")) {
+      impl_->gpu_util.push_back(m.extra["gpu"].value("utilization_percent", 0.0) / 100.0);
+    }
   }
   warn_if_abnormal(m);
   print_progress(m);
@@ -477,6 +481,17 @@ std::string Metrics::prometheus_text() const {
          {{"{stat=\"max\"}", s.max}, {"{stat=\"min\"}", s.min}, {"{stat=\"mean\"}", s.mean}});
   metric("dstrain_slowest_rank", "gauge", "The rank with the longest last step.", {{"", double(s.slowest)}});
   if (impl_->last_eval >= 0) metric("dstrain_eval_loss", "gauge", "Last evaluation loss.", {{"", impl_->last_eval}});
+  if (impl_->last_extra.contains("gpu")) {
+    const json& g = impl_->last_extra["gpu"];
+    if (g.contains("utilization_percent")) {
+      metric("dstrain_gpu_utilization_ratio", "gauge", "NVML's utilisation of rank 0's GPU at the last step (0..1).",
+             {{"", g.value("utilization_percent", 0.0) / 100.0}});
+      metric("dstrain_gpu_memory_used_bytes", "gauge", "Memory used on rank 0's GPU, every process's (NVML).",
+             {{"", g.value("memory_used_bytes", 0.0)}});
+    }
+    metric("dstrain_gpu_dstrain_memory_bytes", "gauge", "Bytes dstrain's buffers hold on rank 0's GPU.",
+           {{"", g.value("dstrain_peak_bytes", 0.0)}});
+  }
   if (impl_->last_extra.contains("tensor_parallel")) {
     const json& tp = impl_->last_extra["tensor_parallel"];
     metric("dstrain_tensor_parallel_comm_seconds", "gauge",
@@ -564,7 +579,9 @@ std::string Metrics::summary_table() const {
       {"peak memory / budget", pct(mem), "< 90%", mem < 0.90},
       {"skipped steps", fmt::format("{}", impl_->have_step ? impl_->last.skipped_total : 0), "0",
        !impl_->have_step || impl_->last.skipped_total == 0},
-      {"GPU utilisation", "n/a (CPU run)", "> 90%", true},
+      impl_->gpu_util.empty() ? Row{"GPU utilisation", "n/a (CPU run or no NVML)", "> 90%", true}
+                              : Row{"GPU utilisation (rank 0, NVML)", pct(median(impl_->gpu_util)), "> 90%",
+                                    median(impl_->gpu_util) > 0.90},
   };
   if (!impl_->moe_load.empty()) {
     const double load = median(impl_->moe_load), dead = impl_->moe_dead.back(), share = median(impl_->moe_share);

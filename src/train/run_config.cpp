@@ -359,6 +359,10 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
   if (top.has("resilience")) c.resilience = ResilienceConfig::from_json(top.child("resilience"));
   if (top.has("metrics")) c.metrics = MetricsConfig::from_json(top.child("metrics"));
   if (top.has("generate")) c.generate = read_generate(top.child("generate"));
+  if (top.has("device")) c.device = top.get<std::string>("device");
+  if (c.device != "cpu" && c.device != "cuda") {
+    top.error("device", fmt::format("is \"{}\"; it must be \"cpu\" or \"cuda\" (one GPU per rank)", c.device));
+  }
   top.done();
   if (c.data.seq_len > c.model.max_position_embeddings) {
     throw Error(fmt::format("config error in {}: data.seq_len {} exceeds the model's max_position_embeddings {}",
@@ -424,6 +428,7 @@ json RunConfig::to_json() const {
   j["checkpoint"] = checkpoint.to_json();
   j["resilience"] = resilience.to_json();
   j["metrics"] = metrics.to_json();
+  j["device"] = device;
   j["generate"] = {{"prompt", generate.prompt},           {"max_new_tokens", generate.max_new_tokens},
                    {"temperature", generate.temperature}, {"top_k", generate.top_k},
                    {"seed", generate.seed},               {"interval", generate.interval}};

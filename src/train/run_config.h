@@ -93,6 +93,9 @@ struct RunConfig {
   ResilienceConfig resilience;
   MetricsConfig metrics;
   GenerateConfig generate;
+  // Where the model trains: "cpu" (the default) or "cuda" (one GPU per rank, chosen by the
+  // node-local rank; builds with -DDSTRAIN_CUDA=ON).
+  std::string device = "cpu";
   std::string source;  // the file it came from
 
   // Reads `path`, applies "key=value" overrides, validates everything. When the file has

@@ -13,10 +13,13 @@
 #include <thread>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "core/clock.h"
 #include "core/log.h"
+#include "backend/cuda_device.h"
+#include "distributed/routed_comm.h"
 #include "io/checkpoint.h"
 #include "io/hf_weights.h"
 #include "io/tensor_parallel_state.h"
@@ -59,22 +62,49 @@ double model_state_bytes_per_rank(const RunConfig& config, int64_t dp) {
 
 namespace {
 
+// The flat buffers a checkpoint writes or reads (weights and AdamW moments), where the host can
+// reach them: the buffers themselves in a run on the host; host copies in a run on a device,
+// sent back by write_back() after a read. A moment tensor may be undefined (none).
+class HostState {
+ public:
+  HostState(Tensor values, Tensor exp_avg, Tensor exp_avg_sq) {
+    values_.emplace(values);
+    if (exp_avg.defined()) exp_avg_.emplace(exp_avg);
+    if (exp_avg_sq.defined()) exp_avg_sq_.emplace(exp_avg_sq);
+  }
+  float* values() const { return values_->data<float>(); }
+  float* exp_avg() const { return exp_avg_ ? exp_avg_->data<float>() : nullptr; }
+  float* exp_avg_sq() const { return exp_avg_sq_ ? exp_avg_sq_->data<float>() : nullptr; }
+  void write_back() const {
+    values_->write_back();
+    if (exp_avg_) exp_avg_->write_back();
+    if (exp_avg_sq_) exp_avg_sq_->write_back();
+  }
+
+ private:
+  std::optional<ops::HostView> values_, exp_avg_, exp_avg_sq_;
+};
+
 // ZeRO's shards as checkpoints write and read them: every rank its own rows of every tensor.
-CheckpointBuffers zero_checkpoint_buffers(ZeroOptimizer& z) {
+HostState zero_host_state(ZeroOptimizer& z) {
+  return HostState(z.master().tensor(), z.exp_avg().tensor(), z.exp_avg_sq().tensor());
+}
+
+CheckpointBuffers zero_checkpoint_buffers(ZeroOptimizer& z, const HostState& h) {
   CheckpointBuffers b;
-  b.values = z.master().data<float>();
-  b.exp_avg = z.exp_avg().data<float>();
-  b.exp_avg_sq = z.exp_avg_sq().data<float>();
+  b.values = h.values();
+  b.exp_avg = h.exp_avg();
+  b.exp_avg_sq = h.exp_avg_sq();
   b.piece_offsets = std::make_shared<const std::vector<int64_t>>(z.shard_offsets());
   b.numel = z.shard_numel();
   return b;
 }
 
-CheckpointTargets zero_checkpoint_targets(ZeroOptimizer& z) {
+CheckpointTargets zero_checkpoint_targets(ZeroOptimizer& z, const HostState& h) {
   CheckpointTargets t;
-  t.values = z.master().data<float>();
-  t.exp_avg = z.exp_avg().data<float>();
-  t.exp_avg_sq = z.exp_avg_sq().data<float>();
+  t.values = h.values();
+  t.exp_avg = h.exp_avg();
+  t.exp_avg_sq = h.exp_avg_sq();
   t.piece_offsets = std::make_shared<const std::vector<int64_t>>(z.shard_offsets());
   return t;
 }
@@ -129,7 +159,7 @@ void check_same_config(Communicator& world, const RunConfig& c) {
 }  // namespace
 
 Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
-    : config_(std::move(config)), grid_(grid), dp_(grid.comm(Axis::Data)) {
+    : config_(std::move(config)), grid_(use_device_communicators(grid, device)), dp_(grid.comm(Axis::Data)) {
   config_.train.resolve_batch(dp_.size(), config_.source);
   check_same_config(grid_.world(), config_);
   environment_ = check_same_environment(grid_.world(), local_environment());
@@ -355,8 +385,8 @@ std::vector<int64_t> weight_hashes(const ParamRegistry& reg) {
   std::vector<int64_t> out(static_cast<size_t>(reg.size()));
 #pragma omp parallel for schedule(dynamic)
   for (int id = 0; id < reg.size(); ++id) {
-    const Tensor p = reg.param(id);
-    out[size_t(id)] = int64_t(XXH3_64bits(p.data<float>(), p.nbytes()));
+    const ops::HostView p(reg.param(id));
+    out[size_t(id)] = int64_t(XXH3_64bits(p.data<float>(), p.get().nbytes()));
   }
   return out;
 }
@@ -583,13 +613,17 @@ void Trainer::load_weights(const std::string& init_from, bool checkpoint) {
   }
   if (checkpoint) {
     TrainState st;
+    const HostState host(model_->params().values().tensor(), Tensor(), Tensor());
     if (tp_ckpt_) {
       st = read_checkpoint(init_from, ckpt_->io_comm(), file_registry(), tp_ckpt_->targets(false));
-      tp_ckpt_->unstage(model_->params().values().data<float>(), nullptr, nullptr);
+      tp_ckpt_->unstage(host.values(), nullptr, nullptr);
       tp_ckpt_->release();
     } else {
-      st = read_checkpoint(init_from, ckpt_->io_comm(), model_->params(), nullptr, nullptr);
+      CheckpointTargets whole;
+      whole.values = host.values();
+      st = read_checkpoint(init_from, ckpt_->io_comm(), model_->params(), whole);
     }
+    host.write_back();
     log::info("loaded the model of checkpoint {} (step {}); optimizer state and position start afresh", init_from,
               st.step);
     return;
@@ -895,6 +929,7 @@ void Trainer::update_weights(StepRecord& r) {
       if (!reg.info(id).trainable) zero_->take_rule_update(id);
     }
   }
+  model_->ctx().wait_for_device();
   r.optimizer_seconds = seconds_since(o0);
 }
 
@@ -1114,6 +1149,18 @@ StepMetrics Trainer::step_metrics(const StepRecord& r, double elapsed, int64_t s
   m.rank_step_s = r.rank_step_seconds;
   m.rank_compute_s = r.rank_compute_seconds;
   m.rank_peak_rss_bytes = r.rank_peak_rss_bytes;
+  if (gpu_monitor_) {
+    // This rank's GPU (rank 0's in the record): NVML's utilisation and memory, and what dstrain's
+    // own buffers hold on it at their peak.
+    json gpu = {{"device", model_->ctx().device.str()},
+                {"dstrain_peak_bytes", double(memory_stats(DeviceType::CUDA).total())}};
+    if (const std::optional<GpuSample> g = gpu_monitor_->sample()) {
+      gpu["utilization_percent"] = g->utilization_percent;
+      gpu["memory_used_bytes"] = g->memory_used_bytes;
+      gpu["memory_total_bytes"] = g->memory_total_bytes;
+    }
+    m.extra["gpu"] = gpu;
+  }
   if (config_.data.train.size() > 1) m.extra["data_mix"] = pipeline().drawn();
   if (tp_) {
     m.extra["tensor_parallel"] = {{"size", tp_->size()},
@@ -1238,9 +1285,23 @@ Trainer::Outcome Trainer::train() {
         header, Clock::now());
   }
   if (!metrics_) {
+    // On a GPU, MFU is against its datasheet bf16 peak, and NVML reports its utilisation and memory.
+    PeakMeasure peak;
+    const Device device = model_->ctx().device;
+    if (device.type == DeviceType::CUDA) {
+      peak = [index = device.index] {
+        Peak p;
+        p.flops = cuda::bf16_peak_flops(index, &p.source);
+        return p;
+      };
+      gpu_monitor_ = std::make_unique<GpuMonitor>(GpuMonitor::by_pci_bus_id(cuda::pci_bus_id(device.index)));
+      if (!gpu_monitor_->available() && grid_.world_rank() == 0) {
+        log::warn("GPU utilisation is not reported: {}", gpu_monitor_->unavailable_reason());
+      }
+    }
     metrics_ = std::make_unique<Metrics>(config_.metrics, config_.model, config_.data.seq_len, grid_.world_rank(),
                                          grid_.world_size(), grid_.local_size(), config_.output.dir,
-                                         tc.steps_per_print);
+                                         tc.steps_per_print, peak);
     metrics_->on_run_start(environment_.record);
   }
   if (!pipeline_started_) {
@@ -1424,11 +1485,14 @@ double Trainer::save_checkpoint() {
   }
   save_deferred_ = false;
   ParamRegistry& reg = model_->params();
+  const HostState host = zero_ ? zero_host_state(*zero_)
+                               : HostState(reg.values().tensor(), optimizer_ ? optimizer_->exp_avg().tensor() : Tensor(),
+                                           optimizer_ ? optimizer_->exp_avg_sq().tensor() : Tensor());
   CheckpointBuffers live;
-  live.values = reg.values().data<float>();
-  live.exp_avg = optimizer_ ? optimizer_->exp_avg().data<float>() : nullptr;
-  live.exp_avg_sq = optimizer_ ? optimizer_->exp_avg_sq().data<float>() : nullptr;
-  if (zero_) live = zero_checkpoint_buffers(*zero_);
+  live.values = host.values();
+  live.exp_avg = host.exp_avg();
+  live.exp_avg_sq = host.exp_avg_sq();
+  if (zero_) live = zero_checkpoint_buffers(*zero_, host);
   // Tensor parallelism: the global tensors' row blocks, staged by the data-0 tensor group.
   if (tp_ckpt_) live = tp_ckpt_->stage(live.values, live.exp_avg, live.exp_avg_sq);
   const double stall = ckpt_->save(file_registry(), live, state());
@@ -1493,17 +1557,23 @@ bool Trainer::resume(const std::string& spec) {
     throw_if_root_failed(grid_.world(),
                          grid_.world_rank() == 0 ? model_mismatch(path, file_registry(), config_.model) : "");
     try {
+      const HostState host = zero_ ? zero_host_state(*zero_)
+                                   : HostState(reg.values().tensor(), optimizer_->exp_avg().tensor(),
+                                               optimizer_->exp_avg_sq().tensor());
       if (zero_) {
-        st = read_checkpoint(path, ckpt_->io_comm(), reg, zero_checkpoint_targets(*zero_));
+        st = read_checkpoint(path, ckpt_->io_comm(), reg, zero_checkpoint_targets(*zero_, host));
       } else if (tp_ckpt_) {
         st = read_checkpoint(path, ckpt_->io_comm(), file_registry(), tp_ckpt_->targets(true));
-        tp_ckpt_->unstage(reg.values().data<float>(), optimizer_->exp_avg().data<float>(),
-                          optimizer_->exp_avg_sq().data<float>());
+        tp_ckpt_->unstage(host.values(), host.exp_avg(), host.exp_avg_sq());
         tp_ckpt_->release();
       } else {
-        st = read_checkpoint(path, ckpt_->io_comm(), reg, optimizer_->exp_avg().data<float>(),
-                             optimizer_->exp_avg_sq().data<float>());
+        CheckpointTargets whole;
+        whole.values = host.values();
+        whole.exp_avg = host.exp_avg();
+        whole.exp_avg_sq = host.exp_avg_sq();
+        st = read_checkpoint(path, ckpt_->io_comm(), reg, whole);
       }
+      host.write_back();
     } catch (const Error& e) {
       if (spec != "auto") throw;
       if (grid_.world_rank() == 0) log::warn("skipping invalid checkpoint: {}", e.what());
@@ -1693,7 +1763,9 @@ void Trainer::save_hf(const std::string& dir) {
           }
           g = global.tensor(0, fp.global_shape);
         }
-        gather_global(model_->params().info(local), model_->params().param(local), tp_, g);
+        // Over the host (a run on a device sends a host copy): the root's tensor is host memory.
+        const ops::HostView piece(model_->params().param(local));
+        gather_global(model_->params().info(local), piece.get(), tp_, g);
         if (!root && grid_.coord(Axis::Tensor) == 0) grid_.world().send(g, 0, 1);
       } else if (root) {
         grid_.world().recv(whole.param(id), (tp_ckpt_->owner(id) * dp + tp_ckpt_->writer(id)) * tp, 1);

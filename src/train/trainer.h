@@ -27,6 +27,7 @@
 #include "optim/adamw.h"
 #include "optim/loss_scaler.h"
 #include "train/checkpointing.h"
+#include "train/gpu_monitor.h"
 #include "train/metrics.h"
 #include "train/pipeline.h"
 #include "train/run_config.h"
@@ -231,6 +232,7 @@ class Trainer {
   JobEnvironment environment_;
   std::vector<std::unique_ptr<RunLock>> locks_;  // released after the checkpoint writer below
   std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<GpuMonitor> gpu_monitor_;  // a run on a GPU: NVML's view of it
   std::unique_ptr<Timeline> timeline_;  // metrics.timeline_steps (null: off)
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<AdamW> optimizer_;

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "backend/cuda_device.h"
 #include "io/hf_weights.h"
 #include "io/safetensors.h"
 #include "model/transformer.h"
@@ -120,6 +121,26 @@ TEST_P(DeepSeekReference, ThreeStepsWithRoutingBiasUpdates) {
                 GetParam().c_str(), stage, h.size(), worst, worst_name.c_str(), biases);
     std::filesystem::remove_all(work);
   }
+}
+
+// The run configuration of a DeepSeek case (the MTP weight and the bias update rate).
+void deepseek_patch(const json& c, json& run) {
+  run["train"]["mtp_loss_weight"] = c.value("mtp_weight", 0.0);
+  run["train"]["router_bias_update_rate"] = c.value("bias_update_gamma", 0.0);
+  run["checkpoint"] = {{"save_final", false}};
+}
+
+// The same steps through the trainer in fp32 and in bf16 compute (fp32 masters) on the host: the
+// tolerances the GPU case below is held to.
+TEST_P(DeepSeekReference, OnTheHostInFp32AndBf16) {
+  expect_training_on(Device::cpu(), [&](json& run) { deepseek_patch(case_, run); });
+}
+
+// The same steps on the GPU (device 0), in fp32 at the CPU's tolerances and in bf16 at bf16's.
+// Skipped, by name, where this build has no CUDA backend or no GPU is visible.
+TEST_P(DeepSeekReference, OnTheGpuInFp32AndBf16) {
+  if (cuda::device_count() == 0) GTEST_SKIP() << "no GPU: " << cuda::unavailable_reason();
+  expect_training_on(cuda::use_device(0), [&](json& run) { deepseek_patch(case_, run); });
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, DeepSeekReference, ::testing::ValuesIn(case_names()),

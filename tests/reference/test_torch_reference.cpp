@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "backend/cuda_device.h"
 #include "core/json_reader.h"
 #include "io/hf_weights.h"
 #include "io/safetensors.h"
@@ -83,6 +84,17 @@ TEST_P(TorchReference, ThreeAdamWStepsWithClippingAndAccumulation) {
                 h.size(), worst);
     std::filesystem::remove_all(work);
   }
+}
+
+// The same steps through the trainer in fp32 and in bf16 compute (fp32 masters) on the host: the
+// tolerances the GPU case below is held to.
+TEST_P(TorchReference, OnTheHostInFp32AndBf16) { expect_training_on(Device::cpu()); }
+
+// The same steps on the GPU (device 0), in fp32 at the CPU's tolerances and in bf16 at bf16's.
+// Skipped, by name, where this build has no CUDA backend or no GPU is visible.
+TEST_P(TorchReference, OnTheGpuInFp32AndBf16) {
+  if (cuda::device_count() == 0) GTEST_SKIP() << "no GPU: " << cuda::unavailable_reason();
+  expect_training_on(cuda::use_device(0));
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, TorchReference, ::testing::ValuesIn(case_names()),

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cuda_device.h"
 #include "backend/ops.h"
 #include "core/buffer.h"
 #include "fake_backend.h"
@@ -709,6 +710,7 @@ bool check_op(const Backend& b, const std::string& op, const std::vector<Case>& 
 
 std::vector<const Backend*> backends_under_test() {
   fake::use_fake_backend();
+  if (cuda::device_count() > 0) cuda::use_device(0);  // the CUDA backend joins where a GPU is
   std::vector<const Backend*> out;
   for (const Backend* b : registered_backends())
     if (b->device != DeviceType::CPU) out.push_back(b);
@@ -735,12 +737,30 @@ TEST(BackendOps, EveryBackendMatchesTheCpuReference) {
   ASSERT_FALSE(backends.empty()) << "the fake backend is not registered";
   const auto& cases = all_cases();
   for (const Backend* b : backends) {
+    if (b->device == DeviceType::CUDA) continue;  // CudaBackendMatchesTheCpuReference
     for (const std::string& op : op_names()) {
       auto it = cases.find(op);
       if (it == cases.end()) continue;  // reported by EveryOpOfTheTableHasACase
       check_op(*b, op, it->second);
     }
   }
+}
+
+// The CUDA backend on its own, so that a run without a GPU says, by name, that its kernels were
+// not checked (ctest reports it as skipped).
+TEST(BackendOps, CudaBackendMatchesTheCpuReference) {
+  if (cuda::device_count() == 0) GTEST_SKIP() << "no GPU: " << cuda::unavailable_reason();
+  backends_under_test();
+  const Backend* b = find_backend(DeviceType::CUDA);
+  ASSERT_NE(b, nullptr);
+  const auto& cases = all_cases();
+  int ops = 0;
+  for (const std::string& op : op_names()) {
+    auto it = cases.find(op);
+    if (it == cases.end()) continue;
+    ops += check_op(*b, op, it->second);
+  }
+  std::printf("[ backend ops ] cuda: %d of %zu ops match the CPU reference in every slot\n", ops, op_names().size());
 }
 
 // The suite can fail: with the fake backend corrupting one op's first output, that op fails and

@@ -333,6 +333,19 @@ TEST(Config, MoECapacityBlockParsesAndIsChecked) {
               HasSubstr("key 'moe.capacity_factor' is set, but the model has no routed experts"));
 }
 
+TEST(Config, DeviceIsTheHostOrCuda) {
+  TempDir d;
+  auto run = [&](const std::string& top_extra) { return d.write("device.json", run_json("", top_extra)); };
+  EXPECT_EQ(RunConfig::load(run(""), {}).device, "cpu");
+  const RunConfig c = RunConfig::load(run(R"(, "device": "cuda")"), {});
+  EXPECT_EQ(c.device, "cuda");
+  EXPECT_EQ(c.to_json()["device"], "cuda");
+  EXPECT_EQ(RunConfig::load(run(""), {R"(device="cuda")"}).device, "cuda");
+  auto error = [&](const std::string& extra) { return error_of([&] { RunConfig::load(run(extra), {}); }); };
+  EXPECT_THAT(error(R"(, "device": "gpu")"), HasSubstr("key 'device' is \"gpu\"; it must be \"cpu\" or \"cuda\""));
+  EXPECT_THAT(error(R"(, "device": 0)"), HasSubstr("'device' must be a string"));
+}
+
 TEST(Config, BatchArithmeticFollowsDeepSpeed) {
   TrainConfig t;
   t.train_batch_size = 32;

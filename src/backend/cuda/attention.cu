@@ -22,28 +22,13 @@
 #include <type_traits>
 
 #include "backend/cuda/attention_kernels.h"
+#include "backend/cuda/elem.cuh"
 
 namespace dstrain::cuda::attn {
 namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-
-__device__ __forceinline__ float ld(const void* p, Elem e, int64_t i) {
-  if (e == Elem::F32) return static_cast<const float*>(p)[i];
-  if (e == Elem::BF16) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-  return __half2float(static_cast<const __half*>(p)[i]);
-}
-
-__device__ __forceinline__ void st(void* p, Elem e, int64_t i, float v) {
-  if (e == Elem::F32) {
-    static_cast<float*>(p)[i] = v;
-  } else if (e == Elem::BF16) {
-    static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
-  } else {
-    static_cast<__half*>(p)[i] = __float2half_rn(v);
-  }
-}
 
 // The shape of one call, as the kernels use it.
 struct Shape {

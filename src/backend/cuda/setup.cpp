@@ -148,6 +148,34 @@ std::string describe(int index) {
 
 void synchronize() { DS_CUDA_CHECK(cudaStreamSynchronize(stream())); }
 
+std::string pci_bus_id(int index) {
+  char id[64] = {};
+  DS_CUDA_CHECK(cudaDeviceGetPCIBusId(id, int(sizeof(id)), index));
+  return id;
+}
+
+double bf16_peak_flops(int index, std::string* source) {
+  cudaDeviceProp p{};
+  DS_CUDA_CHECK(cudaGetDeviceProperties(&p, index));
+  const std::string name = p.name;
+  // Dense (no sparsity) bf16 tensor-core TFLOP/s, NVIDIA's datasheets.
+  struct Entry {
+    const char* match;
+    double tflops;
+  };
+  static const Entry table[] = {{"H200", 989.4}, {"H100 PCIe", 756.0}, {"H100 NVL", 835.0}, {"H100", 989.4},
+                                {"H800", 989.4}, {"GH200", 989.4},    {"A100", 312.0},     {"A800", 312.0},
+                                {"L40S", 362.05}, {"L4", 121.0},      {"A10", 125.0}};
+  for (const Entry& e : table) {
+    if (name.find(e.match) != std::string::npos) {
+      if (source) *source = fmt::format("{}: {:.0f} TFLOP/s dense bf16 (datasheet)", name, e.tflops);
+      return e.tflops * 1e12;
+    }
+  }
+  if (source) *source = fmt::format("{}: not in dstrain's table of bf16 peaks; set metrics.peak_tflops", name);
+  return 0;
+}
+
 Elem elem_of(const Tensor& t, const char* what) {
   switch (t.dtype()) {
     case DType::F32: return Elem::F32;
