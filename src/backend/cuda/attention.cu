@@ -566,14 +566,9 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   return r;
 }
 
+// The Elem of a 16-bit element type, for elem.cuh's loads and stores.
 template <class T>
-__device__ __forceinline__ u16 to16(float x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
-  } else {
-    return __half_as_ushort(__float2half_rn(x));
-  }
-}
+constexpr Elem kElem16 = std::is_same_v<T, __nv_bfloat16> ? Elem::BF16 : Elem::F16;
 
 // d += A B for a 16x16 A (row-major fragment) and a 16x8 B (column-major fragment).
 template <class T>
@@ -1037,10 +1032,10 @@ __global__ void __launch_bounds__(kTcDkdvThreads) dkdv_tc_kernel(const BwdArgs a
       __syncthreads();
 
       // Transposed scores: rows keys 16wm.., columns queries 32wn + 8n ...
-      float st[4][4], dpt[4][4];
+      float sct[4][4], dpt[4][4];
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
-        st[n][0] = st[n][1] = st[n][2] = st[n][3] = 0.0f;
+        sct[n][0] = sct[n][1] = sct[n][2] = sct[n][3] = 0.0f;
         dpt[n][0] = dpt[n][1] = dpt[n][2] = dpt[n][3] = 0.0f;
       }
       for (int k0 = 0; k0 < s.kq16; k0 += 16) {  // (Q K^T)^T = K Q^T
@@ -1050,8 +1045,8 @@ __global__ void __launch_bounds__(kTcDkdvThreads) dkdv_tc_kernel(const BwdArgs a
         for (int n = 0; n < 4; n += 2) {
           uint32_t bf[2][2];
           frag_b_nk(bf, Qs, L.ldq, 32 * wn + 8 * n, k0);
-          mma_16816<T>(st[n], af, bf[0]);
-          mma_16816<T>(st[n + 1], af, bf[1]);
+          mma_16816<T>(sct[n], af, bf[0]);
+          mma_16816<T>(sct[n + 1], af, bf[1]);
         }
       }
       for (int k0 = 0; k0 < s.kv16; k0 += 16) {  // dP^T = V dO^T
@@ -1071,9 +1066,9 @@ __global__ void __launch_bounds__(kTcDkdvThreads) dkdv_tc_kernel(const BwdArgs a
         for (int u = 0; u < 4; ++u) {
           const int y = 16 * wm + gid + 8 * (u >> 1), j = j0 + y;
           const int x = 32 * wn + 8 * n + 2 * tig + (u & 1), i = i0 + x;
-          const float p = (j <= i && i < s.T) ? expf(st[n][u] * a.scale - lse_s[x]) : 0.0f;
-          Ps[y * L.ldp + x] = to16<T>(p);
-          Ds[y * L.ldp + x] = to16<T>(p * (dpt[n][u] - delta_s[x]));
+          const float p = (j <= i && i < s.T) ? expf(sct[n][u] * a.scale - lse_s[x]) : 0.0f;
+          st(Ps, kElem16<T>, y * L.ldp + x, p);
+          st(Ds, kElem16<T>, y * L.ldp + x, p * (dpt[n][u] - delta_s[x]));
         }
       }
       __syncthreads();
