@@ -15,6 +15,8 @@
 
 namespace dstrain {
 
+class MarkClock;  // backend/timing.h
+
 // The floating-point types a kernel may be written for. An op's slot is chosen by the first
 // of its tensor arguments whose dtype is one of these (F32 when it has none, e.g. integer-only
 // ops). The F32 kernels are required; BF16 and F16 ones are optional per op.
@@ -41,6 +43,9 @@ struct Backend {
   std::string name;  // "cpu", "cuda", ...
   DeviceType device = DeviceType::CPU;
   OpTable ops;
+  // Timing marks on the device's queue of work (backend/timing.h); null: the host clock, right
+  // for devices whose ops run as they are called.
+  std::unique_ptr<MarkClock> (*make_mark_clock)(Device device) = nullptr;
 };
 
 // Registers the backend for its device type; a second backend for the same type is an error.

@@ -1,7 +1,5 @@
 #include "model/ctx.h"
 
-#include "backend/cuda_device.h"
-
 #include "backend/ops.h"
 
 namespace dstrain {
@@ -259,8 +257,54 @@ void Ctx::tp_all_reduce(Tensor t) const {
   if (ProcessGroups::size_of(groups.tp) > 1) groups.tp->all_reduce(t);
 }
 
-void Ctx::wait_for_device() const {
-  if (device.type == DeviceType::CUDA) cuda::synchronize();
+// ---- PhaseTimer -----------------------------------------------------------------------------
+
+namespace {
+// Spans after which a round is read between phases even without take() (a loop of forwards
+// that is never taken), so that the marks stay bounded. A step has far fewer.
+constexpr size_t kFoldAfter = 4096;
+}  // namespace
+
+int PhaseTimer::enter(int phase) {
+  const int outer = current_;
+  if (phase == current_) return outer;
+  if (!clock_) clock_ = make_mark_clock(device_);
+  const int m = clock_->mark();
+  if (current_ >= 0 && opened_ >= 0) spans_.push_back(Span{current_, opened_, m});
+  current_ = phase;
+  opened_ = m;
+  if (current_ < 0 && spans_.size() >= kFoldAfter) fold();
+  return outer;
+}
+
+void PhaseTimer::fold() {
+  if (!clock_) return;
+  for (const Span& s : spans_) totals_[s.phase] += clock_->seconds(s.from, s.to);
+  spans_.clear();
+  clock_->restart();
+}
+
+PhaseSeconds PhaseTimer::take() {
+  // A phase open across take() counts up to now here and goes on in the next round.
+  const int open = current_;
+  if (open >= 0) enter(-1);
+  fold();
+  if (open >= 0) enter(open);
+  const PhaseSeconds s{totals_[int(Phase::Forward)], totals_[int(Phase::Backward)], totals_[int(Phase::Optimizer)]};
+  for (double& t : totals_) t = 0;
+  return s;
+}
+
+PhaseTimer::Scope::~Scope() {
+  if (!timer_) return;
+  try {
+    timer_->enter(outer_);
+  } catch (...) {
+    // A mark that fails here (a device error, which the next op reports) must not end the
+    // process from a destructor: the outer phase resumes untimed (no open mark).
+    timer_->current_ = outer_;
+    timer_->opened_ = -1;
+  }
 }
 
 }  // namespace dstrain

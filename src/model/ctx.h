@@ -8,16 +8,20 @@
 //                    so several micro-batches can be in flight (1F1B, DualPipe).
 //   WeightGradStore  the weight-gradient half of a backward that was split into an input-
 //                    gradient part and a weight-gradient part (DualPipe's zero-bubble split).
+//   PhaseTimer       the forward / backward / optimizer split of training steps, in the
+//                    device's own time.
 #pragma once
 
 #include <any>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
+#include "backend/timing.h"
 #include "comm/comm.h"
 #include "core/buffer.h"
 #include "core/device.h"
@@ -193,6 +197,65 @@ class Scratch {
   std::unordered_map<std::string, Buffer> buffers_;
 };
 
+// The phases of a training step that its time split reports apart.
+enum class Phase { Forward, Backward, Optimizer };
+constexpr int kPhases = 3;
+
+// Seconds of each phase, in the device's own time.
+struct PhaseSeconds {
+  double forward = 0, backward = 0, optimizer = 0;
+};
+
+// The forward / backward / optimizer split of training steps, from timing marks on the model's
+// device (backend/timing.h) at the phase boundaries: the host clock on the host; on a GPU,
+// events on dstrain's stream, read once per step by take(), so no phase waits for the device
+// at its end. Phases nest: the loss gradient the head forms inside the forward, or the MTP
+// modules' backward, is marked as backward and the forward resumes after it.
+class PhaseTimer {
+ public:
+  // The marks of `device` (its backend's, made at the first mark).
+  explicit PhaseTimer(Device device = Device::cpu()) : device_(device) {}
+  // Marks from `clock` (tests).
+  explicit PhaseTimer(std::unique_ptr<MarkClock> clock) : clock_(std::move(clock)) {}
+  PhaseTimer(const PhaseTimer&) = delete;
+  PhaseTimer& operator=(const PhaseTimer&) = delete;
+
+  // Counts the time from its construction to its end as `phase` (a mark at each end), then
+  // the phase it interrupted resumes. A null timer times nothing.
+  class Scope {
+   public:
+    Scope(PhaseTimer* timer, Phase phase) : timer_(timer) {
+      if (timer_) outer_ = timer_->enter(int(phase));
+    }
+    ~Scope();
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    PhaseTimer* timer_;
+    int outer_ = -1;
+  };
+
+  // Each phase's seconds since the previous take(), read from this round's marks (on a GPU,
+  // after waiting for the last of them: the one synchronisation of a step); then a new round.
+  PhaseSeconds take();
+
+ private:
+  // Makes `phase` (-1: none) the current one, with a mark when it changes; returns the one it replaces.
+  int enter(int phase);
+  // Adds the spans of this round to the totals and restarts the marks.
+  void fold();
+
+  struct Span {
+    int phase, from, to;
+  };
+  Device device_;
+  std::unique_ptr<MarkClock> clock_;
+  int current_ = -1, opened_ = -1;  // the current phase and the mark it began at
+  std::vector<Span> spans_;
+  double totals_[kPhases] = {};
+};
+
 struct Ctx {
   Device device;                  // ops dispatch to the backend registered for it
   // F32, or BF16/F16 for mixed precision (PRECISION.md): the dtype of the activations that
@@ -206,6 +269,7 @@ struct Ctx {
   Scratch* scratch = nullptr;
   ParamHooks* hooks = nullptr;    // null: none
   RopeCache* rope = nullptr;      // rotary tables for the positions of the current batch
+  PhaseTimer* phases = nullptr;   // marks the step's phases (null: untimed)
   // With a tensor group of more than one rank: the activations between blocks hold this rank's
   // rows only (ShardSpec::sequence_parallel).
   bool sequence_parallel = false;
@@ -219,10 +283,6 @@ struct Ctx {
   // All-reduce (sum) over the tensor group of a row-parallel output; nothing when the group
   // has one rank.
   void tp_all_reduce(Tensor t) const;
-  // Returns once every op issued on the device has finished (a no-op on the host and on devices
-  // whose ops run as they are called): phase timers read the clock after it, so a GPU's
-  // forward, backward and optimizer times are its own, not the time to issue them.
-  void wait_for_device() const;
   void before_use(int first, int last) const {
     if (hooks) hooks->before_use(first, last);
   }

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 
-#include "core/clock.h"
 #include "model/init.h"
 #include "model/mla.h"
 #include "model/moe.h"
@@ -40,7 +39,8 @@ Transformer::Transformer(const ModelConfig& config, Device device, const ShardSp
       chunks_(chunks.empty() ? split_stages(config, 1) : std::move(chunks)),
       acts_(device),
       wgrad_(device),
-      scratch_(device) {
+      scratch_(device),
+      phases_(device) {
   const ModelConfig& c = config_;
   check_chunks(c, chunks_);
   auto any_chunk = [&](bool StageSpec::*what) {
@@ -59,6 +59,7 @@ Transformer::Transformer(const ModelConfig& config, Device device, const ShardSp
   ctx_.wgrad = &wgrad_;
   ctx_.scratch = &scratch_;
   ctx_.rope = &rope_;
+  ctx_.phases = &phases_;
   // The embedding and the head: this rank's rows of the vocabulary (vocabulary-parallel).
   auto vocab_rows = [&](const char* name, ParamKind kind, bool pipeline_copy = false) {
     ParamOptions o;
@@ -415,20 +416,18 @@ void Transformer::head(Tensor x, Tensor targets, bool backward, float scale, Ten
       ops::cross_entropy_combine(losses.slice(r0, r1), lse, all_stats, tg.slice(r0, r1));
     }
     if (backward) {
-      const auto t0 = Clock::now();
+      const PhaseTimer::Scope timed(ctx_.phases, Phase::Backward);
       if (tp == 1) {
         ops::cross_entropy_backward(logits, logits, lse, tg.slice(r0, r1), scale);
       } else {
         ops::cross_entropy_shard_backward(logits, logits, lse, tg.slice(r0, r1), scale, shard_.vocab.begin);
       }
       ops::linear_backward(dxp.slice(r0, r1), head_grad(), logits, xr.slice(r0, r1), w);
-      early_backward_s_ += seconds_since(t0);
     }
   }
   if (backward) {
-    const auto t0 = Clock::now();
+    const PhaseTimer::Scope timed(ctx_.phases, Phase::Backward);
     reduce_column_parallel_grad(ctx_, dxp, dx.view({dx.numel() / C, C}));
-    early_backward_s_ += seconds_since(t0);
   }
   ops::loss_sums(sums, losses, tg);
   ctx_.after_use(head_param(), head_param());
@@ -551,7 +550,7 @@ void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor 
   // Backward from the deepest module: dh carries the gradient w.r.t. h^k from depth k+1. The
   // gradients of fp32 activations (dh, demb) are fp32, those of the norms' outputs and of
   // their concatenation (dcat, de, dhn) in the compute dtype.
-  const auto t0 = Clock::now();
+  const PhaseTimer::Scope timed(ctx_.phases, Phase::Backward);
   Tensor dh = scratch_.get("mtp.dh", rs);
   ops::fill(dh, 0.0f);
   for (size_t k = mtp_.size(); k-- > 0;) {
@@ -576,7 +575,6 @@ void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor 
                           get(m, "h_rstd"));
     ctx_.after_use(m.first_param, m.last_param);
   }
-  early_backward_s_ += seconds_since(t0);
 }
 
 LossSums Transformer::forward_loss(Tensor tokens, Tensor targets) { return forward_loss(tokens, targets, Tensor()); }
@@ -590,12 +588,6 @@ LossSums Transformer::forward_loss(Tensor tokens, Tensor targets, Tensor in) {
   const LossSums s = read_sums(sums, /*with_mtp=*/false);
   acts_.release(kInferenceMb);
   return s;
-}
-
-std::pair<double, double> Transformer::take_timings() {
-  const std::pair<double, double> t{forward_s_, backward_s_};
-  forward_s_ = backward_s_ = 0;
-  return t;
 }
 
 LossSums Transformer::forward_backward(Tensor tokens, Tensor targets, float loss_scale, const GradReadyFn& ready) {
@@ -659,16 +651,13 @@ LossSums Transformer::forward_chunk(int mb, int chunk, Tensor tokens, Tensor tar
   const int sl = slot(mb, chunk);
   DS_CHECK(!acts_.has(sl, "tokens"), "micro-batch {} is already in flight: run its backward first", mb);
   const StageSpec& st = chunks_[size_t(chunk)];
-  const auto t0 = Clock::now();
-  early_backward_s_ = 0;
+  // The head's loss gradient and the MTP modules' backward mark themselves as backward.
+  const PhaseTimer::Scope timed(ctx_.phases, Phase::Forward);
   for (int l = st.first_layer; l < st.end_layer; ++l) {
     if (config_.is_moe_layer(l)) layer(l).ffn().set_loss_scales(scales);
   }
   forward_body(sl, st, tokens, in);
-  if (!st.head) {
-    forward_s_ += seconds_since(t0);
-    return LossSums{};
-  }
+  if (!st.head) return LossSums{};
   for (auto& m : mtp_) {
     if (config_.is_moe_layer(m.layer_index)) m.layer->ffn().set_loss_scales(scales);
   }
@@ -688,12 +677,7 @@ LossSums Transformer::forward_chunk(int mb, int chunk, Tensor tokens, Tensor tar
              mtp_.size());
     mtp_forward_backward(sl, scales, tgt, dxf, sums);
   }
-  const LossSums s = read_sums(sums, with_mtp);
-  // The head forms each chunk's gradient right after its loss, and the MTP modules run their
-  // backward before the main layers': those parts count as backward.
-  forward_s_ += seconds_since(t0) - early_backward_s_;
-  backward_s_ += early_backward_s_;
-  return s;
+  return read_sums(sums, with_mtp);
 }
 
 void Transformer::backward(int mb, BackwardPart part) {
@@ -709,7 +693,7 @@ void Transformer::backward_chunk(int mb, int chunk, Tensor dout, Tensor din, Bac
   DS_CHECK(acts_.has(sl, st.head ? "head.dxf" : "tokens"), "backward of micro-batch {} without its training forward",
            mb);
   ctx_.sequence_parallel = shard_.sequence_parallel;
-  const auto t1 = Clock::now();
+  const PhaseTimer::Scope timed(ctx_.phases, Phase::Backward);
   if (part == BackwardPart::Input) {
     wgrad_.begin_deferral(sl);
     split_mb_ = sl;
@@ -762,14 +746,12 @@ void Transformer::backward_chunk(int mb, int chunk, Tensor dout, Tensor din, Bac
   wgrad_.end_deferral();
   split_mb_ = -1;
   acts_.release(sl);
-  ctx_.wait_for_device();
-  backward_s_ += seconds_since(t1);
 }
 
 void Transformer::backward_weights(int mb) { backward_weights_chunk(mb, 0); }
 
 void Transformer::backward_weights_chunk(int mb, int chunk) {
-  const auto t0 = Clock::now();
+  const PhaseTimer::Scope timed(ctx_.phases, Phase::Backward);
   const int sl = slot(mb, chunk);
   wgrad_.run(sl);
   auto it = ready_after_weights_.find(sl);
@@ -777,8 +759,6 @@ void Transformer::backward_weights_chunk(int mb, int chunk) {
     for (auto [first, last] : it->second) ctx_.grad_ready(first, last);
     ready_after_weights_.erase(it);
   }
-  ctx_.wait_for_device();
-  backward_s_ += seconds_since(t0);
 }
 
 void Transformer::forward_logits(Tensor tokens, Tensor logits) {

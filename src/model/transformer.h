@@ -142,8 +142,6 @@ class Transformer {
   // whole model's registry; the weights its pieces share (tied_params).
   std::vector<StageSpec> stages() const { return split_stages(config_, 1); }
   Range stage_params(const StageSpec& s) const { return stage_param_range(reg_, s, config_); }
-  // Seconds spent in forward and backward computation since the last call.
-  std::pair<double, double> take_timings();
   // Bytes of activations and backward temporaries a micro-batch of (B, T) needs.
   int64_t activation_bytes(int64_t B, int64_t T) const;
   // Frees every activation buffer, in flight or pooled, and the backward temporaries (they
@@ -211,12 +209,11 @@ class Transformer {
   ActivationStore acts_;
   WeightGradStore wgrad_;
   Scratch scratch_;
+  PhaseTimer phases_;  // ctx_.phases: marks forward and backward; the trainer adds the optimizer
   Ctx ctx_;
   // Parameter ranges whose grad_ready waits for backward_weights, by micro-batch.
   std::map<int, std::vector<std::pair<int, int>>> ready_after_weights_;
   int split_mb_ = -1;  // the micro-batch whose backward is split, while it runs
-  // Backward work done inside the forward pass (head chunks, MTP modules), moved to backward_s_.
-  double forward_s_ = 0, backward_s_ = 0, early_backward_s_ = 0;
 };
 
 }  // namespace dstrain

@@ -905,7 +905,7 @@ void Trainer::judge_step(StepRecord& r) {
 
 void Trainer::update_weights(StepRecord& r) {
   const TrainConfig& tc = config_.train;
-  const auto o0 = Clock::now();
+  const PhaseTimer::Scope timed(model_->ctx().phases, Phase::Optimizer);
   // The clipping coefficient (of the unscaled norm) and the loss-scale unscale are applied by
   // AdamW as it reads each gradient: no pass over the gradients of their own.
   const double clip = tc.gradient_clipping > 0 ? clip_coefficient(tc.gradient_clipping, r.grad_norm) : 1.0;
@@ -929,8 +929,6 @@ void Trainer::update_weights(StepRecord& r) {
       if (!reg.info(id).trainable) zero_->take_rule_update(id);
     }
   }
-  model_->ctx().wait_for_device();
-  r.optimizer_seconds = seconds_since(o0);
 }
 
 bool Trainer::gradients_overflowed(double scaled_norm) {
@@ -1056,7 +1054,11 @@ bool Trainer::train_step(StepRecord& r) {
     judge_step(r);
     if (!r.skipped) update_weights(r);
   }
-  std::tie(r.forward_seconds, r.backward_seconds) = model_->take_timings();
+  // The phases in the device's time, read once per step (on a GPU, the step's one wait for it).
+  const PhaseSeconds phases = model_->ctx().phases->take();
+  r.forward_seconds = phases.forward;
+  r.backward_seconds = phases.backward;
+  r.optimizer_seconds = phases.optimizer;
   ++step_;
   consumed_samples_ += tc.train_batch_size;
   r.step_seconds = seconds_since(t0);

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <memory>
 #include <ostream>
+#include <string>
 
 #include "../unit/fake_backend.h"
 #include "backend/ops.h"
@@ -85,6 +86,20 @@ TEST_P(DeviceTraining, TrainsTheBitsOfTheHost) {
   dev.init_weights("");
   dev.train();
   expect_same_bits(host, dev, s.name);
+  // Every step's split: forward, backward and the optimizer each marked at their boundaries,
+  // and together within the step.
+  for (const Trainer* t : {&host, &dev}) {
+    for (const StepRecord& r : t->history()) {
+      const std::string where = s.name + (t == &dev ? " on the device" : " on the host") + ", step " +
+                                std::to_string(r.step);
+      EXPECT_GT(r.forward_seconds, 0.0) << where;
+      EXPECT_GT(r.backward_seconds, 0.0) << where;
+      if (!r.skipped && !r.overflow) {
+        EXPECT_GT(r.optimizer_seconds, 0.0) << where;
+      }
+      EXPECT_LE(r.forward_seconds + r.backward_seconds + r.optimizer_seconds, r.step_seconds) << where;
+    }
+  }
   // The Hugging Face export of the device run holds the host run's weights, and loads back
   // onto the device.
   const std::string hf = (files.dir() / "hf").string();

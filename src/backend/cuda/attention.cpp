@@ -1,6 +1,8 @@
 // attention_forward/backward on the GPU: the CPU kernel's argument checks, then the tiled
 // online-softmax kernels of attention.cu. One wrapper per op serves all three slots: each
-// floating-point tensor may be fp32 or the slot's 16-bit type, the math is fp32.
+// floating-point tensor may be fp32 or the slot's 16-bit type. With 16-bit q, k and v (and
+// dout) the products run on tensor cores, probabilities and dS rounded to 16 bits as their
+// inputs; otherwise all math is fp32.
 #include "backend/cuda/attention_kernels.h"
 #include "backend/cuda/cuda_ops.h"
 #include "core/buffer.h"

@@ -6,9 +6,11 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "backend/cuda/cuda_ops.h"
 #include "backend/cuda_device.h"
+#include "backend/timing.h"
 #include "core/allocator.h"
 #include "core/error.h"
 
@@ -71,10 +73,53 @@ class PinnedAllocator final : public Allocator {
   void zero(Device, void* p, size_t bytes) override { std::memset(p, 0, bytes); }
 };
 
+// Timing marks as events recorded on dstrain's stream, from a pool that every round reuses: a
+// mark costs an event record, and the round's times are read after one wait, for its last event
+// (the stream reaches the events in order).
+class EventMarkClock final : public MarkClock {
+ public:
+  ~EventMarkClock() override {
+    for (cudaEvent_t e : events_) (void)cudaEventDestroy(e);  // at exit the runtime may be gone
+  }
+  int mark() override {
+    if (used_ == events_.size()) {
+      cudaEvent_t e = nullptr;
+      DS_CUDA_CHECK(cudaEventCreate(&e));
+      events_.push_back(e);
+    }
+    DS_CUDA_CHECK(cudaEventRecord(events_[used_], stream()));
+    waited_ = false;
+    return int(used_++);
+  }
+  double seconds(int from, int to) override {
+    DS_CHECK(0 <= from && from <= to && size_t(to) < used_, "timing marks {} to {} of a round of {}", from, to,
+             used_);
+    if (!waited_) {
+      DS_CUDA_CHECK(cudaEventSynchronize(events_[used_ - 1]));
+      waited_ = true;
+    }
+    float ms = 0;
+    DS_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[size_t(from)], events_[size_t(to)]));
+    return double(ms) * 1e-3;
+  }
+  void restart() override {
+    used_ = 0;
+    waited_ = false;
+  }
+
+ private:
+  std::vector<cudaEvent_t> events_;
+  size_t used_ = 0;
+  bool waited_ = false;
+};
+
+std::unique_ptr<MarkClock> make_event_clock(Device) { return std::make_unique<EventMarkClock>(); }
+
 std::unique_ptr<Backend> make_backend() {
   auto b = std::make_unique<Backend>();
   b->name = "cuda";
   b->device = DeviceType::CUDA;
+  b->make_mark_clock = &make_event_clock;
   fill_elementwise(b->ops);
   fill_linear(b->ops);
   fill_optim(b->ops);
