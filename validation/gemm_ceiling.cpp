@@ -9,14 +9,15 @@
 //   dx   dx = dout · w     (M x K x N)
 //   dw   dw += dout^T · x  (N x K x M)
 // Columns:
-//   openblas     OpenBLAS cblas_sgemm, fp32 operands
-//   onednn       oneDNN dnnl_sgemm, fp32 operands (dstrain's fp32 path by default: cpu/sgemm.h)
+//   openblas     OpenBLAS cblas_sgemm with its own threads, fp32 operands
+//   onednn       oneDNN dnnl_sgemm with its own threads, fp32 operands
 //   cvt+sgemm    bf16 operands converted to fp32 (cpu::bf16_to_f32 bulk), then cpu::sgemm; fp32 out
 //   dnnl-f32     oneDNN matmul, fp32 in and out (how oneDNN compares with OpenBLAS here)
 //   dnnl-bf16    oneDNN matmul, bf16 in, fp32 out (fp32 accumulation)
 //   dnnl-bf16o   oneDNN matmul, bf16 in, bf16 out
 //   xsmm-bf16    libxsmm bf16 kernels (bf16 in, fp32 out), tiled 64x64 over OpenMP, fwd only
-//   op-f32       linear_forward / linear_backward of the F32 slot, fp32 tensors
+//   op-f32       linear_forward / linear_backward of the F32 slot, fp32 tensors (cpu::sgemm's
+//                path: by default dstrain's split of each product over the threads)
 //   op-bf16      the same ops' BF16-slot kernels on bf16 x, w, dout (bf16 out / dx; dw fp32)
 //   bf16/f32     op-bf16 / op-f32, from runs of the two alternated (2 * repeats + 1 each)
 // The model shapes are those of inputs/models/deepseek-llm-tiny.json (d=256) and
@@ -234,7 +235,7 @@ int main(int argc, char** argv) {
   std::printf("dstrain 16-bit GEMM path: %s\n", cpu::gemm16_path_description().c_str());
   std::printf("GFLOP/s, median of %d runs\n", repeats);
   std::printf("%-14s %-4s %5s %5s %5s %3s", "shape", "lay", "m", "n", "k", "thr");
-  std::printf("dstrain fp32 GEMM: %s\n", cpu::sgemm_library_name().c_str());
+  std::printf("dstrain fp32 GEMM: %s\n", cpu::sgemm_path_name().c_str());
   for (const char* c : {"openblas", "onednn", "cvt+sgemm", "dnnl-f32", "dnnl-bf16", "dnnl-bf16o", "xsmm-bf16", "op-f32", "op-bf16",
                         "bf16/f32"}) {
     std::printf(" %10s", c);

@@ -27,6 +27,6 @@ int main(int argc, char** argv) {
     gflops.push_back(2.0 * n * double(n) * n / s / 1e9);
   }
   std::sort(gflops.begin(), gflops.end());
-  std::printf("%.1f\n%s\n", gflops[gflops.size() / 2], dstrain::cpu::sgemm_library_name().c_str());
+  std::printf("%.1f\n%s\n", gflops[gflops.size() / 2], dstrain::cpu::sgemm_path_name().c_str());
   return 0;
 }

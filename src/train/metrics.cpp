@@ -89,7 +89,7 @@ Peak measure_peak_flops(int trials, double trial_seconds) {
     best = std::max(best, 2.0 * n * double(n) * n * double(reps) / s);
   }
   return {best, fmt::format("measured: best of {} trials of sgemm {}x{}x{} on {} threads ({})", done, n, n, n,
-                            omp_get_max_threads(), cpu::sgemm_library_name())};
+                            omp_get_max_threads(), cpu::sgemm_path_name())};
 }
 
 double node_memory_bytes() {

@@ -122,7 +122,7 @@ class Observability(unittest.TestCase):
         for key in ("dstrain_version", "commit", "compiler", "mpi", "hdf5", "blas", "gemm", "omp_threads", "cpu_model",
                     "cpu_features", "blas_kernels", "world_size", "hosts"):
             self.assertIn(key, records[0]["environment"])
-        self.assertRegex(records[0]["peak_source"], r"^measured: best of \d+ trials of sgemm \d+x\d+x\d+ on 1 threads \((oneDNN|OpenBLAS) [\d.]+ sgemm\)$")
+        self.assertRegex(records[0]["peak_source"], r"^measured: best of \d+ trials of sgemm \d+x\d+x\d+ on 1 threads \((dstrain's thread split over )?(oneDNN|OpenBLAS) [\d.]+( and OpenBLAS [\d.]+)? sgemm\)$")
         self.assertEqual(kinds.count("train"), 400)
         self.assertEqual(kinds.count("eval"), 2)
         self.assertEqual(kinds.count("checkpoint"), 2)

@@ -1,7 +1,8 @@
-// The CPU backend's fp32 GEMM (backend/cpu/sgemm.h), through each library it can use: every
+// The CPU backend's fp32 GEMM (backend/cpu/sgemm.h), on each of its paths: every
 // transposition, padded leading dimensions, alpha and beta (beta = 0 must not read C: it holds
 // NaN here), odd and degenerate shapes, against a double-precision product; the same inputs give
-// the same bits twice; a bad DSTRAIN_CPU_SGEMM is an error naming it.
+// the same bits twice; the split path inside a parallel region and across blocks that do not
+// divide evenly; a bad DSTRAIN_CPU_SGEMM is an error naming it.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -18,7 +19,7 @@
 namespace dstrain {
 namespace {
 
-using cpu::SgemmLibrary;
+using cpu::SgemmPath;
 
 struct Case {
   bool ta, tb;
@@ -26,10 +27,10 @@ struct Case {
   float alpha, beta;
 };
 
-// Restores the library the process had when a test forced another.
-struct LibraryGuard {
-  SgemmLibrary saved = cpu::sgemm_library();
-  ~LibraryGuard() { cpu::set_sgemm_library(saved); }
+// Restores the path the process had when a test forced another.
+struct PathGuard {
+  SgemmPath saved = cpu::sgemm_path();
+  ~PathGuard() { cpu::set_sgemm_path(saved); }
 };
 
 std::vector<float> random_values(size_t n, uint32_t seed) {
@@ -40,7 +41,7 @@ std::vector<float> random_values(size_t n, uint32_t seed) {
   return v;
 }
 
-// Runs one case on the current library; returns the worst error relative to the largest |C|
+// Runs one case on the current path; returns the worst error relative to the largest |C|
 // (infinite when a result is not finite or the padding between C's rows was written).
 double worst_error(const Case& c, std::vector<float>* out = nullptr) {
   // Stored shapes with 3 columns of padding: A (m,k) or (k,m), B (k,n) or (n,k), C (m,n).
@@ -79,7 +80,9 @@ std::vector<Case> cases() {
   std::vector<Case> v;
   for (bool ta : {false, true}) {
     for (bool tb : {false, true}) {
-      for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{37, 19, 53}, {1, 7, 3}, {64, 48, 256}, {5, 1, 1}}) {
+      // The last two are split over the threads: by rows (301 of them) and by columns.
+      for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{37, 19, 53}, {1, 7, 3}, {64, 48, 256}, {5, 1, 1},
+                             {301, 67, 129}, {70, 333, 97}}) {
         for (auto [alpha, beta] : {std::pair{1.0f, 0.0f}, {0.5f, 1.0f}, {-2.0f, 0.25f}}) {
           v.push_back({ta, tb, m, n, k, alpha, beta});
         }
@@ -89,11 +92,11 @@ std::vector<Case> cases() {
   return v;
 }
 
-class Sgemm : public ::testing::TestWithParam<SgemmLibrary> {};
+class Sgemm : public ::testing::TestWithParam<SgemmPath> {};
 
 TEST_P(Sgemm, MatchesADoublePrecisionProductInEveryLayout) {
-  LibraryGuard guard;
-  cpu::set_sgemm_library(GetParam());
+  PathGuard guard;
+  cpu::set_sgemm_path(GetParam());
   for (const Case& c : cases()) {
     SCOPED_TRACE(::testing::Message() << (c.ta ? "T" : "N") << (c.tb ? "T" : "N") << " m " << c.m << " n " << c.n
                                       << " k " << c.k << " alpha " << c.alpha << " beta " << c.beta);
@@ -102,8 +105,8 @@ TEST_P(Sgemm, MatchesADoublePrecisionProductInEveryLayout) {
 }
 
 TEST_P(Sgemm, GivesTheSameBitsTwice) {
-  LibraryGuard guard;
-  cpu::set_sgemm_library(GetParam());
+  PathGuard guard;
+  cpu::set_sgemm_path(GetParam());
   const Case c{false, true, 300, 200, 256, 1.0f, 0.0f};
   std::vector<float> first, second;
   worst_error(c, &first);
@@ -112,8 +115,8 @@ TEST_P(Sgemm, GivesTheSameBitsTwice) {
 }
 
 TEST_P(Sgemm, AnEmptyProductScalesC) {
-  LibraryGuard guard;
-  cpu::set_sgemm_library(GetParam());
+  PathGuard guard;
+  cpu::set_sgemm_path(GetParam());
   std::vector<float> c = {1.0f, 2.0f, 3.0f, 4.0f};
   const float a = 7.0f, b = 9.0f;
   cpu::sgemm(false, false, 2, 2, 0, 1.0f, &a, 1, &b, 2, 0.5f, c.data(), 2);
@@ -123,18 +126,39 @@ TEST_P(Sgemm, AnEmptyProductScalesC) {
   EXPECT_EQ(c, (std::vector<float>{0.0f, 0.0f, 0.0f, 0.0f}));
 }
 
-INSTANTIATE_TEST_SUITE_P(Libraries, Sgemm, ::testing::Values(SgemmLibrary::kOneDnn, SgemmLibrary::kOpenBlas),
-                         [](const ::testing::TestParamInfo<SgemmLibrary>& p) {
-                           return p.param == SgemmLibrary::kOneDnn ? std::string("OneDnn") : std::string("OpenBlas");
+// Products called from inside a parallel region (the attention's tasks do): each thread's own
+// product, on the calling thread, as if called alone.
+TEST_P(Sgemm, InsideAParallelRegionEachThreadGetsItsOwnProduct) {
+  PathGuard guard;
+  cpu::set_sgemm_path(GetParam());
+  const Case c{false, true, 301, 67, 129, 1.0f, 0.0f};
+  std::vector<float> alone;
+  worst_error(c, &alone);
+  std::vector<double> errors(4, -1);
+  std::vector<std::vector<float>> results(4);
+#pragma omp parallel for num_threads(2) schedule(static, 1)
+  for (int i = 0; i < 4; ++i) errors[size_t(i)] = worst_error(c, &results[size_t(i)]);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_LT(errors[size_t(i)], 1e-5) << "task " << i;
+    EXPECT_EQ(results[size_t(i)].size(), alone.size());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Paths, Sgemm, ::testing::Values(SgemmPath::kSplit, SgemmPath::kOneDnn, SgemmPath::kOpenBlas),
+                         [](const ::testing::TestParamInfo<SgemmPath>& p) {
+                           return p.param == SgemmPath::kSplit    ? std::string("Split")
+                                  : p.param == SgemmPath::kOneDnn ? std::string("OneDnn")
+                                                                  : std::string("OpenBlas");
                          });
 
-TEST(SgemmLibraryChoice, TheEnvironmentNamesOneDnnOrOpenBlas) {
-  EXPECT_EQ(cpu::parse_sgemm_library(nullptr), SgemmLibrary::kOneDnn);
-  EXPECT_EQ(cpu::parse_sgemm_library(""), SgemmLibrary::kOneDnn);
-  EXPECT_EQ(cpu::parse_sgemm_library("onednn"), SgemmLibrary::kOneDnn);
-  EXPECT_EQ(cpu::parse_sgemm_library("openblas"), SgemmLibrary::kOpenBlas);
+TEST(SgemmPathChoice, TheEnvironmentNamesSplitOneDnnOrOpenBlas) {
+  EXPECT_EQ(cpu::parse_sgemm_path(nullptr), SgemmPath::kSplit);
+  EXPECT_EQ(cpu::parse_sgemm_path(""), SgemmPath::kSplit);
+  EXPECT_EQ(cpu::parse_sgemm_path("split"), SgemmPath::kSplit);
+  EXPECT_EQ(cpu::parse_sgemm_path("onednn"), SgemmPath::kOneDnn);
+  EXPECT_EQ(cpu::parse_sgemm_path("openblas"), SgemmPath::kOpenBlas);
   try {
-    cpu::parse_sgemm_library("mkl");
+    cpu::parse_sgemm_path("mkl");
     FAIL() << "DSTRAIN_CPU_SGEMM=mkl was accepted";
   } catch (const Error& e) {
     const std::string what = e.what();
@@ -143,12 +167,14 @@ TEST(SgemmLibraryChoice, TheEnvironmentNamesOneDnnOrOpenBlas) {
   }
 }
 
-TEST(SgemmLibraryChoice, TheNameSaysWhichLibraryRuns) {
-  LibraryGuard guard;
-  cpu::set_sgemm_library(SgemmLibrary::kOneDnn);
-  EXPECT_EQ(cpu::sgemm_library_name().rfind("oneDNN ", 0), 0u) << cpu::sgemm_library_name();
-  cpu::set_sgemm_library(SgemmLibrary::kOpenBlas);
-  EXPECT_EQ(cpu::sgemm_library_name().rfind("OpenBLAS ", 0), 0u) << cpu::sgemm_library_name();
+TEST(SgemmPathChoice, TheNameSaysWhichLibrariesRun) {
+  PathGuard guard;
+  cpu::set_sgemm_path(SgemmPath::kSplit);
+  EXPECT_EQ(cpu::sgemm_path_name().rfind("dstrain's thread split over oneDNN ", 0), 0u) << cpu::sgemm_path_name();
+  cpu::set_sgemm_path(SgemmPath::kOneDnn);
+  EXPECT_EQ(cpu::sgemm_path_name().rfind("oneDNN ", 0), 0u) << cpu::sgemm_path_name();
+  cpu::set_sgemm_path(SgemmPath::kOpenBlas);
+  EXPECT_EQ(cpu::sgemm_path_name().rfind("OpenBLAS ", 0), 0u) << cpu::sgemm_path_name();
 }
 
 }  // namespace

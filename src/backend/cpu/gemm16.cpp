@@ -286,13 +286,13 @@ std::string gemm16_path_description() {
     return fmt::format(
         "hardware bf16 on this CPU: bf16 GEMMs use oneDNN {}.{} bf16 matmul (fp32 accumulation); f16 GEMMs widen to "
         "fp32 ({} conversions) for {}",
-        v->major, v->minor, convert16_isa_name(), sgemm_library_name());
+        v->major, v->minor, convert16_isa_name(), sgemm_path_name());
   }
   return fmt::format(
       "no hardware bf16 on this CPU{}: bf16 and f16 GEMMs widen their operands to fp32 ({} conversions) for "
       "{}",
       cpu_has_hardware_bf16() ? " that oneDNN can use" : " (no AVX-512 BF16, no AMX)", convert16_isa_name(),
-      sgemm_library_name());
+      sgemm_path_name());
 }
 
 bool gemm16_computes_in_f32(DType half) {
