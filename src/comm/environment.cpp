@@ -191,8 +191,8 @@ Environment local_environment() {
     if (lower != core) config.push_back(w);
   }
   e.blas = joined(config);
-  // The layers' fp32 GEMMs run on oneDNN unless DSTRAIN_CPU_SGEMM picks OpenBLAS
-  // (backend/cpu/sgemm.h): either changes the bits of a step.
+  // The fp32 GEMMs' path (backend/cpu/sgemm.h: dstrain's split over oneDNN and OpenBLAS, or one
+  // library's own threading, as DSTRAIN_CPU_SGEMM says) and oneDNN's version change the bits.
   const dnnl_version_t* dnnl = dnnl_version();
   const char* choice = std::getenv("DSTRAIN_CPU_SGEMM");
   e.gemm = fmt::format("oneDNN {}.{}.{}, DSTRAIN_CPU_SGEMM {}", dnnl->major, dnnl->minor, dnnl->patch,
