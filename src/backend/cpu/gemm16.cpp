@@ -105,11 +105,6 @@ const float* as_f32(GemmOperand op, int64_t n, int slot) {
   return s;
 }
 
-void sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
-           float beta, float* c, int64_t ldc) {
-  cpu::sgemm(ta, tb, m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
-}
-
 // ---- widen + sgemm --------------------------------------------------------------------------
 // A 16-bit C is computed in blocks of rows into fp32 scratch (and, when A is 16-bit and not
 // transposed, only that block of A is widened), so the scratch stays bounded however large C is.
@@ -123,7 +118,7 @@ void gemm_convert(bool ta, bool tb, int64_t m, int64_t n, int64_t k, GemmOperand
   const float* B = as_f32(b, k * n, kSlotB);
   if (ct == DType::F32) {
     const float* A = as_f32(a, m * k, kSlotA);
-    sgemm(ta, tb, m, n, k, A, lda, B, ldb, accumulate ? 1.0f : 0.0f, static_cast<float*>(c), n);
+    sgemm(ta, tb, m, n, k, 1.0f, A, lda, B, ldb, accumulate ? 1.0f : 0.0f, static_cast<float*>(c), n);
     return;
   }
   const int64_t rows = std::min(m, std::max(kMinBlockRows, kBlockElements / std::max<int64_t>(n, 1)));
@@ -142,7 +137,7 @@ void gemm_convert(bool ta, bool tb, int64_t m, int64_t n, int64_t k, GemmOperand
     }
     void* c_rows = advance(c, ct, i0 * n);
     if (accumulate) widen(c_rows, ct, C, mb * n);
-    sgemm(ta, tb, mb, n, k, A, lda, B, ldb, accumulate ? 1.0f : 0.0f, C, n);
+    sgemm(ta, tb, mb, n, k, 1.0f, A, lda, B, ldb, accumulate ? 1.0f : 0.0f, C, n);
     narrow(C, c_rows, ct, mb * n);
   }
 }
@@ -314,7 +309,7 @@ void gemm_mixed(bool ta, bool tb, int64_t m, int64_t n, int64_t k, GemmOperand a
   }
   const DType half = is16(a.dtype) ? a.dtype : is16(b.dtype) ? b.dtype : ct;
   if (!is16(half)) {
-    sgemm(ta, tb, m, n, k, static_cast<const float*>(a.data), ta ? m : k, static_cast<const float*>(b.data),
+    sgemm(ta, tb, m, n, k, 1.0f, static_cast<const float*>(a.data), ta ? m : k, static_cast<const float*>(b.data),
           tb ? k : n, accumulate ? 1.0f : 0.0f, static_cast<float*>(c), n);
     return;
   }
