@@ -374,6 +374,71 @@ TEST(Gemm16, WeightGradientAccumulatesInFp32) {
   }
 }
 
+// An fp32 operand enters a mixed product as it is (the contract of ops.def, and the router's fp32
+// gate): here w's values are 1 + 2^-12 and friends, which bf16 rounds to 1, so a path that
+// rounded w to bf16 would be off by about K * 2^-12 against a tolerance of 1e-5.
+TEST(Gemm16, AnFp32OperandEntersTheProductUnrounded) {
+  const int64_t M = 48, N = 40, K = 64;
+  std::vector<uint16_t> x(size_t(M * K));
+  std::vector<float> xf(x.size()), w(size_t(N * K));
+  for (size_t i = 0; i < x.size(); ++i) {
+    x[i] = f32_to_bf16(0.25f + float(i % 5) * 0.125f);
+    xf[i] = bf16_to_f32(x[i]);
+  }
+  for (size_t i = 0; i < w.size(); ++i) w[i] = 1.0f + std::ldexp(float(1 + i % 7), -12);
+  for (cpu::Gemm16Path path : runnable_paths()) {
+    PathScope scope(path);
+    std::vector<float> out(size_t(M * N));
+    cpu::linear_forward_16bit(Tensor(out.data(), DType::F32, Shape{M, N}), Tensor(x.data(), DType::BF16, Shape{M, K}),
+                              Tensor(w.data(), DType::F32, Shape{N, K}), false);
+    double worst = 0;
+    for (int64_t i = 0; i < M; ++i) {
+      for (int64_t j = 0; j < N; ++j) {
+        double want = 0;
+        for (int64_t k = 0; k < K; ++k) want += double(xf[size_t(i * K + k)]) * w[size_t(j * K + k)];
+        worst = std::max(worst, std::fabs(out[size_t(i * N + j)] - want) / std::fabs(want));
+      }
+    }
+    EXPECT_LT(worst, 1e-5) << path_name(path) << ": the fp32 operand was rounded";
+  }
+}
+
+// A product's bits do not depend on where it runs: whole, as blocks of rows, or from several
+// threads at once inside a parallel region (the experts spread over threads). oneDNN plans a
+// primitive for the threads it sees and lets no two threads share one's library scratchpad; a
+// product planned for two threads, or run concurrently on a shared scratchpad, fails this.
+TEST(Gemm16, SameBitsWhereverTheProductRuns) {
+  const int64_t M = 256, N = 192, K = 160;  // large enough to be split over the threads
+  std::mt19937 rng(21);
+  for (cpu::Gemm16Path path : runnable_paths()) {
+    PathScope scope(path);
+    SCOPED_TRACE(path_name(path));
+    for (bool tb : {false, true}) {  // forward (x w^T) and dx (dout w) layouts
+      Mat a(DType::BF16, DType::BF16, Shape{M, K}, rng), b(DType::BF16, DType::BF16, Shape{K, N}, rng);
+      auto product = [&](int64_t r0, int64_t r1, float* c) {
+        cpu::gemm_mixed(false, tb, r1 - r0, N, K, {a.h.data() + r0 * K, DType::BF16}, {b.h.data(), DType::BF16},
+                        false, c + r0 * N, DType::F32);
+      };
+      std::vector<float> whole(size_t(M * N)), blocks(whole.size());
+      product(0, M, whole.data());
+      product(0, 37, blocks.data());
+      product(37, 200, blocks.data());
+      product(200, M, blocks.data());
+      EXPECT_EQ(std::memcmp(whole.data(), blocks.data(), whole.size() * 4), 0) << "tb " << tb << ": row blocks";
+      const int threads = 4;
+      std::vector<std::vector<float>> each(threads, std::vector<float>(whole.size()));
+      for (int round = 0; round < 3; ++round) {
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+        for (int t = 0; t < threads; ++t) product(0, M, each[size_t(t)].data());
+        for (int t = 0; t < threads; ++t) {
+          EXPECT_EQ(std::memcmp(whole.data(), each[size_t(t)].data(), whole.size() * 4), 0)
+              << "tb " << tb << ": inside a parallel region, thread " << t << ", round " << round;
+        }
+      }
+    }
+  }
+}
+
 // The backend's BF16 and F16 slots of the linear ops are these kernels.
 TEST(Gemm16, RegisteredInTheCpuBackend) {
   const Backend* cpu_backend = find_backend(DeviceType::CPU);

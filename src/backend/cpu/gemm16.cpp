@@ -25,10 +25,12 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <tuple>
+#include <unordered_map>
 
 #include <dnnl.hpp>
 
@@ -54,7 +56,7 @@ void* advance(void* p, DType t, int64_t elements) { return static_cast<char*>(p)
 // Per-thread scratch, grown when a call needs more and then kept: no allocation per call. Plain
 // aligned host memory rather than a Buffer: a Buffer's allocator may be gone (Kokkos finalised)
 // by the time the main thread's thread_local objects are destroyed.
-enum Slot { kSlotA, kSlotB, kSlotC, kSlotShared, kSlotDout, kSlots };
+enum Slot { kSlotA, kSlotB, kSlotC, kSlotShared, kSlotDout, kSlotPad, kSlots };
 struct Scratch {
   struct Block {
     void* data = nullptr;
@@ -148,38 +150,60 @@ dnnl::engine& dnnl_engine() {
   return engine;
 }
 
-// (rows, cols), stored row-major or as the transpose of a row-major (cols, rows) matrix.
-dnnl::memory::desc matrix_desc(int64_t rows, int64_t cols, bool transposed, dnnl::memory::data_type dt) {
-  return dnnl::memory::desc({rows, cols}, dt, transposed ? dnnl::memory::dims{1, rows} : dnnl::memory::dims{cols, 1});
+// (rows, cols) with leading dimension ld: row-major, or the transpose of a row-major (cols, rows)
+// matrix.
+dnnl::memory::desc matrix_desc(int64_t rows, int64_t cols, int64_t ld, bool transposed, dnnl::memory::data_type dt) {
+  return dnnl::memory::desc({rows, cols}, dt, transposed ? dnnl::memory::dims{1, ld} : dnnl::memory::dims{ld, 1});
 }
 
 struct DnnlGemm {
   dnnl::memory::desc a, b, c;
   dnnl::matmul prim;
+  int64_t scratchpad_bytes = 0;
 };
 
-// Primitives are built once per shape and kept (executing one is thread-safe).
-const DnnlGemm& dnnl_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, dnnl::memory::data_type in,
-                          dnnl::memory::data_type out, bool accumulate) {
-  using Key = std::tuple<bool, bool, int64_t, int64_t, int64_t, int, int, bool>;
+// Sets the calling thread's OpenMP thread count to 1 and restores it: oneDNN plans a primitive
+// for the thread count it sees when the primitive is made (a plan for two threads may split the
+// sum over k between them) and runs it on as many, so one thread it sees is one fixed order of
+// every sum.
+class OneThread {
+ public:
+  OneThread() : saved_(omp_get_max_threads()) { omp_set_num_threads(1); }
+  ~OneThread() { omp_set_num_threads(saved_); }
+  OneThread(const OneThread&) = delete;
+  OneThread& operator=(const OneThread&) = delete;
+
+ private:
+  int saved_;
+};
+
+// Primitives are made once per shape (single-threaded plans, see OneThread) and shared by the
+// threads: each execution gets the calling thread's own scratchpad (scratchpad_mode::user), as
+// oneDNN requires of a primitive run from several threads.
+const DnnlGemm& dnnl_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
+                          dnnl::memory::data_type in, dnnl::memory::data_type out, bool accumulate) {
+  using Key = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, bool>;
   static std::mutex mutex;
   static std::map<Key, std::unique_ptr<DnnlGemm>> cache;
-  const Key key{ta, tb, m, n, k, int(in), int(out), accumulate};
+  const Key key{ta, tb, m, n, k, lda, ldb, ldc, int(in), int(out), accumulate};
   std::lock_guard<std::mutex> lock(mutex);
   auto it = cache.find(key);
   if (it != cache.end()) return *it->second;
   auto g = std::make_unique<DnnlGemm>();
-  g->a = matrix_desc(m, k, ta, in);
-  g->b = matrix_desc(k, n, tb, in);
-  g->c = matrix_desc(m, n, false, out);
+  g->a = matrix_desc(m, k, lda, ta, in);
+  g->b = matrix_desc(k, n, ldb, tb, in);
+  g->c = matrix_desc(m, n, ldc, false, out);
   dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   if (accumulate) {
     dnnl::post_ops po;
     po.append_sum(1.0f);
     attr.set_post_ops(po);
   }
   try {
-    g->prim = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(g->a, g->b, g->c), attr, dnnl_engine()));
+    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(g->a, g->b, g->c), attr, dnnl_engine());
+    g->scratchpad_bytes = int64_t(pd.scratchpad_desc().get_size());
+    g->prim = dnnl::matmul(pd);
   } catch (const dnnl::error& e) {
     DS_FAIL("oneDNN refused a {}x{}x{} matmul ({}): {}", m, n, k, in == dnnl::memory::data_type::bf16 ? "bf16" : "f32",
             e.what());
@@ -187,17 +211,43 @@ const DnnlGemm& dnnl_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, dnn
   return *cache.emplace(key, std::move(g)).first->second;
 }
 
-// The operand in the compute type: itself, or converted into a scratch slot (to bf16 through fp32
-// when it is F16; the two 16-bit types never meet in dstrain, but stay correct if they did).
-const void* as_compute(GemmOperand op, int64_t n, int slot, bool bf16) {
-  if (!bf16) return as_f32(op, n, slot);
-  if (op.dtype == DType::BF16) return op.data;
-  const float* f = op.dtype == DType::F32 ? static_cast<const float*>(op.data) : as_f32(op, n, kSlotShared);
-  uint16_t* s = static_cast<uint16_t*>(scratch(slot, n * 2));
-  bulk_f32_to_bf16(f, s, n);
-  return s;
+// One thread's product C (m,n; ldc) = op(A) op(B) (+ C), on the calling thread alone.
+void onednn_block(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda, const void* b,
+                  int64_t ldb, bool accumulate, void* c, int64_t ldc, dnnl::memory::data_type in,
+                  dnnl::memory::data_type out) {
+  const OneThread one;
+  const DnnlGemm& g = dnnl_gemm(ta, tb, m, n, k, lda, ldb, ldc, in, out, accumulate);
+  thread_local dnnl::stream stream(dnnl_engine());
+  dnnl::engine& eng = dnnl_engine();
+  dnnl::memory ma(g.a, eng, const_cast<void*>(a)), mb(g.b, eng, const_cast<void*>(b)), mc(g.c, eng, c);
+  std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}};
+  if (g.scratchpad_bytes > 0) {
+    args.emplace(DNNL_ARG_SCRATCHPAD,
+                 dnnl::memory(dnnl::memory::desc({g.scratchpad_bytes}, dnnl::memory::data_type::u8, {1}), eng,
+                              scratch(kSlotPad, g.scratchpad_bytes)));
+  }
+  g.prim.execute(stream, args);
+  stream.wait();
 }
 
+// The operand in the compute type: a bf16 operand itself on the bf16 path (which only takes two
+// bf16 operands), else the operand widened to fp32 into a scratch slot.
+const void* as_compute(GemmOperand op, int64_t n, int slot, bool bf16) {
+  if (!bf16) return as_f32(op, n, slot);
+  DS_CHECK(op.dtype == DType::BF16, "gemm16: the bf16 path got a {} operand", dtype_name(op.dtype));
+  return op.data;
+}
+
+// Products smaller than this (m·n·k), or with fewer than kMinRowsPerThread rows (columns) per
+// thread, run whole on the calling thread: a parallel region would cost more than it saves.
+constexpr int64_t kMinSplitWork = int64_t(1) << 18, kMinRowsPerThread = 32;
+
+// oneDNN's matmul, split over the threads as sgemm.h's default path splits: one block of C's rows
+// (or columns, when it has fewer rows) per thread, each block a single-threaded oneDNN product;
+// inside a parallel region the whole product runs on the calling thread. Every element of C is
+// then one single-threaded sum in k order, whichever block or thread computes it, so the bits do
+// not depend on where the product is called from (a split backward's weight gradients equal the
+// full backward's; evaluation's logits equal training's).
 void gemm_onednn(bool ta, bool tb, int64_t m, int64_t n, int64_t k, GemmOperand a, GemmOperand b, bool accumulate,
                  void* c, DType ct, bool bf16) {
   using dt = dnnl::memory::data_type;
@@ -206,19 +256,42 @@ void gemm_onednn(bool ta, bool tb, int64_t m, int64_t n, int64_t k, GemmOperand 
   // the fp32 check path) goes through fp32 scratch.
   const bool direct_c = ct == DType::F32 || (bf16 && ct == DType::BF16);
   const dt out = direct_c && ct == DType::BF16 ? dt::bf16 : dt::f32;
+  const DType out_type = out == dt::bf16 ? DType::BF16 : DType::F32;
   const void* A = as_compute(a, m * k, kSlotA, bf16);
   const void* B = as_compute(b, k * n, kSlotB, bf16);
+  const DType in_type = bf16 ? DType::BF16 : DType::F32;
   void* C = c;
   if (!direct_c) {
     C = scratch(kSlotC, m * n * 4);
     if (accumulate) widen(c, ct, static_cast<float*>(C), m * n);
   }
-  const DnnlGemm& g = dnnl_gemm(ta, tb, m, n, k, in, out, accumulate);
-  thread_local dnnl::stream stream(dnnl_engine());
-  dnnl::engine& eng = dnnl_engine();
-  dnnl::memory ma(g.a, eng, const_cast<void*>(A)), mb(g.b, eng, const_cast<void*>(B)), mc(g.c, eng, C);
-  g.prim.execute(stream, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
-  stream.wait();
+  const int64_t lda = ta ? m : k, ldb = tb ? k : n;
+  const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const bool by_rows = m >= n;
+  const int64_t extent = by_rows ? m : n;
+  if (threads == 1 || m * n * k < kMinSplitWork || extent < kMinRowsPerThread * threads) {
+    onednn_block(ta, tb, m, n, k, A, lda, B, ldb, accumulate, C, n, in, out);
+  } else {
+    const int64_t per = (extent + threads - 1) / threads;
+    std::exception_ptr error;
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t lo = std::min(extent, omp_get_thread_num() * per), hi = std::min(extent, lo + per);
+      try {
+        if (hi > lo && by_rows) {
+          onednn_block(ta, tb, hi - lo, n, k, advance(A, in_type, ta ? lo : lo * lda), lda, B, ldb, accumulate,
+                       advance(C, out_type, lo * n), n, in, out);
+        } else if (hi > lo) {
+          onednn_block(ta, tb, m, hi - lo, k, A, lda, advance(B, in_type, tb ? lo * ldb : lo), ldb, accumulate,
+                       advance(C, out_type, lo), n, in, out);
+        }
+      } catch (...) {
+#pragma omp critical(gemm16_error)
+        if (!error) error = std::current_exception();
+      }
+    }
+    if (error) std::rethrow_exception(error);
+  }
   if (!direct_c) narrow(static_cast<const float*>(C), c, ct, m * n);
 }
 
@@ -229,8 +302,8 @@ bool onednn_bf16_works() {
     try {
       using dt = dnnl::memory::data_type;
       dnnl::matmul::primitive_desc pd(
-          dnnl::matmul::desc(matrix_desc(64, 64, false, dt::bf16), matrix_desc(64, 64, true, dt::bf16),
-                             matrix_desc(64, 64, false, dt::f32)),
+          dnnl::matmul::desc(matrix_desc(64, 64, 64, false, dt::bf16), matrix_desc(64, 64, 64, true, dt::bf16),
+                             matrix_desc(64, 64, 64, false, dt::f32)),
           dnnl_engine());
       return true;
     } catch (const dnnl::error&) {
@@ -317,7 +390,10 @@ void gemm_mixed(bool ta, bool tb, int64_t m, int64_t n, int64_t k, GemmOperand a
   std::call_once(logged, [] { log::info("cpu backend: {}", gemm16_path_description()); });
   switch (path_for(half)) {
     case Gemm16Path::kOneDnnBf16:
-      if (half == DType::BF16) {
+      // Only a product of two bf16 operands runs in bf16: rounding an fp32 operand (the router's
+      // fp32 gate, an fp32 activation) to bf16 would break the contract that fp32 values enter
+      // the arithmetic as they are. Such products take the fp32 path below.
+      if (a.dtype == DType::BF16 && b.dtype == DType::BF16) {
         gemm_onednn(ta, tb, m, n, k, a, b, accumulate, c, ct, /*bf16=*/true);
         return;
       }

@@ -2,8 +2,9 @@
 // the GEMMs of the CPU backend's 16-bit linear kernels.
 //
 // Two paths, chosen at run time from CPUID (see gemm16.cpp for why):
-// - CPUs with hardware bf16 (AVX-512 BF16 or AMX-BF16): oneDNN's bf16 matmul (fp32 accumulation);
-//   fp32 operands are rounded to bf16 inside the kernel. F16 products take the next path.
+// - CPUs with hardware bf16 (AVX-512 BF16 or AMX-BF16): oneDNN's bf16 matmul (fp32 accumulation)
+//   for products of two bf16 operands. A product with an fp32 operand (the router's fp32 gate)
+//   and F16 products take the next path, so fp32 values are never rounded to 16 bits.
 // - otherwise: the 16-bit operands are widened to fp32 (exactly) into reused per-thread scratch and
 //   the fp32 sgemm (sgemm.h) runs; 16-bit outputs are computed in row blocks and rounded once.
 #pragma once
