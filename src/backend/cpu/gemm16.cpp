@@ -181,11 +181,11 @@ class OneThread {
 // threads: each execution gets the calling thread's own scratchpad (scratchpad_mode::user), as
 // oneDNN requires of a primitive run from several threads.
 const DnnlGemm& dnnl_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
-                          dnnl::memory::data_type in, dnnl::memory::data_type out, bool accumulate) {
-  using Key = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, bool>;
+                          dnnl::memory::data_type in, dnnl::memory::data_type out, float alpha, bool accumulate) {
+  using Key = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, float, bool>;
   static std::mutex mutex;
   static std::map<Key, std::unique_ptr<DnnlGemm>> cache;
-  const Key key{ta, tb, m, n, k, lda, ldb, ldc, int(in), int(out), accumulate};
+  const Key key{ta, tb, m, n, k, lda, ldb, ldc, int(in), int(out), alpha, accumulate};
   std::lock_guard<std::mutex> lock(mutex);
   auto it = cache.find(key);
   if (it != cache.end()) return *it->second;
@@ -195,6 +195,7 @@ const DnnlGemm& dnnl_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, int
   g->c = matrix_desc(m, n, ldc, false, out);
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  if (alpha != 1.0f) attr.set_output_scales(0, {alpha});  // before the sum: alpha·AB + C
   if (accumulate) {
     dnnl::post_ops po;
     po.append_sum(1.0f);
@@ -211,12 +212,12 @@ const DnnlGemm& dnnl_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, int
   return *cache.emplace(key, std::move(g)).first->second;
 }
 
-// One thread's product C (m,n; ldc) = op(A) op(B) (+ C), on the calling thread alone.
-void onednn_block(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda, const void* b,
-                  int64_t ldb, bool accumulate, void* c, int64_t ldc, dnnl::memory::data_type in,
+// One thread's product C (m,n; ldc) = alpha·op(A) op(B) (+ C), on the calling thread alone.
+void onednn_block(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const void* a, int64_t lda,
+                  const void* b, int64_t ldb, bool accumulate, void* c, int64_t ldc, dnnl::memory::data_type in,
                   dnnl::memory::data_type out) {
   const OneThread one;
-  const DnnlGemm& g = dnnl_gemm(ta, tb, m, n, k, lda, ldb, ldc, in, out, accumulate);
+  const DnnlGemm& g = dnnl_gemm(ta, tb, m, n, k, lda, ldb, ldc, in, out, alpha, accumulate);
   thread_local dnnl::stream stream(dnnl_engine());
   dnnl::engine& eng = dnnl_engine();
   dnnl::memory ma(g.a, eng, const_cast<void*>(a)), mb(g.b, eng, const_cast<void*>(b)), mc(g.c, eng, c);
@@ -270,7 +271,7 @@ void gemm_onednn(bool ta, bool tb, int64_t m, int64_t n, int64_t k, GemmOperand 
   const bool by_rows = m >= n;
   const int64_t extent = by_rows ? m : n;
   if (threads == 1 || m * n * k < kMinSplitWork || extent < kMinRowsPerThread * threads) {
-    onednn_block(ta, tb, m, n, k, A, lda, B, ldb, accumulate, C, n, in, out);
+    onednn_block(ta, tb, m, n, k, 1.0f, A, lda, B, ldb, accumulate, C, n, in, out);
   } else {
     const int64_t per = (extent + threads - 1) / threads;
     std::exception_ptr error;
@@ -279,10 +280,10 @@ void gemm_onednn(bool ta, bool tb, int64_t m, int64_t n, int64_t k, GemmOperand 
       const int64_t lo = std::min(extent, omp_get_thread_num() * per), hi = std::min(extent, lo + per);
       try {
         if (hi > lo && by_rows) {
-          onednn_block(ta, tb, hi - lo, n, k, advance(A, in_type, ta ? lo : lo * lda), lda, B, ldb, accumulate,
+          onednn_block(ta, tb, hi - lo, n, k, 1.0f, advance(A, in_type, ta ? lo : lo * lda), lda, B, ldb, accumulate,
                        advance(C, out_type, lo * n), n, in, out);
         } else if (hi > lo) {
-          onednn_block(ta, tb, m, hi - lo, k, A, lda, advance(B, in_type, tb ? lo * ldb : lo), ldb, accumulate,
+          onednn_block(ta, tb, m, hi - lo, k, 1.0f, A, lda, advance(B, in_type, tb ? lo * ldb : lo), ldb, accumulate,
                        advance(C, out_type, lo), n, in, out);
         }
       } catch (...) {
@@ -369,6 +370,25 @@ bool gemm16_computes_in_f32(DType half) {
 }
 
 const float* gemm16_widen_shared(GemmOperand op, int64_t n) { return as_f32(op, n, kSlotDout); }
+
+bool gemm16_bf16_hardware() { return path_for(DType::BF16) == Gemm16Path::kOneDnnBf16; }
+
+void gemm_bf16_block(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* a, int64_t lda,
+                     const uint16_t* b, int64_t ldb, bool accumulate, void* c, DType c_dtype, int64_t ldc) {
+  DS_CHECK(gemm16_bf16_hardware(), "gemm_bf16_block: no hardware bf16 path on this CPU (check gemm16_bf16_hardware)");
+  DS_CHECK(c_dtype == DType::F32 || c_dtype == DType::BF16, "gemm_bf16_block: C is {}, expected F32 or BF16",
+           dtype_name(c_dtype));
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    if (!accumulate) {
+      for (int64_t i = 0; i < m; ++i) std::memset(advance(c, c_dtype, i * ldc), 0, size_t(n) * dtype_size(c_dtype));
+    }
+    return;
+  }
+  using dt = dnnl::memory::data_type;
+  onednn_block(ta, tb, m, n, k, alpha, a, lda, b, ldb, accumulate, c, ldc, dt::bf16,
+               c_dtype == DType::BF16 ? dt::bf16 : dt::f32);
+}
 
 void gemm_mixed(bool ta, bool tb, int64_t m, int64_t n, int64_t k, GemmOperand a, GemmOperand b, bool accumulate,
                 void* c, DType ct) {
