@@ -43,6 +43,13 @@ Tensor sp_gather(const Ctx& ctx, Tensor rows, const char* slot) {
   return full;
 }
 
+Tensor in_compute_dtype(const Ctx& ctx, Tensor t, const char* slot) {
+  if (t.dtype() == ctx.compute_dtype || t.dtype() != DType::F32) return t;
+  Tensor r = ctx.scratch->get(slot, t.shape(), ctx.compute_dtype);
+  ops::cast(r, t);
+  return r;
+}
+
 Tensor reduce_over_tensor_group(const Ctx& ctx, Tensor partial, const std::string& slot) {
   if (!ctx.sequence_parallel || ctx.tp_size() == 1) {
     ctx.tp_all_reduce(partial);
@@ -150,7 +157,8 @@ void GQAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor
   const DType cd = ctx.compute_dtype;
   Tensor datt = ctx.scratch->get("attn.datt", {B, T, H * D}, cd);
   Tensor dqkv = ctx.scratch->get("attn.dqkv", {B, T, layout_.row_stride}, cd);
-  ctx.wgrad->linear(rows_of(datt), reg_.grad(o_), sp_gather(ctx, rows_of(dout), "sp.dout"), rows_of(att),
+  ctx.wgrad->linear(rows_of(datt), reg_.grad(o_),
+                    in_compute_dtype(ctx, sp_gather(ctx, rows_of(dout), "sp.dout"), "layer.dout16"), rows_of(att),
                     reg_.compute(o_));
   ops::attention_backward(dqkv, datt, qkv, att, lse, layout_, scale_);
   ops::rope_backward(dqkv, 0, layout_.n_head + layout_.n_kv_head, int(D), rope.cos_table(), rope.sin_table());
@@ -184,7 +192,9 @@ void SwiGLUMLP::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor d
   Tensor h = ctx.acts->get(mb, key_ + "h");
   Tensor dh = ctx.scratch->get("mlp.dh", {N, inter_}, ctx.compute_dtype);
   Tensor dgu = ctx.scratch->get("mlp.dgate_up", {N, 2 * inter_}, ctx.compute_dtype);
-  ctx.wgrad->linear(dh, reg_.grad(down_), sp_gather(ctx, rows_of(dout), "sp.dout"), h, reg_.compute(down_));
+  ctx.wgrad->linear(dh, reg_.grad(down_),
+                    in_compute_dtype(ctx, sp_gather(ctx, rows_of(dout), "sp.dout"), "layer.dout16"), h,
+                    reg_.compute(down_));
   ops::swiglu_backward(dgu, dh, gu);
   // Every rank's columns read the whole input: its gradient is the sum over the pieces.
   Tensor dxp = column_parallel_grad(ctx, sharded_, dx, x, "tp.dx");

@@ -149,7 +149,8 @@ void MLAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor
   // "mla.dheads" holds one per-head gradient at a time: d(attention output), then dq, then
   // d[k_nope | v]; "mla.dlatent(_norm)" the query latent's, then the kv latent's.
   Tensor datt = scratch.get("mla.dheads", {N, H_ * Dv_}, cd);
-  wg.linear(datt, reg_.grad(o_), sp_gather(ctx, rows_of(dout), "sp.dout"), rows_of(att), reg_.compute(o_));
+  wg.linear(datt, reg_.grad(o_), in_compute_dtype(ctx, sp_gather(ctx, rows_of(dout), "sp.dout"), "layer.dout16"),
+            rows_of(att), reg_.compute(o_));
   Tensor dqkv = scratch.get("mla.dqkv", {B, T, W}, cd);
   ops::attention_backward(dqkv, datt.view({B, T, H_ * Dv_}), qkv, att, ctx.acts->get(mb, key_ + "lse"), layout_, scale_);
   ops::rope_backward_interleaved(dqkv, Dn_, int(2 * H_), Dqk, int(Dr_), rope.cos_table(), rope.sin_table());

@@ -340,8 +340,8 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
   if (shared_inter_ > 0) {
     Tensor dh = scratch.get("mlp.dh", {N, shared_inter_}, cd);
     Tensor dgu = scratch.get("mlp.dgate_up", {N, 2 * shared_inter_}, cd);
-    wg.linear(dh, reg_.grad(shared_down_), sp_gather(ctx, doutr, "sp.dout"), acts.get(mb, key_ + "shared_experts.h"),
-              reg_.compute(shared_down_));
+    wg.linear(dh, reg_.grad(shared_down_), in_compute_dtype(ctx, sp_gather(ctx, doutr, "sp.dout"), "layer.dout16"),
+              acts.get(mb, key_ + "shared_experts.h"), reg_.compute(shared_down_));
     ops::swiglu_backward(dgu, dh, acts.get(mb, key_ + "shared_experts.gate_up"));
     Tensor dxp = column_parallel_grad(ctx, sharded_, dx, x, "tp.dx");
     wg.linear(dxp.view({N, C}), reg_.grad_rows(shared_gate_, shared_up_), dgu, xr,

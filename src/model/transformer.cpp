@@ -422,7 +422,8 @@ void Transformer::head(Tensor x, Tensor targets, bool backward, float scale, Ten
       } else {
         ops::cross_entropy_shard_backward(logits, logits, lse, tg.slice(r0, r1), scale, shard_.vocab.begin);
       }
-      ops::linear_backward(dxp.slice(r0, r1), head_grad(), logits, xr.slice(r0, r1), w);
+      ops::linear_backward(dxp.slice(r0, r1), head_grad(), in_compute_dtype(ctx_, logits, "head.dlogits16"),
+                           xr.slice(r0, r1), w);
     }
   }
   if (backward) {
@@ -560,7 +561,8 @@ void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor 
                           reg_.param(m.head_norm), get(m, "out_rstd"));
     m.layer->backward(ctx_, mb, dh);  // dh: w.r.t. h_in now
     Tensor dcat = scratch_.get("mtp.dcat", {N, 2 * C}, cd);
-    ops::linear_backward(dcat, reg_.grad(m.eh_proj), dh.view({N, C}), get(m, "cat"), reg_.compute(m.eh_proj));
+    ops::linear_backward(dcat, reg_.grad(m.eh_proj), in_compute_dtype(ctx_, dh.view({N, C}), "mtp.dh16"), get(m, "cat"),
+                         reg_.compute(m.eh_proj));
     Tensor de = scratch_.get("mtp.de", {N, C}, cd), dhn = scratch_.get("mtp.dhn", {N, C}, cd);
     ops::copy_blocks(de, 0, 0, dcat, 0, 0, 1, C, false);
     ops::copy_blocks(dhn, 0, 0, dcat, C, 0, 1, C, false);

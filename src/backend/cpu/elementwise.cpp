@@ -6,6 +6,7 @@
 
 #include "backend/cpu/convert16.h"
 #include "backend/cpu/cpu_ops.h"
+#include "backend/cpu/kernels_16bit.h"
 #include "backend/cpu/parallel.h"
 #include "backend/cpu/vec_exp.h"
 #include "backend/cpu/widen.h"
@@ -261,10 +262,12 @@ void adamw_update(Tensor param, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, 
     adamw_loop(p, g, m, v, n, s, [](int64_t, float) {});
   } else if (param_copy.dtype() == DType::BF16) {
     uint16_t* c = static_cast<uint16_t*>(param_copy.raw());
-    adamw_loop(p, g, m, v, n, s, [c](int64_t i, float x) { c[i] = f32_to_bf16(x); });
+    // kernels_16bit.h's branch-free roundings (the bits of f32_to_bf16 / f32_to_f16): the loop
+    // stays one vector loop, where a call or a branch per element kept it scalar.
+    adamw_loop(p, g, m, v, n, s, [c](int64_t i, float x) { c[i] = k16::BF16E::st(x); });
   } else if (param_copy.dtype() == DType::F16) {
     uint16_t* c = static_cast<uint16_t*>(param_copy.raw());
-    adamw_loop(p, g, m, v, n, s, [c](int64_t i, float x) { c[i] = f32_to_f16(x); });
+    adamw_loop(p, g, m, v, n, s, [c](int64_t i, float x) { c[i] = k16::F16E::st(x); });
   } else {
     float* c = param_copy.data<float>();
     adamw_loop(p, g, m, v, n, s, [c](int64_t i, float x) { c[i] = x; });
