@@ -13,6 +13,7 @@
 #include <mutex>
 #include <thread>
 
+#include "backend/cpu/gemm16.h"
 #include "backend/cpu/sgemm.h"
 #include "core/buffer.h"
 #include "core/log.h"
@@ -59,12 +60,22 @@ Utilisation utilisation(double global_tokens_per_s, double flops_per_token, int 
   return u;
 }
 
-Peak measure_peak_flops(int trials, double trial_seconds) {
-  // The fp32 GEMM the layers use (backend/cpu/sgemm.h), large enough that it runs its
-  // steady-state kernel on every thread.
+Peak measure_peak_flops(int trials, double trial_seconds, DType compute) {
+  // The GEMM the layers use, large enough that it runs its steady-state kernel on every thread:
+  // the fp32 sgemm (backend/cpu/sgemm.h), or with bf16 compute on hardware bf16 the bf16 product
+  // (backend/cpu/gemm16.h), whose peak is about twice as high.
   constexpr int n = 1024;
+  const bool bf16 = compute == DType::BF16 && cpu::gemm16_bf16_hardware();
   std::vector<float> a(static_cast<size_t>(n) * n, 0.5f), b(a.size(), 0.25f), c(a.size());
-  auto sgemm = [&] { cpu::sgemm(false, true, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n); };
+  std::vector<uint16_t> ah(bf16 ? a.size() : 0, f32_to_bf16(0.5f)), bh(ah.size(), f32_to_bf16(0.25f));
+  auto sgemm = [&] {
+    if (bf16) {
+      cpu::gemm_mixed(false, true, n, n, n, {ah.data(), DType::BF16}, {bh.data(), DType::BF16}, false, c.data(),
+                      DType::F32);
+    } else {
+      cpu::sgemm(false, true, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
+    }
+  };
   // Where one sgemm is slow (generic kernels, oversubscribed cores) fewer trials keep the start
   // short: at least 3, and no new one after half a second.
   constexpr int kMinTrials = 3;
@@ -87,6 +98,11 @@ Peak measure_peak_flops(int trials, double trial_seconds) {
       s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     } while (s < trial_seconds);
     best = std::max(best, 2.0 * n * double(n) * n * double(reps) / s);
+  }
+  if (bf16) {
+    return {best, fmt::format("measured: best of {} trials of a bf16 GEMM {}x{}x{} on {} threads (oneDNN bf16 matmul, "
+                              "dstrain's thread split)",
+                              done, n, n, n, omp_get_max_threads())};
   }
   return {best, fmt::format("measured: best of {} trials of sgemm {}x{}x{} on {} threads ({})", done, n, n, n,
                             omp_get_max_threads(), cpu::sgemm_path_name())};

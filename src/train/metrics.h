@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/json_reader.h"
 #include "model/model_config.h"
 #include "train/timeline.h"
@@ -69,10 +70,11 @@ struct Peak {
   double flops = 0;    // FLOP/s per rank
   std::string source;  // "measured: best of 5 trials of sgemm 1024x1024x1024 on 2 threads", ...
 };
-// sgemm FLOP/s on this rank's threads: the best of up to `trials` trials of at least
+// GEMM FLOP/s on this rank's threads: the best of up to `trials` trials of at least
 // `trial_seconds` each (at least 3 trials; no new one after half a second). The best, not the
-// median: another process on the cores can only slow a trial down.
-Peak measure_peak_flops(int trials = 5, double trial_seconds = 0.05);
+// median: another process on the cores can only slow a trial down. The fp32 sgemm, or with a
+// BF16 compute dtype on a CPU with hardware bf16 the bf16 GEMM its layers run on.
+Peak measure_peak_flops(int trials = 5, double trial_seconds = 0.05, DType compute = DType::F32);
 // What Metrics calls to measure the peak (tests inject their own values).
 using PeakMeasure = std::function<Peak()>;
 // Physical memory of this node (MemTotal of /proc/meminfo); 0 when unknown.

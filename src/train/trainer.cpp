@@ -1288,7 +1288,8 @@ Trainer::Outcome Trainer::train() {
   }
   if (!metrics_) {
     // On a GPU, MFU is against its datasheet bf16 peak, and NVML reports its utilisation and memory.
-    PeakMeasure peak;
+    // On a CPU, against the GEMM of the run's compute dtype (bf16 hardware has twice fp32's peak).
+    PeakMeasure peak = [dt = model_->ctx().compute_dtype] { return measure_peak_flops(5, 0.05, dt); };
     const Device device = model_->ctx().device;
     if (device.type == DeviceType::CUDA) {
       peak = [index = device.index] {
