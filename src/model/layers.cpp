@@ -44,7 +44,9 @@ Tensor sp_gather(const Ctx& ctx, Tensor rows, const char* slot) {
 }
 
 Tensor in_compute_dtype(const Ctx& ctx, Tensor t, const char* slot) {
-  if (t.dtype() == ctx.compute_dtype || t.dtype() != DType::F32) return t;
+  // bf16 only: a loss-scaled gradient can leave fp16's narrow range, and the CPU backend's fp16
+  // products widen their operands to fp32 anyway (gemm16.h).
+  if (ctx.compute_dtype != DType::BF16 || t.dtype() != DType::F32) return t;
   Tensor r = ctx.scratch->get(slot, t.shape(), ctx.compute_dtype);
   ops::cast(r, t);
   return r;

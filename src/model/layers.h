@@ -144,10 +144,10 @@ class SwiGLUMLP : public FeedForwardBlock {
 // micro-batch (in ctx.scratch under `slot`); without sequence parallelism `rows` itself.
 Tensor sp_gather(const Ctx& ctx, Tensor rows, const char* slot);
 
-// A gradient as a layer's backward products take it: in the compute dtype. The residual
-// stream's and the loss's gradients are fp32; with a 16-bit compute dtype they are rounded once
-// into scratch `slot` (where PyTorch's autocast rounds them, at the cast into the layer), so the
-// layer's two products run on 16-bit operands rather than in fp32. Otherwise `t` itself.
+// A gradient as a layer's backward products take it. The residual stream's and the loss's
+// gradients are fp32; with bf16 compute they are rounded once to bf16 into scratch `slot` (where
+// PyTorch's autocast rounds them, at the cast into the layer), so the layer's two products run
+// on bf16 operands rather than in fp32. Otherwise (fp32, fp16 compute) `t` itself.
 Tensor in_compute_dtype(const Ctx& ctx, Tensor t, const char* slot);
 // The sum over the tensor group of partial (N, C): all of it, in place, or with sequence
 // parallelism this rank's rows (n, C), in ctx.scratch under `slot`.
