@@ -56,7 +56,7 @@ void* advance(void* p, DType t, int64_t elements) { return static_cast<char*>(p)
 // Per-thread scratch, grown when a call needs more and then kept: no allocation per call. Plain
 // aligned host memory rather than a Buffer: a Buffer's allocator may be gone (Kokkos finalised)
 // by the time the main thread's thread_local objects are destroyed.
-enum Slot { kSlotA, kSlotB, kSlotC, kSlotShared, kSlotDout, kSlotPad, kSlots };
+enum Slot { kSlotA, kSlotB, kSlotC, kSlotDout, kSlotPad, kSlots };
 struct Scratch {
   struct Block {
     void* data = nullptr;
