@@ -25,7 +25,6 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -239,13 +238,8 @@ const void* as_compute(GemmOperand op, int64_t n, int slot, bool bf16) {
   return op.data;
 }
 
-// Products smaller than this (m·n·k), or with fewer than kMinRowsPerThread rows (columns) per
-// thread, run whole on the calling thread: a parallel region would cost more than it saves.
-constexpr int64_t kMinSplitWork = int64_t(1) << 18, kMinRowsPerThread = 32;
-
-// oneDNN's matmul, split over the threads as sgemm.h's default path splits: one block of C's rows
-// (or columns, when it has fewer rows) per thread, each block a single-threaded oneDNN product;
-// inside a parallel region the whole product runs on the calling thread. Every element of C is
+// oneDNN's matmul, split over the threads as sgemm.h's default path splits (split_product), each
+// block a single-threaded oneDNN product. Every element of C is
 // then one single-threaded sum in k order, whichever block or thread computes it, so the bits do
 // not depend on where the product is called from (a split backward's weight gradients equal the
 // full backward's; evaluation's logits equal training's).
@@ -267,32 +261,15 @@ void gemm_onednn(bool ta, bool tb, int64_t m, int64_t n, int64_t k, GemmOperand 
     if (accumulate) widen(c, ct, static_cast<float*>(C), m * n);
   }
   const int64_t lda = ta ? m : k, ldb = tb ? k : n;
-  const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
-  const bool by_rows = m >= n;
-  const int64_t extent = by_rows ? m : n;
-  if (threads == 1 || m * n * k < kMinSplitWork || extent < kMinRowsPerThread * threads) {
-    onednn_block(ta, tb, m, n, k, 1.0f, A, lda, B, ldb, accumulate, C, n, in, out);
-  } else {
-    const int64_t per = (extent + threads - 1) / threads;
-    std::exception_ptr error;
-#pragma omp parallel num_threads(threads)
-    {
-      const int64_t lo = std::min(extent, omp_get_thread_num() * per), hi = std::min(extent, lo + per);
-      try {
-        if (hi > lo && by_rows) {
-          onednn_block(ta, tb, hi - lo, n, k, 1.0f, advance(A, in_type, ta ? lo : lo * lda), lda, B, ldb, accumulate,
-                       advance(C, out_type, lo * n), n, in, out);
-        } else if (hi > lo) {
-          onednn_block(ta, tb, m, hi - lo, k, 1.0f, A, lda, advance(B, in_type, tb ? lo * ldb : lo), ldb, accumulate,
-                       advance(C, out_type, lo), n, in, out);
-        }
-      } catch (...) {
-#pragma omp critical(gemm16_error)
-        if (!error) error = std::current_exception();
-      }
+  split_product(m, n, k, [&](int64_t lo, int64_t hi, bool by_rows) {
+    if (by_rows) {
+      onednn_block(ta, tb, hi - lo, n, k, 1.0f, advance(A, in_type, ta ? lo : lo * lda), lda, B, ldb, accumulate,
+                   advance(C, out_type, lo * n), n, in, out);
+    } else {
+      onednn_block(ta, tb, m, hi - lo, k, 1.0f, A, lda, advance(B, in_type, tb ? lo * ldb : lo), ldb, accumulate,
+                   advance(C, out_type, lo), n, in, out);
     }
-    if (error) std::rethrow_exception(error);
-  }
+  });
   if (!direct_c) narrow(static_cast<const float*>(C), c, ct, m * n);
 }
 

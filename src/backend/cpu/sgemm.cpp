@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <mutex>
 
 #include "core/error.h"
@@ -17,9 +18,6 @@ namespace {
 
 std::atomic<int> g_path{-1};
 
-// Products smaller than this (m·n·k), or with fewer than kMinRowsPerThread rows (columns) per
-// thread, are not split: a parallel region would cost more than it saves.
-constexpr int64_t kMinSplitWork = int64_t(1) << 18, kMinRowsPerThread = 32;
 
 void openblas(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
               const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
@@ -47,33 +45,45 @@ void block(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const
 
 void split(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
            const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  // Whole, inside a parallel region (the attention's tasks, the experts spread over threads), the
+  // product runs on the calling thread with its layout's library. The layout alone picks the
+  // library, so a product gets the same kernel wherever it is called: an expert's weight gradient
+  // computed later (a split backward) equals the one computed at once.
+  split_product(m, n, k, [&](int64_t lo, int64_t hi, bool by_rows) {
+    if (by_rows) {
+      block(ta, tb, hi - lo, n, k, alpha, ta ? a + lo : a + lo * lda, lda, b, ldb, beta, c + lo * ldc, ldc);
+    } else {
+      block(ta, tb, m, hi - lo, k, alpha, a, lda, tb ? b + lo * ldb : b + lo, ldb, beta, c + lo, ldc);
+    }
+  });
+}
+}  // namespace
+
+void split_product(int64_t m, int64_t n, int64_t k, const std::function<void(int64_t, int64_t, bool)>& block) {
+  // Smaller products, or fewer rows (columns) a thread, are not split: a parallel region would
+  // cost more than it saves.
+  constexpr int64_t kMinSplitWork = int64_t(1) << 18, kMinRowsPerThread = 32;
   const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
   const bool by_rows = m >= n;
   const int64_t extent = by_rows ? m : n;
   if (threads == 1 || m * n * k < kMinSplitWork || extent < kMinRowsPerThread * threads) {
-    // Whole, with the layout's library: inside a parallel region (the attention's tasks, the
-    // experts spread over threads) it runs on the calling thread. The layout alone picks the
-    // library, so a product gets the same kernel wherever it is called: an expert's weight
-    // gradient computed later (a split backward) equals the one computed at once.
-    block(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    block(0, extent, by_rows);
     return;
   }
-  // Contiguous blocks of C's rows (or columns), one per thread, each read whole by one call.
   const int64_t per = (extent + threads - 1) / threads;
+  std::exception_ptr error;
 #pragma omp parallel num_threads(threads)
   {
     const int64_t lo = std::min(extent, omp_get_thread_num() * per), hi = std::min(extent, lo + per);
-    if (hi > lo) {
-      if (by_rows) {
-        block(ta, tb, hi - lo, n, k, alpha, ta ? a + lo : a + lo * lda, lda, b, ldb, beta, c + lo * ldc, ldc);
-      } else {
-        block(ta, tb, m, hi - lo, k, alpha, a, lda, tb ? b + lo * ldb : b + lo, ldb, beta, c + lo, ldc);
-      }
+    try {
+      if (hi > lo) block(lo, hi, by_rows);
+    } catch (...) {
+#pragma omp critical(split_product_error)
+      if (!error) error = std::current_exception();
     }
   }
+  if (error) std::rethrow_exception(error);
 }
-
-}  // namespace
 
 SgemmPath parse_sgemm_path(const char* v) {
   if (v == nullptr || *v == '\0' || std::strcmp(v, "split") == 0) return SgemmPath::kSplit;

@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace dstrain::cpu {
@@ -33,6 +34,14 @@ namespace dstrain::cpu {
 // overwritten); k = 0 scales C by beta.
 void sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
            const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+
+// How the split path (and the 16-bit GEMMs on bf16 hardware, gemm16.cpp) share a product C (m,n)
+// of depth k among the OpenMP threads: block(lo, hi, by_rows) computes rows [lo, hi) of C, or
+// its columns [lo, hi) when by_rows is false (C has fewer rows than columns), on the calling
+// thread alone. One contiguous block per thread; a small product (m·n·k under 2^18, or under 32
+// rows or columns a thread), and one called inside a parallel region, is one block [0, extent)
+// on the calling thread. An exception thrown by a block is rethrown on the calling thread.
+void split_product(int64_t m, int64_t n, int64_t k, const std::function<void(int64_t lo, int64_t hi, bool by_rows)>& block);
 
 enum class SgemmPath { kSplit, kOneDnn, kOpenBlas };
 // The path a DSTRAIN_CPU_SGEMM value names: null, "" or "split" is the split, "onednn" and
