@@ -9,7 +9,6 @@
 //   per-thread tiles, computes in fp32 exactly as the fp32 kernel does, and rounds its output
 //   rows once into the 16-bit tensor: no whole-tensor temporaries. fp32 tensors are used in place
 //   (a mix of fp32 and 16-bit is fine); lse is fp32.
-#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -17,6 +16,7 @@
 #include <vector>
 
 #include "backend/cpu/attention_common.h"
+#include "backend/cpu/convert16.h"
 #include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/gemm16.h"
 #include "backend/cpu/kernels_16bit.h"
@@ -68,44 +68,13 @@ bool all_bf16(std::initializer_list<const Tensor*> ts) {
 // The bf16 element at `offset` of a BF16 tensor.
 uint16_t* bf(const Tensor& t, int64_t offset) { return static_cast<uint16_t*>(t.raw()) + offset; }
 
-// Rounds the n fp32 values of s to bf16 into hi and, when lo is given, their remainders
-// s - hi to bf16 into lo (hi + lo holds s to about 16 bits). Only for the kernel's own
-// intermediates (P, dS): with AVX-512 BF16 (which the products' path implies) one instruction
-// rounds 16 values, flushing denormals to zero as that instruction does; elsewhere, and for the
-// last n % 16, core/dtype.h's rounding.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target("avx512f,avx512bf16,avx512vl"))) int64_t round_bf16_avx512(const float* s, uint16_t* hi,
-                                                                                   uint16_t* lo, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 x = _mm512_loadu_ps(s + i);
-    const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), h);
-    if (lo != nullptr) {
-      const __m512 hf = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xffff, _mm512_maskz_cvtepu16_epi32(0xffff, h), 16));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i),
-                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_sub_ps(x, hf))));
-    }
-  }
-  return i;
-}
-bool has_avx512_bf16() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vl");
-  }();
-  return has;
-}
-#endif
-void round_bf16(const float* s, uint16_t* hi, uint16_t* lo, int64_t n) {
-  int64_t i = 0;
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-  if (has_avx512_bf16()) i = round_bf16_avx512(s, hi, lo, n);
-#endif
-  for (; i < n; ++i) {
-    hi[i] = f32_to_bf16(s[i]);
-    if (lo != nullptr) lo[i] = f32_to_bf16(s[i] - bf16_to_f32(hi[i]));
-  }
+// Rounds the n fp32 values of s to bf16 into hi (convert16.h's bulk rounding) and, when lo is
+// given, their remainders s - hi into lo, overwriting s: hi + lo holds s to about 16 bits.
+void round_bf16(float* s, uint16_t* hi, uint16_t* lo, int64_t n) {
+  bulk_f32_to_bf16(s, hi, n);
+  if (lo == nullptr) return;
+  for (int64_t i = 0; i < n; ++i) s[i] -= bf16_to_f32(hi[i]);
+  bulk_f32_to_bf16(s, lo, n);
 }
 
 // ---- bf16 products (hardware bf16) -----------------------------------------------------------
@@ -279,8 +248,7 @@ void attention_backward_16bit(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, 
         probabilities_from_lse(s, nq, nk, t0, lp + (b * d.H + h) * d.T + t0);
         // dV += P^T dO
         sgemm(true, false, nk, d.Dv, nq, 1.0f, s, nk, dO.p, dO.ld, 1.0f, dv.p, dv.ld);
-        // dP = dO V^T;  dS = P * (dP - rowsum(P * dP)), rowsum(P * dP) being rowsum(dO * O) for
-        // the P of this backward, so that each row of dS sums to 0 in fp32.
+        // dP = dO V^T;  dS = P * (dP - rowsum(dO * O))
         sgemm(false, true, nq, nk, d.Dv, 1.0f, dO.p, dO.ld, v.p, v.ld, 0.0f, dp, nk);
         for (int64_t i = 0; i < nq; ++i) {
           float delta = 0;
