@@ -66,9 +66,10 @@ Peak measure_peak_flops(int trials, double trial_seconds, DType compute) {
   // (backend/cpu/gemm16.h), whose peak is about twice as high.
   constexpr int n = 1024;
   const bool bf16 = compute == DType::BF16 && cpu::gemm16_bf16_hardware();
-  std::vector<float> a(static_cast<size_t>(n) * n, 0.5f), b(a.size(), 0.25f), c(a.size());
-  std::vector<uint16_t> ah(bf16 ? a.size() : 0, f32_to_bf16(0.5f)), bh(ah.size(), f32_to_bf16(0.25f));
-  auto sgemm = [&] {
+  const size_t nn = static_cast<size_t>(n) * n;
+  std::vector<float> a(bf16 ? 0 : nn, 0.5f), b(a.size(), 0.25f), c(nn);
+  std::vector<uint16_t> ah(bf16 ? nn : 0, f32_to_bf16(0.5f)), bh(ah.size(), f32_to_bf16(0.25f));
+  auto gemm = [&] {
     if (bf16) {
       cpu::gemm_mixed(false, true, n, n, n, {ah.data(), DType::BF16}, {bh.data(), DType::BF16}, false, c.data(),
                       DType::F32);
@@ -81,7 +82,7 @@ Peak measure_peak_flops(int trials, double trial_seconds, DType compute) {
   constexpr int kMinTrials = 3;
   constexpr double kBudgetSeconds = 0.5;
   const auto start = std::chrono::steady_clock::now();
-  sgemm();  // warms up the threads and the caches
+  gemm();  // warms up the threads and the caches
   double best = 0;
   int done = 0;
   for (; done < trials; ++done) {
@@ -93,7 +94,7 @@ Peak measure_peak_flops(int trials, double trial_seconds, DType compute) {
     int64_t reps = 0;
     double s = 0;
     do {
-      sgemm();
+      gemm();
       ++reps;
       s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     } while (s < trial_seconds);
