@@ -29,7 +29,6 @@
 #include <memory>
 #include <mutex>
 #include <tuple>
-#include <unordered_map>
 
 #include <dnnl.hpp>
 
@@ -176,18 +175,20 @@ class OneThread {
   int saved_;
 };
 
+// A matmul's shape: transposes, sizes, leading dimensions, types, alpha and accumulation.
+using GemmKey = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, float, bool>;
+
 // Primitives are made once per shape (single-threaded plans, see OneThread) and shared by the
 // threads: each execution gets the calling thread's own scratchpad (scratchpad_mode::user), as
 // oneDNN requires of a primitive run from several threads.
-const DnnlGemm& dnnl_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
-                          dnnl::memory::data_type in, dnnl::memory::data_type out, float alpha, bool accumulate) {
-  using Key = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, float, bool>;
+const DnnlGemm& dnnl_gemm(const GemmKey& key) {
   static std::mutex mutex;
-  static std::map<Key, std::unique_ptr<DnnlGemm>> cache;
-  const Key key{ta, tb, m, n, k, lda, ldb, ldc, int(in), int(out), alpha, accumulate};
+  static std::map<GemmKey, std::unique_ptr<DnnlGemm>> cache;
   std::lock_guard<std::mutex> lock(mutex);
   auto it = cache.find(key);
   if (it != cache.end()) return *it->second;
+  const auto [ta, tb, m, n, k, lda, ldb, ldc, in_int, out_int, alpha, accumulate] = key;
+  const auto in = dnnl::memory::data_type(in_int), out = dnnl::memory::data_type(out_int);
   auto g = std::make_unique<DnnlGemm>();
   g->a = matrix_desc(m, k, lda, ta, in);
   g->b = matrix_desc(k, n, ldb, tb, in);
@@ -211,22 +212,47 @@ const DnnlGemm& dnnl_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, int
   return *cache.emplace(key, std::move(g)).first->second;
 }
 
+// A thread's memory objects for one shape, made on its first product of that shape and then
+// pointed at each call's operands: a product allocates nothing and takes no lock (attention
+// makes thousands of small products per step, where per-call set-up was measurable).
+struct ThreadGemm {
+  const DnnlGemm* g = nullptr;
+  dnnl::memory a, b, c, pad;
+};
+
 // One thread's product C (m,n; ldc) = alpha·op(A) op(B) (+ C), on the calling thread alone.
 void onednn_block(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const void* a, int64_t lda,
                   const void* b, int64_t ldb, bool accumulate, void* c, int64_t ldc, dnnl::memory::data_type in,
                   dnnl::memory::data_type out) {
   const OneThread one;
-  const DnnlGemm& g = dnnl_gemm(ta, tb, m, n, k, lda, ldb, ldc, in, out, alpha, accumulate);
+  thread_local std::map<GemmKey, ThreadGemm> mine;
   thread_local dnnl::stream stream(dnnl_engine());
-  dnnl::engine& eng = dnnl_engine();
-  dnnl::memory ma(g.a, eng, const_cast<void*>(a)), mb(g.b, eng, const_cast<void*>(b)), mc(g.c, eng, c);
-  std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}};
-  if (g.scratchpad_bytes > 0) {
-    args.emplace(DNNL_ARG_SCRATCHPAD,
-                 dnnl::memory(dnnl::memory::desc({g.scratchpad_bytes}, dnnl::memory::data_type::u8, {1}), eng,
-                              scratch(kSlotPad, g.scratchpad_bytes)));
+  const GemmKey key{ta, tb, m, n, k, lda, ldb, ldc, int(in), int(out), alpha, accumulate};
+  auto it = mine.find(key);
+  if (it == mine.end()) {
+    dnnl::engine& eng = dnnl_engine();
+    ThreadGemm t;
+    t.g = &dnnl_gemm(key);
+    t.a = dnnl::memory(t.g->a, eng, nullptr);
+    t.b = dnnl::memory(t.g->b, eng, nullptr);
+    t.c = dnnl::memory(t.g->c, eng, nullptr);
+    if (t.g->scratchpad_bytes > 0) {
+      t.pad = dnnl::memory(dnnl::memory::desc({t.g->scratchpad_bytes}, dnnl::memory::data_type::u8, {1}), eng, nullptr);
+    }
+    it = mine.emplace(key, std::move(t)).first;
   }
-  g.prim.execute(stream, args);
+  const ThreadGemm& t = it->second;
+  t.a.set_data_handle(const_cast<void*>(a));
+  t.b.set_data_handle(const_cast<void*>(b));
+  t.c.set_data_handle(c);
+  dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, t.a.get()}, {DNNL_ARG_WEIGHTS, t.b.get()}, {DNNL_ARG_DST, t.c.get()}, {}};
+  int nargs = 3;
+  if (t.g->scratchpad_bytes > 0) {
+    t.pad.set_data_handle(scratch(kSlotPad, t.g->scratchpad_bytes));  // the slot may have grown since
+    args[nargs++] = {DNNL_ARG_SCRATCHPAD, t.pad.get()};
+  }
+  dnnl::error::wrap_c_api(dnnl_primitive_execute(t.g->prim.get(), stream.get(), nargs, args),
+                          "oneDNN could not run a matmul");
   stream.wait();
 }
 
