@@ -12,10 +12,6 @@
 // kernel, DS_CPU_WIDENED(name), so no call ever fails here that would not fail there.
 #include "backend/cpu/kernels_16bit.h"
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -23,6 +19,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cpu/convert16.h"
 #include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/widen.h"
 
@@ -31,79 +28,33 @@ namespace k16 {
 
 // ---- conversion primitives ----------------------------------------------------------------
 
-#if defined(__x86_64__) && defined(__GNUC__)
 namespace {
-bool x86_available() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2");
-}
-bool x86_on = x86_available();
+// Rows convert with convert16.h's bulk conversions (AVX-512 BF16 or AVX2/F16C, as the CPU has,
+// the same bits as the scalar rules) unless a test has switched them off to check the portable
+// loops over BF16E/F16E below.
+bool vector_on = true;
 
-// d[i] = f32_to_f16(s[i]) with vcvtps2ph, which rounds to nearest even like it, subnormals and
-// overflow included; only a NaN differs (vcvtps2ph keeps its payload), so NaN lanes are redone.
-__attribute__((target("avx2,f16c"))) void store_f16_f16c(uint16_t* d, const float* s, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(s + i);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-    if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0) {
-      for (int64_t j = i; j < i + 8; ++j) d[j] = F16E::st(s[j]);
-    }
+void load_row_vector(float* d, const uint16_t* s, DType t, int64_t n) {
+  if (t == DType::BF16) {
+    bulk_bf16_to_f32(s, d, n);
+  } else {
+    bulk_f16_to_f32(s, d, n);
   }
-  for (; i < n; ++i) d[i] = F16E::st(s[i]);
 }
-
-// d[i] = f16_to_f32(s[i]) with vcvtph2ps: exact, but it quiets a signalling NaN, so NaN lanes
-// are redone.
-__attribute__((target("avx2,f16c"))) void load_f16_f16c(float* d, const uint16_t* s, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
-    _mm256_storeu_ps(d + i, v);
-    if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0) {
-      for (int64_t j = i; j < i + 8; ++j) d[j] = F16E::ld(s[j]);
-    }
+void store_row_vector(uint16_t* d, DType t, const float* s, int64_t n) {
+  if (t == DType::BF16) {
+    bulk_f32_to_bf16(s, d, n);
+  } else {
+    bulk_f32_to_f16(s, d, n);
   }
-  for (; i < n; ++i) d[i] = F16E::ld(s[i]);
-}
-
-// d[i] = f32_to_bf16(s[i]): round to nearest even on the integer bits, 16 at a time; NaN lanes
-// (which f32_to_bf16 quiets instead) are redone.
-__attribute__((target("avx2"))) void store_bf16_avx2(uint16_t* d, const float* s, int64_t n) {
-  int64_t i = 0;
-  const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
-  for (; i + 16 <= n; i += 16) {
-    const __m256 v0 = _mm256_loadu_ps(s + i), v1 = _mm256_loadu_ps(s + i + 8);
-    const __m256i u0 = _mm256_castps_si256(v0), u1 = _mm256_castps_si256(v1);
-    const __m256i r0 = _mm256_srli_epi32(
-        _mm256_add_epi32(_mm256_add_epi32(u0, half), _mm256_and_si256(_mm256_srli_epi32(u0, 16), one)), 16);
-    const __m256i r1 = _mm256_srli_epi32(
-        _mm256_add_epi32(_mm256_add_epi32(u1, half), _mm256_and_si256(_mm256_srli_epi32(u1, 16), one)), 16);
-    // packus interleaves the 128-bit halves: [r0 lo, r1 lo, r0 hi, r1 hi] -> in order
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r0, r1), 0xd8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), packed);
-    if ((_mm256_movemask_ps(_mm256_cmp_ps(v0, v0, _CMP_UNORD_Q)) |
-         _mm256_movemask_ps(_mm256_cmp_ps(v1, v1, _CMP_UNORD_Q))) != 0) {
-      for (int64_t j = i; j < i + 16; ++j) d[j] = BF16E::st(s[j]);
-    }
-  }
-  for (; i < n; ++i) d[i] = BF16E::st(s[i]);
 }
 }  // namespace
+
 bool set_x86_conversions(bool on) {
-  const bool was = x86_on;
-  x86_on = on && x86_available();
+  const bool was = vector_on;
+  vector_on = on;
   return was;
 }
-#else
-namespace {
-constexpr bool x86_on = false;
-void store_f16_f16c(uint16_t*, const float*, int64_t) {}
-void load_f16_f16c(float*, const uint16_t*, int64_t) {}
-void store_bf16_avx2(uint16_t*, const float*, int64_t) {}
-}  // namespace
-bool set_x86_conversions(bool) { return false; }
-#endif
 
 DS_CPU_CLONES void load_tile(float* dst, int64_t ldd, const void* src, DType st, int64_t lds, int64_t rows,
                              int64_t cols) {
@@ -113,9 +64,9 @@ DS_CPU_CLONES void load_tile(float* dst, int64_t ldd, const void* src, DType st,
     for (int64_t r = 0; r < rows; ++r) {
       const typename E::S* sr = s + r * lds;
       float* dr = dst + r * ldd;
-      if constexpr (std::is_same_v<E, F16E>) {
-        if (x86_on) {
-          load_f16_f16c(dr, sr, cols);
+      if constexpr (!std::is_same_v<E, F32E>) {
+        if (vector_on) {
+          load_row_vector(dr, sr, st, cols);
           continue;
         }
       }
@@ -132,17 +83,13 @@ DS_CPU_CLONES void store_tile(void* dst, DType dt, int64_t ldd, const float* src
     for (int64_t r = 0; r < rows; ++r) {
       const float* sr = src + r * lds;
       typename E::S* dr = d + r * ldd;
-      if constexpr (std::is_same_v<E, BF16E>) {
-        if (x86_on) {
-          store_bf16_avx2(dr, sr, cols);
+      if constexpr (!std::is_same_v<E, F32E>) {
+        if (vector_on) {
+          store_row_vector(dr, dt, sr, cols);
           continue;
         }
       }
       if constexpr (std::is_same_v<E, F16E>) {
-        if (x86_on) {
-          store_f16_f16c(dr, sr, cols);
-          continue;
-        }
         constexpr int64_t kBlock = 64;
         uint32_t wide[kBlock];
         for (int64_t c0 = 0; c0 < cols; c0 += kBlock) {
@@ -290,22 +237,16 @@ DS_CPU_CLONES void rope_interleaved_row(void* x, DType dt, int n_heads, int64_t 
     using E = decltype(e);
     for (int h = 0; h < n_heads; ++h) {
       typename E::S* xh = static_cast<typename E::S*>(x) + int64_t(h) * head_stride;
-      if constexpr (std::is_same_v<E, F16E>) {
-        if (x86_on) {  // F16C both ways
-          load_f16_f16c(v, xh, 2 * half);
+      if constexpr (!std::is_same_v<E, F32E>) {
+        if (vector_on) {
+          load_row_vector(v, xh, dt, 2 * half);
           rope_interleaved_head(v, u, c, s, half, inverse);
-          store_f16_f16c(xh, v, 2 * half);
+          store_row_vector(xh, dt, v, 2 * half);
           continue;
         }
       }
       for (int64_t i = 0; i < 2 * half; ++i) v[i] = E::ld(xh[i]);
       rope_interleaved_head(v, u, c, s, half, inverse);
-      if constexpr (std::is_same_v<E, BF16E>) {
-        if (x86_on) {
-          store_bf16_avx2(xh, v, 2 * half);
-          continue;
-        }
-      }
       for (int64_t i = 0; i < 2 * half; ++i) xh[i] = E::st(v[i]);
     }
   });

@@ -9,8 +9,9 @@
 // resolver picks one when the program is loaded, so every version is the same source as the one
 // the tests run here (which is the x86-64-v3 one on an AVX2 machine). A tensor's element type is
 // a run-time DType (F32, BF16 or F16) dispatched once per row, outside the loops (with_elem).
-// Row conversions also have hand-written AVX2/F16C versions, used when CPUID reports AVX2 and
-// F16C (set_x86_conversions); the tests run both them and the portable loops.
+// Row conversions go through convert16.h's bulk conversions (hand-written AVX-512 BF16 and
+// AVX2/F16C code, chosen from CPUID); the tests run both them and the portable loops
+// (set_x86_conversions).
 #pragma once
 
 #include <bit>
@@ -137,9 +138,9 @@ void store_tile(void* dst, DType dt, int64_t ldd, const float* src, int64_t lds,
 inline void load_row(float* dst, const void* src, DType st, int64_t n) { load_tile(dst, n, src, st, n, 1, n); }
 inline void store_row(void* dst, DType dt, const float* src, int64_t n) { store_tile(dst, dt, n, src, n, 1, n); }
 
-// Row conversions use hand-written AVX2 code (f16: the F16C instructions; NaN lanes redone by
-// the scalar rules) when the CPU has AVX2 and F16C, else the loops over BF16E/F16E above. Tests
-// switch it off to check the fallback; returns the previous setting. Call it outside kernels.
+// Row conversions use convert16.h's bulk conversions (the best the CPU has: AVX-512 BF16, AVX2 and
+// F16C, or scalar), else the loops over BF16E/F16E above. Tests switch them off to check those
+// loops; returns the previous setting. Call it outside kernels.
 bool set_x86_conversions(bool on);
 
 }  // namespace dstrain::cpu::k16
