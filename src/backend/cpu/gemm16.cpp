@@ -175,6 +175,8 @@ class OneThread {
   int saved_;
 };
 
+std::atomic<int64_t> g_product_shapes{0};
+
 // A matmul's shape: transposes, sizes, leading dimensions, types, alpha and accumulation.
 using GemmKey = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, float, bool>;
 
@@ -209,6 +211,7 @@ const DnnlGemm& dnnl_gemm(const GemmKey& key) {
     DS_FAIL("oneDNN refused a {}x{}x{} matmul ({}): {}", m, n, k, in == dnnl::memory::data_type::bf16 ? "bf16" : "f32",
             e.what());
   }
+  g_product_shapes.fetch_add(1, std::memory_order_relaxed);
   return *cache.emplace(key, std::move(g)).first->second;
 }
 
@@ -256,6 +259,45 @@ void onednn_block(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha
   stream.wait();
 }
 
+// Calls f(offset, size) over [0, count) in pieces of 64 x 2^j, largest first, then one
+// remainder under 64 (none when count is a multiple of 64 and a power of two times it, as the
+// dense layers' token counts usually are: one piece, one product).
+template <class F>
+void token_pieces(int64_t count, F&& f) {
+  constexpr int64_t kQuantum = 64;
+  const int64_t units = count / kQuantum;
+  int64_t off = 0;
+  for (int64_t bit = units > 0 ? int64_t(1) << (63 - __builtin_clzll(uint64_t(units))) : 0; bit > 0; bit >>= 1) {
+    if (units & bit) {
+      f(off, bit * kQuantum);
+      off += bit * kQuantum;
+    }
+  }
+  if (off < count) f(off, count - off);
+}
+
+// onednn_block over the pieces of the token dimension (TokenDim): rows of C, or the sum over k
+// (the later pieces adding to the earlier ones).
+void onednn_tokens(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda, const void* b,
+                   int64_t ldb, bool accumulate, void* c, int64_t ldc, dnnl::memory::data_type in,
+                   dnnl::memory::data_type out, TokenDim tokens) {
+  const DType in_type = in == dnnl::memory::data_type::bf16 ? DType::BF16 : DType::F32;
+  const DType out_type = out == dnnl::memory::data_type::bf16 ? DType::BF16 : DType::F32;
+  if (tokens == TokenDim::kRows) {
+    token_pieces(m, [&](int64_t i0, int64_t rows) {
+      onednn_block(ta, tb, rows, n, k, 1.0f, advance(a, in_type, ta ? i0 : i0 * lda), lda, b, ldb, accumulate,
+                   advance(c, out_type, i0 * ldc), ldc, in, out);
+    });
+  } else if (tokens == TokenDim::kSum) {
+    token_pieces(k, [&](int64_t k0, int64_t depth) {
+      onednn_block(ta, tb, m, n, depth, 1.0f, advance(a, in_type, ta ? k0 * lda : k0), lda,
+                   advance(b, in_type, tb ? k0 : k0 * ldb), ldb, accumulate || k0 > 0, c, ldc, in, out);
+    });
+  } else {
+    onednn_block(ta, tb, m, n, k, 1.0f, a, lda, b, ldb, accumulate, c, ldc, in, out);
+  }
+}
+
 // The operand in the compute type: a bf16 operand itself on the bf16 path (which only takes two
 // bf16 operands), else the operand widened to fp32 into a scratch slot.
 const void* as_compute(GemmOperand op, int64_t n, int slot, bool bf16) {
@@ -270,7 +312,7 @@ const void* as_compute(GemmOperand op, int64_t n, int slot, bool bf16) {
 // not depend on where the product is called from (a split backward's weight gradients equal the
 // full backward's; evaluation's logits equal training's).
 void gemm_onednn(bool ta, bool tb, int64_t m, int64_t n, int64_t k, GemmOperand a, GemmOperand b, bool accumulate,
-                 void* c, DType ct, bool bf16) {
+                 void* c, DType ct, bool bf16, TokenDim tokens) {
   using dt = dnnl::memory::data_type;
   const dt in = bf16 ? dt::bf16 : dt::f32;
   // oneDNN writes fp32, or bf16 straight into a BF16 output of the bf16 path; F16 (and BF16 in
@@ -289,11 +331,11 @@ void gemm_onednn(bool ta, bool tb, int64_t m, int64_t n, int64_t k, GemmOperand 
   const int64_t lda = ta ? m : k, ldb = tb ? k : n;
   split_product(m, n, k, [&](int64_t lo, int64_t hi, bool by_rows) {
     if (by_rows) {
-      onednn_block(ta, tb, hi - lo, n, k, 1.0f, advance(A, in_type, ta ? lo : lo * lda), lda, B, ldb, accumulate,
-                   advance(C, out_type, lo * n), n, in, out);
+      onednn_tokens(ta, tb, hi - lo, n, k, advance(A, in_type, ta ? lo : lo * lda), lda, B, ldb, accumulate,
+                    advance(C, out_type, lo * n), n, in, out, tokens);
     } else {
-      onednn_block(ta, tb, m, hi - lo, k, 1.0f, A, lda, advance(B, in_type, tb ? lo * ldb : lo), ldb, accumulate,
-                   advance(C, out_type, lo), n, in, out);
+      onednn_tokens(ta, tb, m, hi - lo, k, A, lda, advance(B, in_type, tb ? lo * ldb : lo), ldb, accumulate,
+                    advance(C, out_type, lo), n, in, out, tokens);
     }
   });
   if (!direct_c) narrow(static_cast<const float*>(C), c, ct, m * n);
@@ -393,8 +435,10 @@ void gemm_bf16_block(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float al
                c_dtype == DType::BF16 ? dt::bf16 : dt::f32);
 }
 
+int64_t gemm16_product_shapes() { return g_product_shapes.load(std::memory_order_relaxed); }
+
 void gemm_mixed(bool ta, bool tb, int64_t m, int64_t n, int64_t k, GemmOperand a, GemmOperand b, bool accumulate,
-                void* c, DType ct) {
+                void* c, DType ct, TokenDim tokens) {
   check_float(a.dtype, "A");
   check_float(b.dtype, "B");
   check_float(ct, "C");
@@ -417,11 +461,11 @@ void gemm_mixed(bool ta, bool tb, int64_t m, int64_t n, int64_t k, GemmOperand a
       // fp32 gate, an fp32 activation) to bf16 would break the contract that fp32 values enter
       // the arithmetic as they are. Such products take the fp32 path below.
       if (a.dtype == DType::BF16 && b.dtype == DType::BF16) {
-        gemm_onednn(ta, tb, m, n, k, a, b, accumulate, c, ct, /*bf16=*/true);
+        gemm_onednn(ta, tb, m, n, k, a, b, accumulate, c, ct, /*bf16=*/true, tokens);
         return;
       }
       break;  // f16: the fp32 path
-    case Gemm16Path::kOneDnnF32: gemm_onednn(ta, tb, m, n, k, a, b, accumulate, c, ct, /*bf16=*/false); return;
+    case Gemm16Path::kOneDnnF32: gemm_onednn(ta, tb, m, n, k, a, b, accumulate, c, ct, /*bf16=*/false, tokens); return;
     default: break;
   }
   gemm_convert(ta, tb, m, n, k, a, b, accumulate, c, ct);

@@ -23,10 +23,19 @@ struct GemmOperand {
   DType dtype;
 };
 
+// Which dimension of a product counts tokens (a linear layer's rows: m of its forward and dX, k
+// of its dW). An expert's token count changes every step; the oneDNN path makes one kernel per
+// shape, so it cuts a token dimension into pieces of 64 x 2^j rows plus one remainder under 64:
+// a bounded set of shapes, whatever the counts. kNone: every dimension is fixed.
+enum class TokenDim { kNone, kRows, kSum };
+
 // C (m,n) = op(A) (m,k) · op(B) (k,n), or C += when accumulate; op(A) = A^T when ta (A stored
 // (k,m)), likewise B (stored (n,k) when tb). C is F32, BF16 or F16 and is rounded once.
 void gemm_mixed(bool ta, bool tb, int64_t m, int64_t n, int64_t k, GemmOperand a, GemmOperand b, bool accumulate,
-                void* c, DType c_dtype);
+                void* c, DType c_dtype, TokenDim tokens = TokenDim::kNone);
+
+// How many oneDNN products (shapes) the bf16 path has made so far in this process.
+int64_t gemm16_product_shapes();
 
 // The linear ops of the BF16 and F16 slots (linear.cpp), same arguments as ops::linear_*.
 void linear_forward_16bit(Tensor out, Tensor x, Tensor w, bool accumulate);

@@ -48,7 +48,8 @@ void linear_forward_16bit(Tensor out, Tensor x, Tensor w, bool accumulate) {
   const int64_t M = rows(x), K = x.size(-1), N = w.size(0);
   DS_CHECK(w.size(1) == K && rows(out) == M && out.size(-1) == N, "linear_forward: x {} · w {}^T -> out {}",
            x.shape().str(), w.shape().str(), out.shape().str());
-  gemm_mixed(false, true, M, N, K, {x.raw(), x.dtype()}, {w.raw(), w.dtype()}, accumulate, out.raw(), out.dtype());
+  gemm_mixed(false, true, M, N, K, {x.raw(), x.dtype()}, {w.raw(), w.dtype()}, accumulate, out.raw(), out.dtype(),
+             TokenDim::kRows);
 }
 
 void linear_backward_16bit(Tensor dx, Tensor dw, Tensor dout, Tensor x, Tensor w, bool accumulate_dx) {
@@ -64,8 +65,10 @@ void linear_backward_16bit(Tensor dx, Tensor dw, Tensor dout, Tensor x, Tensor w
   if (dx.defined() && dw.defined() && dout.dtype() != DType::F32 && gemm16_computes_in_f32(dout.dtype())) {
     d = {gemm16_widen_shared(d, M * N), DType::F32};
   }
-  if (dx.defined()) gemm_mixed(false, false, M, K, N, d, {w.raw(), w.dtype()}, accumulate_dx, dx.raw(), dx.dtype());
-  if (dw.defined()) gemm_mixed(true, false, N, K, M, d, {x.raw(), x.dtype()}, true, dw.raw(), dw.dtype());
+  if (dx.defined()) {
+    gemm_mixed(false, false, M, K, N, d, {w.raw(), w.dtype()}, accumulate_dx, dx.raw(), dx.dtype(), TokenDim::kRows);
+  }
+  if (dw.defined()) gemm_mixed(true, false, N, K, M, d, {x.raw(), x.dtype()}, true, dw.raw(), dw.dtype(), TokenDim::kSum);
 }
 
 // The fused 16-bit linear kernels replace the generic widening ones in both 16-bit slots.
