@@ -148,6 +148,9 @@ dnnl::engine& dnnl_engine() {
   return engine;
 }
 
+// The DType of a oneDNN operand type (bf16 or f32, the two this file uses).
+DType dtype_of(dnnl::memory::data_type t) { return t == dnnl::memory::data_type::bf16 ? DType::BF16 : DType::F32; }
+
 // (rows, cols) with leading dimension ld: row-major, or the transpose of a row-major (cols, rows)
 // matrix.
 dnnl::memory::desc matrix_desc(int64_t rows, int64_t cols, int64_t ld, bool transposed, dnnl::memory::data_type dt) {
@@ -175,17 +178,23 @@ class OneThread {
   int saved_;
 };
 
-std::atomic<int64_t> g_product_shapes{0};
-
 // A matmul's shape: transposes, sizes, leading dimensions, types, alpha and accumulation.
 using GemmKey = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, float, bool>;
 
 // Primitives are made once per shape (single-threaded plans, see OneThread) and shared by the
 // threads: each execution gets the calling thread's own scratchpad (scratchpad_mode::user), as
 // oneDNN requires of a primitive run from several threads.
+struct GemmCache {
+  std::mutex mutex;
+  std::map<GemmKey, std::unique_ptr<DnnlGemm>> products;
+};
+GemmCache& gemm_cache() {
+  static GemmCache c;
+  return c;
+}
+
 const DnnlGemm& dnnl_gemm(const GemmKey& key) {
-  static std::mutex mutex;
-  static std::map<GemmKey, std::unique_ptr<DnnlGemm>> cache;
+  auto& [mutex, cache] = gemm_cache();
   std::lock_guard<std::mutex> lock(mutex);
   auto it = cache.find(key);
   if (it != cache.end()) return *it->second;
@@ -211,7 +220,6 @@ const DnnlGemm& dnnl_gemm(const GemmKey& key) {
     DS_FAIL("oneDNN refused a {}x{}x{} matmul ({}): {}", m, n, k, in == dnnl::memory::data_type::bf16 ? "bf16" : "f32",
             e.what());
   }
-  g_product_shapes.fetch_add(1, std::memory_order_relaxed);
   return *cache.emplace(key, std::move(g)).first->second;
 }
 
@@ -281,8 +289,7 @@ void token_pieces(int64_t count, F&& f) {
 void onednn_tokens(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda, const void* b,
                    int64_t ldb, bool accumulate, void* c, int64_t ldc, dnnl::memory::data_type in,
                    dnnl::memory::data_type out, TokenDim tokens) {
-  const DType in_type = in == dnnl::memory::data_type::bf16 ? DType::BF16 : DType::F32;
-  const DType out_type = out == dnnl::memory::data_type::bf16 ? DType::BF16 : DType::F32;
+  const DType in_type = dtype_of(in), out_type = dtype_of(out);
   if (tokens == TokenDim::kRows) {
     token_pieces(m, [&](int64_t i0, int64_t rows) {
       onednn_block(ta, tb, rows, n, k, 1.0f, advance(a, in_type, ta ? i0 : i0 * lda), lda, b, ldb, accumulate,
@@ -319,10 +326,10 @@ void gemm_onednn(bool ta, bool tb, int64_t m, int64_t n, int64_t k, GemmOperand 
   // the fp32 check path) goes through fp32 scratch.
   const bool direct_c = ct == DType::F32 || (bf16 && ct == DType::BF16);
   const dt out = direct_c && ct == DType::BF16 ? dt::bf16 : dt::f32;
-  const DType out_type = out == dt::bf16 ? DType::BF16 : DType::F32;
+  const DType out_type = dtype_of(out);
   const void* A = as_compute(a, m * k, kSlotA, bf16);
   const void* B = as_compute(b, k * n, kSlotB, bf16);
-  const DType in_type = bf16 ? DType::BF16 : DType::F32;
+  const DType in_type = dtype_of(in);
   void* C = c;
   if (!direct_c) {
     C = scratch(kSlotC, m * n * 4);
@@ -435,7 +442,11 @@ void gemm_bf16_block(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float al
                c_dtype == DType::BF16 ? dt::bf16 : dt::f32);
 }
 
-int64_t gemm16_product_shapes() { return g_product_shapes.load(std::memory_order_relaxed); }
+int64_t gemm16_product_shapes() {
+  GemmCache& c = gemm_cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  return int64_t(c.products.size());
+}
 
 void gemm_mixed(bool ta, bool tb, int64_t m, int64_t n, int64_t k, GemmOperand a, GemmOperand b, bool accumulate,
                 void* c, DType ct, TokenDim tokens) {
