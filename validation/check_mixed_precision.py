@@ -401,6 +401,16 @@ def curve_gap(mine, ref, window, after, by_update=True):
     return max(devs) if devs else (float("nan"), None)
 
 
+def run_gap(mine, ref, window, after, by_update):
+    """curve_gap of two runs, their final validation losses and the relative gap between those:
+    (worst window gap, its first step, mine's last eval step, mine's loss, ref's loss, loss gap)."""
+    worst, at = curve_gap(mine, ref, window, after, by_update)
+    step, ev = final_eval(mine)
+    _, ref_ev = final_eval(ref)
+    rel = abs(ev - ref_ev) / ref_ev if ev is not None and ref_ev else float("nan")
+    return worst, at, step, ev, ref_ev, rel
+
+
 def train_losses(records):
     return [r.get("loss") for r in records if r.get("type") == "train"]
 
@@ -496,22 +506,18 @@ def check_fp16(a, work, ref, window, split):
            f"{skipped} overflow-skipped steps, scale first {scales[0] if scales else '?'}, lowest "
            f"{min(scales) if scales else '?'}, last {scales[-1] if scales else '?'} "
            f"(metrics loss_scale, overflow_skipped_total); reached step {a.steps}: {final_step_ok(recs, a.steps)}")
-    worst, at = curve_gap(rest, same, window, split, by_update=False)
-    step, ev = final_eval(rest)
-    _, same_ev = final_eval(same)
-    rel = abs(ev - same_ev) / same_ev if ev is not None and same_ev else float("nan")
+    worst, at, step, ev, same_ev, rel = run_gap(rest, same, window, split, by_update=False)
     report(math.isfinite(worst) and worst <= 0.02 and rel <= 0.02,
            f"fp16 vs fp32 from the fp16 run's step-{split} checkpoint (same batches, updates and learning rates), "
            f"steps {split + 1}-{a.steps} in {window}-step loss means: worst {worst:.2%} at steps {at}-"
            f"{(at or 0) + window - 1} (<= 2%); validation loss at step {step}: fp16 "
            f"{ev if ev is None else round(ev, 4)}, fp32 {same_ev if same_ev is None else round(same_ev, 4)}: "
            f"{rel:.2%} apart (<= 2%)")
-    worst, at = curve_gap(recs, ref, window, split, by_update=True)
-    ref_step, ref_ev = final_eval(ref)
+    worst, at, step, ev, ref_ev, rel = run_gap(recs, ref, window, split, by_update=True)
     print(f"INFO fp16 vs the fp32 run from step 0, which trained on the {skipped} batches that fp16's overflow "
           f"steps skipped: {window}-step loss means by applied update, worst {worst:.2%} at {at}; validation "
-          f"loss at step {ref_step}: fp16 {ev if ev is None else round(ev, 4)}, fp32 {ref_ev:.4f}: "
-          f"{abs(ev - ref_ev) / ref_ev if ev is not None else float('nan'):.2%} apart", flush=True)
+          f"loss at step {step}: fp16 {ev if ev is None else round(ev, 4)}, fp32 "
+          f"{ref_ev if ref_ev is None else round(ref_ev, 4)}: {rel:.2%} apart", flush=True)
     return True
 
 
