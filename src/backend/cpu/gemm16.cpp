@@ -178,8 +178,8 @@ class OneThread {
   int saved_;
 };
 
-// A matmul's shape: transposes, sizes, leading dimensions, types, alpha and accumulation.
-using GemmKey = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, float, bool>;
+// A matmul's shape: transposes, sizes, leading dimensions, types and accumulation.
+using GemmKey = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, bool>;
 
 // Primitives are made once per shape (single-threaded plans, see OneThread) and shared by the
 // threads: each execution gets the calling thread's own scratchpad (scratchpad_mode::user), as
@@ -198,7 +198,7 @@ const DnnlGemm& dnnl_gemm(const GemmKey& key) {
   std::lock_guard<std::mutex> lock(mutex);
   auto it = cache.find(key);
   if (it != cache.end()) return *it->second;
-  const auto [ta, tb, m, n, k, lda, ldb, ldc, in_int, out_int, alpha, accumulate] = key;
+  const auto [ta, tb, m, n, k, lda, ldb, ldc, in_int, out_int, accumulate] = key;
   const auto in = dnnl::memory::data_type(in_int), out = dnnl::memory::data_type(out_int);
   auto g = std::make_unique<DnnlGemm>();
   g->a = matrix_desc(m, k, lda, ta, in);
@@ -206,7 +206,6 @@ const DnnlGemm& dnnl_gemm(const GemmKey& key) {
   g->c = matrix_desc(m, n, ldc, false, out);
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-  if (alpha != 1.0f) attr.set_output_scales(0, {alpha});  // before the sum: alpha·AB + C
   if (accumulate) {
     dnnl::post_ops po;
     po.append_sum(1.0f);
@@ -224,21 +223,21 @@ const DnnlGemm& dnnl_gemm(const GemmKey& key) {
 }
 
 // A thread's memory objects for one shape, made on its first product of that shape and then
-// pointed at each call's operands: a product allocates nothing and takes no lock (attention
-// makes thousands of small products per step, where per-call set-up was measurable).
+// pointed at each call's operands: a product allocates nothing and takes no lock (an MoE layer's
+// experts make many small products per step, where per-call set-up is measurable).
 struct ThreadGemm {
   const DnnlGemm* g = nullptr;
   dnnl::memory a, b, c, pad;
 };
 
-// One thread's product C (m,n; ldc) = alpha·op(A) op(B) (+ C), on the calling thread alone.
-void onednn_block(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const void* a, int64_t lda,
+// One thread's product C (m,n; ldc) = op(A) op(B) (+ C), on the calling thread alone.
+void onednn_block(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda,
                   const void* b, int64_t ldb, bool accumulate, void* c, int64_t ldc, dnnl::memory::data_type in,
                   dnnl::memory::data_type out) {
   const OneThread one;
   thread_local std::map<GemmKey, ThreadGemm> mine;
   thread_local dnnl::stream stream(dnnl_engine());
-  const GemmKey key{ta, tb, m, n, k, lda, ldb, ldc, int(in), int(out), alpha, accumulate};
+  const GemmKey key{ta, tb, m, n, k, lda, ldb, ldc, int(in), int(out), accumulate};
   auto it = mine.find(key);
   if (it == mine.end()) {
     dnnl::engine& eng = dnnl_engine();
@@ -292,16 +291,16 @@ void onednn_tokens(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const void
   const DType in_type = dtype_of(in), out_type = dtype_of(out);
   if (tokens == TokenDim::kRows) {
     token_pieces(m, [&](int64_t i0, int64_t rows) {
-      onednn_block(ta, tb, rows, n, k, 1.0f, advance(a, in_type, ta ? i0 : i0 * lda), lda, b, ldb, accumulate,
+      onednn_block(ta, tb, rows, n, k, advance(a, in_type, ta ? i0 : i0 * lda), lda, b, ldb, accumulate,
                    advance(c, out_type, i0 * ldc), ldc, in, out);
     });
   } else if (tokens == TokenDim::kSum) {
     token_pieces(k, [&](int64_t k0, int64_t depth) {
-      onednn_block(ta, tb, m, n, depth, 1.0f, advance(a, in_type, ta ? k0 * lda : k0), lda,
+      onednn_block(ta, tb, m, n, depth, advance(a, in_type, ta ? k0 * lda : k0), lda,
                    advance(b, in_type, tb ? k0 : k0 * ldb), ldb, accumulate || k0 > 0, c, ldc, in, out);
     });
   } else {
-    onednn_block(ta, tb, m, n, k, 1.0f, a, lda, b, ldb, accumulate, c, ldc, in, out);
+    onednn_block(ta, tb, m, n, k, a, lda, b, ldb, accumulate, c, ldc, in, out);
   }
 }
 
@@ -424,23 +423,6 @@ bool gemm16_computes_in_f32(DType half) {
 const float* gemm16_widen_shared(GemmOperand op, int64_t n) { return as_f32(op, n, kSlotDout); }
 
 bool gemm16_bf16_hardware() { return path_for(DType::BF16) == Gemm16Path::kOneDnnBf16; }
-
-void gemm_bf16_block(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* a, int64_t lda,
-                     const uint16_t* b, int64_t ldb, bool accumulate, void* c, DType c_dtype, int64_t ldc) {
-  DS_CHECK(gemm16_bf16_hardware(), "gemm_bf16_block: no hardware bf16 path on this CPU (check gemm16_bf16_hardware)");
-  DS_CHECK(c_dtype == DType::F32 || c_dtype == DType::BF16, "gemm_bf16_block: C is {}, expected F32 or BF16",
-           dtype_name(c_dtype));
-  if (m == 0 || n == 0) return;
-  if (k == 0) {
-    if (!accumulate) {
-      for (int64_t i = 0; i < m; ++i) std::memset(advance(c, c_dtype, i * ldc), 0, size_t(n) * dtype_size(c_dtype));
-    }
-    return;
-  }
-  using dt = dnnl::memory::data_type;
-  onednn_block(ta, tb, m, n, k, alpha, a, lda, b, ldb, accumulate, c, ldc, dt::bf16,
-               c_dtype == DType::BF16 ? dt::bf16 : dt::f32);
-}
 
 int64_t gemm16_product_shapes() {
   GemmCache& c = gemm_cache();

@@ -50,12 +50,6 @@ const float* gemm16_widen_shared(GemmOperand op, int64_t n);
 // Whether products of two bf16 operands run on hardware bf16 (oneDNN's bf16 matmul) in the
 // current path.
 bool gemm16_bf16_hardware();
-// One product on the calling thread alone (inside a parallel region, say), for kernels that
-// tile their own work (attention): C (m,n; leading dimension ldc, F32 or BF16, rounded once) =
-// alpha · op(A) op(B), plus C when accumulate; A and B bf16 with leading dimensions lda, ldb
-// (op as in gemm_mixed). Only where gemm16_bf16_hardware(); the same bits wherever it runs.
-void gemm_bf16_block(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* a, int64_t lda,
-                     const uint16_t* b, int64_t ldb, bool accumulate, void* c, DType c_dtype, int64_t ldc);
 
 enum class Gemm16Path {
   kAuto,           // the run-time choice
