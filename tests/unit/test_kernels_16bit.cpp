@@ -182,6 +182,9 @@ std::vector<Case> cases(DType dt) {
     auto fwd = [](Kern k, T t) { RUN(k, swiglu_forward, t[0], t[1]); };
     add("swiglu_forward all16" + sz, true, {Gen::zeros('h', {N, I}), g.normal('h', {N, 2 * I}, 2.0f)}, fwd);
     add("swiglu_forward out32" + sz, true, {Gen::zeros('f', {N, I}), g.normal('h', {N, 2 * I}, 2.0f)}, fwd);
+    // Outputs in the subnormal range (about 5e-39), which the rounding must take as the scalar one does.
+    add("swiglu_forward all16 subnormal outputs" + sz, true,
+        {Gen::zeros('h', {N, I}), g.normal('h', {N, 2 * I}, 1e-19f)}, fwd);
     auto bwd = [](Kern k, T t) { RUN(k, swiglu_backward, t[0], t[1], t[2]); };
     add("swiglu_backward all16" + sz, true,
         {Gen::zeros('h', {N, 2 * I}), g.normal('h', {N, I}), g.normal('h', {N, 2 * I}, 2.0f)}, bwd);
