@@ -167,27 +167,10 @@ DS_CPU_CLONES void rmsnorm_backward_row(float* dr, const float* gr, const float*
   for (int64_t c = 0; c < C; ++c) dr[c] += wp[c] * gr[c] * r - xr[c] * k;
 }
 
-// dweight[c0, c1) += sum over rows, in order, of dout * x * rstd.
-DS_CPU_CLONES void rmsnorm_dweight_block(float* dw, const void* g, DType gt, const void* x, DType xt, const float* rp,
-                                         int64_t N, int64_t C, int64_t c0, int64_t c1) {
-  constexpr int64_t kBlock = 64;
-  float acc[kBlock] = {};
-  with_elem(gt, [&](auto ge) DS_CPU_INLINE_LAMBDA {
-    with_elem(xt, [&](auto xe) DS_CPU_INLINE_LAMBDA {
-    using G = decltype(ge);
-    using X = decltype(xe);
-    const typename G::S* gp = static_cast<const typename G::S*>(g);
-    const typename X::S* xp = static_cast<const typename X::S*>(x);
-    for (int64_t n = 0; n < N; ++n) {
-      const typename X::S* xr = xp + n * C;
-      const typename G::S* gr = gp + n * C;
-      const float r = rp[n];
+// part[c] += g[c] * x[c] * r: one row's terms of the norm weight's gradient.
+DS_CPU_CLONES void rmsnorm_dweight_row(float* part, const float* g, const float* x, float r, int64_t C) {
 #pragma omp simd
-      for (int64_t c = c0; c < c1; ++c) acc[c - c0] += G::ld(gr[c]) * X::ld(xr[c]) * r;
-    }
-    });
-  });
-  for (int64_t c = c0; c < c1; ++c) dw[c] += acc[c - c0];
+  for (int64_t c = 0; c < C; ++c) part[c] += g[c] * x[c] * r;
 }
 
 // SwiGLU's rows are the fp32 kernel's (the same exp, the same bits).
@@ -347,23 +330,30 @@ void rmsnorm_backward_16bit(Tensor dx, Tensor dweight, Tensor dout, Tensor x, Te
            "rmsnorm_backward: shape mismatch");
   const float* wp = weight.data<float>();
   const float* rp = rstd.data<float>();
+  // dweight in the same pass as dx, while the rows are in cache: a partial sum per chunk of
+  // kRows rows (rows in order), then the chunks' sums in order. Fixed chunks: the result does not
+  // depend on the thread count.
+  constexpr int64_t kRows = 64;
+  const int64_t chunks = (N + kRows - 1) / kRows;
+  thread_local std::vector<float> partial_buf;
+  if (partial_buf.size() < size_t(chunks * C)) partial_buf.resize(size_t(chunks * C));
+  float* partial = partial_buf.data();
 #pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
-    const float* xr = in_row(x, n * C, C, 0);
-    const float* gr = in_row(dout, n * C, C, 1);
-    float* dr = out_row(dx, n * C, C, 2, true);
-    rmsnorm_backward_row(dr, gr, xr, wp, rp[n], C);
-    out_done(dx, n * C, C, dr);
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    float* part = partial + ch * C;
+    std::fill_n(part, C, 0.0f);
+    for (int64_t n = ch * kRows; n < std::min(N, (ch + 1) * kRows); ++n) {
+      const float* xr = in_row(x, n * C, C, 0);
+      const float* gr = in_row(dout, n * C, C, 1);
+      float* dr = out_row(dx, n * C, C, 2, true);
+      rmsnorm_backward_row(dr, gr, xr, wp, rp[n], C);
+      out_done(dx, n * C, C, dr);
+      rmsnorm_dweight_row(part, gr, xr, rp[n], C);
+    }
   }
-  // dweight: channel blocks, rows summed in order (independent of the thread count).
-  constexpr int64_t kBlock = 64;
-  const int64_t nblocks = (C + kBlock - 1) / kBlock;
   float* dwp = dweight.data<float>();
-#pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < nblocks; ++b) {
-    rmsnorm_dweight_block(dwp, dout.raw(), dout.dtype(), x.raw(), x.dtype(), rp, N, C, b * kBlock,
-                          std::min(C, (b + 1) * kBlock));
-  }
+  for (int64_t ch = 1; ch < chunks; ++ch) add_row(partial, partial, partial + ch * C, C);
+  add_row(dwp, dwp, partial, C);
 }
 
 // ---- rotary embedding -----------------------------------------------------------------------
