@@ -83,17 +83,26 @@ T* grow(std::vector<T>& v, int64_t n) {
   return v.data();
 }
 
+int64_t pairs(int64_t n) { return (n + 1) / 2; }
+
+// Row-major bf16 rows (leading dimension ld; an odd count of values with a zero after it) as an A.
+bf16x::PairA rows_a(const uint16_t* p, int64_t ld) { return {p, ld, 2}; }
+// A row-pair pack (pack_row_pairs, row stride ld) read as A: the transpose of what was packed.
+bf16x::PairA transposed_a(const uint32_t* pack, int64_t ld) {
+  return {reinterpret_cast<const uint16_t*>(pack), 2, 2 * ld};
+}
+
 // Rows (cols values each, leading dimension lds) of a bf16 tensor as the A of a product: in
 // place when cols is even, else copied into buf with the zero pad after each row.
 bf16x::PairA rows_a(const uint16_t* src, int64_t lds, int64_t rows, int64_t cols, std::vector<uint16_t>& buf) {
-  if (cols % 2 == 0) return {src, lds, 2};
+  if (cols % 2 == 0) return rows_a(src, lds);
   const int64_t ld = cols + 1;
   uint16_t* dst = grow(buf, rows * ld);
   for (int64_t r = 0; r < rows; ++r) {
     std::memcpy(dst + r * ld, src + r * lds, size_t(cols) * sizeof(uint16_t));
     dst[r * ld + cols] = 0;
   }
-  return {dst, ld, 2};
+  return rows_a(dst, ld);
 }
 
 // ---- softmax rows into bf16 (AVX-512 BF16) ---------------------------------------------------
@@ -191,15 +200,6 @@ DS_AVX512BF16 void score_grads_bf16(const float* s, const float* dp, int64_t nq,
 }
 #undef DS_AVX512BF16
 #pragma GCC diagnostic pop
-
-int64_t pairs(int64_t n) { return (n + 1) / 2; }
-
-// Row-major bf16 rows (even leading dimension ld, zero pad after an odd count) as an A.
-bf16x::PairA rows_a(const uint16_t* p, int64_t ld) { return {p, ld, 2}; }
-// A row-pair pack (pack_row_pairs, row stride ld) read as A: the transpose of what was packed.
-bf16x::PairA transposed_a(const uint32_t* pack, int64_t ld) {
-  return {reinterpret_cast<const uint16_t*>(pack), 2, 2 * ld};
-}
 
 // ---- causal products ---------------------------------------------------------------------
 // A query block's products skip what the causal mask makes zero, in strips of the register

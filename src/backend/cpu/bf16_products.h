@@ -6,7 +6,7 @@
 // Operands are "pair matrices": two bf16 values adjacent along the sum (k) dimension form one
 // 32-bit pair, the first in its low half, as vdpbf16ps reads them.
 //   A (m rows, kp pairs): bf16 memory, pair (r, p) starting at element a[r * row_stride +
-//     p * pair_stride]. Row-major bf16 rows of an even leading dimension ld are A with strides
+//     p * pair_stride]. Row-major bf16 rows of leading dimension ld are A with strides
 //     (ld, 2); a B operand built by pack_row_pairs (ldb) is its transpose, A with strides (2, 2 ldb).
 //   B (kp pairs, n columns): pair (p, j) at b[p * ldb + j], built by the pack_* functions.
 // When k is odd, the last pair of each row of A and of B holds a zero in its high half (the
