@@ -11,6 +11,7 @@
 
 #include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/attention_common.h"
+#include "backend/cpu/block_products.h"
 #include "backend/cpu/sgemm.h"
 #include "backend/cpu/vec_exp.h"
 
@@ -120,6 +121,125 @@ void probabilities_from_lse(float* s, int64_t nq, int64_t nk, int64_t t0, const 
 }  // namespace attn
 using namespace attn;
 
+namespace {
+// ---- block products (AVX-512F) -----------------------------------------------------------------
+// On CPUs with AVX-512 the block products run on block_products.h's fp32 kernel on the task's
+// thread instead of sgemm calls (a few thousand per layer and step, each as costly to set up as
+// its arithmetic), skipping what the causal mask zeroes (attention_common.h's strips). The tasks,
+// the softmax and the order of the work are the same; each output is one fp32 FMA chain in k order.
+f32x::MatA rows_at(const float* p, int64_t ld) { return {p, ld, 1}; }
+// A row-major (rows, cols) matrix read as its transpose.
+f32x::MatA transposed(const float* p, int64_t ld) { return {p, 1, ld}; }
+f32x::MatA shifted(f32x::MatA a, int64_t row, int64_t col) {
+  return {a.p + row * a.row_stride + col * a.col_stride, a.row_stride, a.col_stride};
+}
+
+// C (nq, nk) = alpha A B over keys (B: kdim rows of the keys' values).
+void causal_keys(int64_t nq, int64_t nk, int64_t t0, int64_t kdim, f32x::MatA a, const float* b, int64_t ldb,
+                 float alpha, float* c, int64_t ldc) {
+  query_strips(nq, nk, t0, [&](int64_t i0, int64_t r, int64_t keys) {
+    f32x::product(r, keys, kdim, shifted(a, i0, 0), b, ldb, alpha, false, c + i0 * ldc, ldc);
+  });
+}
+// C (nq, n) = alpha A B, a sum over keys.
+void causal_key_sum(int64_t nq, int64_t n, int64_t nk, int64_t t0, f32x::MatA a, const float* b, int64_t ldb,
+                    float alpha, float* c, int64_t ldc) {
+  query_strips(nq, nk, t0, [&](int64_t i0, int64_t r, int64_t keys) {
+    f32x::product(r, n, keys, shifted(a, i0, 0), b, ldb, alpha, false, c + i0 * ldc, ldc);
+  });
+}
+// C (nk, n) += alpha A B, a sum over the block's nq queries for each key row.
+void causal_query_sum(int64_t nk, int64_t n, int64_t nq, int64_t t0, f32x::MatA a, const float* b, int64_t ldb,
+                      float alpha, float* c, int64_t ldc) {
+  key_strips(nk, t0, [&](int64_t j, int64_t r, int64_t q0) {
+    f32x::product(r, n, nq - q0, shifted(a, j, q0), b + q0 * ldb, ldb, alpha, true, c + j * ldc, ldc);
+  });
+}
+
+void forward_block_products(float* op, float* lp, const float* base, const ops::AttentionLayout& L, const Dims& d,
+                            float scale) {
+  const int64_t nblocks = (d.T + kQueryBlock - 1) / kQueryBlock;
+  const int64_t ldo = d.H * d.Dv;
+  // K^T of every (batch, kv head): the B of Q K^T.
+  thread_local std::vector<float> k_packs;
+  const int64_t k_size = d.Dqk * d.T;
+  if (k_packs.size() < size_t(d.B * d.Hkv * k_size)) k_packs.resize(size_t(d.B * d.Hkv * k_size));
+  float* kt_all = k_packs.data();
+  for_tasks(d.B * d.Hkv, [&](int64_t task) {
+    const int64_t g = task % d.Hkv, b = task / d.Hkv;
+    f32x::pack_transposed(kt_all + task * k_size, d.T, base + b * d.T * d.W + L.k_offset + g * d.Dqk, d.W, d.T, d.Dqk);
+  });
+  for_tasks(d.B * d.H * nblocks, [&](int64_t task) {
+    thread_local std::vector<float> scratch;
+    const int64_t qb = task % nblocks, h = (task / nblocks) % d.H, b = task / (nblocks * d.H);
+    const int64_t g = h / d.group;
+    const int64_t t0 = qb * kQueryBlock, nq = std::min(kQueryBlock, d.T - t0), nk = t0 + nq;
+    if (scratch.size() < size_t(nq * nk)) scratch.resize(size_t(nq * nk));
+    const float* q = base + (b * d.T + t0) * d.W + L.q_offset + h * d.Dqk;
+    const float* v = base + b * d.T * d.W + L.v_offset + g * d.Dv;
+    float* s = scratch.data();
+    causal_keys(nq, nk, t0, d.Dqk, rows_at(q, d.W), kt_all + (b * d.Hkv + g) * k_size, d.T, scale, s, nk);
+    causal_softmax_rows(s, nq, nk, t0, lp + (b * d.H + h) * d.T + t0);
+    causal_key_sum(nq, d.Dv, nk, t0, rows_at(s, nk), v, d.W, 1.0f, op + (b * d.T + t0) * ldo + h * d.Dv, ldo);
+  });
+}
+
+void backward_block_products(float* dbase, const float* dop, const float* op, const float* base, const float* lp,
+                             const ops::AttentionLayout& L, const Dims& d, float scale) {
+  const int64_t nblocks = (d.T + kQueryBlock - 1) / kQueryBlock;
+  const int64_t ldo = d.H * d.Dv;
+  for_tasks(d.B * d.Hkv, [&](int64_t task) {
+    thread_local std::vector<float> s_buf, dp_buf, kt_buf, vt_buf;
+    const int64_t g = task % d.Hkv, b = task / d.Hkv;
+    const float* k = base + b * d.T * d.W + L.k_offset + g * d.Dqk;
+    const float* v = base + b * d.T * d.W + L.v_offset + g * d.Dv;
+    float* dk = dbase + b * d.T * d.W + L.k_offset + g * d.Dqk;
+    float* dv = dbase + b * d.T * d.W + L.v_offset + g * d.Dv;
+    // K^T and V^T: the B of Q K^T and of dO V^T.
+    if (kt_buf.size() < size_t(d.Dqk * d.T)) kt_buf.resize(size_t(d.Dqk * d.T));
+    if (vt_buf.size() < size_t(d.Dv * d.T)) vt_buf.resize(size_t(d.Dv * d.T));
+    f32x::pack_transposed(kt_buf.data(), d.T, k, d.W, d.T, d.Dqk);
+    f32x::pack_transposed(vt_buf.data(), d.T, v, d.W, d.T, d.Dv);
+    for (int64_t t = 0; t < d.T; ++t) {
+      std::fill_n(dk + t * d.W, d.Dqk, 0.0f);
+      std::fill_n(dv + t * d.W, d.Dv, 0.0f);
+    }
+    for (int64_t h = g * d.group; h < (g + 1) * d.group; ++h) {
+      for (int64_t qb = 0; qb < nblocks; ++qb) {
+        const int64_t t0 = qb * kQueryBlock, nq = std::min(kQueryBlock, d.T - t0), nk = t0 + nq;
+        if (s_buf.size() < size_t(nq * nk)) s_buf.resize(size_t(nq * nk));
+        if (dp_buf.size() < size_t(nq * nk)) dp_buf.resize(size_t(nq * nk));
+        float* s = s_buf.data();
+        float* dp = dp_buf.data();
+        const float* q = base + (b * d.T + t0) * d.W + L.q_offset + h * d.Dqk;
+        float* dq = dbase + (b * d.T + t0) * d.W + L.q_offset + h * d.Dqk;
+        const float* o = op + (b * d.T + t0) * ldo + h * d.Dv;
+        const float* dO = dop + (b * d.T + t0) * ldo + h * d.Dv;
+        // P = softmax(scale * Q K^T), recomputed from the saved log-sum-exp.
+        causal_keys(nq, nk, t0, d.Dqk, rows_at(q, d.W), kt_buf.data(), d.T, scale, s, nk);
+        probabilities_from_lse(s, nq, nk, t0, lp + (b * d.H + h) * d.T + t0);
+        // dV += P^T dO
+        causal_query_sum(nk, d.Dv, nq, t0, transposed(s, nk), dO, ldo, 1.0f, dv, d.W);
+        // dP = dO V^T;  dS = P * (dP - rowsum(dO * O))
+        causal_keys(nq, nk, t0, d.Dv, rows_at(dO, ldo), vt_buf.data(), d.T, 1.0f, dp, nk);
+        for (int64_t i = 0; i < nq; ++i) {
+          float delta = 0;
+          for (int64_t e = 0; e < d.Dv; ++e) delta += dO[i * ldo + e] * o[i * ldo + e];
+          float* srow = s + i * nk;
+          const float* dprow = dp + i * nk;
+          const int64_t valid = t0 + i + 1;
+#pragma omp simd
+          for (int64_t j = 0; j < valid; ++j) srow[j] = srow[j] * (dprow[j] - delta);
+        }
+        // dQ = scale * dS K;  dK += scale * dS^T Q
+        causal_key_sum(nq, d.Dqk, nk, t0, rows_at(s, nk), k, d.W, scale, dq, d.W);
+        causal_query_sum(nk, d.Dqk, nq, t0, transposed(s, nk), q, d.W, scale, dk, d.W);
+      }
+    }
+  });
+}
+}  // namespace
+
 void attention_forward(Tensor out, Tensor lse, Tensor qkv, const ops::AttentionLayout& L, float scale) {
   const Dims d = dims_of(qkv, L);
   DS_CHECK(out.numel() == d.B * d.T * d.H * d.Dv && lse.numel() == d.B * d.H * d.T,
@@ -127,6 +247,7 @@ void attention_forward(Tensor out, Tensor lse, Tensor qkv, const ops::AttentionL
   const float* base = qkv.data<float>();
   float* op = out.data<float>();
   float* lp = lse.data<float>();
+  if (f32x::available()) return forward_block_products(op, lp, base, L, d, scale);
   const int64_t nblocks = (d.T + kQueryBlock - 1) / kQueryBlock;
   const int64_t ldo = d.H * d.Dv;
 
@@ -156,6 +277,7 @@ void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor
   const float* op = out.data<float>();
   const float* lp = lse.data<float>();
   float* dbase = dqkv.data<float>();
+  if (f32x::available()) return backward_block_products(dbase, dop, op, base, lp, L, d, scale);
   const int64_t nblocks = (d.T + kQueryBlock - 1) / kQueryBlock;
   const int64_t ldo = d.H * d.Dv;
 

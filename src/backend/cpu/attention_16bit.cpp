@@ -1,6 +1,6 @@
 // Causal grouped-query attention for the 16-bit slots, two ways:
 // - bf16 tensors on a CPU with AVX-512 BF16 (and the GEMM path on hardware bf16): the same tasks
-//   and softmax as the fp32 kernel, with the block products on bf16 hardware (bf16_products.h:
+//   and softmax as the fp32 kernel, with the block products on bf16 hardware (block_products.h:
 //   bf16 operands, fp32 sums, on the task's thread). q, k, v and dout are packed per task into
 //   pair matrices; the probabilities P and their gradient dS are computed in fp32 and rounded
 //   to bf16 to enter the products, as PyTorch's flash attention for CPUs does in bf16. Scores,
@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "backend/cpu/attention_common.h"
-#include "backend/cpu/bf16_products.h"
+#include "backend/cpu/block_products.h"
 #include "backend/cpu/convert16.h"
 #include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/gemm16.h"
@@ -201,50 +201,39 @@ DS_AVX512BF16 void score_grads_bf16(const float* s, const float* dp, int64_t nq,
 #undef DS_AVX512BF16
 #pragma GCC diagnostic pop
 
-// ---- causal products ---------------------------------------------------------------------
-// A query block's products skip what the causal mask makes zero, in strips of the register
-// tile's rows: query row i (position t0 + i) sees keys j <= t0 + i. Only zero terms are left out.
-constexpr int64_t kStrip = 6;
-
+// ---- causal products (attention_common.h's strips) ------------------------------------------
 bf16x::PairA rows_from(bf16x::PairA a, int64_t row, int64_t pair) {
   return {a.p + row * a.row_stride + pair * a.pair_stride, a.row_stride, a.pair_stride};
 }
 
-// C (nq, nk) = alpha A B over keys: row strip [i0, i0 + r) only up to key t0 + i0 + r.
+// C (nq, nk) = alpha A B, a product over keys.
 void causal_keys(int64_t nq, int64_t nk, int64_t t0, int64_t kp, bf16x::PairA a, const uint32_t* b, int64_t ldb,
                  float alpha, float* c, int64_t ldc) {
-  for (int64_t i0 = 0; i0 < nq; i0 += kStrip) {
-    const int64_t r = std::min(kStrip, nq - i0);
-    bf16x::product(r, std::min(nk, t0 + i0 + r), kp, rows_from(a, i0, 0), b, ldb, alpha, false, c + i0 * ldc, ldc);
-  }
+  query_strips(nq, nk, t0, [&](int64_t i0, int64_t r, int64_t keys) {
+    bf16x::product(r, keys, kp, rows_from(a, i0, 0), b, ldb, alpha, false, c + i0 * ldc, ldc);
+  });
 }
 
-// C (nq, n) (+)= alpha A B, a sum over keys (A's pairs, B's rows of key pairs): row strip
-// [i0, i0 + r) only over the keys up to t0 + i0 + r.
+// C (nq, n) (+)= alpha A B, a sum over keys (A's pairs, B's rows of key pairs).
 void causal_key_sum(int64_t nq, int64_t n, int64_t nk, int64_t t0, bf16x::PairA a, const uint32_t* b, int64_t ldb,
                     float alpha, bool accumulate, float* c, int64_t ldc) {
-  for (int64_t i0 = 0; i0 < nq; i0 += kStrip) {
-    const int64_t r = std::min(kStrip, nq - i0);
-    bf16x::product(r, n, pairs(std::min(nk, t0 + i0 + r)), rows_from(a, i0, 0), b, ldb, alpha, accumulate,
-                   c + i0 * ldc, ldc);
-  }
+  query_strips(nq, nk, t0, [&](int64_t i0, int64_t r, int64_t keys) {
+    bf16x::product(r, n, pairs(keys), rows_from(a, i0, 0), b, ldb, alpha, accumulate, c + i0 * ldc, ldc);
+  });
 }
 
 // C (nk, n) += alpha A B, a sum over the block's nq queries for each key row (A's pairs, B's rows
-// of query pairs): keys before t0 take every query, key strip [t0 + j0, ...) the queries from j0.
+// of query pairs; strips start at even queries, so at whole pairs).
 void causal_query_sum(int64_t nk, int64_t n, int64_t nq, int64_t t0, bf16x::PairA a, const uint32_t* b, int64_t ldb,
                       float alpha, float* c, int64_t ldc) {
-  const int64_t kp = pairs(nq);
-  bf16x::product(t0, n, kp, a, b, ldb, alpha, true, c, ldc);
-  for (int64_t j0 = 0; t0 + j0 < nk; j0 += kStrip) {
-    const int64_t r = std::min(kStrip, nk - t0 - j0), p0 = j0 / 2;
-    bf16x::product(r, n, kp - p0, rows_from(a, t0 + j0, p0), b + p0 * ldb, ldb, alpha, true, c + (t0 + j0) * ldc,
-                   ldc);
-  }
+  key_strips(nk, t0, [&](int64_t j, int64_t r, int64_t q0) {
+    const int64_t p0 = q0 / 2;
+    bf16x::product(r, n, pairs(nq) - p0, rows_from(a, j, p0), b + p0 * ldb, ldb, alpha, true, c + j * ldc, ldc);
+  });
 }
 
 // ---- bf16 products (AVX-512 BF16) ----------------------------------------------------------
-// Every product is a bf16x::product on the calling thread (bf16_products.h): its operands are
+// Every product is a bf16x::product on the calling thread (block_products.h): its operands are
 // packed into per-thread pair matrices, the sums are fp32 in a fixed order.
 void forward_bf16_products(Tensor out, float* lp, Tensor qkv, const ops::AttentionLayout& L, const Dims& d,
                            float scale) {

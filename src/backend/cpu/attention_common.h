@@ -4,6 +4,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "backend/cpu/cpu_ops.h"
@@ -37,6 +38,27 @@ inline void for_tasks(int64_t n, F&& body) {
   } else {
     for (int64_t i = 0; i < n; ++i) body(i);
   }
+}
+
+// The causal structure of a query block's products (query rows [t0, t0 + nq) against keys
+// [0, nk), row i seeing keys <= t0 + i), in strips of the block products' register tile
+// (block_products.h), so that the products leave out what the mask makes zero and nothing else.
+constexpr int64_t kStrip = 6;
+// Products over keys: f(i0, rows, keys) for query strips [i0, i0 + rows), which need the keys
+// below `keys` only.
+template <class F>
+inline void query_strips(int64_t nq, int64_t nk, int64_t t0, F&& f) {
+  for (int64_t i0 = 0; i0 < nq; i0 += kStrip) {
+    const int64_t r = std::min(kStrip, nq - i0);
+    f(i0, r, std::min(nk, t0 + i0 + r));
+  }
+}
+// Products over the block's queries, one row per key: f(j, rows, first_query) for key rows
+// [j, j + rows), which need the queries from first_query on (keys before t0 need them all).
+template <class F>
+inline void key_strips(int64_t nk, int64_t t0, F&& f) {
+  f(0, t0, 0);
+  for (int64_t j0 = 0; t0 + j0 < nk; j0 += kStrip) f(t0 + j0, std::min(kStrip, nk - t0 - j0), j0);
 }
 
 // Turns scores s (nq, nk; row i may see keys <= t0 + i) into probabilities, computing the

@@ -1,8 +1,8 @@
-// The AVX-512 BF16 block products of attention (backend/cpu/bf16_products.h): the packs element
-// for element against their definitions, and the products against double-precision sums of the
-// same bf16 values, at edge shapes (tails of the 6-row and 64-column register tiles, odd sums),
-// in both A layouts, with alpha and accumulate; the same bits on every call and thread.
-// Skipped, with a message, on CPUs without AVX-512 BF16.
+// The AVX-512 block products of attention (backend/cpu/block_products.h), bf16 and fp32: the packs
+// element for element against their definitions, and the products against double-precision sums
+// of the same values, at edge shapes (tails of the 6-row and 64-column register tiles, odd sums),
+// in both A layouts, with alpha and accumulate; the same bits on every call and thread. Skipped,
+// with a message, on CPUs without AVX-512 BF16 (bf16) or AVX-512 (fp32).
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -11,13 +11,14 @@
 #include <random>
 #include <vector>
 
-#include "backend/cpu/bf16_products.h"
+#include "backend/cpu/block_products.h"
 #include "core/dtype.h"
 
 namespace dstrain {
 namespace {
 
 namespace bx = cpu::bf16x;
+namespace fx = cpu::f32x;
 
 #define SKIP_WITHOUT_AVX512_BF16()                                                               \
   if (!bx::available()) GTEST_SKIP() << "this CPU has no AVX-512 BF16: the bf16 block products " \
@@ -148,6 +149,77 @@ TEST(Bf16Products, SameBitsOnEveryCallAndThread) {
     bx::product(m, n, kp, bx::PairA{a.data(), 2 * kp, 2}, b.data(), n, 0.5f, false, got[size_t(t)].data(), n);
   }
   for (const auto& g : got) EXPECT_EQ(std::memcmp(g.data(), want.data(), want.size() * 4), 0);
+}
+
+#define SKIP_WITHOUT_AVX512()                                                                     \
+  if (!fx::available()) GTEST_SKIP() << "this CPU has no AVX-512: the fp32 block products do not " \
+                                        "run here (attention takes its sgemm path)"
+
+TEST(F32Products, TransposedPackIsTheTranspose) {
+  SKIP_WITHOUT_AVX512();
+  std::mt19937 rng(13);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (int64_t rows : {1, 15, 16, 17, 64, 131}) {
+    for (int64_t cols : {1, 3, 16, 17, 64, 65}) {
+      SCOPED_TRACE(testing::Message() << rows << " x " << cols);
+      const int64_t lds = cols + 3, ldd = rows + 5;
+      std::vector<float> src(static_cast<size_t>(rows * lds));
+      for (auto& x : src) x = nd(rng);
+      std::vector<float> dst(static_cast<size_t>(cols * ldd), -7.0f);
+      fx::pack_transposed(dst.data(), ldd, src.data(), lds, rows, cols);
+      for (int64_t c = 0; c < cols; ++c) {
+        for (int64_t r = 0; r < rows; ++r) ASSERT_EQ(dst[size_t(c * ldd + r)], src[size_t(r * lds + c)]);
+        ASSERT_EQ(dst[size_t(c * ldd + rows)], -7.0f) << "wrote past its rows";
+      }
+    }
+  }
+}
+
+// One FMA chain in k order per output: within k * 2^-24 of the sum of |terms| of the double sum.
+TEST(F32Products, ProductsMatchDoubleSumsAtEdgeShapes) {
+  SKIP_WITHOUT_AVX512();
+  std::mt19937 rng(17);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (int64_t m : {1, 5, 6, 7, 64}) {
+    for (int64_t n : {1, 16, 17, 64, 65, 130}) {
+      for (int64_t k : {1, 7, 64}) {
+        for (bool transposed : {false, true}) {
+          for (bool accumulate : {false, true}) {
+            SCOPED_TRACE(testing::Message() << "m " << m << " n " << n << " k " << k << " A^T " << transposed
+                                            << " accumulate " << accumulate);
+            const float alpha = accumulate ? 0.375f : 1.0f;
+            const int64_t lda = transposed ? m + 1 : k + 2;
+            std::vector<float> a(static_cast<size_t>(transposed ? k * lda : m * lda));
+            for (auto& x : a) x = nd(rng);
+            const fx::MatA ma = transposed ? fx::MatA{a.data(), 1, lda} : fx::MatA{a.data(), lda, 1};
+            const int64_t ldb = n + 2, ldc = n + 1;
+            std::vector<float> b(static_cast<size_t>(k * ldb)), c(static_cast<size_t>(m * ldc));
+            for (auto& x : b) x = nd(rng);
+            for (auto& x : c) x = float(int(rng() % 17) - 8) * 0.25f;
+            const std::vector<float> c0 = c;
+            fx::product(m, n, k, ma, b.data(), ldb, alpha, accumulate, c.data(), ldc);
+            for (int64_t i = 0; i < m; ++i) {
+              for (int64_t j = 0; j < n; ++j) {
+                double sum = 0, mag = 0;
+                for (int64_t p = 0; p < k; ++p) {
+                  const double t = double(ma.p[i * ma.row_stride + p * ma.col_stride]) * b[size_t(p * ldb + j)];
+                  sum += t;
+                  mag += std::abs(t);
+                }
+                const double old = c0[size_t(i * ldc + j)];
+                const double want = alpha * sum + (accumulate ? old : 0.0);
+                const double tol = (k + 1) * 6e-8 * mag * alpha + 1.2e-7 * (std::abs(want) + std::abs(old));
+                ASSERT_NEAR(c[size_t(i * ldc + j)], want, tol) << "C[" << i << "][" << j << "]";
+              }
+              for (int64_t j = n; j < ldc; ++j) {
+                ASSERT_EQ(c[size_t(i * ldc + j)], c0[size_t(i * ldc + j)]) << "wrote past column " << n;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

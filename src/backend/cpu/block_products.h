@@ -1,8 +1,10 @@
-// Small bf16 matrix products on AVX-512 BF16 (vdpbf16ps: pairs of bf16 products summed into fp32),
-// for kernels that tile their own work on one thread: the block products of attention
-// (attention_16bit.cpp), a few thousand of 64 x (64..T) x head_dim per layer and step, where
-// a library call's fixed cost was as large as the arithmetic.
+// Small matrix products on AVX-512 for kernels that tile their own work on one thread: the block
+// products of attention (attention.cpp, attention_16bit.cpp), a few thousand of 64 x (64..T) x
+// head_dim per layer and step, where a library call's fixed cost was as large as the arithmetic.
+// Two kinds: bf16 (namespace bf16x: vdpbf16ps, pairs of bf16 products summed into fp32, on CPUs
+// with AVX-512 BF16) and fp32 (namespace f32x: FMA, on CPUs with AVX-512F).
 //
+// ---- bf16x ----
 // Operands are "pair matrices": two bf16 values adjacent along the sum (k) dimension form one
 // 32-bit pair, the first in its low half, as vdpbf16ps reads them.
 //   A (m rows, kp pairs): bf16 memory, pair (r, p) starting at element a[r * row_stride +
@@ -43,3 +45,29 @@ void pack_row_pairs(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t lds
 void pack_transposed(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t lds, int64_t rows, int64_t cols);
 
 }  // namespace dstrain::cpu::bf16x
+
+// ---- f32x ----
+// fp32 operands: A (m, k) element (r, p) at a[r * row_stride + p * col_stride] (row-major, or a
+// row-major matrix read as its transpose with strides (1, ld)); B (k, n) element (p, j) at
+// b[p * ldb + j] (row-major rows of a tensor, or pack_transposed's). Each output is one fp32 FMA
+// chain over p = 0, 1, ... in order, then alpha times it, plus C when accumulating: the same bits
+// on every call and thread.
+namespace dstrain::cpu::f32x {
+
+// Whether this CPU has AVX-512F: the only CPUs these run on.
+bool available();
+
+struct MatA {
+  const float* p;
+  int64_t row_stride, col_stride;
+};
+
+// C (m, n; leading dimension ldc) = alpha * A B, plus C first when accumulate.
+void product(int64_t m, int64_t n, int64_t k, MatA a, const float* b, int64_t ldb, float alpha, bool accumulate,
+             float* c, int64_t ldc);
+
+// dst (cols, rows; row stride ldd) = src^T for src (rows, cols; leading dimension lds): the B
+// operand of C = X src^T.
+void pack_transposed(float* dst, int64_t ldd, const float* src, int64_t lds, int64_t rows, int64_t cols);
+
+}  // namespace dstrain::cpu::f32x
