@@ -1,6 +1,7 @@
 // Causal grouped-query attention on the CPU, FlashAttention-style in memory: for a block of
-// queries the scores against all earlier keys are formed with sgemm in a per-thread
-// scratch of (block, T) floats, softmaxed, and multiplied by V. Only the output and the
+// queries the scores against all earlier keys are formed (block_products.h's fp32 tile on
+// AVX-512 CPUs, sgemm elsewhere) in a per-thread scratch of (block, T) floats, softmaxed, and
+// multiplied by V. Only the output and the
 // row log-sum-exp are kept; the backward recomputes the probabilities from them. Memory
 // therefore grows with T, never with T^2 per head.
 #include <omp.h>
