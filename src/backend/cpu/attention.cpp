@@ -119,6 +119,18 @@ void causal_softmax_rows(float* s, int64_t nq, int64_t nk, int64_t t0, float* ls
 void probabilities_from_lse(float* s, int64_t nq, int64_t nk, int64_t t0, const float* lse) {
   probabilities_from_lse_impl(s, nq, nk, t0, lse);
 }
+void score_grads_rows(float* s, const float* dp, int64_t nq, int64_t nk, int64_t t0, const float* dO, int64_t ldd,
+                      const float* o, int64_t ldo, int64_t dv) {
+  for (int64_t i = 0; i < nq; ++i) {
+    float delta = 0;
+    for (int64_t e = 0; e < dv; ++e) delta += dO[i * ldd + e] * o[i * ldo + e];
+    float* srow = s + i * nk;
+    const float* dprow = dp + i * nk;
+    const int64_t valid = t0 + i + 1;
+#pragma omp simd
+    for (int64_t j = 0; j < valid; ++j) srow[j] = srow[j] * (dprow[j] - delta);
+  }
+}
 }  // namespace attn
 using namespace attn;
 
@@ -223,15 +235,7 @@ void backward_block_products(float* dbase, const float* dop, const float* op, co
         causal_query_sum(nk, d.Dv, nq, t0, transposed(s, nk), dO, ldo, 1.0f, dv, d.W);
         // dP = dO V^T;  dS = P * (dP - rowsum(dO * O))
         causal_keys(nq, nk, t0, d.Dv, rows_at(dO, ldo), vt_buf.data(), d.T, 1.0f, dp, nk);
-        for (int64_t i = 0; i < nq; ++i) {
-          float delta = 0;
-          for (int64_t e = 0; e < d.Dv; ++e) delta += dO[i * ldo + e] * o[i * ldo + e];
-          float* srow = s + i * nk;
-          const float* dprow = dp + i * nk;
-          const int64_t valid = t0 + i + 1;
-#pragma omp simd
-          for (int64_t j = 0; j < valid; ++j) srow[j] = srow[j] * (dprow[j] - delta);
-        }
+        score_grads_rows(s, dp, nq, nk, t0, dO, ldo, o, ldo, d.Dv);
         // dQ = scale * dS K;  dK += scale * dS^T Q
         causal_key_sum(nq, d.Dqk, nk, t0, rows_at(s, nk), k, d.W, scale, dq, d.W);
         causal_query_sum(nk, d.Dqk, nq, t0, transposed(s, nk), q, d.W, scale, dk, d.W);
@@ -313,15 +317,7 @@ void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor
         sgemm(true, false, nk, d.Dv, nq, 1.0f, s, nk, dO, ldo, 1.0f, dv, d.W);
         // dP = dO V^T;  dS = P * (dP - rowsum(dO * O))
         sgemm(false, true, nq, nk, d.Dv, 1.0f, dO, ldo, v, d.W, 0.0f, dp, nk);
-        for (int64_t i = 0; i < nq; ++i) {
-          float delta = 0;
-          for (int64_t e = 0; e < d.Dv; ++e) delta += dO[i * ldo + e] * o[i * ldo + e];
-          float* srow = s + i * nk;
-          const float* dprow = dp + i * nk;
-          const int64_t valid = t0 + i + 1;
-#pragma omp simd
-          for (int64_t j = 0; j < valid; ++j) srow[j] = srow[j] * (dprow[j] - delta);
-        }
+        score_grads_rows(s, dp, nq, nk, t0, dO, ldo, o, ldo, d.Dv);
         // dQ = scale * dS K;  dK += scale * dS^T Q
         sgemm(false, false, nq, d.Dqk, nk, scale, s, nk, k, d.W, 0.0f, dq, d.W);
         sgemm(true, false, nk, d.Dqk, nq, scale, s, nk, q, d.W, 1.0f, dk, d.W);

@@ -425,15 +425,7 @@ void attention_backward_16bit(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, 
         sgemm(true, false, nk, d.Dv, nq, 1.0f, s, nk, dO.p, dO.ld, 1.0f, dv.p, dv.ld);
         // dP = dO V^T;  dS = P * (dP - rowsum(dO * O))
         sgemm(false, true, nq, nk, d.Dv, 1.0f, dO.p, dO.ld, v.p, v.ld, 0.0f, dp, nk);
-        for (int64_t i = 0; i < nq; ++i) {
-          float delta = 0;
-          for (int64_t e = 0; e < d.Dv; ++e) delta += dO.p[i * dO.ld + e] * o.p[i * o.ld + e];
-          float* srow = s + i * nk;
-          const float* dprow = dp + i * nk;
-          const int64_t valid = t0 + i + 1;
-#pragma omp simd
-          for (int64_t j = 0; j < valid; ++j) srow[j] = srow[j] * (dprow[j] - delta);
-        }
+        score_grads_rows(s, dp, nq, nk, t0, dO.p, dO.ld, o.p, o.ld, d.Dv);
         // dQ = scale * dS K;  dK += scale * dS^T Q
         sgemm(false, false, nq, d.Dqk, nk, scale, s, nk, k.p, k.ld, 0.0f, dq.p, dq.ld);
         finish_block(dqkv, q_off, d.W, nq, d.Dqk, dq);

@@ -65,5 +65,10 @@ inline void key_strips(int64_t nk, int64_t t0, F&& f) {
 // log-sum-exp of each row into lse_out, or from the stored one. Masked entries become 0.
 void causal_softmax_rows(float* s, int64_t nq, int64_t nk, int64_t t0, float* lse_out);
 void probabilities_from_lse(float* s, int64_t nq, int64_t nk, int64_t t0, const float* lse);
+// Turns probabilities s (nq, nk) into dS = P * (dP - rowsum(dO * O)) in place, from dP (nq, nk)
+// and the block's rows of dO (leading dimension ldd) and O (ldo), each dv wide; masked entries
+// stay as they are (0).
+void score_grads_rows(float* s, const float* dp, int64_t nq, int64_t nk, int64_t t0, const float* dO, int64_t ldd,
+                      const float* o, int64_t ldo, int64_t dv);
 
 }  // namespace dstrain::cpu::attn
