@@ -222,9 +222,14 @@ void sum_squares(Tensor out, Tensor x) {
 }
 
 namespace {
-// The update of elements [0, n), writing the updated parameter's copy through `store` (nothing
-// when there is no copy). Same order of operations as torch.optim.AdamW (single-tensor path); the
-// gradient is multiplied by grad_scale as it is read (exact when it is 1).
+// The update of elements [0, n) in chunks of kAdamWChunk, each chunk's updated parameters then
+// written to the compute copy by `store(begin, count)` while they are still in cache (nothing
+// when there is no copy). The update itself is one vector loop for every kind of copy: a 16-bit
+// rounding inside it kept the compiler from vectorising it. Same order of operations as
+// torch.optim.AdamW (single-tensor path); the gradient is multiplied by grad_scale as it is read
+// (exact when it is 1).
+constexpr int64_t kAdamWChunk = 8192;
+
 template <class Store>
 void adamw_loop(float* p, const float* g, float* m, float* v, int64_t n, const ops::AdamWStep& s, Store store) {
   const float decay = 1.0f - s.lr * s.weight_decay;
@@ -233,21 +238,26 @@ void adamw_loop(float* p, const float* g, float* m, float* v, int64_t n, const o
   const float step_size = float(double(s.lr) / bc1);
   const float bc2_sqrt = float(std::sqrt(bc2));
   const float b1 = s.beta1, b2 = s.beta2, eps = s.eps, gs = s.grad_scale;
-#pragma omp parallel for simd schedule(dynamic, 8192) if (n >= kParallelMinWork)
-  for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i] * gs;
-    p[i] *= decay;
-    m[i] = m[i] * b1 + gi * (1.0f - b1);
-    v[i] = v[i] * b2 + gi * gi * (1.0f - b2);
-    const float denom = std::sqrt(v[i]) / bc2_sqrt + eps;
-    p[i] -= step_size * (m[i] / denom);
-    store(i, p[i]);
+  const int64_t chunks = (n + kAdamWChunk - 1) / kAdamWChunk;
+#pragma omp parallel for schedule(dynamic, 1) if (n >= kParallelMinWork)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t begin = c * kAdamWChunk, end = std::min(n, begin + kAdamWChunk);
+#pragma omp simd
+    for (int64_t i = begin; i < end; ++i) {
+      const float gi = g[i] * gs;
+      p[i] *= decay;
+      m[i] = m[i] * b1 + gi * (1.0f - b1);
+      v[i] = v[i] * b2 + gi * gi * (1.0f - b2);
+      const float denom = std::sqrt(v[i]) / bc2_sqrt + eps;
+      p[i] -= step_size * (m[i] / denom);
+    }
+    store(begin, end - begin);
   }
 }
 }  // namespace
 
 // Serves every kernel slot: param, grad and the moments are fp32 (master state); the copy may be
-// F32, BF16 or F16 (the cast is fused into the update).
+// F32, BF16 or F16 (written chunk by chunk as the update leaves it, with no second pass over memory).
 void adamw_update(Tensor param, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, Tensor param_copy,
                   const ops::AdamWStep& s) {
   const int64_t n = param.numel();
@@ -259,18 +269,19 @@ void adamw_update(Tensor param, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, 
   float* m = exp_avg.data<float>();
   float* v = exp_avg_sq.data<float>();
   if (!param_copy.defined()) {
-    adamw_loop(p, g, m, v, n, s, [](int64_t, float) {});
+    adamw_loop(p, g, m, v, n, s, [](int64_t, int64_t) {});
   } else if (param_copy.dtype() == DType::BF16) {
+    // convert16's conversions: the bits of f32_to_bf16 / f32_to_f16, on the calling thread
+    // inside a parallel region.
     uint16_t* c = static_cast<uint16_t*>(param_copy.raw());
-    // kernels_16bit.h's branch-free roundings (the bits of f32_to_bf16 / f32_to_f16): the loop
-    // stays one vector loop, where a call or a branch per element kept it scalar.
-    adamw_loop(p, g, m, v, n, s, [c](int64_t i, float x) { c[i] = k16::BF16E::st(x); });
+    adamw_loop(p, g, m, v, n, s, [p, c](int64_t b, int64_t k) { bulk_f32_to_bf16(p + b, c + b, k); });
   } else if (param_copy.dtype() == DType::F16) {
     uint16_t* c = static_cast<uint16_t*>(param_copy.raw());
-    adamw_loop(p, g, m, v, n, s, [c](int64_t i, float x) { c[i] = k16::F16E::st(x); });
+    adamw_loop(p, g, m, v, n, s, [p, c](int64_t b, int64_t k) { bulk_f32_to_f16(p + b, c + b, k); });
   } else {
     float* c = param_copy.data<float>();
-    adamw_loop(p, g, m, v, n, s, [c](int64_t i, float x) { c[i] = x; });
+    adamw_loop(p, g, m, v, n, s,
+               [p, c](int64_t b, int64_t k) { std::memcpy(c + b, p + b, size_t(k) * sizeof(float)); });
   }
 }
 
