@@ -459,41 +459,53 @@ TEST(Kernels, AdamWMatchesTheAlgorithm) {
 TEST(Kernels, AdamWUnscalesGradientsAndWritesTheWeightsCopyInOnePass) {
   // Mixed precision: gradients of a loss scaled by 2^k come in scaled; grad_scale = 2^-k undoes it
   // exactly as they are read, and the updated weights' 16-bit copy comes out of the same pass.
-  const int64_t n = 37;
-  std::mt19937 rng(5);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<float> p(n), g(n), m(n, 0.0f), v(n, 0.0f);
-  for (int64_t i = 0; i < n; ++i) {
-    p[size_t(i)] = nd(rng);
-    g[size_t(i)] = nd(rng);
-  }
-  std::vector<float> p2 = p, m2 = m, v2 = v, g_scaled(n);
-  for (int64_t i = 0; i < n; ++i) g_scaled[size_t(i)] = g[size_t(i)] * 4096.0f;
-  std::vector<uint16_t> bf(n), hf(n);
-  ops::AdamWStep s;
-  s.lr = 0.01f;
-  s.weight_decay = 0.1f;
-  auto t = [](std::vector<float>& x) { return Tensor(x.data(), DType::F32, Shape{int64_t(x.size())}); };
-  for (int step = 1; step <= 3; ++step) {
-    s.step = step;
+  // Two sizes: under one chunk, and several chunks over the threads with a partial last one.
+  for (const int64_t n : {int64_t(37), int64_t(3 * 8192 + 77)}) {
+    SCOPED_TRACE(n);
+    std::mt19937 rng(5);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<float> p(n), g(n), m(n, 0.0f), v(n, 0.0f);
+    for (int64_t i = 0; i < n; ++i) {
+      p[size_t(i)] = nd(rng);
+      g[size_t(i)] = nd(rng);
+    }
+    std::vector<float> p2 = p, m2 = m, v2 = v, g_scaled(n);
+    for (int64_t i = 0; i < n; ++i) g_scaled[size_t(i)] = g[size_t(i)] * 4096.0f;
+    std::vector<uint16_t> bf(n), hf(n);
+    ops::AdamWStep s;
+    s.lr = 0.01f;
+    s.weight_decay = 0.1f;
+    auto t = [](std::vector<float>& x) { return Tensor(x.data(), DType::F32, Shape{int64_t(x.size())}); };
+    for (int step = 1; step <= 3; ++step) {
+      s.step = step;
+      s.grad_scale = 1.0f;
+      ops::adamw_update(t(p), t(g), t(m), t(v), Tensor(), s);
+      s.grad_scale = 1.0f / 4096.0f;
+      ops::adamw_update(t(p2), t(g_scaled), t(m2), t(v2), Tensor(bf.data(), DType::BF16, Shape{n}), s);
+      EXPECT_EQ(p2, p) << "step " << step;
+      EXPECT_EQ(m2, m) << "step " << step;
+      EXPECT_EQ(v2, v) << "step " << step;
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(bf[size_t(i)], f32_to_bf16(p[size_t(i)])) << i;
+    }
+    // An f16 copy from a state already updated: one more step on each side.
+    s.step = 4;
+    std::vector<float> p3 = p, m3 = m, v3 = v;
     s.grad_scale = 1.0f;
     ops::adamw_update(t(p), t(g), t(m), t(v), Tensor(), s);
     s.grad_scale = 1.0f / 4096.0f;
-    ops::adamw_update(t(p2), t(g_scaled), t(m2), t(v2), Tensor(bf.data(), DType::BF16, Shape{n}), s);
-    EXPECT_EQ(p2, p) << "step " << step;
-    EXPECT_EQ(m2, m) << "step " << step;
-    EXPECT_EQ(v2, v) << "step " << step;
-    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(bf[size_t(i)], f32_to_bf16(p[size_t(i)])) << i;
+    ops::adamw_update(t(p3), t(g_scaled), t(m3), t(v3), Tensor(hf.data(), DType::F16, Shape{n}), s);
+    EXPECT_EQ(p3, p);
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hf[size_t(i)], f32_to_f16(p[size_t(i)])) << i;
   }
-  // An f16 copy from a state already updated: one more step on each side.
-  s.step = 4;
-  std::vector<float> p3 = p, m3 = m, v3 = v;
-  s.grad_scale = 1.0f;
-  ops::adamw_update(t(p), t(g), t(m), t(v), Tensor(), s);
-  s.grad_scale = 1.0f / 4096.0f;
-  ops::adamw_update(t(p3), t(g_scaled), t(m3), t(v3), Tensor(hf.data(), DType::F16, Shape{n}), s);
-  EXPECT_EQ(p3, p);
-  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hf[size_t(i)], f32_to_f16(p[size_t(i)])) << i;
+}
+
+TEST(Kernels, LargeCopiesInPiecesOverTheThreads) {
+  // 1.3 MB: five 256 KiB pieces over the threads and a partial sixth.
+  const int64_t n = 1100 * 300 + 3;
+  std::vector<float> src(static_cast<size_t>(n)), dst(static_cast<size_t>(n), -1.0f);
+  for (int64_t i = 0; i < n; ++i) src[size_t(i)] = float(i) * 0.5f - 7.0f;
+  ops::copy(Tensor(dst.data(), DType::F32, Shape{n}), Tensor(src.data(), DType::F32, Shape{n}));
+  EXPECT_EQ(dst, src);
 }
 
 TEST(Kernels, AdamWOptimizerPassesItsConfigurationToEachParameter) {
