@@ -8,10 +8,13 @@ and dstrain's achieved model FLOP/s as a fraction of GEMM ceilings measured in t
                                  [--peer-budget-s 120] [--baseline OLD_BUILD/app/dstrain] [--json OUT]
 
 The peer is the current PyTorch of the validation venv (validation/peer_venv.sh; its python runs
-validation/torch_peer.py) three ways, and the best of them counts:
+validation/torch_peer.py) three ways by default, and the best of the ways run counts:
   eager    a Llama written as a PyTorch user writes it (SDPA attention, fp32 RMSNorm),
   compile  the same under torch.compile (compilation in untimed warm-up steps),
   hf       transformers' LlamaForCausalLM, attn_implementation="sdpa";
+  autotune (only when --peers names it) the same as compile with
+           mode="max-autotune-no-cudagraphs": inductor also times its own GEMM templates against
+           the library's at each shape, so it compiles for longer;
 each in fp32 and in bf16 autocast (torch.autocast("cpu", dtype=torch.bfloat16), fp32 masters),
 with AdamW (fused on the CPU where torch has it, else foreach) and dstrain's quickstart
 hyper-parameters (lr 2e-3, betas 0.9/0.95, eps 1e-8, weight decay 0.1 but on norms and the
@@ -53,7 +56,7 @@ SIZES = {
     "256": ("d=256, 4 layers", "inputs/models/deepseek-llm-tiny.json"),
     "1024": ("d=1024, 4 layers", "inputs/models/deepseek-llm-cpu-d1024.json"),
 }
-PEERS = {"eager": "eager", "compile": "torch.compile", "hf": "HF sdpa"}
+PEERS = {"eager": "eager", "compile": "torch.compile", "hf": "HF sdpa", "autotune": "max-autotune"}
 # (size, precision) -> minimum dstrain / best peer; the goal where there is one.
 TARGETS = {("256", "bf16"): 1.5, ("256", "fp32"): 1.2}
 GOALS = {("256", "bf16"): 2.0}
@@ -234,7 +237,7 @@ def print_table(a, size, peers, precisions, res, ceils, blases, out, note=""):
     infos = {p: res[precisions[0]]["info"].get(p) for p in peers}
     print("peer: " + "; ".join(f"{PEERS[p]}: " + (f"AdamW {i['adamw']}, attention {i['attention']}" +
                                                   (f", compile {i['compile_s']:.0f} s (untimed)"
-                                                   if p == "compile" else "")
+                                                   if p in ("compile", "autotune") else "")
                                                   if isinstance(i, dict) else f"failed: {i}")
                                for p, i in infos.items()), file=out, flush=True)
     return ok

@@ -2,7 +2,7 @@
 way a PyTorch user would today, and reports its tokens/s. Runs in the validation venv
 (validation/peer_venv.sh: current torch and transformers from PyPI), never in a product path.
 
-    PEER_PYTHON validation/torch_peer.py --impl eager|compile|hf --precision fp32|bf16
+    PEER_PYTHON validation/torch_peer.py --impl eager|compile|autotune|hf --precision fp32|bf16
         --config HF_CONFIG_JSON --data 'GLOB_OF_LLMC_SHARDS' --seq-len T --micro-batch B
         --steps N [--warmup W] [--threads K] [--budget-s S] [--lr 2e-3]
 
@@ -11,6 +11,8 @@ Implementations (the same architecture, initialisation normal(0, initializer_ran
            (as Hugging Face), RoPE, F.scaled_dot_product_attention(is_causal=True), SwiGLU.
 - compile: the same model and loss under torch.compile (inductor). Compilation happens in the
            first steps, which are untimed; their time is reported as compile_s.
+- autotune: the same under torch.compile(mode="max-autotune-no-cudagraphs"): inductor also times
+           its own GEMM templates against the library's at each shape (slower to compile).
 - hf:      Hugging Face transformers' LlamaForCausalLM built from the config with
            attn_implementation="sdpa".
 Precision: fp32, or bf16 autocast (torch.autocast("cpu", dtype=torch.bfloat16)) around the
@@ -155,7 +157,7 @@ def init_weights(model, std):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--impl", choices=["eager", "compile", "hf"], required=True)
+    ap.add_argument("--impl", choices=["eager", "compile", "autotune", "hf"], required=True)
     ap.add_argument("--precision", choices=["fp32", "bf16"], required=True)
     ap.add_argument("--config", required=True)
     ap.add_argument("--data", required=True)
@@ -199,6 +201,9 @@ def main(argv=None):
     if a.impl == "compile":
         loss_fn = torch.compile(loss_fn)
         warmup = max(warmup, 3)
+    elif a.impl == "autotune":
+        loss_fn = torch.compile(loss_fn, mode="max-autotune-no-cudagraphs")
+        warmup = max(warmup, 3)
     loader = WindowLoader(a.data, a.seq_len, a.micro_batch, V)
     amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.precision == "bf16")
     tokens = a.micro_batch * a.seq_len
@@ -224,7 +229,7 @@ def main(argv=None):
         if len(times) >= 3 and timed_s > a.budget_s:
             break
     info.update(tokens_per_s=statistics.median(tokens / t for t in times), step_ms=statistics.median(times) * 1e3,
-                timed_steps=len(times), compile_s=compile_s if a.impl == "compile" else 0.0,
+                timed_steps=len(times), compile_s=compile_s if a.impl in ("compile", "autotune") else 0.0,
                 warmup_s=compile_s, losses=losses)
     print(json.dumps(info))
 
