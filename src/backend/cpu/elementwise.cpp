@@ -6,7 +6,6 @@
 
 #include "backend/cpu/convert16.h"
 #include "backend/cpu/cpu_ops.h"
-#include "backend/cpu/kernels_16bit.h"
 #include "backend/cpu/parallel.h"
 #include "backend/cpu/vec_exp.h"
 #include "backend/cpu/widen.h"
