@@ -155,6 +155,10 @@ def init_weights(model, std):
                 p.normal_(0.0, std)
 
 
+# The implementations that run under torch.compile, and the mode of each (None: the default).
+COMPILE_MODES = {"compile": None, "autotune": "max-autotune-no-cudagraphs"}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--impl", choices=["eager", "compile", "autotune", "hf"], required=True)
@@ -198,11 +202,8 @@ def main(argv=None):
         return F.cross_entropy(fwd(x).float().view(-1, V), y.view(-1))
 
     warmup = a.warmup
-    if a.impl == "compile":
-        loss_fn = torch.compile(loss_fn)
-        warmup = max(warmup, 3)
-    elif a.impl == "autotune":
-        loss_fn = torch.compile(loss_fn, mode="max-autotune-no-cudagraphs")
+    if a.impl in COMPILE_MODES:
+        loss_fn = torch.compile(loss_fn, mode=COMPILE_MODES[a.impl])
         warmup = max(warmup, 3)
     loader = WindowLoader(a.data, a.seq_len, a.micro_batch, V)
     amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.precision == "bf16")
@@ -229,7 +230,7 @@ def main(argv=None):
         if len(times) >= 3 and timed_s > a.budget_s:
             break
     info.update(tokens_per_s=statistics.median(tokens / t for t in times), step_ms=statistics.median(times) * 1e3,
-                timed_steps=len(times), compile_s=compile_s if a.impl in ("compile", "autotune") else 0.0,
+                timed_steps=len(times), compile_s=compile_s if a.impl in COMPILE_MODES else 0.0,
                 warmup_s=compile_s, losses=losses)
     print(json.dumps(info))
 

@@ -350,10 +350,7 @@ void cast(Tensor dst, Tensor src) {
   DS_CHECK(is_float(dst.dtype()) && is_float(src.dtype()), "cast: {} -> {}: only F32, BF16 and F16 convert",
            dtype_name(src.dtype()), dtype_name(dst.dtype()));
   const int64_t n = src.numel();
-  if (dst.dtype() == src.dtype()) {
-    std::memcpy(dst.raw(), src.raw(), src.nbytes());
-    return;
-  }
+  if (dst.dtype() == src.dtype()) return copy(dst, src);
   // fp32 <-> 16-bit: the vectorised bulk conversions (bit for bit those of core/dtype.h).
   const DType s = src.dtype(), d = dst.dtype();
   const auto* s16 = static_cast<const uint16_t*>(src.raw());
