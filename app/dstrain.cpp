@@ -85,7 +85,7 @@ int cmd_train(const Options& o) {
   RunConfig c = load_config(o);
   // Every collective from here on has a deadline.
   Watchdog::instance().start(c.resilience.collective_timeout_s);
-  install_stop_signal_handlers();
+  listen_for_stop_signals(StopSignalMode::kRequestStop);
   ProcessGrid grid(MPI_COMM_WORLD, c.parallel);
   Trainer trainer(c, grid, choose_device(c, grid));
   print_header(trainer.config(), "train", grid);
@@ -209,6 +209,10 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Before any thread exists, so that none is interrupted by a stop signal: one thread of its
+  // own takes them (train/resilience.h).
+  dstrain::block_stop_signals();
+  dstrain::listen_for_stop_signals(dstrain::StopSignalMode::kTerminate);
   // MPI first, then Kokkos; torn down in reverse.
   // Communicators run their collectives on worker threads: MPI must allow every thread.
   int provided = 0;
@@ -229,6 +233,7 @@ int main(int argc, char** argv) {
     rc = 1;
   }
   dstrain::Watchdog::instance().stop();
+  dstrain::stop_listening_for_stop_signals();
   Kokkos::finalize();
   MPI_Finalize();
   return rc;

@@ -1,23 +1,92 @@
 #include "train/resilience.h"
 
+#include <pthread.h>
+
 #include <cmath>
 #include <csignal>
+#include <mutex>
+#include <thread>
 
 #include "core/error.h"
 
 namespace dstrain {
 namespace {
 std::atomic<int> g_stop_signal{0};
+std::atomic<StopSignalMode> g_mode{StopSignalMode::kTerminate};
+
+// The fallback handler, for threads started before the signals were blocked.
 extern "C" void on_stop_signal(int sig) { g_stop_signal.store(sig); }
+
+sigset_t stop_signals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGUSR1);
+  sigaddset(&set, SIGTERM);
+  return set;
+}
+
+// The listening thread: created once, ended by stop_listening_for_stop_signals().
+struct Listener {
+  std::mutex mutex;
+  std::thread thread;
+  std::atomic<bool> stopping{false};
+};
+Listener& listener() {
+  static Listener* l = new Listener;  // never destroyed: a detached exit must not join it
+  return *l;
+}
+
+void listen_loop() {
+  const sigset_t set = stop_signals();
+  while (true) {
+    int sig = 0;
+    if (sigwait(&set, &sig) != 0) continue;
+    if (listener().stopping.load()) return;
+    if (g_mode.load() == StopSignalMode::kRequestStop) {
+      g_stop_signal.store(sig);
+      continue;
+    }
+    // What the signal would have done without dstrain: end the process, with the signal.
+    std::signal(sig, SIG_DFL);
+    sigset_t one;
+    sigemptyset(&one);
+    sigaddset(&one, sig);
+    pthread_sigmask(SIG_UNBLOCK, &one, nullptr);
+    pthread_kill(pthread_self(), sig);
+  }
+}
 }  // namespace
 
-void install_stop_signal_handlers() {
+void block_stop_signals() {
+  const sigset_t set = stop_signals();
+  DS_CHECK(pthread_sigmask(SIG_BLOCK, &set, nullptr) == 0, "cannot block SIGUSR1 and SIGTERM");
+}
+
+void listen_for_stop_signals(StopSignalMode mode) {
+  g_mode.store(mode);
   struct sigaction sa {};
-  sa.sa_handler = on_stop_signal;
+  sa.sa_handler = mode == StopSignalMode::kRequestStop ? on_stop_signal : SIG_DFL;
   sigemptyset(&sa.sa_mask);
   sa.sa_flags = SA_RESTART;
   sigaction(SIGUSR1, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
+  block_stop_signals();
+  Listener& l = listener();
+  std::lock_guard lock(l.mutex);
+  if (!l.thread.joinable()) {
+    l.stopping.store(false);
+    l.thread = std::thread(listen_loop);
+  }
+}
+
+void stop_listening_for_stop_signals() {
+  Listener& l = listener();
+  std::lock_guard lock(l.mutex);
+  if (!l.thread.joinable()) return;
+  l.stopping.store(true);
+  // Wakes its sigwait; the signal is taken there and means nothing else.
+  pthread_kill(l.thread.native_handle(), SIGUSR1);
+  l.thread.join();
 }
 
 int stop_signal_received() { return g_stop_signal.load(); }

@@ -38,8 +38,26 @@ struct ResilienceConfig {
   json to_json() const;
 };
 
-// SIGUSR1 and SIGTERM set a flag the trainer polls at step boundaries.
-void install_stop_signal_handlers();
+// Stop signals: SIGUSR1 and SIGTERM (Slurm's warning before the time limit, scancel) ask a run
+// to stop at the next step boundary after a checkpoint.
+//
+// A signal handler runs on whichever thread the kernel picks, on that thread's stack, in the
+// middle of whatever it computes. oneDNN 2.6's JIT sgemm does not survive being interrupted
+// (wrong products, then a corrupted heap: tests/unit/test_stop_signals.cpp), so the stop
+// signals are blocked in every thread and taken by one thread of their own (sigwait), which
+// interrupts nothing.
+//
+// block_stop_signals() blocks them in the calling thread, and so in every thread it starts
+// afterwards: main() calls it first, before MPI, OpenMP or any library starts a thread.
+void block_stop_signals();
+// Starts the thread that takes the stop signals (once per process; later calls change the
+// mode). kRequestStop: a signal sets the flag below, which the trainer polls. kTerminate: a
+// signal ends the process as it would without dstrain (eval, generate). Threads that existed
+// before block_stop_signals() (a test's MPI threads) get a handler that does the same.
+enum class StopSignalMode { kTerminate, kRequestStop };
+void listen_for_stop_signals(StopSignalMode mode);
+// Ends that thread (before exit; a no-op when it never started).
+void stop_listening_for_stop_signals();
 int stop_signal_received();  // the signal number, or 0
 void clear_stop_signal();
 

@@ -5,6 +5,8 @@
 // run never saves (or rotates) over the checkpoints written before it went wrong.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <csignal>
 #include <cmath>
 #include <cstring>
@@ -161,7 +163,7 @@ TEST(Resilience, AllocationFailureOnOneRankHalvesTheMicroBatchEverywhere) {
 TEST(Resilience, StopSignalOnOneRankStopsAllAtTheSameStepAfterACheckpoint) {
   RunFiles files(6);
   ProcessGrid grid(MPI_COMM_WORLD, {});
-  install_stop_signal_handlers();
+  listen_for_stop_signals(StopSignalMode::kRequestStop);
   clear_stop_signal();
   const std::string dir = "checkpoint.dir=" + json((files.dir() / "ck").string()).dump();
   Trainer full(files.config({"checkpoint.dir=" + json((files.dir() / "full").string()).dump()}), grid);
@@ -171,7 +173,12 @@ TEST(Resilience, StopSignalOnOneRankStopsAllAtTheSameStepAfterACheckpoint) {
   {
     Trainer a(files.config({dir}), grid);
     a.on_step = [&](const StepRecord& r) {
-      if (r.step == 3 && world_rank() == world_size() - 1) std::raise(SIGUSR1);
+      // To the process, as kill, scancel and Slurm send it: any thread may take it. Taken
+      // before this step's boundary, as a signal that arrives during the step would be.
+      if (r.step == 3 && world_rank() == world_size() - 1) {
+        ::kill(::getpid(), SIGUSR1);
+        for (int i = 0; i < 5000 && stop_signal_received() == 0; ++i) usleep(1000);
+      }
     };
     a.init_weights("");
     EXPECT_EQ(a.train(), Trainer::Outcome::StoppedOnSignal);
