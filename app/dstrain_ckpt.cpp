@@ -87,6 +87,13 @@ int cmd_info(const std::string& path, bool verify) {
 int cmd_export(const std::string& path, const std::string& dir, std::string dtype) {
   using namespace dstrain;
   const CheckpointInfo info = inspect_checkpoint(path, /*verify=*/false);
+  if (!info.metadata_problems.empty()) {
+    std::string list;
+    for (const std::string& p : info.metadata_problems) list += "\n  " + p;
+    throw Error(fmt::format("{}: its metadata was altered or damaged after it was written:{}\n  export another "
+                            "checkpoint",
+                            path, list));
+  }
   const ModelConfig model = ModelConfig::from_hf_json(info.state.config.at("model"), path + " (config)");
   // Unset: the dtype the run would have written (output.save_hf_dtype of its configuration).
   if (dtype.empty()) {

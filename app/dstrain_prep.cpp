@@ -24,6 +24,7 @@
 
 #include "cli.h"
 #include "core/error.h"
+#include "core/json_reader.h"
 #include "data/indexed_dataset.h"
 #include "data/token_shard.h"
 #include "data/tokenizer.h"
@@ -217,11 +218,10 @@ std::string document_text(const Source& src, const RawDocument& doc) {
   if (!src.jsonl) return std::string(doc.bytes);
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(doc.bytes);
-  } catch (const nlohmann::json::exception& e) {
-    DS_FAIL("{}:{}: not valid JSON ({}); each line of a JSONL input must be one JSON object with a \"{}\" string "
-            "field",
-            src.path, doc.line, e.what(), src.json_key);
+    j = dstrain::parse_json(doc.bytes, fmt::format("{}:{}", src.path, doc.line), dstrain::kDataJson);
+  } catch (const dstrain::Error& e) {
+    DS_FAIL("{}; each line of a JSONL input must be one JSON object with a \"{}\" string field", e.what(),
+            src.json_key);
   }
   DS_CHECK(j.is_object(), "{}:{}: the line is JSON {}, not an object; each line of a JSONL input must be one JSON "
            "object with a \"{}\" string field", src.path, doc.line, j.type_name(), src.json_key);

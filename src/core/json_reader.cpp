@@ -1,11 +1,14 @@
 #include "core/json_reader.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <map>
-#include <sstream>
+#include <regex>
 
 #include "core/error.h"
 
@@ -24,17 +27,206 @@ size_t edit_distance(const std::string& a, const std::string& b) {
   return prev[b.size()];
 }
 
-std::string type_of(const json& v) {
+std::string type_of(const json& v) { return describe_json(v); }
+
+// Refuses text nested deeper than the limit before it is parsed, naming where the limit is
+// passed. Strings (and, when allowed, comments) are skipped: brackets inside them do not count.
+void check_depth(std::string_view text, const std::string& source, const JsonLimits& limits, bool comments) {
+  int depth = 0;
+  int64_t line = 1, column_start = 0;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (c == '\n') {
+      ++line;
+      column_start = int64_t(i) + 1;
+    } else if (c == '"') {
+      for (++i; i < text.size() && text[i] != '"'; ++i) {
+        if (text[i] == '\\') ++i;
+      }
+    } else if (comments && c == '/' && i + 1 < text.size() && (text[i + 1] == '/' || text[i + 1] == '*')) {
+      const bool block = text[i + 1] == '*';
+      for (i += 2; i < text.size(); ++i) {
+        if (text[i] == '\n') {
+          ++line;
+          column_start = int64_t(i) + 1;
+          if (!block) break;
+        }
+        if (block && text[i] == '*' && i + 1 < text.size() && text[i + 1] == '/') {
+          ++i;
+          break;
+        }
+      }
+    } else if (c == '[' || c == '{') {
+      if (++depth > limits.max_depth) {
+        throw Error(fmt::format("{}: arrays and objects nest deeper than {} levels (line {}, column {}), deeper than "
+                                "{} ever needs; the file is corrupt or not {}",
+                                source, limits.max_depth, line, int64_t(i) - column_start + 1, limits.what,
+                                limits.what));
+      }
+    } else if (c == ']' || c == '}') {
+      depth = std::max(0, depth - 1);
+    }
+  }
+}
+
+}  // namespace
+
+std::string shown(std::string_view s, size_t limit) {
+  std::string out = "\"";
+  for (size_t i = 0; i < s.size() && i < limit; ++i) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += char(c);
+    } else if (c < 0x20 || c == 0x7F) {
+      out += fmt::format("\\x{:02x}", c);
+    } else {
+      out += char(c);
+    }
+  }
+  if (s.size() > limit) out += "...";
+  return out + "\"";
+}
+
+std::string describe_json(const json& v) {
+  if (v.is_null()) return "null";
+  if (v.is_boolean()) return std::string("boolean ") + (v.get<bool>() ? "true" : "false");
   if (v.is_number_integer()) return "integer " + v.dump();
   if (v.is_number()) return "number " + v.dump();
-  if (v.is_string()) return "string " + v.dump();
-  if (v.is_boolean()) return "boolean " + v.dump();
-  if (v.is_null()) return "null";
+  if (v.is_string()) return "string " + shown(v.get_ref<const std::string&>());
   if (v.is_array()) return "an array";
   return "an object";
 }
 
-}  // namespace
+json parse_json(std::string_view text, const std::string& source, const JsonLimits& limits, bool comments) {
+  if (int64_t(text.size()) > limits.max_bytes) {
+    throw Error(fmt::format("{}: {} bytes of JSON, more than the {} MB that {} may take; the file is corrupt or not {}",
+                            source, text.size(), limits.max_bytes / 1000000, limits.what, limits.what));
+  }
+  check_depth(text, source, limits, comments);
+  try {
+    return json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/true, comments);
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number like 1e400
+    throw Error(fmt::format("{}: not valid JSON: {}", source, e.what()));
+  }
+}
+
+std::string read_text_file(const std::string& path, int64_t max_bytes, const std::string& what) {
+  // Opened without blocking, so that a FIFO is refused instead of waiting for a writer.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) throw Error(fmt::format("cannot open {} '{}': {}; check the path", what, path, std::strerror(errno)));
+  struct stat st {};
+  const bool ok = ::fstat(fd, &st) == 0;
+  if (!ok || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    const char* kind = !ok                   ? "unreadable"
+                       : S_ISDIR(st.st_mode)  ? "a directory"
+                       : S_ISFIFO(st.st_mode) ? "a FIFO"
+                       : S_ISCHR(st.st_mode)  ? "a character device"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                                              : "not a regular file";
+    throw Error(fmt::format("{} '{}' is {}: give a regular file", what, path, kind));
+  }
+  if (int64_t(st.st_size) > max_bytes) {
+    ::close(fd);
+    throw Error(fmt::format("{} '{}' is {} bytes, more than the {} MB such a file may take; is it the right file?",
+                            what, path, int64_t(st.st_size), max_bytes / 1000000));
+  }
+  std::string text(size_t(st.st_size), '\0');
+  size_t got = 0;
+  while (got < text.size()) {
+    const ssize_t n = ::read(fd, text.data() + got, text.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = errno;
+      ::close(fd);
+      throw Error(fmt::format("reading {} '{}' failed after {} of {} bytes: {}", what, path, got, text.size(),
+                              n == 0 ? "it became shorter while it was read" : std::strerror(err)));
+    }
+    got += size_t(n);
+  }
+  ::close(fd);
+  return text;
+}
+
+// ---- JsonNode -------------------------------------------------------------------------------
+
+void JsonNode::fail(const std::string& what) const {
+  throw Error(fmt::format("{}: {} {}", *source_, path_.empty() ? "the top level" : path_, what));
+}
+
+void JsonNode::child_path_fail(const char* key, const std::string& what) const {
+  throw Error(fmt::format("{}: {} {}", *source_, child_path(key), what));
+}
+
+void JsonNode::expect_object() const {
+  if (!v_->is_object()) fail("must be a JSON object, got " + describe_json(*v_));
+}
+
+void JsonNode::expect_array() const {
+  if (!v_->is_array()) fail("must be a JSON array, got " + describe_json(*v_));
+}
+
+JsonNode JsonNode::at(const char* key) const {
+  expect_object();
+  const auto it = v_->find(key);
+  if (it == v_->end()) child_path_fail(key, "is required but missing");
+  return JsonNode(*it, child_path(key), *source_);
+}
+
+std::optional<JsonNode> JsonNode::find(const char* key) const {
+  expect_object();
+  const auto it = v_->find(key);
+  if (it == v_->end() || it->is_null()) return std::nullopt;
+  return JsonNode(*it, child_path(key), *source_);
+}
+
+JsonNode JsonNode::element(size_t i) const { return JsonNode((*v_)[i], fmt::format("{}[{}]", path_, i), *source_); }
+
+const std::string& JsonNode::str() const {
+  if (!v_->is_string()) fail("must be a string, got " + describe_json(*v_));
+  return v_->get_ref<const std::string&>();
+}
+
+bool JsonNode::boolean() const {
+  if (!v_->is_boolean()) fail("must be true or false, got " + describe_json(*v_));
+  return v_->get<bool>();
+}
+
+bool JsonNode::boolean_or(const char* key, bool fallback) const {
+  const std::optional<JsonNode> n = find(key);
+  return n ? n->boolean() : fallback;
+}
+
+int32_t JsonNode::id() const {
+  if (!v_->is_number_integer()) fail("must be a token id (an integer), got " + describe_json(*v_));
+  const bool ok = v_->is_number_unsigned() ? v_->get<uint64_t>() < uint64_t(INT32_MAX)
+                                           : (v_->get<int64_t>() >= 0 && v_->get<int64_t>() < INT32_MAX);
+  if (!ok) fail(fmt::format("must be a token id in [0, {}), got {}", INT32_MAX, v_->dump()));
+  return static_cast<int32_t>(v_->get<int64_t>());
+}
+
+void JsonNode::only_keys(std::initializer_list<const char*> known) const {
+  expect_object();
+  for (auto it = v_->begin(); it != v_->end(); ++it) {
+    if (std::none_of(known.begin(), known.end(), [&](const char* k) { return it.key() == k; })) {
+      std::string list;
+      for (const char* k : known) list += std::string(list.empty() ? "" : ", ") + k;
+      child_path_fail(it.key().c_str(), "is not an option this loader knows (known: " + list +
+                                            "); it may change how text is encoded, so the file is refused");
+    }
+  }
+}
+
+std::string JsonNode::type(std::initializer_list<const char*> supported) const {
+  const std::string& t = at("type").str();
+  if (std::none_of(supported.begin(), supported.end(), [&](const char* s) { return t == s; })) {
+    std::string list;
+    for (const char* s : supported) list += std::string(list.empty() ? "" : ", ") + s;
+    child_path_fail("type", shown(t) + " is not supported; supported: " + list);
+  }
+  return t;
+}
 
 JsonReader::JsonReader(const json& object, std::string path, std::string source)
     : object_(object), path_(std::move(path)), source_(std::move(source)) {
@@ -263,10 +455,23 @@ void apply_override(json& root, const std::string& assignment) {
   }
   const std::string key = assignment.substr(0, eq);
   const std::string text = assignment.substr(eq + 1);
-  json value = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (value.is_discarded()) {
+  const std::string source = "command line --set " + key;
+  json value;
+  try {
+    value = parse_json(text, source, kConfigJson);
+  } catch (const Error&) {
+    // Not JSON: a plain string, unless it was meant as an array or object (its error says
+    // what is wrong) or is a number JSON cannot hold (1e400), which must not become a string.
+    const size_t first = text.find_first_not_of(" \t\n");
+    if (first != std::string::npos && (text[first] == '[' || text[first] == '{')) throw;
+    static const std::regex number(R"(^\s*-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?\s*$)");
+    if (std::regex_match(text, number)) {
+      throw Error(fmt::format("{}: {} is out of the range of a number (a double: about 1.8e308 at most)", source,
+                              text));
+    }
     value = text;
-  } else {
+  }
+  if (!value.is_string()) {
     check_unique_keys(text, "command line --set " + key, key);
   }
 
@@ -290,18 +495,10 @@ void apply_override(json& root, const std::string& assignment) {
   }
 }
 
-json read_json_file(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw Error(fmt::format("cannot open '{}': {}; check the path", path, std::strerror(errno)));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  json parsed;
-  try {
-    parsed = json::parse(ss.str(), nullptr, true, /*ignore_comments=*/true);
-  } catch (const json::parse_error& e) {
-    throw Error(fmt::format("'{}' is not valid JSON: {}", path, e.what()));
-  }
-  check_unique_keys(ss.str(), path);
+json read_json_file(const std::string& path, const JsonLimits& limits) {
+  const std::string text = read_text_file(path, limits.max_bytes, limits.what);
+  json parsed = parse_json(text, "'" + path + "'", limits, /*comments=*/true);
+  check_unique_keys(text, path);
   return parsed;
 }
 

@@ -136,130 +136,9 @@ std::string byte_level_decode(std::string_view token) {
   return bytes;
 }
 
-// ---- strict JSON access -------------------------------------------------------------------
+// ---- strict JSON access: JsonNode (core/json_reader.h) ----------------------------------
 
-// A string for error messages: quoted, escaped, and cut short.
-std::string shown(std::string_view s, size_t limit = 80) {
-  std::string out = "\"";
-  for (size_t i = 0; i < s.size() && i < limit; ++i) {
-    const unsigned char c = static_cast<unsigned char>(s[i]);
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += char(c);
-    } else if (c < 0x20 || c == 0x7F) {
-      out += fmt::format("\\x{:02x}", c);
-    } else {
-      out += char(c);
-    }
-  }
-  if (s.size() > limit) out += "...";
-  return out + "\"";
-}
-
-std::string describe(const json& v) {
-  if (v.is_null()) return "null";
-  if (v.is_boolean()) return v.get<bool>() ? "true" : "false";
-  if (v.is_number_integer()) return "integer " + v.dump();
-  if (v.is_number()) return "number " + v.dump();
-  if (v.is_string()) return "string " + shown(v.get_ref<const std::string&>());
-  if (v.is_array()) return "an array";
-  return "an object";
-}
-
-// A JSON value with the key path that reached it ("model.merges[3]"), so that every error
-// names the file and the key.
-class Node {
- public:
-  Node(const json& value, std::string path, const std::string& source)
-      : v_(&value), path_(std::move(path)), source_(&source) {}
-
-  const json& value() const { return *v_; }
-  const std::string& path() const { return path_; }
-  bool is_null() const { return v_->is_null(); }
-
-  [[noreturn]] void fail(const std::string& what) const {
-    DS_FAIL("{}: {} {}", *source_, path_.empty() ? "the top level" : path_, what);
-  }
-
-  void expect_object() const {
-    if (!v_->is_object()) fail("must be a JSON object, got " + describe(*v_));
-  }
-  void expect_array() const {
-    if (!v_->is_array()) fail("must be a JSON array, got " + describe(*v_));
-  }
-
-  // Required member of an object.
-  Node at(const char* key) const {
-    expect_object();
-    const auto it = v_->find(key);
-    if (it == v_->end()) child_path_fail(key, "is required but missing");
-    return Node(*it, child_path(key), *source_);
-  }
-  // Optional member: absent or null gives nullopt.
-  std::optional<Node> find(const char* key) const {
-    expect_object();
-    const auto it = v_->find(key);
-    if (it == v_->end() || it->is_null()) return std::nullopt;
-    return Node(*it, child_path(key), *source_);
-  }
-  Node element(size_t i) const { return Node((*v_)[i], fmt::format("{}[{}]", path_, i), *source_); }
-  size_t size() const { return v_->size(); }
-
-  const std::string& str() const {
-    if (!v_->is_string()) fail("must be a string, got " + describe(*v_));
-    return v_->get_ref<const std::string&>();
-  }
-  bool boolean() const {
-    if (!v_->is_boolean()) fail("must be true or false, got " + describe(*v_));
-    return v_->get<bool>();
-  }
-  // A token id: an integer in [0, 2^31 - 1).
-  int32_t id() const {
-    if (!v_->is_number_integer()) fail("must be a token id (an integer), got " + describe(*v_));
-    const bool ok = v_->is_number_unsigned() ? v_->get<uint64_t>() < uint64_t(INT32_MAX)
-                                             : (v_->get<int64_t>() >= 0 && v_->get<int64_t>() < INT32_MAX);
-    if (!ok) fail(fmt::format("must be a token id in [0, {}), got {}", INT32_MAX, v_->dump()));
-    return static_cast<int32_t>(v_->get<int64_t>());
-  }
-  bool boolean_or(const char* key, bool fallback) const {
-    const std::optional<Node> n = find(key);
-    return n ? n->boolean() : fallback;
-  }
-
-  // Every key must be one this loader interprets: an unknown option could change the ids.
-  void only_keys(std::initializer_list<const char*> known) const {
-    expect_object();
-    for (auto it = v_->begin(); it != v_->end(); ++it) {
-      if (std::none_of(known.begin(), known.end(), [&](const char* k) { return it.key() == k; })) {
-        std::string list;
-        for (const char* k : known) list += std::string(list.empty() ? "" : ", ") + k;
-        child_path_fail(it.key().c_str(), "is not an option this loader knows (known: " + list +
-                                              "); it may change how text is encoded, so the file is refused");
-      }
-    }
-  }
-
-  // The "type" of a component, checked against the supported ones.
-  std::string type(std::initializer_list<const char*> supported) const {
-    const std::string& t = at("type").str();
-    if (std::none_of(supported.begin(), supported.end(), [&](const char* s) { return t == s; })) {
-      std::string list;
-      for (const char* s : supported) list += std::string(list.empty() ? "" : ", ") + s;
-      child_path_fail("type", shown(t) + " is not supported; supported: " + list);
-    }
-    return t;
-  }
-
- private:
-  std::string child_path(const char* key) const { return path_.empty() ? key : path_ + "." + key; }
-  [[noreturn]] void child_path_fail(const char* key, const std::string& what) const {
-    DS_FAIL("{}: {} {}", *source_, child_path(key), what);
-  }
-
-  const json* v_;
-  std::string path_;
-  const std::string* source_;
-};
+using Node = JsonNode;
 
 // ---- PCRE2 --------------------------------------------------------------------------------
 
@@ -899,7 +778,7 @@ void HFTokenizer::Impl::load_model(const Node& model) {
         a = e.element(0).str();
         b = e.element(1).str();
       } else {
-        e.fail("must be a string \"left right\" or a pair [left, right], got " + describe(e.value()));
+        e.fail("must be a string \"left right\" or a pair [left, right], got " + describe_json(e.value()));
       }
       const auto ia = vocab.find(a), ib = vocab.find(b);
       std::string joined(a);
@@ -1469,12 +1348,7 @@ std::string HFTokenizer::id_to_token(int32_t id) const {
 const std::string& HFTokenizer::post_processor_type() const { return impl_->post_processor; }
 
 std::unique_ptr<HFTokenizer> load_hf_tokenizer_from_json_text(std::string_view text, std::string source) {
-  json root;
-  try {
-    root = json::parse(text.begin(), text.end());
-  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number like 1e400
-    DS_FAIL("{}: not valid JSON: {}; is it a tokenizer.json?", source, e.what());
-  }
+  const json root = parse_json(text, source, kTokenizerJson);
   auto impl = std::make_unique<HFTokenizer::Impl>();
   impl->source = std::move(source);
   impl->load(root);
@@ -1490,12 +1364,7 @@ std::unique_ptr<HFTokenizer> load_hf_tokenizer(const std::string& path) {
     DS_CHECK(fs::is_regular_file(file, ec), "{} is a directory without a tokenizer.json; pass the model directory "
                                             "that has one, or the file itself", path);
   }
-  std::ifstream in(file, std::ios::binary);
-  DS_CHECK(in.good(), "cannot open tokenizer file {}: {}; check the path", file, std::strerror(errno));
-  std::ostringstream text;
-  text << in.rdbuf();
-  DS_CHECK(!in.bad(), "reading tokenizer file {} failed; check the file", file);
-  return load_hf_tokenizer_from_json_text(text.str(), file);
+  return load_hf_tokenizer_from_json_text(read_text_file(file, kTokenizerJson.max_bytes, "tokenizer file"), file);
 }
 
 }  // namespace dstrain

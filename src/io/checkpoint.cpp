@@ -150,9 +150,30 @@ void write_json_group(hid_t parent, const std::string& name, const json& j) {
   }
 }
 
-json read_json_group(hid_t parent, const std::string& name) {
-  h5::Handle g = h5::open_group(parent, name);
-  return json::parse(h5::read_attr_string(g, "json"));
+// The JSON fields of a checkpoint (each group's "json" attribute and the config dataset),
+// parsed. One that is not valid JSON was damaged after the file was written: it becomes a
+// problem that names the file and the field, and null (optional groups absent are null too).
+void read_json_fields(hid_t file, const std::string& path, TrainState& st, std::vector<std::string>& problems) {
+  auto parse = [&](const std::string& field, const std::string& text) {
+    try {
+      return parse_json(text, fmt::format("checkpoint '{}': field {}", path, field), kDataJson);
+    } catch (const Error& e) {
+      problems.push_back(e.what());
+      return json();
+    }
+  };
+  auto group = [&](const char* name, bool required) {
+    if (!required && !h5::exists(file, name)) return json();
+    h5::Handle g = h5::open_group(file, name);
+    return parse(fmt::format("/{}@json", name), h5::read_attr_string(g, "json"));
+  };
+  st.scheduler = group("scheduler", true);
+  st.rng = group("rng", true);
+  st.data = group("data", true);
+  st.layout = group("layout", true);
+  st.environment = group("environment", false);
+  st.loss_scaler = group("loss_scaler", false);
+  st.config = parse("/config", h5::read_string_dataset(file, "config"));
 }
 
 std::string utc_now() {
@@ -693,16 +714,15 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
       h5::Handle opt = h5::open_group(file, "optimizer");
       st.optimizer_steps = h5::read_attr_int(opt, "step");
     }
-    st.scheduler = read_json_group(file, "scheduler");
-    st.rng = read_json_group(file, "rng");
-    st.data = read_json_group(file, "data");
-    st.layout = read_json_group(file, "layout");
-    st.config = json::parse(h5::read_string_dataset(file, "config"));
-    if (h5::exists(file, "loss_scaler")) st.loss_scaler = read_json_group(file, "loss_scaler");
-    // One rank reads every attribute back; its verdict reaches all below.
+    // One rank reads every attribute back and checks it against its checksum before anything
+    // is interpreted (a damaged field is reported as damaged, not as whatever it now parses
+    // to); its verdict reaches all below.
     const MetadataReport meta = rank == 0 ? verify_metadata(file) : MetadataReport{};
     std::vector<std::string> problems = meta.problems;
-    for (std::string& c : consistency_problems(st)) problems.push_back(std::move(c));
+    if (problems.empty()) {
+      read_json_fields(file, path, st, problems);
+      for (std::string& c : consistency_problems(st)) problems.push_back(std::move(c));
+    }
     if (!problems.empty()) {
       throw Error(fmt::format("its metadata fails verification:{}\n  the file was altered or damaged after it was "
                               "written; resume from another checkpoint",
@@ -739,7 +759,7 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
         names.push_back(where);
       }
     }
-  } catch (const Error& e) {
+  } catch (const std::exception& e) {  // an Error, or a library's exception on a damaged field
     error = fmt::format("checkpoint '{}' cannot be read: {}", path, e.what());
   }
   throw_if_any_rank_failed(comm, error);
@@ -802,17 +822,13 @@ CheckpointInfo inspect_checkpoint(const std::string& path, bool verify) {
   st.consumed_samples = h5::read_attr_int(file, "consumed_samples");
   st.consumed_tokens = h5::read_attr_int(file, "consumed_tokens");
   st.optimizer_steps = h5::read_attr_int(h5::open_group(file, "optimizer"), "step");
-  st.scheduler = read_json_group(file, "scheduler");
-  st.rng = read_json_group(file, "rng");
-  st.data = read_json_group(file, "data");
-  st.layout = read_json_group(file, "layout");
-  st.config = json::parse(h5::read_string_dataset(file, "config"));
-  if (h5::exists(file, "environment")) st.environment = read_json_group(file, "environment");
-  if (h5::exists(file, "loss_scaler")) st.loss_scaler = read_json_group(file, "loss_scaler");
+  // Verified before it is interpreted: a damaged field shows as a problem, and what can be
+  // read of the rest is still shown.
   const MetadataReport meta = verify_metadata(file);
   info.metadata_sealed = meta.sealed;
   info.metadata_fields = meta.fields;
   info.metadata_problems = meta.problems;
+  read_json_fields(file, path, st, info.metadata_problems);
   for (std::string& c : consistency_problems(st)) info.metadata_problems.push_back(std::move(c));
   std::vector<float> buf;
   for (const char* gname : kGroups) {

@@ -204,13 +204,8 @@ SafeTensorsFile::~SafeTensorsFile() {
 }
 
 void SafeTensorsFile::parse_header(std::string_view header, int64_t data_bytes) {
-  json h;
-  try {
-    h = json::parse(header.begin(), header.end());
-  } catch (const json::exception& e) {
-    DS_FAIL("safetensors file '{}': the {}-byte header is not valid JSON ({}); the file is corrupt or not a "
-            "safetensors file", path_, header.size(), e.what());
-  }
+  const json h = parse_json(header, fmt::format("safetensors file '{}' (its {}-byte header)", path_, header.size()),
+                            kSafetensorsHeaderJson);
   DS_CHECK(h.is_object(), "safetensors file '{}': the header is {}, expected a JSON object", path_, h.type_name());
 
   for (const auto& [key, value] : h.items()) {

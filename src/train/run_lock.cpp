@@ -80,7 +80,12 @@ RunLock::RunLock(const std::string& dir) {
       DS_FAIL("cannot create the lock file '{}': {}", path_, std::strerror(err));
     }
     const std::string theirs = read_text(lock);
-    json owner = json::parse(theirs, nullptr, /*allow_exceptions=*/false);
+    json owner;
+    try {
+      owner = parse_json(theirs, "lock file '" + path_ + "'", kDataJson);
+    } catch (const Error&) {
+      // Damaged or being written: an owner unknown, which is not taken over below.
+    }
     if (!owner.is_object()) owner = json::object();
     const std::string their_host = owner.value("host", std::string("?"));
     const int64_t their_pid = owner.value("pid", int64_t(-1));

@@ -464,9 +464,10 @@ std::string model_mismatch(const std::string& path, const ParamRegistry& reg, co
   CheckpointInfo info;
   try {
     info = inspect_checkpoint(path, /*verify=*/false);
-  } catch (const Error&) {
-    return "";
+  } catch (const std::exception&) {
+    return "";  // unreadable: reading it says why, and --resume auto then tries an older one
   }
+  if (!info.metadata_problems.empty() || !info.state.config.is_object()) return "";
   std::map<std::string, Shape> stored;
   for (const CheckpointTensorInfo& t : info.tensors) {
     if (t.group == "model") stored.emplace(t.name, t.shape);

@@ -320,6 +320,69 @@ TEST(Checkpoint, AlteredMetadataIsAnErrorNamingTheFieldAndAnUnsealedFileStillLoa
   }
 }
 
+// A bit flip that leaves a metadata field's JSON unparseable: verified and reported as the
+// damaged field of that file (not a parser's bare message), and --resume auto falls back to the
+// previous checkpoint as for any other damage; without the checksums (an unsealed file) the
+// parse error still names the file and the field.
+TEST(Checkpoint, DamagedJsonMetadataNamesTheFieldAndFallsBack) {
+  RunFiles files(4, {{"checkpoint", {{"interval_steps", 2}, {"keep_last", 3}, {"async", false}}}});
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  {
+    Trainer t(files.config(), grid);
+    t.init_weights("");
+    t.train();
+  }
+  const fs::path dir = files.dir() / "out" / "checkpoints";
+  const std::string newest = (dir / "step_00000004.h5").string();
+  const std::string unsealed = (files.dir() / "unsealed.h5").string();
+  // '{' (0x7b) with bit 1 flipped is 'y': no longer JSON.
+  auto flipped_json = [](const std::string& path, const std::string& group) {
+    std::string text;
+    {
+      std::lock_guard lock(h5::hdf5_lock());
+      h5::Handle f = h5::open_file(path, MPI_COMM_NULL);
+      text = h5::read_attr_string(h5::open_group(f, group), "json");
+    }
+    text[0] = char(text[0] ^ 0x02);
+    set_attr(path, "/" + group, "json", text);
+  };
+  if (world_rank() == 0) {
+    fs::copy_file((dir / "step_00000002.h5"), unsealed);
+    flipped_json(newest, "scheduler");
+    flipped_json(unsealed, "rng");
+    std::lock_guard lock(h5::hdf5_lock());
+    h5::Handle f(H5Fopen(unsealed.c_str(), H5F_ACC_RDWR, H5P_DEFAULT), "H5Fopen");
+    DS_H5_CHECK(H5Adelete(f, "metadata_crc32"));
+    DS_H5_CHECK(H5Ldelete(f, "metadata_checksums", H5P_DEFAULT));
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  {
+    Trainer t(files.config(), grid);
+    ASSERT_TRUE(t.resume("auto"));
+    EXPECT_EQ(t.step(), 2) << "the damaged step-4 checkpoint must be skipped";
+  }
+  Trainer t(files.config({"checkpoint.dir=" + quoted(files.dir() / "unused")}), grid);
+  const std::pair<std::string, std::string> cases[] = {{newest, "/scheduler@json fails its checksum"},
+                                                       {unsealed, "field /rng@json: not valid JSON"}};
+  for (const auto& [path, says] : cases) {
+    try {
+      t.resume(path);
+      ADD_FAILURE() << path << " was resumed from";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+    if (world_rank() == 0) {
+      // What dstrain-ckpt info shows: the problem, and the rest of the file.
+      const CheckpointInfo info = inspect_checkpoint(path, /*verify=*/true);
+      ASSERT_FALSE(info.metadata_problems.empty());
+      EXPECT_NE(info.metadata_problems[0].find(says.substr(0, says.find(' '))), std::string::npos)
+          << info.metadata_problems[0];
+      EXPECT_FALSE(info.tensors.empty());
+    }
+  }
+}
+
 // Flips a byte in the middle of a tensor's data, found through HDF5 (rank 0 only).
 void corrupt_tensor(const std::string& path, const std::string& dataset) {
   haddr_t offset = 0;

@@ -9,6 +9,9 @@
 #include <fstream>
 #include <numbers>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include "core/json_reader.h"
 #include "train/run_config.h"
 
@@ -187,6 +190,66 @@ TEST(Config, DuplicateKeysAreErrorsNamingKeyAndLines) {
   msg = error_of(
       [&] { RunConfig::load(d.write("s.json", run_json()), {R"(data.train=[{"path": "a", "path": "b"}])"}); });
   EXPECT_THAT(msg, HasSubstr("--set data.train: key 'data.train[0].path' is given twice"));
+}
+
+// Hostile or careless inputs end with a message, not a hang, a crash or a kernel OOM kill.
+TEST(Config, NestingBeyondTheLimitIsRefusedBeforeParsing) {
+  TempDir dir;
+  // 300,000 nested arrays: the pass that checks duplicate keys once took memory quadratic in
+  // the depth (24 GB), and printing such a value recursed until the stack overflowed.
+  const std::string deep = R"({"model": )" + std::string(300000, '[') + std::string(300000, ']') + "}";
+  const std::string path = dir.write("deep.json", deep);
+  std::string msg = error_of([&] { (void)RunConfig::load(path, {}); });
+  EXPECT_THAT(msg, HasSubstr(path));
+  EXPECT_THAT(msg, HasSubstr("nest deeper than 64 levels (line 1, column 74)"));
+  // Brackets inside strings and comments do not count.
+  const std::string quoted = dir.write("quoted.json", R"({"a": ")" + std::string(100, '[') + R"("} // [[[[)" "\n");
+  EXPECT_EQ(read_json_file(quoted)["a"], std::string(100, '['));
+  // The model's config.json goes through the same reader.
+  const std::string model = dir.write("config.json", std::string(70, '[') + std::string(70, ']'));
+  msg = error_of([&] { (void)RunConfig::load(dir.write("run.json", R"({"model": ")" + model + R"("})"), {}); });
+  EXPECT_THAT(msg, HasSubstr(model));
+  EXPECT_THAT(msg, HasSubstr("nest deeper than 64 levels"));
+  // And --set values.
+  msg = error_of([] {
+    json root = json::object();
+    apply_override(root, "model=" + std::string(100, '[') + std::string(100, ']'));
+  });
+  EXPECT_THAT(msg, HasSubstr("command line --set model"));
+  EXPECT_THAT(msg, HasSubstr("nest deeper than 64 levels"));
+}
+
+TEST(Config, OnlyRegularFilesOfBoundedSizeAreRead) {
+  TempDir dir;
+  // A FIFO would block forever waiting for a writer; /dev/zero never ends.
+  const std::string fifo = dir.write("x", "") + ".fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  std::string msg = error_of([&] { (void)RunConfig::load(fifo, {}); });
+  EXPECT_THAT(msg, HasSubstr(fifo));
+  EXPECT_THAT(msg, HasSubstr("is a FIFO: give a regular file"));
+  msg = error_of([] { (void)RunConfig::load("/dev/zero", {}); });
+  EXPECT_THAT(msg, HasSubstr("'/dev/zero' is a character device"));
+  msg = error_of([&] { (void)read_json_file(dir.write("", "")); });
+  EXPECT_THAT(msg, HasSubstr("is a directory"));
+  const std::string big = dir.write("big.json", "{\"a\": \"" + std::string((16 << 20) + 10, 'x') + "\"}");
+  msg = error_of([&] { (void)RunConfig::load(big, {}); });
+  EXPECT_THAT(msg, HasSubstr(big));
+  EXPECT_THAT(msg, HasSubstr("more than the 16 MB such a file may take"));
+  EXPECT_THAT(error_of([&] { (void)RunConfig::load(dir.write("bad.json", "{\"a\": [1,"), {}); }),
+              HasSubstr("bad.json': not valid JSON"));
+}
+
+TEST(Config, NumbersBeyondADoubleAreErrorsNotStrings) {
+  json root = json::object();
+  std::string msg = error_of([&] { apply_override(root, "moe.capacity_factor=1e400"); });
+  EXPECT_THAT(msg, HasSubstr("--set moe.capacity_factor: 1e400 is out of the range of a number"));
+  TempDir dir;
+  msg = error_of([&] { (void)read_json_file(dir.write("big_number.json", R"({"lr": -1e400})")); });
+  EXPECT_THAT(msg, HasSubstr("big_number.json': not valid JSON"));
+  // Text that is not JSON stays a string; an array or object that is not valid JSON is an error.
+  apply_override(root, "output.dir=runs/a");
+  EXPECT_EQ(root["output"]["dir"], "runs/a");
+  EXPECT_THAT(error_of([&] { apply_override(root, "data.train=[a.bin]"); }), HasSubstr("not valid JSON"));
 }
 
 TEST(Config, ModelFromAnHFConfigFileWithInlineOverrides) {

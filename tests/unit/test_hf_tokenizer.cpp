@@ -475,6 +475,11 @@ TEST(HFTokenizer, ErrorsNameTheFileAndTheKey) {
 
   msg = error_of([] { (void)load_hf_tokenizer_from_json_text("{\"model\": [1, 2", "broken.json"); });
   EXPECT_CONTAINS(msg, "broken.json: not valid JSON");
+  msg = error_of([] {
+    (void)load_hf_tokenizer_from_json_text("{\"model\": " + std::string(100000, '[') + std::string(100000, ']') + "}",
+                                           "deep.json");
+  });
+  EXPECT_CONTAINS(msg, "deep.json: arrays and objects nest deeper than 64 levels");
   EXPECT_CONTAINS(error_of([] { (void)load_hf_tokenizer("/no/such/tokenizer.json"); }), "/no/such/tokenizer.json");
 }
 

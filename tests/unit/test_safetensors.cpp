@@ -244,6 +244,12 @@ TEST_F(SafeTensors, RejectsCorruptFiles) {
        R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
        twelve, {"'b'", "overlaps tensor 'a'"}},
       {"bad_metadata", R"({"__metadata__":{"format":3}})", {}, {"__metadata__", "\"format\""}},
+      // 1.2 MB of {"a": nesting once overflowed the stack (SIGSEGV) when its entry was printed.
+      {"deep_nesting", [] {
+         std::string h;
+         for (int i = 0; i < 240000; ++i) h += R"({"a":)";
+         return h + "1" + std::string(240000, '}');
+       }(), twelve, {"nest deeper than 64 levels", "not a safetensors header"}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
