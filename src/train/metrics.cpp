@@ -583,6 +583,18 @@ std::string Metrics::summary_table() const {
     }
     return r;
   };
+  // Steps skipped as faults (non-finite, spikes) and, in fp16, for overflows: a few of those while
+  // the loss scale settles are normal; a run that still overflows at its end, or often, is not.
+  auto skipped_row = [&] {
+    const StepMetrics& m = impl_->last;
+    const int64_t faults = impl_->have_step ? m.skipped_total : 0;
+    const int64_t overflows = impl_->have_step && m.loss_scaling ? m.overflow_skipped_total : 0;
+    const int64_t steps = int64_t(impl_->tokens_per_s.size());
+    if (overflows == 0) return Row{"skipped steps", fmt::format("{}", faults), "0", faults == 0};
+    return Row{"skipped steps (+ fp16 overflows)", fmt::format("{} + {}", faults, overflows),
+               "0 (+ a few overflows at the start)",
+               faults == 0 && !m.overflow && overflows <= std::max<int64_t>(32, steps / 10)};
+  };
   std::vector<Row> rows = {
       {"throughput (median)", fmt::format("{:.0f} tok/s", median(impl_->tokens_per_s)), "-", true},
       mfu_row(),
@@ -593,8 +605,7 @@ std::string Metrics::summary_table() const {
       {"checkpoint stall", pct(ckpt), "< 5% of a step", ckpt < 0.05},
       {"load imbalance (step time spread over ranks)", pct(imb), "< 10%", imb < 0.10},
       {"peak memory / budget", pct(mem), "< 90%", mem < 0.90},
-      {"skipped steps", fmt::format("{}", impl_->have_step ? impl_->last.skipped_total : 0), "0",
-       !impl_->have_step || impl_->last.skipped_total == 0},
+      skipped_row(),
       impl_->gpu_util.empty() ? Row{"GPU utilisation", "n/a (CPU run or no NVML)", "> 90%", true}
                               : Row{"GPU utilisation (rank 0, NVML)", pct(median(impl_->gpu_util)), "> 90%",
                                     median(impl_->gpu_util) > 0.90},

@@ -75,6 +75,13 @@ PrecisionConfig read_precision(const JsonReader& r) {
       f.error("loss_scale", fmt::format("is {}; it must be 0 (dynamic loss scaling) or a positive static scale",
                                         s.loss_scale));
     }
+    // The same bound as a dynamic scale's start: the scaled loss and its fp32 gradient seeds must
+    // stay finite (fp32's maximum is 3.4e38), or every step overflows.
+    if (s.loss_scale > std::ldexp(1.0, 100)) {
+      f.error("loss_scale", fmt::format("is {:g}, above 2^100 ({:g}): every step's scaled gradients would overflow; "
+                                        "use a scale of at most 2^100, or 0 for dynamic loss scaling",
+                                        s.loss_scale, std::ldexp(1.0, 100)));
+    }
     // The scale multiplies fp32 gradient seeds: 2^power must stay well inside fp32's range.
     if (s.initial_scale_power < 0 || s.initial_scale_power > 100) {
       f.error("initial_scale_power", fmt::format("is {}; the first scale is 2^power with power in [0, 100] (DeepSpeed's "

@@ -722,6 +722,10 @@ std::string Trainer::forward_backward(StepData& data, const LossScales& scales, 
     std::vector<PipelineRunner::MicroBatch> micro;
     for (Batch& b : data.micro) micro.push_back({tokens_tensor(b.inputs, mb, T), tokens_tensor(b.targets, mb, T)});
     try {
+      if (fault_at_this_step(&FaultInjection::oom_at_step) && !oom_fault_fired_) {
+        oom_fault_fired_ = true;
+        throw OutOfMemory(fmt::format("fault injection: allocation failure at step {}", step_ + 1));
+      }
       for (const LossSums& s : runner_->run_step(micro, scales, timeline_.get(), step_ + 1)) {
         sums[0] += s.sum;
         sums[1] += double(s.count);
@@ -894,7 +898,9 @@ void Trainer::judge_step(StepRecord& r) {
   last_skip_reason_ = r.skip_reason;
   log::warn("step {} skipped: {} ({} in a row, {} in all)", r.step, r.skip_reason, skipped_in_a_row_, skipped_total_);
   if (skipped_in_a_row_ >= config_.resilience.max_skipped_steps) {
-    // No checkpoint was written during the streak, so the newest one predates it.
+    // No checkpoint was written during the streak, so the newest one predates it (one still
+    // being written counts: every rank waits for it alike).
+    ckpt_->wait();
     const std::vector<std::string> kept = ckpt_->list();
     throw Error(fmt::format("training stopped: {} consecutive steps skipped (last: {}); resume from the last "
                             "checkpoint{} with a lower learning rate or check the data",
@@ -1050,6 +1056,13 @@ bool Trainer::train_step(StepRecord& r) {
       log::info("step {}: {} steps without overflow: loss scale raised to {}", r.step,
                 config_.train.precision.fp16_scaler.loss_scale_window, scaler_->scale());
     }
+    last_overflowed_ = r.overflow;
+    // A dynamic scale recovers (or stops at min_loss_scale with an error); a static one never does.
+    static_overflows_in_a_row_ = r.overflow && !scaler_->dynamic() ? static_overflows_in_a_row_ + 1 : 0;
+    DS_CHECK(static_overflows_in_a_row_ < config_.resilience.max_skipped_steps,
+             "training stopped: {} consecutive steps overflowed at the static fp16 loss scale {} "
+             "(resilience.max_skipped_steps); lower train.fp16.loss_scale, or set it to 0 for dynamic loss scaling",
+             static_overflows_in_a_row_, r.loss_scale);
   }
   if (!r.overflow) {
     judge_step(r);
@@ -1326,7 +1339,7 @@ Trainer::Outcome Trainer::train() {
     if (on_step) on_step(r);
     // A checkpoint due at this step belongs to its time split. One deferred by a skipped
     // step is written as soon as a step succeeds again.
-    const bool ckpt_due = checkpoint_due(r.step) || (save_deferred_ && !r.skipped);
+    const bool ckpt_due = checkpoint_due(r.step) || (save_deferred_ && !r.skipped && !r.overflow);
     if (ckpt_due) {
       r.checkpoint_seconds = history_.back().checkpoint_seconds = save_checkpoint();
       r.step_seconds += r.checkpoint_seconds;
@@ -1465,6 +1478,12 @@ std::string Trainer::unsafe_to_save() {
   if (skipped_in_a_row_ > 0) {
     return fmt::format("step {} was skipped ({}, {} in a row)", step_, last_skip_reason_, skipped_in_a_row_);
   }
+  // An overflow leaves the weights as they were, but a run that keeps overflowing is diverging
+  // (a NaN loss is an overflow in fp16): its state must not rotate the good checkpoints away.
+  if (last_overflowed_) {
+    return fmt::format("step {}'s fp16 gradients overflowed (the step was skipped; loss scale now {})", step_,
+                       scaler_->scale());
+  }
   // Every rank holds the whole state (with ZeRO: its shard); each looks at it, and all agree.
   const Buffer& weights = zero_ ? zero_->master() : model_->params().values();
   const Buffer& m = zero_ ? zero_->exp_avg() : optimizer_->exp_avg();
@@ -1481,6 +1500,7 @@ double Trainer::save_checkpoint() {
   const std::string unsafe = unsafe_to_save();
   if (!unsafe.empty()) {
     save_deferred_ = true;
+    ckpt_->wait();  // a save in flight is the newest one kept: list it
     const std::vector<std::string> kept = ckpt_->list();
     log::warn("checkpoint of step {} deferred until a step succeeds: {}; {}", step_, unsafe,
               kept.empty() ? std::string("no checkpoint exists yet")

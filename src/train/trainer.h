@@ -271,6 +271,10 @@ class Trainer {
   // used): the learning-rate schedule stands still at them.
   int64_t overflow_steps_ = 0;
   std::string last_skip_reason_;
+  // fp16: whether the last step overflowed (skipped), and how many in a row at a static scale,
+  // which cannot recover (they count against resilience.max_skipped_steps).
+  bool last_overflowed_ = false;
+  int64_t static_overflows_in_a_row_ = 0;
   // A checkpoint was due while the state was not worth saving (a skipped step, non-finite
   // weights): it is written at the next good step instead.
   bool save_deferred_ = false;

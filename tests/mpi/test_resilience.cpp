@@ -235,6 +235,63 @@ TEST(Resilience, DivergenceNeverRotatesAwayTheLastGoodCheckpoint) {
   EXPECT_TRUE(std::all_of(w.data<float>(), w.data<float>() + w.numel(), [](float x) { return std::isfinite(x); }));
 }
 
+// fp16: a run that diverges keeps overflowing (its loss is NaN, its weights finite but huge).
+// Each overflow skips the step; a checkpoint due then is deferred, as after any skipped step,
+// so that the good checkpoints are not rotated away by diverged ones. At every ZeRO stage, and
+// under pipeline parallelism where the ranks allow it.
+TEST(Resilience, Fp16OverflowsDeferTheSaveAtEveryStageAndUnderPipelines) {
+  std::vector<std::string> layouts = {"train.zero_optimization.stage=0", "train.zero_optimization.stage=1",
+                                      "train.zero_optimization.stage=2", "train.zero_optimization.stage=3"};
+  if (world_size() % 2 == 0) layouts.push_back("parallel.pipeline=2");
+  for (const std::string& layout : layouts) {
+    SCOPED_TRACE(layout);
+    RunFiles files(12, {{"checkpoint", {{"interval_steps", 1}, {"keep_last", 2}, {"async", true}}}});
+    ProcessGrid grid(MPI_COMM_WORLD, files.config({layout}).parallel);
+    // A learning rate that throws the weights far off at the first update; a low first scale
+    // and no hysteresis, so that the scaler reaches its minimum (an error) within the run.
+    Trainer t(files.config({layout, R"(train.fp16={"enabled": true, "initial_scale_power": 6, "hysteresis": 1})",
+                            "train.optimizer.params.lr=1e4", "train.gradient_clipping=0"}),
+              grid);
+    t.init_weights("");
+    try {
+      t.train();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("min_loss_scale"), std::string::npos) << e.what();
+    }
+    t.checkpoints().wait();  // the error left a save in flight
+    const std::vector<StepRecord>& h = t.history();
+    const auto first_overflow = std::find_if(h.begin(), h.end(), [](const StepRecord& r) { return r.overflow; });
+    ASSERT_NE(first_overflow, h.end()) << "the run never overflowed: the test does not test the deferral";
+    ASSERT_GT(first_overflow - h.begin(), 0) << "the very first step overflowed: nothing good to keep";
+    const std::vector<int64_t> saved = saved_steps(t);
+    ASSERT_FALSE(saved.empty());
+    for (int64_t s : saved) EXPECT_FALSE(h[size_t(s - 1)].overflow) << "step " << s << " overflowed but was saved";
+    // The newest checkpoint is the last step before the overflows began.
+    EXPECT_EQ(saved.front(), first_overflow->step - 1);
+  }
+}
+
+// A static scale cannot recover from overflowing: a streak of overflows counts against
+// resilience.max_skipped_steps instead of skipping every step of the run and ending "ok".
+TEST(Resilience, AStaticFp16ScaleThatAlwaysOverflowsStopsTheRun) {
+  RunFiles files(10);
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  Trainer t(files.config({R"(train.fp16={"enabled": true, "loss_scale": 1.2676506002282294e30})",
+                          "resilience.max_skipped_steps=3"}),
+            grid);
+  t.init_weights("");
+  try {
+    t.train();
+    ADD_FAILURE() << "a run whose every step overflowed went on";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("3 consecutive steps overflowed at the static fp16 loss scale"),
+              std::string::npos)
+        << e.what();
+  }
+  ASSERT_EQ(t.history().size(), 2u);  // the third overflow ends the run before it is recorded
+  EXPECT_TRUE(t.history()[0].overflow && t.history()[1].overflow);
+}
+
 TEST(Resilience, ACheckpointDueAtASkippedStepIsWrittenAtTheNextGoodOne) {
   RunFiles files(6, {{"checkpoint", {{"interval_steps", 3}, {"keep_last", 5}, {"async", true}}}});
   ProcessGrid grid(MPI_COMM_WORLD, {});

@@ -498,6 +498,9 @@ TEST(Config, MixedPrecisionMistakesAreErrorsNamingTheKey) {
   EXPECT_THAT(msg({"train.fp16={\"enabled\": true, \"loss_scale_windows\": 10}"}),
               HasSubstr("unknown key 'train.fp16.loss_scale_windows'"));
   EXPECT_THAT(msg({"train.bf16={\"enable\": true}"}), HasSubstr("unknown key 'train.bf16.enable'"));
+  // A static scale no step could survive (the scaled loss is fp32, whose maximum is 3.4e38).
+  EXPECT_THAT(msg({"train.fp16={\"enabled\": true, \"loss_scale\": 1e39}"}),
+              HasSubstr("key 'train.fp16.loss_scale' is 1e+39, above 2^100"));
   EXPECT_THAT(msg({"train.bf16={\"enabled\": \"auto\"}"}), HasSubstr("'train.bf16.enabled' must be true or false"));
   EXPECT_THAT(msg({"train.fp16={\"hysteresis\": 1.5}"}), HasSubstr("'train.fp16.hysteresis' must be an integer"));
   EXPECT_THAT(msg({"train.fp16={\"loss_scale\": \"dynamic\"}"}), HasSubstr("'train.fp16.loss_scale' must be a number"));

@@ -196,6 +196,41 @@ TEST(Metrics, LossScaleAndOverflowSkipsOfAnFp16Run) {
     if (row.contains("step") && row.contains("loss")) steps.push_back(row);
   }
   ASSERT_EQ(steps.size(), 2u);
+  StepMetrics s;
+  s.max_steps = 40;
+  s.loss = 2.5;
+  s.tokens_per_s = 2000;
+  s.time = {1.0, 0.1, 0.3, 0.4, 0.05, 0.05, 0.02};
+  s.rank_step_s = {1.0};
+  s.rank_compute_s = {0.9};
+  s.rank_peak_rss_bytes = {1e8};
+  s.step = 1;
+  s.loss_scaling = true;
+  // One overflow while the scale settles: counted, and normal.
+  {
+    Metrics m(mc, small(), 32, 0, 1, 1, dir.string(), 10, [] { return Peak{100e9, "measured: injected"}; });
+    s.overflow_skipped_total = 1;
+    s.overflow = false;
+    m.on_step(s);
+    const std::string table = m.summary_table();
+    const std::string row = table.substr(table.find("skipped steps"), table.find('\n', table.find("skipped steps")) -
+                                                                           table.find("skipped steps"));
+    EXPECT_THAT(row, ::testing::MatchesRegex("skipped steps \\(\\+ fp16 overflows\\) +0 \\+ 1 .* ok"));
+  }
+  // A run that overflows at every step (a static scale too large, or a diverged run) is not ok.
+  {
+    Metrics m(mc, small(), 32, 0, 1, 1, dir.string(), 10, [] { return Peak{100e9, "measured: injected"}; });
+    for (int i = 1; i <= 40; ++i) {
+      s.step = i;
+      s.overflow = true;
+      s.overflow_skipped_total = i;
+      m.on_step(s);
+    }
+    const std::string table = m.summary_table();
+    const std::string row = table.substr(table.find("skipped steps"), table.find('\n', table.find("skipped steps")) -
+                                                                           table.find("skipped steps"));
+    EXPECT_THAT(row, ::testing::MatchesRegex("skipped steps \\(\\+ fp16 overflows\\) +0 \\+ 40 .* CHECK"));
+  }
   EXPECT_EQ(steps[0]["loss_scale"], 65536.0);
   EXPECT_EQ(steps[0]["overflow"], true);
   EXPECT_EQ(steps[0]["overflow_skipped_total"], 1);

@@ -22,7 +22,11 @@
 #include "backend/ops.h"
 #include "core/tensor.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__FMA__)
+#if defined(__SANITIZE_THREAD__)
+// ThreadSanitizer instruments the ifunc resolvers, which run before its runtime starts (and
+// crash): a ThreadSanitizer build (tests/sanitize) compiles one version, for the build's ISA.
+#define DS_CPU_CLONES
+#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__FMA__)
 #define DS_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 // A build for the baseline ISA (DSTRAIN_NATIVE=OFF) has fp32 kernels without FMA: the clones
