@@ -18,8 +18,6 @@ target_link_libraries(dstrain_xxhash INTERFACE ${XXHASH_LIBRARY})
 # PCRE2 (8-bit, UTF + Unicode properties + JIT): the regexes of Hugging Face tokenizer.json files.
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)
-# cpp-httplib (libcpp-httplib-dev): the Prometheus endpoint.
-pkg_check_modules(HTTPLIB REQUIRED IMPORTED_TARGET cpp-httplib)
 add_library(dstrain_pcre2 INTERFACE)
 target_link_libraries(dstrain_pcre2 INTERFACE PkgConfig::PCRE2)
 

@@ -1,6 +1,5 @@
 #include "train/metrics.h"
 
-#include <httplib.h>
 #include <omp.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -17,6 +16,7 @@
 #include "backend/cpu/sgemm.h"
 #include "core/buffer.h"
 #include "core/log.h"
+#include "train/http_endpoint.h"
 
 namespace dstrain {
 
@@ -24,7 +24,11 @@ MetricsConfig MetricsConfig::from_json(const JsonReader& r) {
   MetricsConfig c;
   c.progress = r.get<std::string>("progress", c.progress);
   c.prometheus_port = r.get<int64_t>("prometheus_port", c.prometheus_port);
-  c.prometheus_host = r.get<std::string>("prometheus_host", c.prometheus_host);
+  c.prometheus_bind = r.get<std::string>("prometheus_bind", c.prometheus_bind);
+  if (r.has("prometheus_host")) {
+    r.error("prometheus_host", "was renamed metrics.prometheus_bind (default 127.0.0.1: this host only; 0.0.0.0 "
+                               "serves every interface, without authentication)");
+  }
   // null (what the resolved configuration shows when measured) or absent: measured at start.
   if (r.has("peak_tflops") && !r.is_null("peak_tflops")) {
     c.peak_tflops = r.get<double>("peak_tflops");
@@ -48,7 +52,7 @@ MetricsConfig MetricsConfig::from_json(const JsonReader& r) {
 }
 
 json MetricsConfig::to_json() const {
-  return {{"progress", progress},       {"prometheus_port", prometheus_port}, {"prometheus_host", prometheus_host},
+  return {{"progress", progress},       {"prometheus_port", prometheus_port}, {"prometheus_bind", prometheus_bind},
           {"peak_tflops", peak_tflops > 0 ? json(peak_tflops) : json(nullptr)}, {"memory_budget_gb", memory_budget_gb},
           {"timeline_steps", timeline_steps.to_json()}};
 }
@@ -183,8 +187,7 @@ struct Metrics::Impl {
   int64_t last_warn_step[4] = {-1000000, -1000000, -1000000, -1000000};
   double peak_flops = 0;  // what the endpoint thread shows
   std::string peak_source;
-  std::unique_ptr<httplib::Server> server;
-  std::thread server_thread;
+  std::unique_ptr<HttpEndpoint> server;
 };
 
 Metrics::Metrics(const MetricsConfig& config, const ModelConfig& model, int64_t seq_len, int rank, int world_size,
@@ -218,25 +221,25 @@ Metrics::Metrics(const MetricsConfig& config, const ModelConfig& model, int64_t 
             flops_per_token_, peak_flops_ / 1e9, peak_source_,
             budget_bytes_ / 1e9, jsonl_path_);
   if (config_.prometheus_port > 0) {
-    impl_->server = std::make_unique<httplib::Server>();
-    impl_->server->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
-      res.set_content(prometheus_text(), "text/plain; version=0.0.4; charset=utf-8");
-    });
-    if (!impl_->server->bind_to_port(config_.prometheus_host.c_str(), int(config_.prometheus_port))) {
-      throw Error(fmt::format("metrics.prometheus_port: cannot listen on {}:{} (in use, or not allowed); choose "
-                              "another port or set 0 to turn the endpoint off",
-                              config_.prometheus_host, config_.prometheus_port));
+    try {
+      impl_->server = std::make_unique<HttpEndpoint>(config_.prometheus_bind, int(config_.prometheus_port), "/metrics",
+                                                     "text/plain; version=0.0.4; charset=utf-8",
+                                                     [this] { return prometheus_text(); });
+    } catch (const Error& e) {
+      throw Error(fmt::format("metrics.prometheus_port: {}; choose another port (or metrics.prometheus_bind), or set "
+                              "the port to 0 to turn the endpoint off",
+                              e.what()));
     }
-    impl_->server_thread = std::thread([this] { impl_->server->listen_after_bind(); });
-    log::info("metrics: Prometheus endpoint on http://{}:{}/metrics", config_.prometheus_host,
-              config_.prometheus_port);
+    const bool loopback = config_.prometheus_bind == "127.0.0.1" || config_.prometheus_bind == "::1" ||
+                          config_.prometheus_bind == "localhost";
+    log::info("metrics: Prometheus endpoint on http://{}:{}/metrics ({})", config_.prometheus_bind,
+              config_.prometheus_port,
+              loopback ? "this host only; metrics.prometheus_bind = \"0.0.0.0\" serves other hosts"
+                       : "every host that reaches this address, without authentication");
   }
 }
 
-Metrics::~Metrics() {
-  if (impl_->server) impl_->server->stop();
-  if (impl_->server_thread.joinable()) impl_->server_thread.join();
-}
+Metrics::~Metrics() = default;
 
 void Metrics::write(const json& record) {
   if (!impl_->jsonl.is_open()) return;

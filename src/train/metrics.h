@@ -21,7 +21,7 @@ namespace dstrain {
 struct MetricsConfig {
   std::string progress = "auto";   // "auto" (a live bar when stdout is a terminal), "bar", "lines"
   int64_t prometheus_port = 0;     // 0: no endpoint
-  std::string prometheus_host = "0.0.0.0";
+  std::string prometheus_bind = "127.0.0.1";  // the address it listens on (0.0.0.0: every interface)
   double peak_tflops = 0;          // per rank; 0 (key absent): measured at start with sgemm
   double memory_budget_gb = 0;     // per rank; 0: the node's memory over its ranks
   TimelineSteps timeline_steps;    // the steps whose schedule is recorded (train/timeline.h); off

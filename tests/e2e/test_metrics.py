@@ -76,7 +76,7 @@ class Observability(unittest.TestCase):
         port = free_port()
         out = os.path.join(self.dir, "observed")
         cmd = [os.path.join(BUILD, "app", "dstrain"), "train", "--config", self.config, "--max-steps", "400",
-               "--set", f'output.dir="{out}"', f"metrics.prometheus_port={port}", 'metrics.prometheus_host="127.0.0.1"',
+               "--set", f'output.dir="{out}"', f"metrics.prometheus_port={port}",
                "metrics.progress=lines", "train.eval_interval=200", "checkpoint.interval_steps=150"]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -97,6 +97,8 @@ class Observability(unittest.TestCase):
         stdout, stderr = proc.communicate(timeout=300)
         self.assertEqual(proc.returncode, 0, stderr)
         self.assertEqual(len(scrapes), 2, "the endpoint was never scraped during training")
+        # Loopback by default, and the log says so.
+        self.assertIn(f"Prometheus endpoint on http://127.0.0.1:{port}/metrics (this host only;", stdout + stderr)
         (first, types, helps), (second, _, _) = scrapes
         self.assertGreater(second["dstrain_step"][0][1], first["dstrain_step"][0][1])
         for name in ("dstrain_loss", "dstrain_learning_rate", "dstrain_grad_norm", "dstrain_tokens_per_second",
@@ -193,10 +195,16 @@ class Observability(unittest.TestCase):
             s.listen()
             port = s.getsockname()[1]
             p = subprocess.run([os.path.join(BUILD, "app", "dstrain"), "train", "--config", self.config, "--set",
-                                f'output.dir="{os.path.join(self.dir, "busy")}"', f"metrics.prometheus_port={port}",
-                                'metrics.prometheus_host="127.0.0.1"'], capture_output=True, text=True)
+                                f'output.dir="{os.path.join(self.dir, "busy")}"', f"metrics.prometheus_port={port}"],
+                               capture_output=True, text=True)
         self.assertNotEqual(p.returncode, 0)
         self.assertIn(f"cannot listen on 127.0.0.1:{port}", p.stderr)
+        # The key of older configurations names its new name.
+        p = subprocess.run([os.path.join(BUILD, "app", "dstrain"), "train", "--config", self.config, "--set",
+                            f'output.dir="{os.path.join(self.dir, "renamed")}"', 'metrics.prometheus_host="0.0.0.0"'],
+                           capture_output=True, text=True)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("'metrics.prometheus_host' was renamed metrics.prometheus_bind", p.stderr)
 
 
 if __name__ == "__main__":
