@@ -41,6 +41,11 @@ ParallelConfig ParallelConfig::from_json(const JsonReader& r) {
     r.error("virtual_stages", "DualPipeV holds 2 chunks per rank (leave virtual_stages out)");
   }
   if (c.data < 0) r.error("data", "must be positive (or \"auto\")");
+  // Silently ignored, it would leave the resolved configuration saying it is on.
+  if (c.sequence_parallel && c.tensor == 1) {
+    r.error("sequence_parallel", "is true, but parallel.tensor is 1: sequence parallelism splits the sequence over "
+                                 "the tensor-parallel ranks; set parallel.tensor > 1, or remove sequence_parallel");
+  }
   for (auto [key, v] : {std::pair{"tensor", c.tensor}, {"pipeline", c.pipeline}, {"expert", c.expert}}) {
     if (v < 1) r.error(key, "must be >= 1");
   }

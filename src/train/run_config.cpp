@@ -299,6 +299,15 @@ void read_moe(const JsonReader& r, ModelConfig& model) {
     if (model.n_routed_experts <= 0) {
       r.error("capacity_factor", "is set, but the model has no routed experts (n_routed_experts)");
     }
+    // An expert receives at most every token once, so from E / top-k on nothing can be dropped.
+    if (f > double(model.n_routed_experts)) {
+      r.error("capacity_factor", fmt::format("is {:g}, above n_routed_experts ({}): from n_routed_experts / "
+                                             "num_experts_per_tok ({:g}) on no token can be dropped; use a factor in "
+                                             "(0, {}], or null for no capacity",
+                                             f, model.n_routed_experts,
+                                             double(model.n_routed_experts) / double(std::max<int64_t>(1, model.num_experts_per_tok)),
+                                             model.n_routed_experts));
+    }
     model.moe_capacity_factor = f;
   }
   if (!r.is_null("drop_policy")) model.moe_drop_policy = r.get<std::string>("drop_policy");

@@ -69,9 +69,9 @@ TEST(DataParallel, MatchesOneRankAndKeepsRanksBitwiseIdentical) {
 // multi-token prediction, whose modules' gradients are complete after the forward: they are
 // reported in the backward, so the first bucket (the last parameters, MTP's among them) does
 // not wait for finish() and hold every later bucket back.
-TEST(DataParallel, BucketsOfAModelWithMtpStartDuringTheBackward) {
+TEST(DataParallelMultiRank, BucketsOfAModelWithMtpStartDuringTheBackward) {
   ProcessGrid grid(MPI_COMM_WORLD, {});
-  if (grid.world_size() < 2) GTEST_SKIP() << "one rank reduces nothing";
+  DSTRAIN_REQUIRE_RANKS(grid.world_size() >= 2, "2 or 4 (one rank reduces nothing)");
   const ModelConfig c = ModelConfig::from_hf_json(v3_model()["model"], "v3");
   ASSERT_GT(c.num_nextn_predict_layers, 0);
   Transformer model(c, Device::cpu());

@@ -77,7 +77,7 @@ class PipelineTraining : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(PipelineTraining, MatchesOneRankInLossesAndWeights) {
   const int W = world_size();
-  if (W < 2) GTEST_SKIP() << "pipeline parallelism needs 2 or 4 ranks";
+  DSTRAIN_REQUIRE_RANKS(W >= 2, "2 or 4");
   RunFiles files(kSteps, model_of(GetParam()));
   ProcessGrid solo(MPI_COMM_SELF, {});
   Trainer ref(files.config(), solo);
@@ -97,8 +97,8 @@ TEST_P(PipelineTraining, MatchesOneRankInLossesAndWeights) {
 
 INSTANTIATE_TEST_SUITE_P(Models, PipelineTraining, ::testing::Values("dense", "dense_tied", "v3"));
 
-TEST(PipelineParallel, PipelineTimesDataAndTensorMatchOneRank) {
-  if (world_size() != 4) GTEST_SKIP() << "pipeline 2 x data 2 and pipeline 2 x tensor 2 need 4 ranks";
+TEST(PipelineParallelFourRanks, PipelineTimesDataAndTensorMatchOneRank) {
+  DSTRAIN_REQUIRE_RANKS(world_size() == 4, "4 (pipeline 2 x data 2, pipeline 2 x tensor 2)");
   for (const std::string model : {"dense_tied", "v3"}) {
     RunFiles files(kSteps, model_of(model));
     ProcessGrid solo(MPI_COMM_SELF, {});
@@ -123,7 +123,7 @@ TEST(PipelineParallel, PipelineTimesDataAndTensorMatchOneRank) {
 // the losses of the uninterrupted run, and the weights end the same.
 TEST(PipelineParallel, CheckpointsResumeAtOtherPipelineSizes) {
   const int W = world_size();
-  if (W < 2) GTEST_SKIP() << "needs 2 or 4 ranks";
+  DSTRAIN_REQUIRE_RANKS(W >= 2, "2 or 4");
   for (const std::string model : {"dense_tied", "v3"}) {
     RunFiles files(4, model_of(model));
     ProcessGrid solo(MPI_COMM_SELF, {});
@@ -174,7 +174,7 @@ TEST(PipelineParallel, CheckpointsResumeAtOtherPipelineSizes) {
 // run's weights.
 TEST(PipelineParallel, HuggingFaceExportHoldsEveryStagesWeights) {
   const int W = world_size();
-  if (W < 2) GTEST_SKIP() << "needs 2 or 4 ranks";
+  DSTRAIN_REQUIRE_RANKS(W >= 2, "2 or 4");
   for (const std::string model : {"dense_tied", "v3"}) {
     RunFiles files(2, model_of(model));
     ProcessGrid solo(MPI_COMM_SELF, {});
@@ -204,7 +204,7 @@ TEST(PipelineParallel, HuggingFaceExportHoldsEveryStagesWeights) {
 
 TEST(PipelineParallel, MetricsReportTheStagesTraffic) {
   const int W = world_size();
-  if (W < 2) GTEST_SKIP() << "needs 2 or 4 ranks";
+  DSTRAIN_REQUIRE_RANKS(W >= 2, "2 or 4");
   RunFiles files(2, model_of("dense"));
   const RunConfig cfg = files.config({"parallel.pipeline=" + std::to_string(W)});
   ProcessGrid grid(MPI_COMM_WORLD, cfg.parallel);
@@ -230,7 +230,7 @@ TEST(PipelineParallel, MetricsReportTheStagesTraffic) {
 
 TEST(PipelineParallel, AScheduleThatNeedsMoreMicroBatchesIsAnErrorNamingTheKey) {
   const int W = world_size();
-  if (W < 2) GTEST_SKIP() << "needs 2 or 4 ranks";
+  DSTRAIN_REQUIRE_RANKS(W >= 2, "2 or 4");
   RunFiles files(1, model_of("dense"));
   // 2 micro-batches per step: DualPipeV needs at least 2 x pipeline.
   const RunConfig cfg = files.config({"parallel.pipeline=" + std::to_string(W), "parallel.schedule=\"dualpipev\"",

@@ -390,6 +390,11 @@ TEST(Config, MoECapacityBlockParsesAndIsChecked) {
               HasSubstr("key 'moe.capacity_factor' is 0; it must be a positive number"));
   EXPECT_THAT(error(R"(, "moe": {"capacity_factor": -1.5})"), HasSubstr("key 'moe.capacity_factor' is -1.5"));
   EXPECT_THAT(error(R"(, "moe": {"capacity_factor": "1"})"), HasSubstr("'moe.capacity_factor' must be a number"));
+  // Beyond n_routed_experts nothing can be dropped; 1e300 once overflowed the capacity's int64.
+  EXPECT_THAT(error(R"(, "moe": {"capacity_factor": 1e300})"),
+              HasSubstr("key 'moe.capacity_factor' is 1e+300, above n_routed_experts"));
+  EXPECT_THAT(error_of([&] { RunConfig::load(run(""), {"moe.capacity_factor=1e400"}); }),
+              HasSubstr("1e400 is out of the range of a number"));
   EXPECT_THAT(error(R"(, "moe": {"capacity_factor": 1, "drop_policy": "random"})"),
               HasSubstr("key 'moe.drop_policy' is \"random\"; it must be \"probs\""));
   EXPECT_THAT(error_of([&] { RunConfig::load(run(R"(, "moe": {"capacity_factor": 1})", /*moe=*/false), {}); }),
@@ -586,6 +591,9 @@ TEST(Config, TensorAndSequenceParallelKeys) {
   EXPECT_THAT(msg({"parallel.tensor=0"}), HasSubstr("parallel.tensor"));
   EXPECT_THAT(msg({"parallel.sequence_parallel=1"}), HasSubstr("parallel.sequence_parallel"));
   EXPECT_THAT(msg({"parallel.sequence_paralel=true"}), HasSubstr("unknown key 'parallel.sequence_paralel'"));
+  // Without tensor parallelism there is no sequence to split: an error, not a silent no-op.
+  EXPECT_THAT(msg({"parallel.sequence_parallel=true"}),
+              HasSubstr("key 'parallel.sequence_parallel' is true, but parallel.tensor is 1"));
 }
 
 TEST(Config, PipelineKeys) {

@@ -401,6 +401,38 @@ class MoEGate(nn.Module):
         return idx, w, scores, margin
 
 
+def autocast_enabled():
+    """Whether CPU autocast is on (PyTorch 2's spelling, or 1.x's)."""
+    try:
+        return torch.is_autocast_enabled("cpu")
+    except TypeError:
+        return torch.is_autocast_cpu_enabled()
+
+
+def autocast_patches():
+    """These modules under torch.autocast("cpu", bfloat16) as Hugging Face's DeepSeek modelling
+    means them: the MoE gate in fp32 (MoEGate upcasts; autocast would undo that) on the
+    bf16-rounded norm output, as dstrain's gate reads it; and each MLP's bf16 output widened
+    (exactly) to fp32 before the MoE scatters it into its fp32 buffer (the eager MoE path's
+    index_put refuses mixed dtypes). Applied once; without autocast nothing changes."""
+    if getattr(MoEGate.scores, "patched", False):
+        return
+    gate_scores, mlp_forward = MoEGate.scores, DeepseekMLP.forward
+
+    def scores(self, x):
+        if autocast_enabled():
+            with torch.autocast("cpu", enabled=False):
+                return gate_scores(self, x.to(torch.bfloat16).float())
+        return gate_scores(self, x)
+
+    def forward(self, x):
+        y = mlp_forward(self, x)
+        return y.float() if autocast_enabled() else y
+    scores.patched = True
+    MoEGate.scores = scores
+    DeepseekMLP.forward = forward
+
+
 class DeepseekMoE(nn.Module):
     def __init__(self, cfg, layer_idx):
         super().__init__()

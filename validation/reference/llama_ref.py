@@ -230,7 +230,10 @@ def param_kind(name):
 
 
 def token_losses(logits, targets):
-    """Per-token cross-entropy, shape (B*T,); ignore_index=-100 positions give 0."""
+    """Per-token cross-entropy, shape (B*T,); ignore_index=-100 positions give 0. 16-bit logits
+    (autocast) are widened first: the loss is fp32, as in dstrain and Hugging Face's models."""
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
     v = logits.shape[-1]
     return F.cross_entropy(logits.reshape(-1, v), targets.reshape(-1),
                            reduction="none", ignore_index=IGNORE_INDEX)

@@ -18,6 +18,11 @@ Writes, deterministically in (S, --gqa, --tied):
         lrs         F32 (steps,) learning rate used at each step
         grad_norms  F32 (steps,) global gradient L2 norm before clipping, each step
         final.<name> F32        parameters after `steps` AdamW steps
+        bf16.step_losses, bf16.grad_norms, bf16.final.<name>
+                                the same training under torch.autocast("cpu", bfloat16) with
+                                fp32 weights and optimizer (PyTorch's mixed precision: what
+                                dstrain's train.bf16 is compared with, by the update each
+                                tensor receives)
 
 Training semantics (shared with dstrain): window i of the shard is tokens
 [i*T, i*T+T] (inputs = first T, targets = last T), consumed in order; step s,
@@ -196,8 +201,14 @@ def first_microbatch(config, weights, data, case):
     return out
 
 
-def train(config, weights, data, case, dtype=torch.float32):
-    """Run `steps` optimizer steps; returns step_losses, lrs, grad_norms, final params."""
+def autocast_bf16(enabled):
+    """torch.autocast on the CPU in bfloat16: fp32 weights, their products in bf16."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+
+
+def train(config, weights, data, case, dtype=torch.float32, bf16=False):
+    """Run `steps` optimizer steps; returns step_losses, lrs, grad_norms, final params. bf16: the
+    forward under autocast (the loss in fp32 from the logits widened), fp32 everything else."""
     T, B, A = case["seq_len"], case["micro_batch"], case["grad_accum"]
     model = build_model(config, weights, dtype)
     no_decay = set(case["no_decay"])
@@ -215,7 +226,8 @@ def train(config, weights, data, case, dtype=torch.float32):
         total = 0.0
         for m in range(A):
             x, y = window_batch(data, s * B * A + m * B, B, T)
-            logits = model(x)
+            with autocast_bf16(bf16):
+                logits = model(x).float()
             loss = llama_ref.token_losses(logits, y).sum() / (B * A * T)
             loss.backward()
             total += loss.item()
@@ -275,6 +287,7 @@ def main(argv=None):
     # Conditioning check: float64 shadow run of the identical training.
     r64 = train(config, weights, data, case, dtype=torch.float64)
     final_diff = max(float(np.max(np.abs(result["final"][n] - r64["final"][n]))) for n in result["final"])
+    rbf16 = train(config, weights, data, case, bf16=True)
     loss_diff = max(abs(a - b) for a, b in zip(result["step_losses"], r64["step_losses"]))
     norm_rel = max(abs(a - b) / b for a, b in zip(result["grad_norms"], r64["grad_norms"]))
 
@@ -295,6 +308,10 @@ def main(argv=None):
     expected["grad_norms"] = np.array(result["grad_norms"], dtype=np.float32)
     for name, arr in result["final"].items():
         expected["final." + name] = arr.astype(np.float32)
+    expected["bf16.step_losses"] = np.array(rbf16["step_losses"], dtype=np.float32)
+    expected["bf16.grad_norms"] = np.array(rbf16["grad_norms"], dtype=np.float32)
+    for name, arr in rbf16["final"].items():
+        expected["bf16.final." + name] = arr.astype(np.float32)
     meta = {
         "generator": "validation/reference/make_case.py",
         "seed": args.seed,
@@ -316,6 +333,8 @@ def main(argv=None):
     print("step_losses: " + " ".join(f"{v:.6f}" for v in result["step_losses"]))
     print("grad_norms:  " + " ".join(f"{v:.6f}" for v in result["grad_norms"]))
     print("lrs:         " + " ".join(f"{v:.6g}" for v in result["lrs"]))
+    print("bf16 autocast step_losses: " + " ".join(f"{v:.6f}" for v in rbf16["step_losses"]))
+    print("bf16 autocast grad_norms:  " + " ".join(f"{v:.6f}" for v in rbf16["grad_norms"]))
     print(f"fp64 shadow: final max|diff| {final_diff:.2e}, step loss max|diff| {loss_diff:.2e}, "
           f"grad norm max rel diff {norm_rel:.2e}")
     if final_diff > 1e-4:

@@ -207,9 +207,13 @@ def first_microbatch(config, weights, data, case):
     return out, terms["records"]
 
 
-def train(config, weights, data, case, dtype=torch.float32):
+def train(config, weights, data, case, dtype=torch.float32, bf16=False):
     """Run `steps` optimizer steps; returns step_losses, lrs, grad_norms, final state,
-    the routing of every gate call (for comparing runs) and the smallest routing margin."""
+    the routing of every gate call (for comparing runs) and the smallest routing margin.
+    bf16: the forward under torch.autocast("cpu", bfloat16) with the gate in fp32
+    (deepseek_ref.autocast_patches), fp32 weights, losses and optimizer."""
+    if bf16:
+        deepseek_ref.autocast_patches()
     T, B, A = case["seq_len"], case["micro_batch"], case["grad_accum"]
     model = build_model(config, weights, dtype)
     cfg = model.config
@@ -231,7 +235,8 @@ def train(config, weights, data, case, dtype=torch.float32):
         records = []
         for m in range(A):
             window = window_tokens(data, s * B * A + m * B, B, T)
-            terms = deepseek_ref.loss_terms(model, window, scales)
+            with make_case.autocast_bf16(bf16):
+                terms = deepseek_ref.loss_terms(model, window, scales)
             terms["total"].backward()
             total += terms["total"].item()
             records += terms["records"]
@@ -352,6 +357,7 @@ def main(argv=None):
 
     assert any(n > case["gradient_clipping"] for n in result["grad_norms"]), "clipping never triggers"
     final_diff = max(float(np.max(np.abs(result["final"][n] - r64["final"][n]))) for n in result["final"])
+    rbf16 = train(config, weights, data, case, bf16=True)
     loss_diff = max(abs(a - b) for a, b in zip(result["step_losses"], r64["step_losses"]))
     norm_rel = max(abs(a - b) / b for a, b in zip(result["grad_norms"], r64["grad_norms"]))
     bias_names = [n for n in result["final"] if deepseek_ref.param_kind(n) == "router_bias"]
@@ -376,6 +382,11 @@ def main(argv=None):
     expected["grad_norms"] = np.array(result["grad_norms"], dtype=np.float32)
     for name, arr in result["final"].items():
         expected["final." + name] = arr.astype(np.float32)
+    # The same training under PyTorch's bf16 autocast (make_case.py says what it holds).
+    expected["bf16.step_losses"] = np.array(rbf16["step_losses"], dtype=np.float32)
+    expected["bf16.grad_norms"] = np.array(rbf16["grad_norms"], dtype=np.float32)
+    for name, arr in rbf16["final"].items():
+        expected["bf16.final." + name] = arr.astype(np.float32)
     meta = {
         "generator": "validation/reference/make_case_v2v3.py",
         "seed": args.seed,
