@@ -13,6 +13,7 @@
 
 #include "finite_difference.h"
 #include "backend/cpu/vec_exp.h"
+#include "backend/cpu/block_products.h"
 #include "backend/ops.h"
 #include "optim/adamw.h"
 
@@ -229,7 +230,7 @@ std::vector<double> naive_attention(const std::vector<float>& qkv, const ops::At
   return out;
 }
 
-void check_attention(int64_t B, int64_t T, int H, int Hkv, int Dqk, int Dv, int samples) {
+void check_attention_once(int64_t B, int64_t T, int H, int Hkv, int Dqk, int Dv, int samples) {
   std::mt19937 rng(unsigned(T * 100 + H * 10 + Hkv));
   ops::AttentionLayout L;
   L.n_head = H;
@@ -254,6 +255,22 @@ void check_attention(int64_t B, int64_t T, int H, int Hkv, int Dqk, int Dv, int 
   ops::fill(dqkv.t(), 123.0f);  // the backward must overwrite, not accumulate
   ops::attention_backward(dqkv.t(), r.t(), qkv.t(), out.t(), lse.t(), L, scale);
   expect_gradient("dqkv", qkv.v, dqkv.v, loss, 1e-2, kKernelGradTolSoftmax, samples);
+}
+
+// Both ways the fp32 attention forms its products: block_products.h's AVX-512 tile (on CPUs with
+// AVX-512) and the sgemm calls of every other CPU, forced here so that both run on any machine.
+void check_attention(int64_t B, int64_t T, int H, int Hkv, int Dqk, int Dv, int samples) {
+  struct Restore {
+    bool was;
+    ~Restore() { cpu::f32x::set_enabled(was); }
+  };
+  for (bool blocks : {true, false}) {
+    SCOPED_TRACE(blocks && cpu::f32x::available() ? "block products" : "sgemm calls");
+    const Restore restore{cpu::f32x::set_enabled(blocks)};
+    if (!blocks) EXPECT_FALSE(cpu::f32x::available()) << "switched off, the block products must not run";
+    check_attention_once(B, T, H, Hkv, Dqk, Dv, samples);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
 }
 
 TEST(Kernels, AttentionMultiHead) { check_attention(2, 9, 2, 2, 4, 4, 120); }

@@ -4,6 +4,7 @@
 #include "backend/cpu/block_products.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "backend/cpu/convert16.h"
@@ -253,11 +254,15 @@ void pack_transposed(uint32_t*, int64_t, const uint16_t*, int64_t, int64_t, int6
 
 namespace f32x {
 
+std::atomic<bool> g_enabled{true};
+
+bool set_enabled(bool on) { return g_enabled.exchange(on); }
+
 bool available() {
 #ifdef DS_X86
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl");
-  return ok;
+  return ok && g_enabled.load(std::memory_order_relaxed);
 #else
   return false;
 #endif

@@ -54,8 +54,12 @@ void pack_transposed(uint32_t* dst, int64_t ldd, const uint16_t* src, int64_t ld
 // on every call and thread.
 namespace dstrain::cpu::f32x {
 
-// Whether this CPU has AVX-512F: the only CPUs these run on.
+// Whether this CPU has AVX-512F (the only CPUs these run on) and they are not switched off.
 bool available();
+// Switches the kernel off (or back on) for the fp32 attention, which then runs the sgemm calls
+// that CPUs without AVX-512 run, so that tests cover that path on every CPU. Returns the
+// previous setting.
+bool set_enabled(bool on);
 
 struct MatA {
   const float* p;
