@@ -134,8 +134,8 @@ int cmd_eval(const Options& o) {
   print_header(trainer.config(), "eval", grid);
   trainer.init_weights(o.init_from);
   const LossSums s = trainer.evaluate(trainer.config().train.eval_batches);
-  log::info("eval loss {:.6f} over {} tokens ({} windows of {})", s.mean(), s.count,
-            s.count / trainer.config().data.seq_len, trainer.config().data.seq_len);
+  log::info("eval loss {:.6f}, accuracy {:.2f}% over {} tokens ({} windows of {})", s.mean(), 100 * s.accuracy(),
+            s.count, s.count / trainer.config().data.seq_len, trainer.config().data.seq_len);
   return 0;
 }
 

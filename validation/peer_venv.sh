@@ -3,7 +3,8 @@
 # safetensors, tokenizers) that the interop and tokenizer tests compare dstrain against.
 # It lives outside the repository, so that every build and CI run on a machine shares one:
 # ${DSTRAIN_PEER_VENV:-/var/tmp/dstrain-peer}. Made from PyPI with pip, the one part of the
-# tests that needs the network, and only when missing or incomplete.
+# tests that needs the network, and only when missing, incomplete or made from other versions:
+# every version comes from validation/peer-constraints.txt.
 #   validation/peer_venv.sh                make it if needed, then print its python
 #   validation/peer_venv.sh --check        print its python, or fail saying why it is not usable
 #   validation/peer_venv.sh --run ARGS...  --check, then run its python with ARGS
@@ -13,11 +14,17 @@ venv=${DSTRAIN_PEER_VENV:-/var/tmp/dstrain-peer}
 py=$venv/bin/python
 packages=(torch transformers safetensors tokenizers)
 log=$venv.install.log
+constraints=$(cd "$(dirname "$0")" && pwd)/peer-constraints.txt
+stamp=$venv/dstrain-peer-constraints.txt  # the constraints it was made from
 
-usable() { [[ -x $py ]] && "$py" -c "import torch, transformers, safetensors, tokenizers" 2>/dev/null; }
+usable() {
+  [[ -x $py ]] && cmp -s "$constraints" "$stamp" &&
+    "$py" -c "import torch, transformers, safetensors, tokenizers" 2>/dev/null
+}
 
 why_not() {
-  echo "peer_venv: no usable venv at $venv (DSTRAIN_PEER_VENV): it needs ${packages[*]}." >&2
+  echo "peer_venv: no usable venv at $venv (DSTRAIN_PEER_VENV): it needs ${packages[*]} at the versions of" \
+       "$constraints." >&2
   if [[ -s $log ]]; then
     echo "peer_venv: the last attempt to make it ($log) ended with:" >&2
     tail -n 15 "$log" >&2
@@ -51,7 +58,8 @@ fi
 echo "peer_venv: making $venv with ${packages[*]} from PyPI (once per machine; log in $log)" >&2
 {
   [[ -x $py ]] || /usr/bin/python3 -m venv "$venv"
-  "$py" -m pip install --disable-pip-version-check --progress-bar off "${packages[@]}"
+  "$py" -m pip install --disable-pip-version-check --progress-bar off -c "$constraints" "${packages[@]}" &&
+    cp "$constraints" "$stamp"
 } >"$log" 2>&1 || why_not
 usable || why_not
 echo "$py"

@@ -377,7 +377,8 @@ void Transformer::embed_backward(Tensor dout, Tensor tokens) {
   ctx_.after_use(embed_, embed_);
 }
 
-void Transformer::head(Tensor x, Tensor targets, bool backward, float scale, Tensor dx, Tensor sums) {
+void Transformer::head(Tensor x, Tensor targets, bool backward, float scale, Tensor dx, Tensor sums,
+                       int64_t* correct) {
   const int64_t C = config_.hidden_size, N = targets.numel(), Vl = shard_.vocab.size();
   const int tp = shard_.tp_size;
   // Every row's logits: x (this rank's rows under sequence parallelism) gathered.
@@ -397,6 +398,8 @@ void Transformer::head(Tensor x, Tensor targets, bool backward, float scale, Ten
   Tensor lse_buf = scratch_.get("head.lse", {chunk});
   Tensor stats_buf = tp > 1 ? scratch_.get("head.stats", {chunk, 2}) : Tensor();
   Tensor all_stats_buf = tp > 1 ? scratch_.get("head.all_stats", {tp * chunk * 2}) : Tensor();
+  Tensor top_buf = correct ? scratch_.get("head.max_and_target", {chunk, 2}) : Tensor();
+  std::vector<float> top_host(correct ? size_t(2 * chunk) : 0);
   // This rank's part of the input gradient of every row, summed over the group after the loop.
   Tensor dxp = backward ? column_parallel_grad(ctx_, tp > 1, dx.view({dx.numel() / C, C}), xr, "head.dx") : Tensor();
   // The loss of each chunk is final as soon as its logits exist, so its gradient is formed
@@ -414,6 +417,14 @@ void Transformer::head(Tensor x, Tensor targets, bool backward, float scale, Ten
       ops::cross_entropy_shard_forward(stats, logits, tg.slice(r0, r1), shard_.vocab.begin, config_.vocab_size);
       ctx_.groups.tp->all_gather(all_stats, stats);
       ops::cross_entropy_combine(losses.slice(r0, r1), lse, all_stats, tg.slice(r0, r1));
+    }
+    if (correct) {
+      // Each row's largest logit and its target's (over the vocabulary shards: their maxima).
+      Tensor top = top_buf.slice(0, n);
+      ops::logit_max_and_target(top, logits, tg.slice(r0, r1), shard_.vocab.begin);
+      if (tp > 1) ctx_.groups.tp->all_reduce(top, ReduceOp::Max);
+      ops::copy(Tensor(top_host.data(), DType::F32, Shape{n, 2}), top);
+      for (int64_t i = 0; i < n; ++i) *correct += top_host[size_t(2 * i + 1)] >= top_host[size_t(2 * i)];
     }
     if (backward) {
       const PhaseTimer::Scope timed(ctx_.phases, Phase::Backward);
@@ -586,8 +597,11 @@ LossSums Transformer::forward_loss(Tensor tokens, Tensor targets, Tensor in) {
   Tensor sums = zeroed_sums(kInferenceMb);
   Tensor tgt = acts_.put(kInferenceMb, "targets", targets.shape(), DType::I32);
   ops::copy(tgt, targets);
-  head(acts_.get(kInferenceMb, "final_norm.out"), tgt, /*backward=*/false, 0.0f, Tensor(), sums.slice(0, 2));
-  const LossSums s = read_sums(sums, /*with_mtp=*/false);
+  int64_t correct = 0;
+  head(acts_.get(kInferenceMb, "final_norm.out"), tgt, /*backward=*/false, 0.0f, Tensor(), sums.slice(0, 2),
+       &correct);
+  LossSums s = read_sums(sums, /*with_mtp=*/false);
+  s.correct = correct;
   acts_.release(kInferenceMb);
   return s;
 }

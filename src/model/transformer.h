@@ -30,7 +30,9 @@ struct LossSums {
   int64_t count = 0;
   std::vector<double> mtp_sum;
   std::vector<int64_t> mtp_count;
+  int64_t correct = 0;  // evaluation: targets the model ranks first (token accuracy)
   double mean() const { return count ? sum / double(count) : 0.0; }
+  double accuracy() const { return count ? double(correct) / double(count) : 0.0; }
 };
 
 // Called during the backward each time the gradients of parameters [first, last] are final
@@ -166,7 +168,8 @@ class Transformer {
   // Chunked vocabulary projection and cross-entropy of x (N,C) against targets (N); with
   // backward, dx (N,C) is overwritten with scale x d(sum of losses)/dx. sums (2) F64 +=
   // {sum of losses, count} over the targets that are not ignored.
-  void head(Tensor x, Tensor targets, bool backward, float scale, Tensor dx, Tensor sums);
+  // `correct` (evaluation; null in training): += the targets whose logit is the row's largest.
+  void head(Tensor x, Tensor targets, bool backward, float scale, Tensor dx, Tensor sums, int64_t* correct = nullptr);
   // Logits (N, V) of the whole vocabulary for x (N, C) (inference; gathered over the tensor
   // group when the vocabulary is split).
   void gather_logits(Tensor x, Tensor logits);

@@ -15,8 +15,12 @@ constexpr int64_t kShardAlign = 16;  // elements: each piece starts 64-byte alig
 
 int64_t align_up(int64_t n) { return (n + kShardAlign - 1) / kShardAlign * kShardAlign; }
 
-Buffer shard_buffer(const std::string& label, MemCategory category, int64_t n, bool host, Device device) {
-  return host ? Buffer::pinned_host(label, category, DType::F32, n) : Buffer(label, category, DType::F32, n, device);
+// On the device, or offloaded to the host: page-locked (pin_memory, DeepSpeed's key: faster
+// copies to and from a GPU, memory the OS cannot page out) or ordinary host memory.
+Buffer shard_buffer(const std::string& label, MemCategory category, int64_t n, bool host, bool pinned, Device device) {
+  if (!host) return Buffer(label, category, DType::F32, n, device);
+  return pinned ? Buffer::pinned_host(label, category, DType::F32, n)
+                : Buffer(label, category, DType::F32, n, Device::cpu());
 }
 
 }  // namespace
@@ -53,11 +57,11 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& config, const AdamWConfig& adamw,
         config_.stage == 3 && (p.numel() < config_.stage3_param_persistence_threshold || !p.trainable);
   }
   const Device device = params_.device();
-  const bool host = config_.offloads_optimizer();
-  master_ = shard_buffer("zero.master_weights", MemCategory::Parameters, shard_numel_, host, device);
-  exp_avg_ = shard_buffer("zero.exp_avg", MemCategory::OptimizerState, shard_numel_, host, device);
-  exp_avg_sq_ = shard_buffer("zero.exp_avg_sq", MemCategory::OptimizerState, shard_numel_, host, device);
-  if (host) host_grads_ = Buffer::pinned_host("zero.gradient_shard (host)", MemCategory::Gradients, DType::F32, shard_numel_);
+  const bool host = config_.offloads_optimizer(), pinned = config_.pins_host_memory();
+  master_ = shard_buffer("zero.master_weights", MemCategory::Parameters, shard_numel_, host, pinned, device);
+  exp_avg_ = shard_buffer("zero.exp_avg", MemCategory::OptimizerState, shard_numel_, host, pinned, device);
+  exp_avg_sq_ = shard_buffer("zero.exp_avg_sq", MemCategory::OptimizerState, shard_numel_, host, pinned, device);
+  if (host) host_grads_ = shard_buffer("zero.gradient_shard (host)", MemCategory::Gradients, shard_numel_, true, pinned, device);
   if (config_.stage >= 2) {
     grad_shard_ = Buffer("zero.gradient_shard", MemCategory::Gradients, DType::F32, shard_numel_, device);
     params_.reserve_grads();
@@ -100,7 +104,10 @@ std::string ZeroOptimizer::describe() const {
   for (int id = 0; id < params_.size(); ++id) persistent += persistent_[size_t(id)] ? params_.info(id).numel() : 0;
   std::string s = fmt::format("ZeRO stage {} over {} data-parallel rank(s) of '{}': {} of {} elements per rank", stage(),
                               size_, dp_.name(), shard_numel_, params_.flat_numel());
-  if (config_.offloads_optimizer()) s += ", optimizer offloaded to the host";
+  if (config_.offloads_optimizer()) {
+    s += config_.pins_host_memory() ? ", optimizer offloaded to the host (pinned memory)"
+                                    : ", optimizer offloaded to the host (pageable memory: pin_memory false)";
+  }
   if (config_.offloads_params()) s += ", parameters at rest on the host";
   if (config_.stage >= 2 && size_ > 1) s += fmt::format(", gradients reduce-scattered in {}", dtype_name(comm_dtype_));
   if (stage() == 3) s += fmt::format(", {} elements persistent", persistent);

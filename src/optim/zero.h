@@ -62,6 +62,11 @@ struct ZeroConfig {
   int64_t stage3_max_live_parameters = 1'000'000'000;      // gathered elements, in use or prefetched
   bool offloads_optimizer() const { return offload_optimizer == "cpu"; }
   bool offloads_params() const { return offload_param == "cpu"; }
+  // Offloaded state in page-locked host memory: either offload's pin_memory (they share the
+  // host masters). DeepSpeed's default is false: ordinary, pageable memory.
+  bool pins_host_memory() const {
+    return offloads_optimizer() && (offload_optimizer_pin_memory || (offloads_params() && offload_param_pin_memory));
+  }
 };
 
 // Bytes this rank holds for ZeRO's parts, now and at their peak since the last reset.

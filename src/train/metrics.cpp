@@ -171,7 +171,7 @@ struct Metrics::Impl {
   mutable std::mutex mutex;  // the endpoint thread reads what the training thread writes
   StepMetrics last;
   bool have_step = false;
-  double last_eval = -1;
+  double last_eval = -1, last_eval_accuracy = -1;
   json last_extra = json::object();
   // Per-step shares of the run, for the summary.
   std::vector<double> mfu, data, comm, compute, optimizer, checkpoint, imbalance, tokens_per_s, memory;
@@ -433,11 +433,13 @@ void Metrics::print_progress(const StepMetrics& m) {
   }
 }
 
-void Metrics::on_eval(int64_t step, double loss, int64_t tokens, const json& per_dataset) {
+void Metrics::on_eval(int64_t step, double loss, double accuracy, int64_t tokens, const json& per_dataset) {
   if (rank_ != 0) return;
-  write({{"type", "eval"}, {"step", step}, {"loss", loss}, {"tokens", tokens}, {"datasets", per_dataset}});
+  write({{"type", "eval"}, {"step", step}, {"loss", loss}, {"accuracy", accuracy}, {"tokens", tokens},
+         {"datasets", per_dataset}});
   std::lock_guard lock(impl_->mutex);
   impl_->last_eval = loss;
+  impl_->last_eval_accuracy = accuracy;
 }
 
 void Metrics::on_checkpoint(int64_t step, double stall_s, bool async) {
@@ -500,6 +502,10 @@ std::string Metrics::prometheus_text() const {
          {{"{stat=\"max\"}", s.max}, {"{stat=\"min\"}", s.min}, {"{stat=\"mean\"}", s.mean}});
   metric("dstrain_slowest_rank", "gauge", "The rank with the longest last step.", {{"", double(s.slowest)}});
   if (impl_->last_eval >= 0) metric("dstrain_eval_loss", "gauge", "Last evaluation loss.", {{"", impl_->last_eval}});
+  if (impl_->last_eval_accuracy >= 0) {
+    metric("dstrain_eval_accuracy_ratio", "gauge", "Last evaluation's token accuracy (targets ranked first).",
+           {{"", impl_->last_eval_accuracy}});
+  }
   if (impl_->last_extra.contains("gpu")) {
     const json& g = impl_->last_extra["gpu"];
     if (g.contains("utilization_percent")) {

@@ -98,7 +98,9 @@ class Metrics {
   // The head of metrics.jsonl: the job's environment and the peak (rank 0).
   void on_run_start(const json& environment);
   void on_step(const StepMetrics& m);
-  void on_eval(int64_t step, double loss, int64_t tokens, const json& per_dataset);
+  // An evaluation: mean token loss, token accuracy (targets ranked first) and the tokens, over
+  // every evaluation dataset together and per dataset ({name: {loss, accuracy, tokens}}).
+  void on_eval(int64_t step, double loss, double accuracy, int64_t tokens, const json& per_dataset);
   void on_checkpoint(int64_t step, double stall_s, bool async);
   void on_run_end();  // the summary (rank 0)
 

@@ -316,16 +316,18 @@ void PipelineRunner::forward_through(Tensor tokens, const std::function<void(Ten
 }
 
 LossSums PipelineRunner::forward_loss(Tensor tokens, Tensor targets) {
-  double result[2] = {0, 0};
+  double result[3] = {0, 0, 0};
   forward_through(tokens, [&](Tensor in) {
     const LossSums ls = model_.forward_loss(tokens, targets, in);
     result[0] = ls.sum;
     result[1] = double(ls.count);
+    result[2] = double(ls.correct);
   });
-  pp_.broadcast(Tensor(result, DType::F64, Shape{2}), loss_rank());
+  pp_.broadcast(Tensor(result, DType::F64, Shape{3}), loss_rank());
   LossSums out;
   out.sum = result[0];
   out.count = int64_t(result[1]);
+  out.correct = int64_t(result[2]);
   return out;
 }
 

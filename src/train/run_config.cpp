@@ -221,6 +221,12 @@ TrainConfig read_train(const JsonReader& r) {
   if (t.steps_per_print <= 0) r.error("steps_per_print", "must be positive");
   t.max_steps = r.get<int64_t>("max_steps", t.max_steps);
   if (t.max_steps < 0) r.error("max_steps", "must be >= 0");
+  t.epochs = r.get<double>("epochs", t.epochs);
+  if (!(t.epochs >= 0) || !std::isfinite(t.epochs) || t.epochs > 1e6) {
+    r.error("epochs", fmt::format("is {}; it must be a number of passes over the training data in [0, 1e6] (0: "
+                                  "train.max_steps decides)",
+                                  t.epochs));
+  }
   const int64_t seed = r.get<int64_t>("seed", int64_t(t.seed));
   if (seed < 0) r.error("seed", "must be >= 0");
   t.seed = uint64_t(seed);
@@ -407,6 +413,7 @@ json RunConfig::to_json() const {
   t["scheduler"] = train.schedule.to_json();
   t["steps_per_print"] = train.steps_per_print;
   t["max_steps"] = train.max_steps;
+  t["epochs"] = train.epochs;
   t["seed"] = train.seed;
   t["eval_interval"] = train.eval_interval;
   t["eval_batches"] = train.eval_batches;

@@ -50,6 +50,10 @@ struct TrainConfig {
   LrSchedule schedule;
   int64_t steps_per_print = 10;
   int64_t max_steps = 0;
+  // Passes over the training data (Hugging Face Trainer's num_train_epochs), when max_steps is
+  // 0: the trainer sets max_steps to ceil(epochs x the training datasets' samples per epoch /
+  // train_batch_size). A max_steps (or --max-steps) given too decides, as in the HF Trainer.
+  double epochs = 0;
   uint64_t seed = 1234;
   int64_t eval_interval = 0;        // steps between evaluations, 0: none during training
   int64_t eval_batches = 8;         // micro-batches of validation windows per evaluation

@@ -305,6 +305,23 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
     schedule_ = make_schedule(config_.train.micro_batch_schedule);
   }
   ckpt_ = std::make_unique<CheckpointManager>(config_.checkpoint, grid_);
+  resolve_epochs();
+}
+
+void Trainer::resolve_epochs() {
+  TrainConfig& tc = config_.train;
+  if (tc.epochs <= 0) return;
+  int64_t per_epoch = 0;
+  for (const auto& d : pipeline().train_sets()) per_epoch += d->samples_per_epoch();
+  const auto steps = int64_t(std::ceil(tc.epochs * double(per_epoch) / double(tc.train_batch_size)));
+  if (tc.max_steps > 0) {
+    log::info("train.max_steps {} decides the run's length; train.epochs {} ({} steps) is not used", tc.max_steps,
+              tc.epochs, steps);
+    return;
+  }
+  tc.max_steps = steps;
+  log::info("train.epochs {}: {} steps of {} windows over {} windows an epoch (every training dataset once)", tc.epochs,
+            steps, tc.train_batch_size, per_epoch);
 }
 
 namespace {
@@ -1391,8 +1408,10 @@ Trainer::Outcome Trainer::train() {
       const std::vector<LossSums> e = evaluate_each(tc.eval_batches);
       log::info("eval   {:>6} | {}", r.step, eval_report(e));
       json per = json::object();
-      for (size_t d = 0; d + 1 < e.size(); ++d) per[eval_names_[d]] = e[d].mean();
-      metrics_->on_eval(r.step, e.back().mean(), e.back().count, per);
+      for (size_t d = 0; d + 1 < e.size(); ++d) {
+        per[eval_names_[d]] = {{"loss", e[d].mean()}, {"accuracy", e[d].accuracy()}, {"tokens", e[d].count}};
+      }
+      metrics_->on_eval(r.step, e.back().mean(), e.back().accuracy(), e.back().count, per);
     }
     if (config_.generate.interval > 0 && r.step % config_.generate.interval == 0) {
       log::info("sample {:>6} | {}", r.step, sample(config_.generate.prompt));
@@ -1701,7 +1720,8 @@ const std::vector<std::shared_ptr<SampleDataset>>& Trainer::eval_datasets() {
 std::vector<LossSums> Trainer::evaluate_each(int64_t batches) {
   const auto& sets = eval_datasets();
   const int64_t mb = config_.train.micro_batch, T = config_.data.seq_len;
-  std::vector<double> sums(2 * sets.size() + 2, 0.0);
+  // Per dataset, then over all of them: loss sum, target count, targets ranked first.
+  std::vector<double> sums(3 * sets.size() + 3, 0.0);
   std::vector<int32_t> sample(static_cast<size_t>(T + 1)), inputs, targets;
   for (size_t d = 0; d < sets.size(); ++d) {
     const int64_t n = std::min(batches * mb, sets[d]->samples_per_epoch());
@@ -1717,27 +1737,31 @@ std::vector<LossSums> Trainer::evaluate_each(int64_t batches) {
       }
       const Tensor x = tokens_tensor(inputs, rows, T), y = tokens_tensor(targets, rows, T);
       LossSums s = runner_ ? runner_->forward_loss(x, y) : model_->forward_loss(x, y);
-      sums[2 * d] += s.sum;
-      sums[2 * d + 1] += double(s.count);
+      sums[3 * d] += s.sum;
+      sums[3 * d + 1] += double(s.count);
+      sums[3 * d + 2] += double(s.correct);
     }
-    sums[2 * sets.size()] += sums[2 * d];
-    sums[2 * sets.size() + 1] += sums[2 * d + 1];
+    for (size_t k = 0; k < 3; ++k) sums[3 * sets.size() + k] += sums[3 * d + k];
   }
   dp_.all_reduce(Tensor(sums.data(), DType::F64, Shape{int64_t(sums.size())}));
   std::vector<LossSums> out;
   for (size_t d = 0; d <= sets.size(); ++d) {
     LossSums ls;
-    ls.sum = sums[2 * d];
-    ls.count = int64_t(sums[2 * d + 1]);
+    ls.sum = sums[3 * d];
+    ls.count = int64_t(sums[3 * d + 1]);
+    ls.correct = int64_t(sums[3 * d + 2]);
     out.push_back(ls);
   }
   return out;
 }
 
 std::string Trainer::eval_report(const std::vector<LossSums>& e) const {
-  std::string s = fmt::format("val loss {:.4f} over {} tokens", e.back().mean(), e.back().count);
+  std::string s = fmt::format("val loss {:.4f}, accuracy {:.2f}% over {} tokens", e.back().mean(),
+                              100 * e.back().accuracy(), e.back().count);
   if (e.size() > 2) {
-    for (size_t d = 0; d + 1 < e.size(); ++d) s += fmt::format("{} {} {:.4f}", d ? "," : " |", eval_names_[d], e[d].mean());
+    for (size_t d = 0; d + 1 < e.size(); ++d) {
+      s += fmt::format("{} {} {:.4f} ({:.2f}%)", d ? "," : " |", eval_names_[d], e[d].mean(), 100 * e[d].accuracy());
+    }
   }
   return s;
 }

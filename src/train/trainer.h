@@ -214,6 +214,8 @@ class Trainer {
   void load_weights(const std::string& init_from, bool checkpoint);
   void shrink_micro_batch(const std::string& why, int64_t step, const json& blend_before);
   void apply_activation_budget();
+  // train.epochs: max_steps from the training data's size (at construction).
+  void resolve_epochs();
   StepMetrics step_metrics(const StepRecord& r, double elapsed, int64_t steps_this_run);
   const std::vector<std::shared_ptr<SampleDataset>>& eval_datasets();
   DataPipeline& pipeline();

@@ -105,7 +105,8 @@ class CommandLine(unittest.TestCase):
         self.assertEqual(len([m for m in metrics if m["type"] == "eval"]), 2)
 
         ev = run([os.path.join(BUILD, "app", "dstrain"), "eval", "--config", self.config, "--init-from", hf]).stdout
-        loss = float(re.search(r"eval loss ([0-9.]+) over (\d+) tokens", ev).group(1))
+        found = re.search(r"eval loss ([0-9.]+), accuracy ([0-9.]+)% over (\d+) tokens", ev)
+        loss, accuracy = float(found.group(1)), float(found.group(2))
         # The same windows through the PyTorch reference, from the exported files.
         import numpy as np
         import torch
@@ -121,8 +122,13 @@ class CommandLine(unittest.TestCase):
         x = torch.tensor(np.stack([tokens[i * T:i * T + T] for i in range(n)]))
         y = torch.tensor(np.stack([tokens[i * T + 1:i * T + T + 1] for i in range(n)]))
         with torch.no_grad():
-            ref = llama_ref.mean_loss(model(x), y).item()
+            logits = model(x)
+            ref = llama_ref.mean_loss(logits, y).item()
+            ref_accuracy = 100 * (logits.argmax(dim=-1) == y).double().mean().item()
         self.assertAlmostEqual(loss, ref, delta=1e-5 * ref)
+        # Token accuracy: the targets the model ranks first (printed with two decimals).
+        self.assertAlmostEqual(accuracy, ref_accuracy, delta=0.006)
+        self.assertGreater(ref_accuracy, 0, "a model that ranks no target first tests nothing")
 
         gen = run([os.path.join(BUILD, "app", "dstrain"), "generate", "--config", self.config, "--init-from", hf,
                    "--prompt", "The ", "--max-new-tokens", "16"]).stdout

@@ -76,7 +76,7 @@ class DeepSeekV3CommandLine(unittest.TestCase):
 
     def eval_loss(self, init_from):
         ev = run([self.dstrain, "eval", "--config", self.config, "--init-from", init_from]).stdout
-        return float(re.search(r"eval loss ([0-9.]+) over (\d+) tokens", ev).group(1))
+        return float(re.search(r"eval loss ([0-9.]+), accuracy ([0-9.]+)% over (\d+) tokens", ev).group(1))
 
     def test_progress_and_metrics_show_routing_health(self):
         # Two MoE layers: layer 1 and the MTP module (model.layers.2), 8 experts each.

@@ -57,6 +57,27 @@ std::vector<int32_t> global_batches(DataPipeline& p, Communicator& dp, int steps
   return out;
 }
 
+// train.epochs (the HF Trainer's num_train_epochs): the run's length from the data's size, the
+// same at any rank count; a max_steps given too decides.
+TEST(DataPipeline, EpochsSetTheStepsFromTheTrainingData) {
+  RunFiles files(0);  // 4000 tokens in windows of 16 + 1: 249 samples an epoch; batches of 8
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  {
+    Trainer t(files.config({"train.epochs=0.5"}), grid);
+    EXPECT_EQ(t.config().train.max_steps, 16);  // ceil(0.5 x 249 / 8)
+    EXPECT_EQ(t.config().to_json()["train"]["max_steps"], 16) << "the resolved configuration shows it";
+    t.init_weights("");
+    t.train();
+    ASSERT_EQ(t.history().size(), 16u);
+  }
+  Trainer whole(files.config({"train.epochs=2"}), grid);
+  EXPECT_EQ(whole.config().train.max_steps, 63);  // ceil(2 x 249 / 8)
+  Trainer capped(files.config({"train.epochs=2", "train.max_steps=5"}), grid);
+  EXPECT_EQ(capped.config().train.max_steps, 5);
+  // Part of an epoch that is less than a batch still trains one step.
+  EXPECT_EQ(Trainer(files.config({"train.epochs=0.01"}), grid).config().train.max_steps, 1);
+}
+
 TEST(DataPipeline, GlobalBatchesDoNotDependOnTheRankCount) {
   RunFiles files(6);
   RunFiles blended(6, blended_data(files.dir()));

@@ -104,16 +104,19 @@ TEST(Zero, OffloadMatchesStageZero) {
   Trainer ref(files.solo_config(), solo);
   ref.init_weights("");
   ref.train();
-  const std::vector<std::vector<std::string>> cases = {
-      zero_overrides(1, {"train.zero_optimization.offload_optimizer.device=cpu"}),
-      zero_overrides(2, {"train.zero_optimization.offload_optimizer.device=cpu"}),
-      zero_overrides(3, {"train.zero_optimization.offload_optimizer.device=cpu"}),
-      zero_overrides(3, {"train.zero_optimization.offload_optimizer.device=cpu",
-                         "train.zero_optimization.offload_param.device=cpu"})};
+  // pin_memory (DeepSpeed's key, default false) puts the host state in page-locked memory.
+  const std::vector<std::pair<std::vector<std::string>, const char*>> cases = {
+      {zero_overrides(1, {"train.zero_optimization.offload_optimizer.device=cpu"}), "host"},
+      {zero_overrides(2, {R"(train.zero_optimization.offload_optimizer={"device": "cpu", "pin_memory": true})"}),
+       "pinned_host"},
+      {zero_overrides(3, {"train.zero_optimization.offload_optimizer.device=cpu"}), "host"},
+      {zero_overrides(3, {"train.zero_optimization.offload_optimizer.device=cpu",
+                          R"(train.zero_optimization.offload_param={"device": "cpu", "pin_memory": true})"}),
+       "pinned_host"}};
   for (size_t c = 0; c < cases.size(); ++c) {
-    Trainer z(files.config(cases[c]), grid);
-    // The optimizer state lives in the pinned host allocator's memory.
-    ASSERT_STREQ(std::string(z.zero()->master().allocator()->name()).c_str(), "pinned_host");
+    Trainer z(files.config(cases[c].first), grid);
+    // The optimizer state lives in the host allocator's memory, page-locked with pin_memory.
+    ASSERT_STREQ(std::string(z.zero()->master().allocator()->name()).c_str(), cases[c].second) << "case " << c;
     z.init_weights("");
     z.train();
     expect_same_training(ref, z, "offload case " + std::to_string(c));

@@ -261,6 +261,13 @@ void swiglu_loss_token_cases(Cases& c) {
                     [](T t) { ops::cross_entropy_shard_backward(t[0], t[0], t[1], t[2], 0.25f, 5); });
   sba.args = {shard_logits[1], slse, stargets};
 
+  auto& top = c.add("logit_max_and_target", "N=6 V=13, one ignored row",
+                    [](T t) { ops::logit_max_and_target(t[0], t[1], t[2], 0); });
+  top.args = {Cases::zeros({6, 2}), logits, targets};
+  auto& stop = c.add("logit_max_and_target", "N=6 shard [5,10) of V=15, one ignored row",
+                     [](T t) { ops::logit_max_and_target(t[0], t[1], t[2], 5); });
+  stop.args = {Cases::zeros({6, 2}), shard_logits[1], stargets};
+
   auto& ls = c.add("loss_sums", "N=6 (+=), one ignored row", [](T t) { ops::loss_sums(t[0], t[1], t[2]); });
   HostTensor sums = Cases::zeros({2}, DType::F64);
   sums.p<double>()[0] = 1.25;

@@ -503,6 +503,7 @@ TEST(Config, MixedPrecisionMistakesAreErrorsNamingTheKey) {
   EXPECT_THAT(msg({"train.fp16={\"enabled\": true, \"loss_scale_windows\": 10}"}),
               HasSubstr("unknown key 'train.fp16.loss_scale_windows'"));
   EXPECT_THAT(msg({"train.bf16={\"enable\": true}"}), HasSubstr("unknown key 'train.bf16.enable'"));
+  EXPECT_THAT(msg({"train.epochs=-1"}), HasSubstr("key 'train.epochs' is -1; it must be a number of passes"));
   // A static scale no step could survive (the scaled loss is fp32, whose maximum is 3.4e38).
   EXPECT_THAT(msg({"train.fp16={\"enabled\": true, \"loss_scale\": 1e39}"}),
               HasSubstr("key 'train.fp16.loss_scale' is 1e+39, above 2^100"));

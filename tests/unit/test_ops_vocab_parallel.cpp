@@ -183,6 +183,43 @@ TEST(VocabParallel, EmbeddingShardsMatchTheUnshardedOps) {
   }
 }
 
+// Token accuracy: each row's largest logit and its target's, whole or over shards whose outputs
+// combine by maximum, count the targets ranked first, as an argmax of the whole row does.
+TEST(VocabParallel, TargetsRankedFirstAlikeWholeAndSharded) {
+  constexpr int64_t N = 7, V = 12, P = 3, Vl = V / P;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  Floats logits(size_t(N * V));
+  for (float& x : logits) x = normal(rng);
+  Ints targets = {3, 11, ops::kIgnoreIndex, 0, 7, 5, 9};
+  // Rows 0 and 3 rank their target first by construction.
+  logits[size_t(0 * V + 3)] = 100.0f;
+  logits[size_t(3 * V + 0)] = 100.0f;
+  int64_t want = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    if (targets[size_t(n)] == ops::kIgnoreIndex) continue;
+    const auto row = logits.begin() + n * V;
+    want += std::max_element(row, row + V) - row == targets[size_t(n)];
+  }
+  ASSERT_GE(want, 2);
+  Floats whole(size_t(2 * N));
+  ops::logit_max_and_target(f32(whole, {N, 2}), f32(logits, {N, V}), i32(targets, {N}), 0);
+  Floats combined(size_t(2 * N), -INFINITY);
+  for (int64_t p = 0; p < P; ++p) {
+    Floats shard(size_t(N * Vl)), out(size_t(2 * N));
+    for (int64_t n = 0; n < N; ++n) std::copy_n(logits.begin() + n * V + p * Vl, Vl, shard.begin() + n * Vl);
+    ops::logit_max_and_target(f32(out, {N, 2}), f32(shard, {N, Vl}), i32(targets, {N}), p * Vl);
+    for (size_t i = 0; i < out.size(); ++i) combined[i] = std::max(combined[i], out[i]);
+  }
+  for (const Floats* top : {&whole, &combined}) {
+    int64_t hits = 0;
+    for (int64_t n = 0; n < N; ++n) hits += (*top)[size_t(2 * n + 1)] >= (*top)[size_t(2 * n)];
+    EXPECT_EQ(hits, want);
+    EXPECT_EQ((*top)[size_t(2 * 2 + 1)], -INFINITY) << "an ignored row's target logit";
+  }
+  EXPECT_EQ(whole, combined);
+}
+
 TEST(VocabParallel, IdsOutsideTheVocabularyAreErrors) {
   constexpr int64_t N = 5, V = 60, C = 4, Vl = 15;
   Floats table(size_t(Vl * C), 1.0f), out(size_t(N * C)), logits(size_t(N * Vl)), stats(size_t(N * 2));

@@ -174,6 +174,27 @@ void cross_entropy_shard_backward(Tensor dlogits, Tensor logits, Tensor lse, Ten
   backward_rows("cross_entropy_shard_backward", dlogits, logits, lse, targets, scale, vocab_begin);
 }
 
+void logit_max_and_target(Tensor out, Tensor logits, Tensor targets, int64_t vocab_begin) {
+  const int64_t V = logits.size(-1), N = logits.numel() / V;
+  DS_CHECK(out.numel() == 2 * N && targets.numel() == N && out.dtype() == DType::F32 &&
+               targets.dtype() == DType::I32,
+           "logit_max_and_target: out {} ({}) logits {} targets {} ({}); expected out (N,2) f32, targets (N) i32",
+           out.shape().str(), dtype_name(out.dtype()), logits.shape().str(), targets.shape().str(),
+           dtype_name(targets.dtype()));
+  const float* lp = logits.data<float>();
+  const int32_t* tp = targets.data<int32_t>();
+  float* op = out.data<float>();
+#pragma omp parallel for schedule(static) if (N * V >= kParallelMinWork)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* row = lp + n * V;
+    float m = -INFINITY;
+    for (int64_t v = 0; v < V; ++v) m = row[v] > m ? row[v] : m;
+    const int64_t t = int64_t(tp[n]) - vocab_begin;
+    op[2 * n] = m;
+    op[2 * n + 1] = tp[n] != ops::kIgnoreIndex && t >= 0 && t < V ? row[t] : -INFINITY;
+  }
+}
+
 void loss_sums(Tensor out, Tensor losses, Tensor targets) {
   DS_CHECK(out.numel() == 2 && losses.numel() == targets.numel(), "loss_sums: out {} losses {} targets {}",
            out.shape().str(), losses.shape().str(), targets.shape().str());

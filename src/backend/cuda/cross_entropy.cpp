@@ -68,6 +68,16 @@ void cross_entropy_shard_forward(Tensor stats, Tensor logits, Tensor targets, in
   launch_cross_entropy_shard_forward(stats.raw(), se, logits.raw(), ge, tp, N, V, vocab_begin, ops::kIgnoreIndex);
 }
 
+void logit_max_and_target(Tensor out, Tensor logits, Tensor targets, int64_t vocab_begin) {
+  const int64_t V = logits.size(-1), N = logits.numel() / V;
+  DS_CHECK(out.numel() == 2 * N && targets.numel() == N && out.dtype() == DType::F32,
+           "logit_max_and_target: out {} ({}) logits {} targets {}; expected out (N,2) f32", out.shape().str(),
+           dtype_name(out.dtype()), logits.shape().str(), targets.shape().str());
+  const char* op = "logit_max_and_target";
+  launch_logit_max_and_target(static_cast<float*>(out.raw()), logits.raw(), elem_of(logits, op),
+                              targets_of(targets, op), N, V, vocab_begin, ops::kIgnoreIndex);
+}
+
 void cross_entropy_combine(Tensor losses, Tensor lse, Tensor shard_stats, Tensor targets) {
   const int64_t N = targets.numel(), P = shard_stats.ndim() > 0 ? shard_stats.size(0) : 0;
   DS_CHECK(P >= 1 && shard_stats.numel() == P * N * 2 && losses.numel() == N && lse.numel() == N,
@@ -93,6 +103,7 @@ void fill_cross_entropy(ops::OpTable& t) {
     t.cross_entropy_shard_forward[s] = &cross_entropy_shard_forward;
     t.cross_entropy_combine[s] = &cross_entropy_combine;
     t.cross_entropy_shard_backward[s] = &cross_entropy_shard_backward;
+    t.logit_max_and_target[s] = &logit_max_and_target;
   }
 }
 

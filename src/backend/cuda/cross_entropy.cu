@@ -117,6 +117,34 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The row's largest logit (a maximum: the same whatever the order) and the target's logit.
+__global__ void __launch_bounds__(kThreads)
+    logit_max_and_target_kernel(float* out, const void* logits, Elem ge, const int32_t* targets, int64_t N, int64_t V,
+                                int64_t vocab_begin, int32_t ignore_index) {
+  __shared__ float sh[kWarps];
+  for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
+    float m = -INFINITY;
+    for (int64_t v = threadIdx.x; v < V; v += kThreads) {
+      const float x = ld(logits, ge, n * V + v);
+      m = x > m ? x : m;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      const float other = __shfl_xor_sync(0xffffffffu, m, o);
+      m = other > m ? other : m;
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) sh[warp] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int w = 1; w < kWarps; ++w) m = sh[w] > m ? sh[w] : m;
+      const int64_t t = int64_t(targets[n]) - vocab_begin;
+      out[2 * n] = m;
+      out[2 * n + 1] = targets[n] != ignore_index && t >= 0 && t < V ? ld(logits, ge, n * V + t) : -INFINITY;
+    }
+    __syncthreads();
+  }
+}
+
 // One thread per row: the shards' lse max-shifted and summed in double in shard order, as the
 // CPU kernel does (with one shard the sum is exactly 1: the forward's bits).
 __global__ void cross_entropy_combine_kernel(void* losses, Elem le, void* lse, Elem se, const void* stats, Elem ste,
@@ -178,6 +206,14 @@ void launch_cross_entropy_shard_forward(void* stats, Elem se, const void* logits
   cross_entropy_shard_forward_kernel<<<blocks_for(N, 1), kThreads, 0, stream()>>>(stats, se, logits, ge, targets, N, V,
                                                                                   vocab_begin, ignore_index);
   DS_CUDA_LAUNCHED("cross_entropy_shard_forward");
+}
+
+void launch_logit_max_and_target(float* out, const void* logits, Elem ge, const int32_t* targets, int64_t N, int64_t V,
+                                 int64_t vocab_begin, int32_t ignore_index) {
+  if (N <= 0 || V <= 0) return;
+  logit_max_and_target_kernel<<<blocks_for(N, 1), kThreads, 0, stream()>>>(out, logits, ge, targets, N, V, vocab_begin,
+                                                                           ignore_index);
+  DS_CUDA_LAUNCHED("logit_max_and_target");
 }
 
 void launch_cross_entropy_combine(void* losses, Elem le, void* lse, Elem se, const void* shard_stats, Elem ste,

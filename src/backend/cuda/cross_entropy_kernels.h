@@ -19,6 +19,10 @@ void launch_cross_entropy_forward(void* losses, Elem le, void* lse, Elem se, con
 // logit where target - vocab_begin is in [0, V), else 0 (also for ignored rows)}.
 void launch_cross_entropy_shard_forward(void* stats, Elem se, const void* logits, Elem ge, const int32_t* targets,
                                         int64_t N, int64_t V, int64_t vocab_begin, int32_t ignore_index);
+// One block per row: out (N,2) = {the row's largest logit, the target's logit where
+// target - vocab_begin is in [0, V), else -inf (also for ignored rows)}.
+void launch_logit_max_and_target(float* out, const void* logits, Elem ge, const int32_t* targets, int64_t N, int64_t V,
+                                 int64_t vocab_begin, int32_t ignore_index);
 // lse (N) and losses (N) from the P shards' stats (P,N,2), in double in shard order.
 void launch_cross_entropy_combine(void* losses, Elem le, void* lse, Elem se, const void* shard_stats, Elem ste,
                                   const int32_t* targets, int64_t P, int64_t N, int32_t ignore_index);
