@@ -2,7 +2,7 @@
 // the tensors, never from the caller. Every operation exists blocking and asynchronous; an
 // asynchronous one returns a Work handle to wait on or test. Operations on one communicator
 // run in the order they were issued, as every rank must issue them in the same order.
-// MPI implements this now (parallel/mpi_comm.h); NCCL implements it for device tensors.
+// MPI implements this now (comm/mpi_comm.h); NCCL implements it for device tensors.
 #pragma once
 
 #include <chrono>

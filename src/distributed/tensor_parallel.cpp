@@ -91,7 +91,7 @@ bool counts_piece(const ParamInfo& p, int tp_rank, int tp_size) {
   return true;
 }
 
-double tensor_parallel_grad_sum_squares(const ParamRegistry& params, Communicator* tp, Communicator* ep) {
+double sharded_grad_sum_squares(const ParamRegistry& params, Communicator* tp, Communicator* ep) {
   // A pipeline stage's copy of a tied weight is counted by the stage that owns it.
   const bool copies = std::any_of(params.all().begin(), params.all().end(),
                                   [](const ParamInfo& p) { return p.pipeline_copy; });

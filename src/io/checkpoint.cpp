@@ -742,7 +742,7 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
         // Whole buffers are filled with the global tensors: a piece has no room for one.
         DS_CHECK(into.piece_offsets || p.placement.kind == Placement::Kind::Whole,
                  "'{}' is not held whole on this rank ({} of the global {}): read a tensor-parallel model through "
-                 "TensorParallelCheckpoint (io/tensor_parallel_state.h)",
+                 "ShardedModelCheckpoint (io/sharded_model_state.h)",
                  p.name, p.shape.str(), p.global_shape.str());
         DS_CHECK(h5::exists(group, p.name), "'{}' has no tensor {}: was it written for another model?", path, where);
         h5::Handle dset(H5Dopen2(group, p.name.c_str(), H5P_DEFAULT), "H5Dopen2");

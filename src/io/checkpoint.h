@@ -48,7 +48,7 @@ using CheckpointPartition = std::function<RowPiece(int id, int rank)>;
 // checkpoint has this rank write (RowPiece over the checkpoint's communicator); parameter id's
 // piece starts at element (*piece_offsets)[id], and each buffer holds `numel` elements.
 //
-// Staged state (tensor parallelism, io/tensor_parallel_state.h): `partition` says which rows
+// Staged state (tensor parallelism, io/sharded_model_state.h): `partition` says which rows
 // each rank writes (null: RowPiece over all ranks); piece_offsets is then required and
 // addresses the staging buffers. With piece_offsets the registry gives only names, global
 // shapes and kinds: its placements and local sizes are not used.

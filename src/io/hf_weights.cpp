@@ -12,7 +12,7 @@
 
 #include "backend/ops.h"
 #include "comm/comm.h"
-#include "io/tensor_parallel_state.h"
+#include "io/sharded_model_state.h"
 
 namespace dstrain {
 

@@ -258,7 +258,7 @@ class PhaseTimer {
 
 struct Ctx {
   Device device;                  // ops dispatch to the backend registered for it
-  // F32, or BF16/F16 for mixed precision (PRECISION.md): the dtype of the activations that
+  // F32, or BF16/F16 for mixed precision (README, "Mixed precision"): the dtype of the activations that
   // only feed GEMMs (norm outputs, projections, attention, expert rows) and of their
   // gradients. The residual stream, rstd, lse, logits, the loss and the router stay fp32.
   DType compute_dtype = DType::F32;

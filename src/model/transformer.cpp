@@ -194,7 +194,7 @@ int64_t Transformer::activation_bytes(int64_t B, int64_t T) const {
   const int64_t cs = int64_t(dtype_size(ctx_.compute_dtype));
   // Sizes per token, as {fp32 elements (or int32), compute-dtype elements}: the residual
   // stream, rstd, lse, logits and the router's tensors are fp32, the rest is in the compute
-  // dtype (see PRECISION.md); gradients have the dtype of their activation.
+  // dtype (backend/ops.def: "Mixed precision"); gradients have the dtype of their activation.
   struct Elems {
     int64_t f32 = 0, cd = 0;
     Elems operator+(const Elems& o) const { return {f32 + o.f32, cd + o.cd}; }

@@ -22,7 +22,7 @@
 #include "distributed/routed_comm.h"
 #include "io/checkpoint.h"
 #include "io/hf_weights.h"
-#include "io/tensor_parallel_state.h"
+#include "io/sharded_model_state.h"
 #include "backend/ops.h"
 #include "train/generate.h"
 
@@ -269,7 +269,7 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
   if (pp_) runner_ = std::make_unique<PipelineRunner>(*model_, *pp_, *schedule_, stages);
   if (tp_) tp_stats_before_ = tp_->stats();
   // Checkpoints of global tensors from the tensor pieces, pipeline stages and expert owners.
-  if (tp_ || pp_ || ep_) tp_ckpt_ = std::make_unique<TensorParallelCheckpoint>(model_->params(), grid_);
+  if (tp_ || pp_ || ep_) sharded_ckpt_ = std::make_unique<ShardedModelCheckpoint>(model_->params(), grid_);
   const ZeroConfig& zc = config_.train.zero;
   const PrecisionConfig& precision = config_.train.precision;
   scaler_ = std::make_unique<LossScaler>(precision.fp16_scaler, precision.fp16);
@@ -312,7 +312,7 @@ void Trainer::resolve_epochs() {
   TrainConfig& tc = config_.train;
   if (tc.epochs <= 0) return;
   int64_t per_epoch = 0;
-  for (const auto& d : pipeline().train_sets()) per_epoch += d->samples_per_epoch();
+  for (const auto& d : data_pipeline().train_sets()) per_epoch += d->samples_per_epoch();
   const auto steps = int64_t(std::ceil(tc.epochs * double(per_epoch) / double(tc.train_batch_size)));
   if (tc.max_steps > 0) {
     log::info("train.max_steps {} decides the run's length; train.epochs {} ({} steps) is not used", tc.max_steps,
@@ -632,10 +632,10 @@ void Trainer::load_weights(const std::string& init_from, bool checkpoint) {
   if (checkpoint) {
     TrainState st;
     const HostState host(model_->params().values().tensor(), Tensor(), Tensor());
-    if (tp_ckpt_) {
-      st = read_checkpoint(init_from, ckpt_->io_comm(), file_registry(), tp_ckpt_->targets(false));
-      tp_ckpt_->unstage(host.values(), nullptr, nullptr);
-      tp_ckpt_->release();
+    if (sharded_ckpt_) {
+      st = read_checkpoint(init_from, ckpt_->io_comm(), file_registry(), sharded_ckpt_->targets(false));
+      sharded_ckpt_->unstage(host.values(), nullptr, nullptr);
+      sharded_ckpt_->release();
     } else {
       CheckpointTargets whole;
       whole.values = host.values();
@@ -660,7 +660,7 @@ void Trainer::load_weights(const std::string& init_from, bool checkpoint) {
   }
   // Every rank reads the files itself: they are identical, and this needs no broadcast of
   // the whole model.
-  auto counts = load_hf_weights(init_from, model_->params(), tp_ckpt_ ? &file_registry() : nullptr);
+  auto counts = load_hf_weights(init_from, model_->params(), sharded_ckpt_ ? &file_registry() : nullptr);
   log::info("loaded {} tensors from {}", counts.loaded, init_from);
 }
 
@@ -992,8 +992,8 @@ bool Trainer::train_step(StepRecord& r) {
   // The whole step's micro-batches come at once (read ahead by the pipeline): the loss is the
   // mean over every target token of the global batch, so each backward needs the global
   // token count.
-  StepData data = pipeline().next();
-  const double data_wait = pipeline().take_wait_seconds();
+  StepData data = data_pipeline().next();
+  const double data_wait = data_pipeline().take_wait_seconds();
   const std::vector<int64_t> counts = count_targets(data);
   const LossScales scales = loss_scales(counts);
   for (auto& [l, ffn] : model_->moe_layers()) ffn->routing()->reset();
@@ -1044,7 +1044,7 @@ bool Trainer::train_step(StepRecord& r) {
   if (zero_) {
     r.grad_norm = zero_->grad_norm();
   } else {
-    double sq = tensor_parallel_grad_sum_squares(model_->params(), tp_, ep_);
+    double sq = sharded_grad_sum_squares(model_->params(), tp_, ep_);
     if (pp_) timed_collective([&] { sq = pp_->all_reduce_value<double>(sq); });
     r.grad_norm = std::sqrt(sq);
   }
@@ -1130,7 +1130,7 @@ void Trainer::shrink_micro_batch(const std::string& why, int64_t step, const jso
             step + 1, why, tc.micro_batch, tc.grad_accum, tc.train_batch_size);
   model_->release_activations();
   model_->params().grads().zero();
-  pipeline().reconfigure(tc.micro_batch, tc.grad_accum, step, blend_before);
+  data_pipeline().reconfigure(tc.micro_batch, tc.grad_accum, step, blend_before);
 }
 
 void Trainer::apply_activation_budget() {
@@ -1194,7 +1194,7 @@ StepMetrics Trainer::step_metrics(const StepRecord& r, double elapsed, int64_t s
     }
     m.extra["gpu"] = gpu;
   }
-  if (config_.data.train.size() > 1) m.extra["data_mix"] = pipeline().drawn();
+  if (config_.data.train.size() > 1) m.extra["data_mix"] = data_pipeline().drawn();
   if (tp_) {
     m.extra["tensor_parallel"] = {{"size", tp_->size()},
                                   {"sequence_parallel", model_->shard().sequence_parallel},
@@ -1338,9 +1338,9 @@ Trainer::Outcome Trainer::train() {
                                          tc.steps_per_print, peak);
     metrics_->on_run_start(environment_.record);
   }
-  if (!pipeline_started_) {
-    pipeline().reconfigure(tc.micro_batch, tc.grad_accum, step_, resume_blend_);
-    pipeline_started_ = true;
+  if (!data_started_) {
+    data_pipeline().reconfigure(tc.micro_batch, tc.grad_accum, step_, resume_blend_);
+    data_started_ = true;
   }
   const auto t0 = Clock::now();
   const int64_t first_step = step_ + 1;  // after a resume, not 1
@@ -1365,7 +1365,7 @@ Trainer::Outcome Trainer::train() {
     const double elapsed = seconds_since(t0);
     metrics_->on_step(step_metrics(r, elapsed, r.step - first_step + 1));
     const bool print = r.step % tc.steps_per_print == 0 || r.step == tc.max_steps || r.step == first_step;
-    if (config_.data.train.size() > 1 && print) log::info("data mix {:>6} | {}", r.step, pipeline().mix_report());
+    if (config_.data.train.size() > 1 && print) log::info("data mix {:>6} | {}", r.step, data_pipeline().mix_report());
     if (!r.moe.empty() && print) {
       const MoeLayerStats* worst = &r.moe[0];
       int64_t dead = 0, experts = 0, dropped = 0, assigned = 0;
@@ -1433,16 +1433,16 @@ Trainer::Outcome Trainer::train() {
   return outcome;
 }
 
-DataPipeline& Trainer::pipeline() {
-  if (!pipeline_) {
-    pipeline_ = std::make_unique<DataPipeline>(config_.data, config_.model.vocab_size, config_.train.seed,
+DataPipeline& Trainer::data_pipeline() {
+  if (!data_pipeline_) {
+    data_pipeline_ = std::make_unique<DataPipeline>(config_.data, config_.model.vocab_size, config_.train.seed,
                                                config_.train.micro_batch, config_.train.grad_accum, dp_, grid_.world());
   }
-  return *pipeline_;
+  return *data_pipeline_;
 }
 
 TrainState Trainer::state() {
-  DataPipeline& data = pipeline();
+  DataPipeline& data = data_pipeline();
   TrainState st;
   st.step = step_;
   st.consumed_samples = consumed_samples_;
@@ -1486,7 +1486,7 @@ TrainState Trainer::state() {
                {"expert", grid_.size(Axis::Expert)},
                {"sequence_parallel", model_->shard().sequence_parallel},
                {"schedule", pp_ ? json(schedule_->name()) : json()},
-               {"partition", tp_ckpt_ ? "the ranks of data coordinate 0 (for a routed expert: of its expert rank) wrote, "
+               {"partition", sharded_ckpt_ ? "the ranks of data coordinate 0 (for a routed expert: of its expert rank) wrote, "
                                         "tensor rank t of the pipeline stage holding a global tensor rows "
                                         "[R*t/T, R*(t+1)/T) of its dimension 0"
                                       : "each rank wrote rows [R*r/N, R*(r+1)/N) of dimension 0 of every tensor"}};
@@ -1537,9 +1537,9 @@ double Trainer::save_checkpoint() {
   live.exp_avg_sq = host.exp_avg_sq();
   if (zero_) live = zero_checkpoint_buffers(*zero_, host);
   // Tensor parallelism: the global tensors' row blocks, staged by the data-0 tensor group.
-  if (tp_ckpt_) live = tp_ckpt_->stage(live.values, live.exp_avg, live.exp_avg_sq);
+  if (sharded_ckpt_) live = sharded_ckpt_->stage(live.values, live.exp_avg, live.exp_avg_sq);
   const double stall = ckpt_->save(file_registry(), live, state());
-  if (tp_ckpt_) tp_ckpt_->release();  // written, or copied by the asynchronous writer
+  if (sharded_ckpt_) sharded_ckpt_->release();  // written, or copied by the asynchronous writer
   last_saved_step_ = step_;
   last_save_time_ = clock();
   return stall;
@@ -1605,10 +1605,10 @@ bool Trainer::resume(const std::string& spec) {
                                                optimizer_->exp_avg_sq().tensor());
       if (zero_) {
         st = read_checkpoint(path, ckpt_->io_comm(), reg, zero_checkpoint_targets(*zero_, host));
-      } else if (tp_ckpt_) {
-        st = read_checkpoint(path, ckpt_->io_comm(), file_registry(), tp_ckpt_->targets(true));
-        tp_ckpt_->unstage(host.values(), host.exp_avg(), host.exp_avg_sq());
-        tp_ckpt_->release();
+      } else if (sharded_ckpt_) {
+        st = read_checkpoint(path, ckpt_->io_comm(), file_registry(), sharded_ckpt_->targets(true));
+        sharded_ckpt_->unstage(host.values(), host.exp_avg(), host.exp_avg_sq());
+        sharded_ckpt_->release();
       } else {
         CheckpointTargets whole;
         whole.values = host.values();
@@ -1647,7 +1647,7 @@ bool Trainer::resume(const std::string& spec) {
     }
     last_saved_step_ = step_;
     last_save_time_ = Clock::now();
-    DataPipeline& data = pipeline();
+    DataPipeline& data = data_pipeline();
     resume_blend_ = st.data.value("blend", json());
     const json sets = st.data.value("datasets", json::array());
     bool same = sets.size() == data.train_sets().size() && st.data.value("seq_len", int64_t(-1)) == config_.data.seq_len;
@@ -1802,8 +1802,8 @@ void Trainer::save_hf(const std::string& dir) {
     Buffer global;
     for (int id = 0; id < file.size(); ++id) {
       const ParamInfo& fp = file.info(id);
-      if (tp_ckpt_->writes(id)) {
-        const int local = tp_ckpt_->local_id(id);
+      if (sharded_ckpt_->writes(id)) {
+        const int local = sharded_ckpt_->local_id(id);
         Tensor g = root ? whole.param(id) : Tensor();
         if (!g.raw()) {
           if (global.numel() < fp.global_shape.numel()) {
@@ -1816,7 +1816,7 @@ void Trainer::save_hf(const std::string& dir) {
         gather_global(model_->params().info(local), piece.get(), tp_, g);
         if (!root && grid_.coord(Axis::Tensor) == 0) grid_.world().send(g, 0, 1);
       } else if (root) {
-        grid_.world().recv(whole.param(id), (tp_ckpt_->owner(id) * dp + tp_ckpt_->writer(id)) * tp, 1);
+        grid_.world().recv(whole.param(id), (sharded_ckpt_->owner(id) * dp + sharded_ckpt_->writer(id)) * tp, 1);
       }
     }
     if (root) save_hf_weights(dir, whole, config_.model.to_hf_json(), int64_t(5) << 30, dtype);

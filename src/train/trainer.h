@@ -21,7 +21,7 @@
 #include "distributed/param_hooks.h"
 #include "distributed/schedule.h"
 #include "distributed/tensor_parallel.h"
-#include "io/tensor_parallel_state.h"
+#include "io/sharded_model_state.h"
 #include "optim/zero.h"
 #include "model/transformer.h"
 #include "optim/adamw.h"
@@ -218,12 +218,12 @@ class Trainer {
   void resolve_epochs();
   StepMetrics step_metrics(const StepRecord& r, double elapsed, int64_t steps_this_run);
   const std::vector<std::shared_ptr<SampleDataset>>& eval_datasets();
-  DataPipeline& pipeline();
+  DataPipeline& data_pipeline();  // the training data (train/pipeline.h is pipeline parallelism)
   Tokenizer& tokenizer();
   TrainState state();
   // The tensors a checkpoint file holds: the model's registry, or with tensor or pipeline
   // parallelism every stage's global tensors.
-  ParamRegistry& file_registry() { return tp_ckpt_ ? tp_ckpt_->file_registry() : model_->params(); }
+  ParamRegistry& file_registry() { return sharded_ckpt_ ? sharded_ckpt_->file_registry() : model_->params(); }
   // Why the current state must not become a checkpoint ("" when it may): saving it would
   // rotate away the good ones written before training went wrong. Collective.
   std::string unsafe_to_save();
@@ -242,7 +242,7 @@ class Trainer {
   bool precision_logged_ = false;
   std::unique_ptr<TensorParallelGradSync> tp_sync_;  // partial gradients summed over the tensor group
   Communicator* tp_ = nullptr;             // the tensor group (null: one rank)
-  std::unique_ptr<TensorParallelCheckpoint> tp_ckpt_;  // checkpoints of global tensors from the pieces
+  std::unique_ptr<ShardedModelCheckpoint> sharded_ckpt_;  // checkpoints of global tensors from the pieces
   CommStats tp_stats_before_;
   std::unique_ptr<GradReducer> reducer_;   // stages 0 and 1: the whole gradients all-reduced
   std::unique_ptr<ZeroOptimizer> zero_;    // stages 1 to 3
@@ -260,8 +260,8 @@ class Trainer {
   int64_t last_saved_step_ = -1;
   std::chrono::steady_clock::time_point last_save_time_ = std::chrono::steady_clock::now();
   std::unique_ptr<Tokenizer> tokenizer_;
-  std::unique_ptr<DataPipeline> pipeline_;
-  bool pipeline_started_ = false;
+  std::unique_ptr<DataPipeline> data_pipeline_;
+  bool data_started_ = false;
   json resume_blend_;  // the data position a resume restored, for the pipeline's start
   std::vector<std::shared_ptr<SampleDataset>> eval_sets_;
   std::vector<std::string> eval_names_;

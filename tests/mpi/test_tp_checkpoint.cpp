@@ -22,7 +22,7 @@
 #include "core/philox.h"
 #include "io/checkpoint.h"
 #include "io/hf_weights.h"
-#include "io/tensor_parallel_state.h"
+#include "io/sharded_model_state.h"
 #include "run_files.h"
 #include "train/checkpointing.h"
 
@@ -260,7 +260,7 @@ TEST(TensorParallelState, WrongPlacementsAreRefused) {
 
 // Written at tensor-parallel size a, read at b, for every pair of sizes the world allows:
 // every rank's pieces and moments come back exactly, and the file holds the global tensors.
-TEST(TensorParallelCheckpoint, RestartsAtEveryTensorParallelSize) {
+TEST(ShardedModelCheckpoint, RestartsAtEveryTensorParallelSize) {
   TempDir dir;
   const std::unique_ptr<ParamRegistry> whole = make_registry(0, 1);
   for (int a : sizes()) {
@@ -268,7 +268,7 @@ TEST(TensorParallelCheckpoint, RestartsAtEveryTensorParallelSize) {
     {
       Layout w(a);
       w.fill_state();
-      TensorParallelCheckpoint tpc(*w.reg, *w.grid);
+      ShardedModelCheckpoint tpc(*w.reg, *w.grid);
       EXPECT_EQ(tpc.io_rank(), w.data0());
       write_checkpoint(path, w.grid->mpi_world(), *w.reg, tpc.stage(w.values(), w.m.data(), w.v.data()), state_at(3));
     }
@@ -277,7 +277,7 @@ TEST(TensorParallelCheckpoint, RestartsAtEveryTensorParallelSize) {
       SCOPED_TRACE("written at tensor " + std::to_string(a) + ", read at tensor " + std::to_string(b));
       Layout r(b);
       r.poison();  // every value must come from the file: the replicas' by the broadcast
-      TensorParallelCheckpoint tpc(*r.reg, *r.grid);
+      ShardedModelCheckpoint tpc(*r.reg, *r.grid);
       const TrainState st = read_checkpoint(path, r.grid->mpi_world(), *r.reg, tpc.targets(true));
       EXPECT_EQ(st.step, 3);
       tpc.unstage(r.values(), r.m.data(), r.v.data());
@@ -297,7 +297,7 @@ TEST(TensorParallelCheckpoint, RestartsAtEveryTensorParallelSize) {
 
 // A file of the plain whole-model path resumes tensor-parallel, and staging at tensor 1 writes
 // the same tensors as the plain path (the same checksums).
-TEST(TensorParallelCheckpoint, MatchesThePlainPath) {
+TEST(ShardedModelCheckpoint, MatchesThePlainPath) {
   TempDir dir;
   const std::unique_ptr<ParamRegistry> whole = make_registry(0, 1);
   std::vector<float> wm(size_t(whole->flat_numel())), wv(wm.size());
@@ -310,7 +310,7 @@ TEST(TensorParallelCheckpoint, MatchesThePlainPath) {
   const int tp = world_size();
   Layout r(tp);
   r.poison();
-  TensorParallelCheckpoint tpc(*r.reg, *r.grid);
+  ShardedModelCheckpoint tpc(*r.reg, *r.grid);
   read_checkpoint(plain, r.grid->mpi_world(), *r.reg, tpc.targets(true));
   tpc.unstage(r.values(), r.m.data(), r.v.data());
   EXPECT_EQ(check(*r.reg, r.values(), 0, "weights"), 0);
@@ -318,7 +318,7 @@ TEST(TensorParallelCheckpoint, MatchesThePlainPath) {
 
   Layout one(1);  // tensor 1 x data world
   one.fill_state();
-  TensorParallelCheckpoint staged(*one.reg, *one.grid);
+  ShardedModelCheckpoint staged(*one.reg, *one.grid);
   const std::string via_staging = dir.path("staged.h5");
   write_checkpoint(via_staging, one.grid->mpi_world(), *one.reg, staged.stage(one.values(), one.m.data(), one.v.data()),
                    state_at(2));
@@ -336,7 +336,7 @@ TEST(TensorParallelCheckpoint, MatchesThePlainPath) {
 // The model alone (no moments), written through CheckpointManager's async snapshot: the
 // partition travels with the snapshot, and the staging can change while the writer runs. With
 // data-parallel replicas (tensor world/2), the partition differs from RowPiece over all ranks.
-TEST(TensorParallelCheckpoint, AsyncSaveOfTheModelAlone) {
+TEST(ShardedModelCheckpoint, AsyncSaveOfTheModelAlone) {
   TempDir dir;
   const int tp = std::max(1, world_size() / 2);
   Layout w(tp);
@@ -345,7 +345,7 @@ TEST(TensorParallelCheckpoint, AsyncSaveOfTheModelAlone) {
   cc.dir = dir.path("ckpts");
   cc.async = true;
   CheckpointManager mgr(cc, *w.grid);
-  TensorParallelCheckpoint tpc(*w.reg, *w.grid);
+  ShardedModelCheckpoint tpc(*w.reg, *w.grid);
   const CheckpointBuffers staged = tpc.stage(w.values(), nullptr, nullptr);
   // Sized by the global tensors, not by this rank's pieces.
   CheckpointBuffers whole_pieces;
@@ -361,7 +361,7 @@ TEST(TensorParallelCheckpoint, AsyncSaveOfTheModelAlone) {
   for (int b : sizes()) {
     Layout r(b);
     r.poison();
-    TensorParallelCheckpoint rt(*r.reg, *r.grid);
+    ShardedModelCheckpoint rt(*r.reg, *r.grid);
     read_checkpoint(path, r.grid->mpi_world(), *r.reg, rt.targets(false));
     rt.unstage(r.values(), nullptr, nullptr);
     EXPECT_EQ(check(*r.reg, r.values(), 0, "weights"), 0) << "read at tensor " << b;
@@ -371,7 +371,7 @@ TEST(TensorParallelCheckpoint, AsyncSaveOfTheModelAlone) {
 }
 
 // Pieces are never mistaken for whole tensors, and a partition must tile the rows.
-TEST(TensorParallelCheckpoint, PiecesOutsideStagingAreRefused) {
+TEST(ShardedModelCheckpoint, PiecesOutsideStagingAreRefused) {
   TempDir dir;
   ParamRegistry reg;
   ParamOptions o;

@@ -11,7 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 
-#include "io/tensor_parallel_state.h"
+#include "io/sharded_model_state.h"
 #include "run_files.h"
 #include "train/trainer.h"
 

@@ -1,6 +1,6 @@
-// Global tensors from tensor-parallel pieces and back, and the staging that lets checkpoints of
-// a tensor-parallel model hold global tensors (see tensor_parallel_state.h).
-#include "io/tensor_parallel_state.h"
+// Global tensors from the pieces of a model split over the tensor, pipeline and expert axes, and
+// back, and the staging that lets its checkpoints hold global tensors (see sharded_model_state.h).
+#include "io/sharded_model_state.h"
 
 #include <algorithm>
 #include <cstring>
@@ -128,9 +128,9 @@ void extract_local(const ParamInfo& p, Tensor global, int tp_rank, int tp_size, 
   extract_local(p, global, local);
 }
 
-// ---- TensorParallelCheckpoint ----------------------------------------------------------
+// ---- ShardedModelCheckpoint ----------------------------------------------------------
 
-TensorParallelCheckpoint::TensorParallelCheckpoint(const ParamRegistry& reg, ProcessGrid& grid)
+ShardedModelCheckpoint::ShardedModelCheckpoint(const ParamRegistry& reg, ProcessGrid& grid)
     : reg_(reg), tensor_(grid.comm(Axis::Tensor)), data_(grid.comm(Axis::Data)), expert_data_(grid.expert_data()) {
   tp_size_ = grid.size(Axis::Tensor);
   tp_rank_ = grid.coord(Axis::Tensor);
@@ -219,7 +219,7 @@ TensorParallelCheckpoint::TensorParallelCheckpoint(const ParamRegistry& reg, Pro
   };
 }
 
-void TensorParallelCheckpoint::allocate(int groups) {
+void ShardedModelCheckpoint::allocate(int groups) {
   static constexpr const char* kLabels[3] = {"checkpoint.tensor_parallel.values", "checkpoint.tensor_parallel.exp_avg",
                                              "checkpoint.tensor_parallel.exp_avg_sq"};
   for (int g = 0; g < groups; ++g) {
@@ -227,15 +227,15 @@ void TensorParallelCheckpoint::allocate(int groups) {
   }
 }
 
-void TensorParallelCheckpoint::release() {
+void ShardedModelCheckpoint::release() {
   for (Buffer& b : staged_) b = Buffer();
   read_groups_ = 0;
 }
 
-CheckpointBuffers TensorParallelCheckpoint::stage(const float* values, const float* exp_avg, const float* exp_avg_sq) {
-  DS_CHECK(values != nullptr, "TensorParallelCheckpoint::stage: no values to stage");
+CheckpointBuffers ShardedModelCheckpoint::stage(const float* values, const float* exp_avg, const float* exp_avg_sq) {
+  DS_CHECK(values != nullptr, "ShardedModelCheckpoint::stage: no values to stage");
   DS_CHECK((exp_avg == nullptr) == (exp_avg_sq == nullptr),
-           "TensorParallelCheckpoint::stage: give both AdamW moments or neither");
+           "ShardedModelCheckpoint::stage: give both AdamW moments or neither");
   const int groups = exp_avg ? 3 : 1;
   allocate(groups);
   const float* src[3] = {values, exp_avg, exp_avg_sq};
@@ -280,7 +280,7 @@ CheckpointBuffers TensorParallelCheckpoint::stage(const float* values, const flo
   return b;
 }
 
-CheckpointTargets TensorParallelCheckpoint::targets(bool with_moments) {
+CheckpointTargets ShardedModelCheckpoint::targets(bool with_moments) {
   read_groups_ = with_moments ? 3 : 1;
   allocate(read_groups_);
   CheckpointTargets t;
@@ -292,13 +292,13 @@ CheckpointTargets TensorParallelCheckpoint::targets(bool with_moments) {
   return t;
 }
 
-void TensorParallelCheckpoint::unstage(float* values, float* exp_avg, float* exp_avg_sq) {
-  DS_CHECK(values != nullptr, "TensorParallelCheckpoint::unstage: no values to fill");
+void ShardedModelCheckpoint::unstage(float* values, float* exp_avg, float* exp_avg_sq) {
+  DS_CHECK(values != nullptr, "ShardedModelCheckpoint::unstage: no values to fill");
   DS_CHECK((exp_avg == nullptr) == (exp_avg_sq == nullptr),
-           "TensorParallelCheckpoint::unstage: give both AdamW moments or neither");
+           "ShardedModelCheckpoint::unstage: give both AdamW moments or neither");
   const int groups = exp_avg ? 3 : 1;
   DS_CHECK(read_groups_ >= groups,
-           "TensorParallelCheckpoint::unstage: {} read into targets({}); call targets(true) before reading "
+           "ShardedModelCheckpoint::unstage: {} read into targets({}); call targets(true) before reading "
            "the optimizer state",
            read_groups_ == 0 ? "nothing was" : "only the model was", read_groups_ == 3);
   float* dst[3] = {values, exp_avg, exp_avg_sq};

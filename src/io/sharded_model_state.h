@@ -1,6 +1,7 @@
-// The global tensors of a tensor-parallel model: assembling them from the ranks' pieces, cutting
-// a rank's piece out of them, and staging them for checkpoints, so that files hold global
-// tensors and a run restarts at any tensor-parallel size.
+// The global tensors of a model split over the tensor, pipeline and expert axes: assembling
+// them from the ranks' pieces, cutting a rank's piece out of them, and staging them for
+// checkpoints (ShardedModelCheckpoint), so that files hold global tensors and a run restarts at
+// any tensor, pipeline or expert size.
 //
 // A piece is what ParamInfo::placement says: Whole (replicated over the tensor group), or
 // Shard over axis "tensor": piece `index` of `count` equal pieces of the global tensor along
@@ -53,9 +54,9 @@ void extract_local(const ParamInfo& p, Tensor global, Tensor local);
 //   save:   mgr.save(tpc.file_registry(), tpc.stage(values, m, v), state)        every rank
 //   resume: read_checkpoint(path, comm, tpc.file_registry(), tpc.targets(true));
 //           tpc.unstage(values, m, v)                                            every rank
-class TensorParallelCheckpoint {
+class ShardedModelCheckpoint {
  public:
-  TensorParallelCheckpoint(const ParamRegistry& reg, ProcessGrid& grid);
+  ShardedModelCheckpoint(const ParamRegistry& reg, ProcessGrid& grid);
 
   // The file's tensors: names, global shapes and kinds of every stage's parameters (their
   // pieces and local layout are this object's business). Not allocated.
