@@ -134,7 +134,8 @@ void HFWeights::open_single(const std::string& file) {
 }
 
 void HFWeights::open_index(const std::string& index_path) {
-  const json index = read_json_file(index_path);
+  // Written by a program, and megabytes for a model of many tensors: the data limit.
+  const json index = read_json_file(index_path, kDataJson);
   DS_CHECK(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(),
            "'{}' has no \"weight_map\" object; it is not a Hugging Face safetensors index", index_path);
   const json& weight_map = index["weight_map"];

@@ -196,41 +196,6 @@ TEST(Metrics, LossScaleAndOverflowSkipsOfAnFp16Run) {
     if (row.contains("step") && row.contains("loss")) steps.push_back(row);
   }
   ASSERT_EQ(steps.size(), 2u);
-  StepMetrics s;
-  s.max_steps = 40;
-  s.loss = 2.5;
-  s.tokens_per_s = 2000;
-  s.time = {1.0, 0.1, 0.3, 0.4, 0.05, 0.05, 0.02};
-  s.rank_step_s = {1.0};
-  s.rank_compute_s = {0.9};
-  s.rank_peak_rss_bytes = {1e8};
-  s.step = 1;
-  s.loss_scaling = true;
-  // One overflow while the scale settles: counted, and normal.
-  {
-    Metrics m(mc, small(), 32, 0, 1, 1, dir.string(), 10, [] { return Peak{100e9, "measured: injected"}; });
-    s.overflow_skipped_total = 1;
-    s.overflow = false;
-    m.on_step(s);
-    const std::string table = m.summary_table();
-    const std::string row = table.substr(table.find("skipped steps"), table.find('\n', table.find("skipped steps")) -
-                                                                           table.find("skipped steps"));
-    EXPECT_THAT(row, ::testing::MatchesRegex("skipped steps \\(\\+ fp16 overflows\\) +0 \\+ 1 .* ok"));
-  }
-  // A run that overflows at every step (a static scale too large, or a diverged run) is not ok.
-  {
-    Metrics m(mc, small(), 32, 0, 1, 1, dir.string(), 10, [] { return Peak{100e9, "measured: injected"}; });
-    for (int i = 1; i <= 40; ++i) {
-      s.step = i;
-      s.overflow = true;
-      s.overflow_skipped_total = i;
-      m.on_step(s);
-    }
-    const std::string table = m.summary_table();
-    const std::string row = table.substr(table.find("skipped steps"), table.find('\n', table.find("skipped steps")) -
-                                                                           table.find("skipped steps"));
-    EXPECT_THAT(row, ::testing::MatchesRegex("skipped steps \\(\\+ fp16 overflows\\) +0 \\+ 40 .* CHECK"));
-  }
   EXPECT_EQ(steps[0]["loss_scale"], 65536.0);
   EXPECT_EQ(steps[0]["overflow"], true);
   EXPECT_EQ(steps[0]["overflow_skipped_total"], 1);
@@ -270,9 +235,45 @@ struct TempDir {
   }
 };
 
-std::string mfu_row(const std::string& table) {
-  const size_t at = table.find("MFU");
-  return table.substr(at, table.find('\n', at) - at);
+// The summary table's row that starts with `metric`.
+std::string table_row(const std::string& table, const std::string& metric) {
+  const size_t at = table.find(metric);
+  return at == std::string::npos ? std::string() : table.substr(at, table.find('\n', at) - at);
+}
+
+std::string mfu_row(const std::string& table) { return table_row(table, "MFU"); }
+
+// fp16 overflow skips count in the summary: a few while the scale settles are normal; a run that
+// still overflows at its end (a static scale too large, a diverged run) is not.
+TEST(Metrics, Fp16OverflowSkipsCountInTheSummary) {
+  TempDir dir;
+  MetricsConfig mc;
+  mc.progress = "lines";
+  auto metrics = [&] {
+    return std::make_unique<Metrics>(mc, small(), 32, 0, 1, 1, dir.path.string(), 10,
+                                     [] { return Peak{100e9, "measured: injected"}; });
+  };
+  StepMetrics s = step_at(1, 50e9);
+  s.loss_scaling = true;
+  s.overflow_skipped_total = 1;
+  auto settled = metrics();
+  settled->on_step(s);
+  EXPECT_THAT(table_row(settled->summary_table(), "skipped steps"),
+              ::testing::MatchesRegex("skipped steps \\(\\+ fp16 overflows\\) +0 \\+ 1 .* ok"));
+  auto overflowing = metrics();
+  for (int i = 1; i <= 40; ++i) {
+    s = step_at(i, 50e9);
+    s.loss_scaling = true;
+    s.overflow = true;
+    s.overflow_skipped_total = i;
+    overflowing->on_step(s);
+  }
+  EXPECT_THAT(table_row(overflowing->summary_table(), "skipped steps"),
+              ::testing::MatchesRegex("skipped steps \\(\\+ fp16 overflows\\) +0 \\+ 40 .* CHECK"));
+  // Without loss scaling the row is the faults' alone.
+  auto plain = metrics();
+  plain->on_step(step_at(1, 50e9));
+  EXPECT_THAT(table_row(plain->summary_table(), "skipped steps"), ::testing::MatchesRegex("skipped steps +0 +0 +ok"));
 }
 
 // A peak measured low at start (another process busy on the cores) and a step above it: the
