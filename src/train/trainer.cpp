@@ -1436,7 +1436,8 @@ Trainer::Outcome Trainer::train() {
 DataPipeline& Trainer::data_pipeline() {
   if (!data_pipeline_) {
     data_pipeline_ = std::make_unique<DataPipeline>(config_.data, config_.model.vocab_size, config_.train.seed,
-                                               config_.train.micro_batch, config_.train.grad_accum, dp_, grid_.world());
+                                                    config_.train.micro_batch, config_.train.grad_accum, dp_,
+                                                    grid_.world());
   }
   return *data_pipeline_;
 }
@@ -1486,10 +1487,11 @@ TrainState Trainer::state() {
                {"expert", grid_.size(Axis::Expert)},
                {"sequence_parallel", model_->shard().sequence_parallel},
                {"schedule", pp_ ? json(schedule_->name()) : json()},
-               {"partition", sharded_ckpt_ ? "the ranks of data coordinate 0 (for a routed expert: of its expert rank) wrote, "
-                                        "tensor rank t of the pipeline stage holding a global tensor rows "
-                                        "[R*t/T, R*(t+1)/T) of its dimension 0"
-                                      : "each rank wrote rows [R*r/N, R*(r+1)/N) of dimension 0 of every tensor"}};
+               {"partition", sharded_ckpt_
+                                 ? "the ranks of data coordinate 0 (for a routed expert: of its expert rank) wrote, "
+                                   "tensor rank t of the pipeline stage holding a global tensor rows "
+                                   "[R*t/T, R*(t+1)/T) of its dimension 0"
+                                 : "each rank wrote rows [R*r/N, R*(r+1)/N) of dimension 0 of every tensor"}};
   return st;
 }
 

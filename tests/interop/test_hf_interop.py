@@ -154,10 +154,10 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
             train = ["mpirun", "-np", str(expert), "--bind-to", "none", *train, "--set", f"parallel.expert={expert}"]
         run(train, extra_env=MPI_ENV if tensor > 1 or pipeline > 1 or expert > 1 else {})
         ev = run([os.path.join(BUILD, "app", "dstrain"), "eval", "--config", config, "--init-from", hf]).stdout
-        m = re.search(r"eval loss ([0-9.]+) over (\d+) tokens", ev)
+        m = re.search(r"eval loss ([0-9.]+), accuracy ([0-9.]+)% over (\d+) tokens", ev)
         self.assertIsNotNone(m, ev)
-        self.assertEqual(int(m.group(2)), WINDOWS * T)
-        return hf, float(m.group(1))
+        self.assertEqual(int(m.group(3)), WINDOWS * T)
+        return hf, float(m.group(1)), float(m.group(2))
 
     def dstrain_logits(self, hf, vocab):
         import numpy as np
@@ -171,7 +171,7 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
         import torch
         import transformers
         start = time.time()
-        hf, eval_loss = self.export(name, tensor, pipeline, expert)
+        hf, eval_loss, eval_accuracy = self.export(name, tensor, pipeline, expert)
         cfg = MODELS[name]
 
         # config.json loads as written, as the class it names.
@@ -205,6 +205,7 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
             out = model(input_ids=x)
         theirs = out.logits.double()
         hf_loss = torch.nn.functional.cross_entropy(theirs.reshape(-1, theirs.shape[-1]), y.reshape(-1)).item()
+        hf_accuracy = 100 * (theirs.argmax(dim=-1) == y).double().mean().item()
         ours, ce = self.dstrain_logits(hf, cfg["vocab_size"])
         ours = torch.from_numpy(ours).double()
         abs_diff = (ours - theirs).abs().max().item()
@@ -212,12 +213,16 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
         rel_diff = abs_diff / scale
         print(f"{name}{f' (tensor {tensor})' if tensor > 1 else ''}{f' (pipeline {pipeline})' if pipeline > 1 else ''}{f' (expert {expert})' if expert > 1 else ''}: logits max |diff| {abs_diff:.3g} ({rel_diff:.3g} of max |logit| {scale:.3g}); loss: "
               f"transformers {hf_loss:.7f}, dstrain eval {eval_loss:.6f} ({abs(eval_loss - hf_loss) / hf_loss:.2g} "
-              f"rel), dstrain forward {ce:.7f} ({abs(ce - hf_loss) / hf_loss:.2g} rel); {time.time() - start:.1f} s",
+              f"rel), dstrain forward {ce:.7f} ({abs(ce - hf_loss) / hf_loss:.2g} rel); accuracy: transformers {hf_accuracy:.3f}%, "
+              f"dstrain eval {eval_accuracy:.2f}%; {time.time() - start:.1f} s",
               flush=True)
         self.assertLess(rel_diff, LOGITS_RTOL, f"{name}: logits differ from transformers'")
         self.assertAlmostEqual(ce, hf_loss, delta=LOSS_RTOL * hf_loss)
         # The CLI prints 6 decimals.
         self.assertAlmostEqual(eval_loss, hf_loss, delta=LOSS_RTOL * hf_loss + 1e-6)
+        # Token accuracy: the targets transformers' logits rank first (the CLI prints 2 decimals).
+        self.assertAlmostEqual(eval_accuracy, hf_accuracy, delta=0.006,
+                               msg=f"{name}: accuracy {eval_accuracy}% against transformers' {hf_accuracy:.4f}%")
         # A trained model, not a uniform one: the comparison has something to see.
         self.assertLess(hf_loss, 0.9 * np.log(cfg["vocab_size"]))
 

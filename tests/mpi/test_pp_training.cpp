@@ -92,6 +92,12 @@ TEST_P(PipelineTraining, MatchesOneRankInLossesAndWeights) {
     t.init_weights("");
     t.train();
     expect_same_training(ref, t, grid, GetParam() + " pipeline " + std::to_string(W) + " " + schedule);
+    // Evaluation through the stages: the last stage's loss and token accuracy reach every rank.
+    const LossSums want = ref.evaluate(4), got = t.evaluate(4);
+    EXPECT_EQ(got.count, want.count) << schedule;
+    EXPECT_NEAR(got.mean(), want.mean(), 1e-5 * want.mean()) << schedule;
+    EXPECT_EQ(got.correct, want.correct) << schedule << ": targets ranked first";
+    EXPECT_GT(want.correct, 0) << schedule;
   }
 }
 

@@ -116,6 +116,29 @@ TEST(TensorParallelFourRanks, TensorTimesDataMatchesTensorOne) {
   }
 }
 
+// Evaluation over vocabulary shards: the loss and the token accuracy (each row's largest logit
+// and its target's, combined over the tensor group) of the whole model's.
+TEST(TensorParallel, EvaluationOverVocabularyShardsMatchesTheWholeModel) {
+  DSTRAIN_REQUIRE_RANKS(world_size() >= 2, "2 or 4");
+  for (const std::string model : {"gqa_untied", "v3"}) {
+    RunFiles files(3, model_of(model));
+    ProcessGrid solo(MPI_COMM_SELF, {});
+    Trainer ref(files.solo_config(), solo);
+    ref.init_weights("");
+    ref.train();
+    const RunConfig cfg = files.config(layout(world_size(), true));
+    ProcessGrid grid(MPI_COMM_WORLD, cfg.parallel);
+    Trainer t(cfg, grid);
+    t.init_weights("");
+    t.train();
+    const LossSums want = ref.evaluate(4), got = t.evaluate(4);
+    EXPECT_EQ(got.count, want.count) << model;
+    EXPECT_NEAR(got.mean(), want.mean(), 1e-5 * want.mean()) << model;
+    EXPECT_EQ(got.correct, want.correct) << model << ": targets ranked first";
+    EXPECT_GT(want.correct, 0) << model << ": nothing ranked first tests nothing";
+  }
+}
+
 // A checkpoint written at one tensor-parallel size resumes at another: the steps after the
 // resume have the losses of the uninterrupted run.
 TEST(TensorParallel, CheckpointsResumeAtOtherTensorSizes) {
