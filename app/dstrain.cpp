@@ -3,6 +3,7 @@
 //                    [--set key=value]...
 //   dstrain eval     --config F --init-from HF_DIR [--batches N]
 //   dstrain generate --config F --init-from HF_DIR --prompt TEXT
+//   dstrain validate --config F --ranks N [--set key=value]...
 // Exit status: 0 done, 1 error, 2 bad command line, 75 stopped on SIGUSR1/SIGTERM after a
 // checkpoint (requeue the job), 76 a collective passed its deadline (the watchdog ended the job).
 #include <CLI/CLI.hpp>
@@ -21,6 +22,7 @@
 #include "core/version.h"
 #include "io/hf_weights.h"
 #include "train/device_setup.h"
+#include "train/layout_check.h"
 #include "train/resilience.h"
 #include "train/trainer.h"
 
@@ -58,6 +60,7 @@ struct Options {
   double temperature = -1;
   int64_t top_k = -1;
   int64_t seed = -1;
+  int64_t ranks = 0;
 };
 
 dstrain::RunConfig load_config(const Options& o) {
@@ -151,6 +154,29 @@ int cmd_generate(const Options& o) {
   return 0;
 }
 
+// The layout checks of a job of N ranks, without starting it: one process, no model allocated,
+// no data read.
+int cmd_validate(const Options& o) {
+  using namespace dstrain;
+  RunConfig c = load_config(o);
+  CheckedLayout layout;
+  try {
+    layout = check_layout(c, int(o.ranks));
+  } catch (const Error& e) {
+    // The same on every rank: no abort needed.
+    if (log::rank() == 0) std::fprintf(stderr, "error: %s: not a valid layout for %lld ranks: %s\n", o.config.c_str(),
+                                       static_cast<long long>(o.ranks), e.what());
+    return 1;
+  }
+  if (log::rank() == 0) {
+    std::printf("%s: a valid layout for %lld ranks\n", o.config.c_str(), static_cast<long long>(o.ranks));
+    std::printf("  model: %s, %.2fB parameters, %lld layers\n", c.model.model_type.c_str(),
+                double(c.model.num_parameters()) / 1e9, static_cast<long long>(c.model.num_hidden_layers));
+    for (const std::string& line : layout.describe(c)) std::printf("  %s\n", line.c_str());
+  }
+  return 0;
+}
+
 int run(int argc, char** argv) {
   CLI::App app{"dstrain: train DeepSeek-family language models on CPUs and GPUs with MPI"};
   app.require_subcommand(1);
@@ -184,25 +210,35 @@ int run(int argc, char** argv) {
   gen->add_option("--temperature", o.temperature, "0 for greedy decoding")->check(cli::finite_at_least(0));
   gen->add_option("--top-k", o.top_k, "sample among the k most likely tokens (0: all)")->check(cli::integer_in(0));
   gen->add_option("--seed", o.seed, "sampling seed")->check(cli::integer_in(0));
+  CLI::App* validate = app.add_subcommand("validate", "check a run configuration's layout for a job of N ranks "
+                                                      "without starting it");
+  validate->add_option("--config", o.config, "run configuration (JSON)")->required()->check(CLI::ExistingFile);
+  validate->add_option("--ranks", o.ranks, "ranks of the job (GPUs, or CPU processes)")
+      ->required()
+      ->check(cli::integer_in(1));
+  validate->add_option("--set", o.overrides, "override a configuration key, e.g. parallel.pipeline=16")
+      ->take_all()
+      ->check(set_assignment());
 
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     // Usage messages once per job, not once per rank; every rank ends with the same status.
     const bool quiet = dstrain::log::rank() != 0;
-    for (const CLI::App* sub : {train, eval, gen}) {
+    for (const CLI::App* sub : {train, eval, gen, validate}) {
       if (sub->parsed()) return cli::report(app, e, "dstrain", "dstrain " + sub->get_name(), quiet);
     }
     if (argc < 2) {
-      return cli::report("dstrain", "no command given; the commands are train, eval and generate", "dstrain", quiet);
+      return cli::report("dstrain", "no command given; the commands are train, eval, generate and validate", "dstrain", quiet);
     }
     if (argv[1][0] == '-' || e.get_exit_code() == 0) return cli::report(app, e, "dstrain", "dstrain", quiet);
     return cli::report(
-        "dstrain", fmt::format("unknown command '{}'; the commands are train, eval and generate", argv[1]), "dstrain",
+        "dstrain", fmt::format("unknown command '{}'; the commands are train, eval, generate and validate", argv[1]), "dstrain",
         quiet);
   }
   if (train->parsed()) return cmd_train(o);
   if (eval->parsed()) return cmd_eval(o);
+  if (validate->parsed()) return cmd_validate(o);
   return cmd_generate(o);
 }
 

@@ -59,30 +59,61 @@ json ParallelConfig::to_json() const {
           {"virtual_stages", virtual_stages}, {"partition", partition}};
 }
 
-ProcessGrid::ProcessGrid(MPI_Comm world, const ParallelConfig& config) {
-  world_ = std::make_unique<MpiCommunicator>(world, "world");
-  const int W = world_->size();
+namespace {
+
+// "2, 4, 6": the first multiples of `unit` (rank counts that work).
+std::string multiples_text(int64_t unit, int count = 4) {
+  std::string s;
+  for (int k = 1; k <= count; ++k) s += fmt::format("{}{}", k == 1 ? "" : ", ", unit * k);
+  return s + ", ...";
+}
+
+// "1, 2, 4": the divisors of n.
+std::string divisors_of(int64_t n) {
+  std::string s;
+  for (int64_t d = 1; d <= n; ++d) {
+    if (n % d == 0) s += fmt::format("{}{}", s.empty() ? "" : ", ", d);
+  }
+  return s;
+}
+
+}  // namespace
+
+AxisSizes axis_sizes(const ParallelConfig& config, int W) {
   const int64_t fixed = config.tensor * config.pipeline;
+  // The data axis must also hold whole expert groups: a rank count works when it is a multiple
+  // of tensor x pipeline x expert.
+  const int64_t unit = fixed * config.expert;
   int64_t data = config.data;
   if (data == 0) {
     if (W % fixed != 0) {
       throw Error(fmt::format("parallel layout: tensor {} x pipeline {} = {} does not divide the {} ranks of this job; "
-                              "change the layout or the number of ranks",
-                              config.tensor, config.pipeline, fixed, W));
+                              "change the layout or the number of ranks (rank counts that work with this layout: {})",
+                              config.tensor, config.pipeline, fixed, W, multiples_text(unit)));
     }
     data = W / fixed;
   }
   if (data * fixed != W) {
     throw Error(fmt::format("parallel layout: data {} x tensor {} x pipeline {} = {} but the job has {} ranks; make "
-                            "the product equal the number of ranks (or set data to \"auto\")",
-                            data, config.tensor, config.pipeline, data * fixed, W));
+                            "the product equal the number of ranks (or set data to \"auto\"){}",
+                            data, config.tensor, config.pipeline, data * fixed, W,
+                            W % fixed == 0 ? fmt::format(": parallel.data = {} here", W / fixed)
+                                           : fmt::format(": rank counts that work with tensor {} x pipeline {}: {}",
+                                                         config.tensor, config.pipeline, multiples_text(unit))));
   }
   if (data % config.expert != 0) {
     throw Error(fmt::format("parallel layout: expert {} does not divide the {} data-parallel ranks (expert-parallel "
-                            "ranks are carved out of the data-parallel ones); choose an expert size that divides {}",
-                            config.expert, data, data));
+                            "ranks are carved out of the data-parallel ones); choose an expert size that divides {} "
+                            "({}), or a rank count that is a multiple of {}",
+                            config.expert, data, data, divisors_of(data), unit));
   }
-  sizes_ = {int(data), int(config.tensor), int(config.pipeline), int(config.expert)};
+  return {W, int(data), int(config.tensor), int(config.pipeline), int(config.expert)};
+}
+
+ProcessGrid::ProcessGrid(MPI_Comm world, const ParallelConfig& config) {
+  world_ = std::make_unique<MpiCommunicator>(world, "world");
+  const AxisSizes a = axis_sizes(config, world_->size());
+  sizes_ = {a.data, a.tensor, a.pipeline, a.expert};
   const int r = world_->rank();
   const int tp = sizes_[size_t(Axis::Tensor)], dp = sizes_[size_t(Axis::Data)], ep = sizes_[size_t(Axis::Expert)];
   coords_[size_t(Axis::Tensor)] = r % tp;

@@ -39,6 +39,15 @@ struct ParallelConfig {
   json to_json() const;
 };
 
+// The axis sizes of a job of `world` ranks under `config` (data "auto" takes what tensor x
+// pipeline leave), checked: their product is the rank count and expert divides data. Errors
+// name the key and the sizes that would work. No MPI: ProcessGrid and `dstrain validate` both
+// use it.
+struct AxisSizes {
+  int world = 1, data = 1, tensor = 1, pipeline = 1, expert = 1;
+};
+AxisSizes axis_sizes(const ParallelConfig& config, int world);
+
 class ProcessGrid {
  public:
   // Validates the layout against the world size (errors are raised on every rank alike).

@@ -40,6 +40,12 @@ void TensorParallelGradSync::grad_ready(int first, int last) {
 }
 
 void TensorParallelGradSync::finish() {
+  if (every_micro_step_) {
+    // Every partial gradient was summed as it was reported (ZeRO has reduced and handed back
+    // the whole gradients since).
+    std::fill(summed_.begin(), summed_.end(), 0);
+    return;
+  }
   if (!tp_ || !communicates_) return;
   const auto t0 = Clock::now();
   for (int id : partial_) {

@@ -13,6 +13,8 @@
 // backward (in a forward) are summed by finish().
 #pragma once
 
+#include <algorithm>
+
 #include "comm/comm.h"
 #include "model/ctx.h"
 #include "state/params.h"
@@ -25,7 +27,20 @@ class TensorParallelGradSync final : public ParamHooks {
   TensorParallelGradSync(ParamRegistry& params, Communicator* tp);
   bool needed() const { return !partial_.empty(); }
   // Call before each micro-step's backward; `communicates` is true for the last one.
-  void begin_micro_step(bool communicates) { communicates_ = communicates; }
+  void begin_micro_step(bool communicates) {
+    if (every_micro_step_) {
+      std::fill(summed_.begin(), summed_.end(), 0);
+      return;
+    }
+    communicates_ = communicates;
+  }
+  // ZeRO stages 2 and 3 reduce-scatter every micro-step's gradients and hand the whole ones
+  // back: the partial sums must be summed over the tensor group in every micro-step too, as
+  // each is reported (in the forward or the backward), before the data-parallel hooks see it.
+  void sum_every_micro_step() {
+    every_micro_step_ = true;
+    communicates_ = true;
+  }
   // At the communicating micro-step: sums the partial gradients among first..last over the group
   // (blocking), before the hooks after this one (the data-parallel buckets) see them.
   void grad_ready(int first, int last) override;
@@ -46,6 +61,7 @@ class TensorParallelGradSync final : public ParamHooks {
   std::vector<char> summed_;  // this step's sums done (at the communicating micro-step)
   Buffer staging_;  // a replicated key/value piece among the zeros of its whole tensor
   bool communicates_ = false;
+  bool every_micro_step_ = false;
   double seconds_ = 0;
 };
 

@@ -26,14 +26,8 @@ Buffer shard_buffer(const std::string& label, MemCategory category, int64_t n, b
 }  // namespace
 
 ZeroOptimizer::ZeroOptimizer(const ZeroConfig& config, const AdamWConfig& adamw, ParamRegistry& params,
-                             Communicator& dp, DType comm_dtype)
-    : config_(config),
-      adamw_(adamw),
-      params_(params),
-      dp_(dp),
-      comm_dtype_(comm_dtype),
-      rank_(dp.rank()),
-      size_(dp.size()) {
+                             const ParamGroupComms& comms, DType comm_dtype)
+    : config_(config), adamw_(adamw), params_(params), comms_(comms), comm_dtype_(comm_dtype) {
   DS_CHECK(comm_dtype_ == DType::F32 || comm_dtype_ == DType::BF16 || comm_dtype_ == DType::F16,
            "ZeRO communicates gradients in fp32, bf16 or fp16, not {}", dtype_name(comm_dtype_));
   DS_CHECK(config_.stage >= 1 && config_.stage <= 3, "ZeRO stage {} (the optimizer handles stages 1 to 3)",
@@ -44,12 +38,15 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& config, const AdamWConfig& adamw,
   pieces_.resize(size_t(n));
   shard_offsets_.resize(size_t(n));
   persistent_.assign(size_t(n), 0);
+  comm_of_.resize(size_t(n));
   int64_t max_piece = 0;
   for (int id = 0; id < n; ++id) {
     const ParamInfo& p = params_.info(id);
-    DS_CHECK(p.placement.kind == Placement::Kind::Whole,
-             "ZeRO shards whole parameters; '{}' is already split over a grid axis ({})", p.name, p.placement.axis);
-    pieces_[size_t(id)] = row_piece(p.shape, rank_, size_);
+    DS_CHECK(p.placement.kind != Placement::Kind::FlatRange,
+             "ZeRO shards a rank's local pieces by rows; '{}' is already a flat range", p.name);
+    Communicator& c = comms_.comm(p.group);
+    comm_of_[size_t(id)] = &c;
+    pieces_[size_t(id)] = row_piece(p.shape, c.rank(), c.size());
     shard_offsets_[size_t(id)] = shard_numel_;
     shard_numel_ += align_up(pieces_[size_t(id)].elems());
     max_piece = std::max(max_piece, pieces_[size_t(id)].elems());
@@ -102,22 +99,23 @@ ZeroOptimizer::~ZeroOptimizer() {
 std::string ZeroOptimizer::describe() const {
   int64_t persistent = 0;
   for (int id = 0; id < params_.size(); ++id) persistent += persistent_[size_t(id)] ? params_.info(id).numel() : 0;
-  std::string s = fmt::format("ZeRO stage {} over {} data-parallel rank(s) of '{}': {} of {} elements per rank", stage(),
-                              size_, dp_.name(), shard_numel_, params_.flat_numel());
+  std::string s = fmt::format("ZeRO stage {} ({}): {} of {} local elements per rank", stage(), comms_.describe(),
+                              shard_numel_, params_.flat_numel());
   if (config_.offloads_optimizer()) {
     s += config_.pins_host_memory() ? ", optimizer offloaded to the host (pinned memory)"
                                     : ", optimizer offloaded to the host (pageable memory: pin_memory false)";
   }
   if (config_.offloads_params()) s += ", parameters at rest on the host";
-  if (config_.stage >= 2 && size_ > 1) s += fmt::format(", gradients reduce-scattered in {}", dtype_name(comm_dtype_));
+  if (config_.stage >= 2 && max_group_size() > 1) s += fmt::format(", gradients reduce-scattered in {}", dtype_name(comm_dtype_));
   if (stage() == 3) s += fmt::format(", {} elements persistent", persistent);
   return s;
 }
 
 std::vector<int64_t> ZeroOptimizer::counts(int id) const {
-  std::vector<int64_t> c(static_cast<size_t>(size_));
+  const int n = comm_of(id).size();
+  std::vector<int64_t> c(static_cast<size_t>(n));
   const Shape& shape = params_.info(id).shape;
-  for (int r = 0; r < size_; ++r) c[size_t(r)] = row_piece(shape, r, size_).elems();
+  for (int r = 0; r < n; ++r) c[size_t(r)] = row_piece(shape, r, n).elems();
   return c;
 }
 
@@ -220,7 +218,7 @@ void ZeroOptimizer::launch_gather(int id) {
   } else {
     mine = master_piece(id);
   }
-  gathers_[size_t(id)] = dp_.all_gather_v_async(whole, mine, counts(id));
+  gathers_[size_t(id)] = comm_of(id).all_gather_v_async(whole, mine, counts(id));
   if (blocking) gathers_[size_t(id)].wait();
   if (config_.stage == 3) {
     state_[size_t(id)] = State::InFlight;
@@ -330,7 +328,8 @@ void ZeroOptimizer::begin_step() {
   std::fill(reduced_once_.begin(), reduced_once_.end(), 0);
   buckets_ = 0;
   exposed_seconds_ = 0;
-  stats_before_ = dp_.stats();
+  stats_before_.clear();
+  for (Communicator* c : comms_.distinct()) stats_before_.push_back(c->stats());
   reset_peaks();
   if (config_.stage == 1) {
     params_.zero_grads();
@@ -388,14 +387,14 @@ void ZeroOptimizer::launch_reduce(int id) {
   const RowPiece& pc = pieces_[size_t(id)];
   Tensor whole = params_.grads().tensor(p.offset, {p.numel()});
   Tensor out = grad_piece(id);
-  if (comm_dtype_ != DType::F32 && size_ > 1) {
+  if (comm_dtype_ != DType::F32 && comm_of(id).size() > 1) {
     // Half the bytes on the wire: this micro-step's gradient goes in 16 bits, and its reduced
     // piece is added to the fp32 shard when it arrives (retire_reductions).
     Pending r{id, Work(), Buffer("zero.reduce_wire", MemCategory::CommBuffers, comm_dtype_, p.numel(), params_.device()),
               Buffer("zero.reduce_wire_piece", MemCategory::CommBuffers, comm_dtype_, std::max<int64_t>(pc.elems(), 1),
                      params_.device())};
     ops::cast(r.wire_in.tensor(), whole);
-    r.work = dp_.reduce_scatter_v_async(r.wire_out.tensor(0, {pc.elems()}), r.wire_in.tensor(), counts(id));
+    r.work = comm_of(id).reduce_scatter_v_async(r.wire_out.tensor(0, {pc.elems()}), r.wire_in.tensor(), counts(id));
     reductions_.push_back(std::move(r));
     reduced_once_[size_t(id)] = 1;
     return;
@@ -407,7 +406,7 @@ void ZeroOptimizer::launch_reduce(int id) {
   }
   Pending r;
   r.id = id;
-  r.work = dp_.reduce_scatter_v_async(out, whole, counts(id));
+  r.work = comm_of(id).reduce_scatter_v_async(out, whole, counts(id));
   reductions_.push_back(std::move(r));
   reduced_once_[size_t(id)] = 1;
 }
@@ -453,24 +452,32 @@ ReduceTimings ZeroOptimizer::finish() {
   }
   recording_ = recording_ && !in_step_;
   in_step_ = false;
-  const CommStats now = dp_.stats();
-  t.comm_seconds = now.busy_seconds - stats_before_.busy_seconds;
+  const std::vector<Communicator*> comms = comms_.distinct();
+  for (size_t i = 0; i < comms.size() && i < stats_before_.size(); ++i) {
+    t.comm_seconds += comms[i]->stats().busy_seconds - stats_before_[i].busy_seconds;
+  }
   t.exposed_seconds = exposed_seconds_;
   exposed_seconds_ = 0;
   t.buckets = buckets_;
   return t;
 }
 
-double ZeroOptimizer::grad_norm() {
-  double local = 0;
-  if (config_.stage == 1) {
-    for (int id = 0; id < params_.size(); ++id) {
-      if (pieces_[size_t(id)].elems()) local += ops::read_sum_squares(grad_piece(id));
-    }
-  } else {
-    local = ops::read_sum_squares(grad_shard_.tensor());  // the padding between pieces is zero
+double ZeroOptimizer::local_grad_sum_squares(const std::vector<char>& counted) const {
+  if (config_.stage >= 2 && counted.empty()) {
+    return ops::read_sum_squares(grad_shard_.tensor());  // the padding between pieces is zero
   }
-  return std::sqrt(dp_.all_reduce_value(local));
+  double local = 0;
+  for (int id = 0; id < params_.size(); ++id) {
+    if (!counted.empty() && !counted[size_t(id)]) continue;
+    if (pieces_[size_t(id)].elems()) local += ops::read_sum_squares(grad_piece(id));
+  }
+  return local;
+}
+
+double ZeroOptimizer::grad_norm() {
+  DS_CHECK(comms_.shared(), "ZeRO: the gradient norm of groups sharded over different communicators needs the "
+           "caller's count (local_grad_sum_squares)");
+  return std::sqrt(comms_.comm(ParamGroup::Dense).all_reduce_value(local_grad_sum_squares({})));
 }
 
 // ---- the update ---------------------------------------------------------------------------
@@ -519,6 +526,51 @@ void ZeroOptimizer::take_rule_update(int id) {
 int64_t ZeroOptimizer::count_non_finite() {
   return ops::read_count_non_finite(master_.tensor()) + ops::read_count_non_finite(exp_avg_.tensor()) +
          ops::read_count_non_finite(exp_avg_sq_.tensor());
+}
+
+void ZeroOptimizer::gather_state(Tensor values, Tensor exp_avg, Tensor exp_avg_sq) {
+  const Buffer* shards[3] = {&master_, &exp_avg_, &exp_avg_sq_};
+  const Tensor full[3] = {values, exp_avg, exp_avg_sq};
+  for (int k = 0; k < 3; ++k) {
+    DS_CHECK(full[k].numel() >= params_.flat_numel(), "ZeRO::gather_state: {} elements for a local layout of {}",
+             full[k].numel(), params_.flat_numel());
+  }
+  // Launched in groups of up to allgather_bucket_size elements, each group waited before the
+  // next starts (as gather_whole).
+  std::vector<Work> group;
+  int64_t group_elems = 0;
+  auto wait_group = [&] {
+    for (Work& w : group) w.wait();
+    group.clear();
+    group_elems = 0;
+  };
+  for (int id = 0; id < params_.size(); ++id) {
+    const ParamInfo& p = params_.info(id);
+    const int64_t n = pieces_[size_t(id)].elems();
+    if (!group.empty() && group_elems + 3 * p.numel() > config_.allgather_bucket_size) wait_group();
+    for (int k = 0; k < 3; ++k) {
+      group.push_back(comm_of(id).all_gather_v_async(full[k].slice(p.offset, p.offset + p.numel()),
+                                                     shards[k]->tensor(shard_offsets_[size_t(id)], {n}), counts(id)));
+    }
+    group_elems += 3 * p.numel();
+  }
+  wait_group();
+}
+
+void ZeroOptimizer::scatter_state(Tensor values, Tensor exp_avg, Tensor exp_avg_sq) {
+  Buffer* shards[3] = {&master_, &exp_avg_, &exp_avg_sq_};
+  const Tensor full[3] = {values, exp_avg, exp_avg_sq};
+  for (int k = 0; k < 3; ++k) {
+    if (full[k].numel() == 0) continue;
+    DS_CHECK(full[k].numel() >= params_.flat_numel(), "ZeRO::scatter_state: {} elements for a local layout of {}",
+             full[k].numel(), params_.flat_numel());
+    for (int id = 0; id < params_.size(); ++id) {
+      const RowPiece& pc = pieces_[size_t(id)];
+      if (pc.elems() == 0) continue;
+      const int64_t at = params_.info(id).offset + pc.elem_begin();
+      ops::copy(shards[k]->tensor(shard_offsets_[size_t(id)], {pc.elems()}), full[k].slice(at, at + pc.elems()));
+    }
+  }
 }
 
 ZeroMemory ZeroOptimizer::memory() const {

@@ -1,12 +1,16 @@
 // ZeRO (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 // Models", 2020) over the parameter registry's flat buffers, with DeepSpeed's configuration.
 //
-// Partition. Every parameter is split by rows over the data-parallel ranks exactly as a
-// checkpoint splits it (RowPiece: rank r holds rows [R r/N, R (r+1)/N)). A rank's shard is its
-// pieces of every parameter, in id order, end to end: its fp32 master weights, its AdamW
-// moments and (stages 2 and 3) its reduced gradients live there, 1/N of the model each. The
-// same layout serves every stage, and a sharded checkpoint is each rank writing its own pieces
-// of the global tensors.
+// Partition. Every parameter's local piece (what this rank holds after the tensor, pipeline and
+// expert splits: the whole tensor without them) is split by rows over the data-parallel ranks of
+// its group (RowPiece: rank r of N holds rows [R r/N, R (r+1)/N)): dense parameters over the data
+// axis, routed experts over the ranks holding the same experts (ParamGroupComms; Megatron-Core's
+// distributed optimizer shards the same way). A rank's shard is its pieces of every parameter,
+// in id order, end to end: its fp32 master weights, its AdamW moments and (stages 2 and 3) its
+// reduced gradients live there, 1/N of the local model each. The same layout serves every
+// stage. Without other axes the pieces are the row pieces of the global tensors, and a sharded
+// checkpoint is each rank writing its own; with them, checkpoints go through gather_state and
+// scatter_state (the full local layout) and the tensor, pipeline and expert staging.
 //
 // Stages (the paper's P_os, P_os+g, P_os+g+p):
 //   1  the whole gradients are all-reduced (GradReducer, overlapped with the backward); each
@@ -33,6 +37,7 @@
 // (the masters): a gather first copies the piece to a device buffer.
 #pragma once
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -40,6 +45,7 @@
 #include "comm/comm.h"
 #include "core/buffer.h"
 #include "distributed/grad_reducer.h"
+#include "distributed/param_groups.h"
 #include "model/ctx.h"
 #include "optim/adamw.h"
 #include "state/params.h"
@@ -81,13 +87,13 @@ struct ZeroMemory {
 
 class ZeroOptimizer final : public ParamHooks {
  public:
-  // `params` is allocated (whole, as the model made it). `dp` is the data-parallel
-  // communicator over which every parameter is sharded. comm_dtype (DeepSpeed's
+  // `params` is allocated (whole, as the model made it). `comms` names the data-parallel
+  // communicator over which each parameter group is sharded. comm_dtype (DeepSpeed's
   // communication_data_type): at stages 2 and 3, BF16 or F16 reduce-scatters each gradient in
   // that type (summed in fp32 per addition and rounded, as MpiCommunicator's 16-bit sum does)
   // and adds the result to the fp32 shard; stage 1's all-reduce is the GradReducer's.
-  ZeroOptimizer(const ZeroConfig& config, const AdamWConfig& adamw, ParamRegistry& params, Communicator& dp,
-                DType comm_dtype = DType::F32);
+  ZeroOptimizer(const ZeroConfig& config, const AdamWConfig& adamw, ParamRegistry& params,
+                const ParamGroupComms& comms, DType comm_dtype = DType::F32);
   ~ZeroOptimizer() override;
   ZeroOptimizer(const ZeroOptimizer&) = delete;
   ZeroOptimizer& operator=(const ZeroOptimizer&) = delete;
@@ -131,8 +137,24 @@ class ZeroOptimizer final : public ParamHooks {
   // Every gradient reduced into the shard (stage 1: the all-reduced whole gradients are read
   // in place); prefetches no longer needed are handed back.
   ReduceTimings finish();
-  // The L2 norm of the whole gradient, from the shards (collective over dp).
+  // The L2 norm of the whole gradient, from the shards (collective over dp: every parameter
+  // sharded over one communicator, no other split).
   double grad_norm();
+  // The sum of squares of this rank's reduced gradient pieces of the parameters marked in
+  // `counted` (by id; empty: all): under other splits the caller counts each global element on
+  // one rank (not a pipeline copy, one tensor rank of a replicated parameter) and sums over the
+  // world. Not collective.
+  double local_grad_sum_squares(const std::vector<char>& counted) const;
+  // This rank's reduced gradient piece of parameter id (stage 1: in the whole gradients).
+  Tensor grad_piece(int id) const;
+  // The communicator parameter id is sharded over.
+  Communicator& comm_of(int id) const { return *comm_of_[size_t(id)]; }
+  // The largest group's data-parallel size.
+  int max_group_size() const {
+    int n = 1;
+    for (Communicator* c : comms_.distinct()) n = std::max(n, c->size());
+    return n;
+  }
   // AdamW on this rank's pieces with learning rate lr, each gradient multiplied by grad_scale
   // as it is read; then the whole weights (stage 3: the persistent ones) are gathered again.
   void step(double lr, double grad_scale = 1.0);
@@ -156,6 +178,14 @@ class ZeroOptimizer final : public ParamHooks {
   // Non-finite values in this rank's masters and moments (the caller reduces over ranks).
   int64_t count_non_finite();
 
+  // The masters and moments in the registry's full local layout (flat_numel elements each, on
+  // the masters' device), all-gathered from every rank's pieces over each parameter's group:
+  // what the tensor, pipeline and expert checkpoint staging reads. Collective over the groups.
+  void gather_state(Tensor values, Tensor exp_avg, Tensor exp_avg_sq);
+  // The reverse: this rank's pieces taken from the full local layout (a checkpoint read).
+  // exp_avg and exp_avg_sq may be empty (weights only).
+  void scatter_state(Tensor values, Tensor exp_avg, Tensor exp_avg_sq);
+
   ZeroMemory memory() const;
   void reset_peaks();
 
@@ -166,7 +196,6 @@ class ZeroOptimizer final : public ParamHooks {
     Work work;
     Buffer wire_in, wire_out;  // 16-bit communication: the gradient and this rank's reduced piece
   };
-  Tensor grad_piece(int id) const;    // this rank's reduced gradient of parameter id
   Tensor master_piece(int id) const;  // this rank's master piece of parameter id
   std::vector<int64_t> counts(int id) const;
   // Stage 3 gathers.
@@ -187,9 +216,9 @@ class ZeroOptimizer final : public ParamHooks {
   ZeroConfig config_;
   AdamWConfig adamw_;
   ParamRegistry& params_;
-  Communicator& dp_;
+  ParamGroupComms comms_;
+  std::vector<Communicator*> comm_of_;  // per parameter: its group's communicator
   DType comm_dtype_ = DType::F32;
-  int rank_ = 0, size_ = 1;
   std::vector<RowPiece> pieces_;
   std::vector<int64_t> shard_offsets_;
   std::vector<char> persistent_;
@@ -219,7 +248,7 @@ class ZeroOptimizer final : public ParamHooks {
   bool first_micro_ = true;  // the step's first backward has not begun
   bool first_forward_ = true;
   std::vector<char> reduced_once_;  // per parameter: reduced in an earlier micro-step of this step
-  CommStats stats_before_;
+  std::vector<CommStats> stats_before_;  // per comms_.distinct()
   double exposed_seconds_ = 0;
   int buckets_ = 0;
 

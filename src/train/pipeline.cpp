@@ -339,7 +339,11 @@ void PipelineRunner::last_logits(Tensor tokens, Tensor logits) {
 // ---------------------------------------------------------------------------------------
 void PipelineRunner::reduce_tied_grads() {
   if (!has_tie()) return;
-  Tensor g = model_.params().grad(tie_param_);
+  reduce_tied_grads(model_.params().grad(tie_param_));
+}
+
+void PipelineRunner::reduce_tied_grads(Tensor g) {
+  if (!has_tie() || g.numel() == 0) return;
   Buffer theirs("pipeline.tied_grad", MemCategory::CommBuffers, DType::F32, g.numel(), g.device());
   Tensor t = theirs.tensor(0, g.shape());
   Work r = pp_.recv_async(t, tie_peer_, kTiedTag);

@@ -99,6 +99,9 @@ class PipelineRunner {
   // Sums the gradients of the owner and its copy (a sendrecv between the two ranks; a + b on
   // one, b + a on the other: the same bits).
   void reduce_tied_grads();
+  // The same for a piece of them (ZeRO stages 2 and 3: both ranks' identical pieces of the
+  // reduced gradient).
+  void reduce_tied_grads(Tensor g);
   // Sends the owner's tensors of the tied parameter to the copy, which receives them in place:
   // its values after a load, and on resume the optimizer's moments; the same tensors, in the
   // same order, on both ranks.

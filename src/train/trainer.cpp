@@ -25,6 +25,7 @@
 #include "io/sharded_model_state.h"
 #include "backend/ops.h"
 #include "train/generate.h"
+#include "train/layout_check.h"
 
 namespace dstrain {
 namespace {
@@ -109,15 +110,25 @@ CheckpointTargets zero_checkpoint_targets(ZeroOptimizer& z, const HostState& h) 
   return t;
 }
 
-// "1, 2, 4": the expert-parallel sizes that divide both the routed experts and the data-parallel
-// ranks.
-std::string divisors_text(int64_t experts, int64_t data) {
-  std::string s;
-  for (int64_t d = 1; d <= std::min(experts, data); ++d) {
-    if (experts % d == 0 && data % d == 0) s += fmt::format("{}{}", s.empty() ? "" : ", ", d);
+// ZeRO's masters and moments in the registry's full local layout (on the masters' device, with
+// host views of them): what the tensor, pipeline and expert checkpoint staging reads and
+// writes. Gathered from every rank's pieces when `gather`.
+struct ZeroLocalState {
+  ZeroLocalState(ZeroOptimizer& z, int64_t numel, bool gather = true)
+      : values("checkpoint.zero_local_values", MemCategory::Checkpoint, DType::F32, numel, z.master().device()),
+        exp_avg("checkpoint.zero_local_exp_avg", MemCategory::Checkpoint, DType::F32, numel, z.master().device()),
+        exp_avg_sq("checkpoint.zero_local_exp_avg_sq", MemCategory::Checkpoint, DType::F32, numel,
+                   z.master().device()),
+        host(prepared(z, gather), exp_avg.tensor(), exp_avg_sq.tensor()) {}
+  Buffer values, exp_avg, exp_avg_sq;
+  HostState host;  // after the buffers: made from them once they are gathered
+
+ private:
+  Tensor prepared(ZeroOptimizer& z, bool gather) {
+    if (gather) z.gather_state(values.tensor(), exp_avg.tensor(), exp_avg_sq.tensor());
+    return values.tensor();
   }
-  return s;
-}
+};
 
 // A model whose state per rank (model_state_bytes_per_rank) cannot fit the rank's memory
 // budget is an error that says so, before anything is allocated.
@@ -160,7 +171,8 @@ void check_same_config(Communicator& world, const RunConfig& c) {
 
 Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
     : config_(std::move(config)), grid_(use_device_communicators(grid, device)), dp_(grid.comm(Axis::Data)) {
-  config_.train.resolve_batch(dp_.size(), config_.source);
+  // The layout against the model and the batch (the checks `dstrain validate` runs).
+  const CheckedLayout layout = check_layout(config_, grid_.world_size());
   check_same_config(grid_.world(), config_);
   environment_ = check_same_environment(grid_.world(), local_environment());
   const json& env = environment_.record;
@@ -174,14 +186,8 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
   check_model_state_fits(config_, grid_);
   // Tensor parallelism: this rank's piece of the model, over the grid's tensor group.
   const int tp = grid_.size(Axis::Tensor);
-  const bool sequence_parallel = config_.parallel.sequence_parallel && tp > 1;
+  const bool sequence_parallel = layout.sequence_parallel;
   tp_ = tp > 1 ? &grid_.comm(Axis::Tensor) : nullptr;
-  if (sequence_parallel) {
-    DS_CHECK(config_.train.micro_batch * config_.data.seq_len % tp == 0,
-             "{}: parallel.sequence_parallel splits each micro-batch's {} x {} token rows over parallel.tensor = {} "
-             "ranks, which does not divide them; choose train_micro_batch_size_per_gpu x seq_len divisible by {}",
-             config_.source, config_.train.micro_batch, config_.data.seq_len, tp, tp);
-  }
   ProcessGroups groups;
   groups.tp = tp_;
   // Expert parallelism: the routed experts split over the expert group (carved out of the
@@ -189,18 +195,6 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
   const int ep = grid_.size(Axis::Expert);
   if (ep > 1) {
     const ModelConfig& mc = config_.model;
-    DS_CHECK(mc.n_routed_experts > 0,
-             "{}: parallel.expert = {} splits routed experts over ranks, but the model ({}) has none (n_routed_experts "
-             "is null: a dense model); set parallel.expert to 1",
-             config_.source, ep, mc.model_type);
-    DS_CHECK(mc.n_routed_experts % ep == 0,
-             "{}: parallel.expert = {} does not divide the model's n_routed_experts = {}: each rank of an expert group "
-             "holds the same number of experts; choose parallel.expert among {}",
-             config_.source, ep, mc.n_routed_experts, divisors_text(mc.n_routed_experts, grid_.size(Axis::Data)));
-    DS_CHECK(config_.train.zero.stage == 0,
-             "{}: zero_optimization.stage {} with parallel.expert = {} is not implemented: ZeRO shards whole "
-             "parameters over all data-parallel ranks; use stage 0 with expert parallelism",
-             config_.source, config_.train.zero.stage, ep);
     ep_ = &grid_.comm(Axis::Expert);
     groups.ep = ep_;
     if (grid_.world_rank() == 0) {
@@ -227,39 +221,15 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
   // Pipeline parallelism: the stages, and this rank's chunks of them.
   const int pp = grid_.size(Axis::Pipeline);
   const ParallelConfig& par = config_.parallel;
-  DS_CHECK(pp > 1 || par.partition.empty(), "{}: parallel.partition splits the layers over pipeline stages; it needs "
-           "parallel.pipeline > 1", config_.source);
-  std::vector<StageSpec> stages, chunks;
+  std::vector<StageSpec> stages = layout.stages, chunks;
   if (pp > 1) {
     pp_ = &grid_.comm(Axis::Pipeline);
     schedule_ = make_schedule(par.schedule, par.schedule == "interleaved" ? int(par.virtual_stages) : 1);
-    const int n_micro = int(config_.train.grad_accum);
-    // Schedules need enough micro-batches (interleaved: a multiple of the pipeline size;
-    // DualPipeV: at least twice it).
-    const std::string problem = [&]() -> std::string {
-      try {
-        return validate_schedule(schedule_table(*schedule_, pp, n_micro), n_micro, stage_map(*schedule_, pp));
-      } catch (const Error& e) {
-        return e.what();
-      }
-    }();
-    DS_CHECK(problem.empty(),
-             "{}: parallel.schedule \"{}\" over parallel.pipeline = {} ranks cannot run {} micro-batches per step "
-             "(gradient_accumulation_steps): {}; {}",
-             config_.source, par.schedule, pp, n_micro, problem,
-             par.schedule == "interleaved" ? fmt::format("use a multiple of {}", pp)
-             : par.schedule == "dualpipev" ? fmt::format("use at least {}", 2 * pp)
-                                           : std::string("use more"));
-    stages = pipeline_stages(config_.model, pp * schedule_->chunks(), par.partition, config_.data.seq_len);
     chunks = rank_chunks(*schedule_, stages, grid_.coord(Axis::Pipeline), pp);
     if (grid_.world_rank() == 0) {
       log::info("pipeline: {} stages over {} ranks, schedule {}; {}", stages.size(), pp, schedule_->name(),
                 describe_stages(stages, piece_costs(config_.model, config_.data.seq_len)));
     }
-    DS_CHECK(config_.train.zero.stage == 0,
-             "{}: zero_optimization.stage {} with parallel.pipeline = {} is not implemented; use stage 0 with "
-             "pipeline parallelism",
-             config_.source, config_.train.zero.stage, pp);
   }
   model_ = std::make_unique<Transformer>(
       config_.model, device,
@@ -273,13 +243,10 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
   const ZeroConfig& zc = config_.train.zero;
   const PrecisionConfig& precision = config_.train.precision;
   scaler_ = std::make_unique<LossScaler>(precision.fp16_scaler, precision.fp16);
-  DS_CHECK(zc.stage == 0 || tp == 1,
-           "{}: zero_optimization.stage {} with parallel.tensor = {} is not implemented: ZeRO shards whole "
-           "parameters over the data-parallel ranks; use stage 0 with tensor parallelism, or tensor = 1",
-           config_.source, zc.stage, tp);
   if (zc.stage == 0) optimizer_ = std::make_unique<AdamW>(config_.train.adamw, model_->params());
   // The tensor group's partial gradients are summed before the data-parallel buckets see them.
   tp_sync_ = std::make_unique<TensorParallelGradSync>(model_->params(), tp_);
+  if (zc.stage >= 2) tp_sync_->sum_every_micro_step();
   if (tp_sync_->needed()) param_hooks_.add(*tp_sync_);
   if (zc.stage <= 1) {
     reducer_ = std::make_unique<GradReducer>(model_->params(), ParamGroupComms::from_grid(grid_), zc.reduce_bucket_size,
@@ -287,13 +254,16 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
     param_hooks_.add(*reducer_);
   }
   if (zc.stage >= 1) {
-    // Checkpoints split every tensor over the world's ranks and ZeRO over the data-parallel
-    // ones: with the two the same, each rank writes and reads exactly its own shard.
-    DS_CHECK(grid_.world_size() == dp_.size() && dp_.rank() == grid_.world_rank(),
+    // Each rank shards its local pieces per parameter group: dense over the data axis, routed
+    // experts over the ranks holding the same experts. Without other axes checkpoints split
+    // every tensor over the world's ranks as ZeRO splits it over the data-parallel ones, and
+    // each rank writes and reads exactly its own shard; with them, through the staging of the
+    // tensor, pipeline and expert pieces (sharded_ckpt_).
+    DS_CHECK(sharded_ckpt_ || (grid_.world_size() == dp_.size() && dp_.rank() == grid_.world_rank()),
              "zero_optimization.stage {} needs every rank on the data-parallel axis ({} of {} are)", zc.stage,
              dp_.size(), grid_.world_size());
-    zero_ = std::make_unique<ZeroOptimizer>(zc, config_.train.adamw, model_->params(), dp_,
-                                            precision.communication_dtype());
+    zero_ = std::make_unique<ZeroOptimizer>(zc, config_.train.adamw, model_->params(),
+                                            ParamGroupComms::from_grid(grid_), precision.communication_dtype());
     param_hooks_.add(*zero_);
     log::info("{}", zero_->describe());
   }
@@ -1012,13 +982,18 @@ bool Trainer::train_step(StepRecord& r) {
     const Timeline::Scope recorded(timeline_.get(), "reduce", step_ + 1, -1);
     tp_sync_->finish();
     if (reducer_) rt = reducer_->finish();
-    // The tied embedding's two stages add their (data-parallel reduced) gradients.
-    if (runner_) timed_collective([&] { runner_->reduce_tied_grads(); });
+    // The tied embedding's two stages add their (data-parallel reduced) gradients: the whole
+    // ones, or at ZeRO stages 2 and 3 the two stages' identical pieces of them (the sum is linear).
+    const bool tied_in_shards = zero_ && zero_->stage() >= 2;
+    if (runner_ && !tied_in_shards) timed_collective([&] { runner_->reduce_tied_grads(); });
     if (zero_) {
       const ReduceTimings z = zero_->finish();
       rt.comm_seconds += z.comm_seconds;
       rt.exposed_seconds += z.exposed_seconds;
       rt.buckets += z.buckets;
+    }
+    if (runner_ && runner_->has_tie() && tied_in_shards) {
+      timed_collective([&] { runner_->reduce_tied_grads(zero_->grad_piece(runner_->tied_param())); });
     }
   }
   timed_collective([&] { dp_.all_reduce(Tensor(sums.data(), DType::F64, Shape{int64_t(sums.size())})); });
@@ -1041,8 +1016,21 @@ bool Trainer::train_step(StepRecord& r) {
   }
   reduce_routing_stats(r);
   r.loss = r.ce_loss + r.aux_loss + r.mtp_loss;
-  if (zero_) {
+  if (zero_ && !sharded_ckpt_) {
     r.grad_norm = zero_->grad_norm();
+  } else if (zero_) {
+    // Each global element counted on one rank: ZeRO's pieces split each group's local pieces,
+    // which a pipeline copy or a tensor rank holding a replicated parameter does not count.
+    const ParamRegistry& reg = model_->params();
+    std::vector<char> counted(size_t(reg.size()));
+    const int tp_rank = tp_ ? tp_->rank() : 0, tp_size = ProcessGroups::size_of(tp_);
+    for (int id = 0; id < reg.size(); ++id) {
+      const ParamInfo& p = reg.info(id);
+      counted[size_t(id)] = !p.pipeline_copy && counts_piece(p, tp_rank, tp_size);
+    }
+    double sq = zero_->local_grad_sum_squares(counted);
+    timed_collective([&] { sq = grid_.world().all_reduce_value<double>(sq); });
+    r.grad_norm = std::sqrt(sq);
   } else {
     double sq = sharded_grad_sum_squares(model_->params(), tp_, ep_);
     if (pp_) timed_collective([&] { sq = pp_->all_reduce_value<double>(sq); });
@@ -1530,16 +1518,27 @@ double Trainer::save_checkpoint() {
   }
   save_deferred_ = false;
   ParamRegistry& reg = model_->params();
-  const HostState host = zero_ ? zero_host_state(*zero_)
-                               : HostState(reg.values().tensor(), optimizer_ ? optimizer_->exp_avg().tensor() : Tensor(),
-                                           optimizer_ ? optimizer_->exp_avg_sq().tensor() : Tensor());
   CheckpointBuffers live;
-  live.values = host.values();
-  live.exp_avg = host.exp_avg();
-  live.exp_avg_sq = host.exp_avg_sq();
-  if (zero_) live = zero_checkpoint_buffers(*zero_, host);
-  // Tensor parallelism: the global tensors' row blocks, staged by the data-0 tensor group.
-  if (sharded_ckpt_) live = sharded_ckpt_->stage(live.values, live.exp_avg, live.exp_avg_sq);
+  std::optional<HostState> host;  // what `live` points into, until the save has it
+  if (zero_ && sharded_ckpt_) {
+    // ZeRO under tensor, pipeline or expert splits: the full local state gathered from the
+    // pieces (transient: three times the local model), then staged as without ZeRO.
+    const ZeroLocalState full(*zero_, reg.flat_numel());
+    live = sharded_ckpt_->stage(full.host.values(), full.host.exp_avg(), full.host.exp_avg_sq());
+  } else {
+    if (zero_) {
+      host.emplace(zero_host_state(*zero_));
+    } else {
+      host.emplace(reg.values().tensor(), optimizer_ ? optimizer_->exp_avg().tensor() : Tensor(),
+                   optimizer_ ? optimizer_->exp_avg_sq().tensor() : Tensor());
+    }
+    live.values = host->values();
+    live.exp_avg = host->exp_avg();
+    live.exp_avg_sq = host->exp_avg_sq();
+    if (zero_) live = zero_checkpoint_buffers(*zero_, *host);
+    // Tensor parallelism: the global tensors' row blocks, staged by the data-0 tensor group.
+    if (sharded_ckpt_) live = sharded_ckpt_->stage(live.values, live.exp_avg, live.exp_avg_sq);
+  }
   const double stall = ckpt_->save(file_registry(), live, state());
   if (sharded_ckpt_) sharded_ckpt_->release();  // written, or copied by the asynchronous writer
   last_saved_step_ = step_;
@@ -1602,23 +1601,39 @@ bool Trainer::resume(const std::string& spec) {
     throw_if_root_failed(grid_.world(),
                          grid_.world_rank() == 0 ? model_mismatch(path, file_registry(), config_.model) : "");
     try {
-      const HostState host = zero_ ? zero_host_state(*zero_)
-                                   : HostState(reg.values().tensor(), optimizer_->exp_avg().tensor(),
-                                               optimizer_->exp_avg_sq().tensor());
-      if (zero_) {
-        st = read_checkpoint(path, ckpt_->io_comm(), reg, zero_checkpoint_targets(*zero_, host));
-      } else if (sharded_ckpt_) {
+      if (zero_ && sharded_ckpt_) {
+        // ZeRO under tensor, pipeline or expert splits: the full local state from the staging,
+        // the tied copy's from its owner, then this rank's pieces of it.
+        ZeroLocalState full(*zero_, reg.flat_numel(), /*gather=*/false);
         st = read_checkpoint(path, ckpt_->io_comm(), file_registry(), sharded_ckpt_->targets(true));
-        sharded_ckpt_->unstage(host.values(), host.exp_avg(), host.exp_avg_sq());
+        sharded_ckpt_->unstage(full.host.values(), full.host.exp_avg(), full.host.exp_avg_sq());
         sharded_ckpt_->release();
+        full.host.write_back();
+        if (runner_ && runner_->has_tie()) {
+          const ParamInfo& p = reg.info(runner_->tied_param());
+          runner_->copy_tied({full.values.tensor(p.offset, p.shape), full.exp_avg.tensor(p.offset, p.shape),
+                              full.exp_avg_sq.tensor(p.offset, p.shape)});
+        }
+        zero_->scatter_state(full.values.tensor(), full.exp_avg.tensor(), full.exp_avg_sq.tensor());
       } else {
-        CheckpointTargets whole;
-        whole.values = host.values();
-        whole.exp_avg = host.exp_avg();
-        whole.exp_avg_sq = host.exp_avg_sq();
-        st = read_checkpoint(path, ckpt_->io_comm(), reg, whole);
+        const HostState host = zero_ ? zero_host_state(*zero_)
+                                     : HostState(reg.values().tensor(), optimizer_->exp_avg().tensor(),
+                                                 optimizer_->exp_avg_sq().tensor());
+        if (zero_) {
+          st = read_checkpoint(path, ckpt_->io_comm(), reg, zero_checkpoint_targets(*zero_, host));
+        } else if (sharded_ckpt_) {
+          st = read_checkpoint(path, ckpt_->io_comm(), file_registry(), sharded_ckpt_->targets(true));
+          sharded_ckpt_->unstage(host.values(), host.exp_avg(), host.exp_avg_sq());
+          sharded_ckpt_->release();
+        } else {
+          CheckpointTargets whole;
+          whole.values = host.values();
+          whole.exp_avg = host.exp_avg();
+          whole.exp_avg_sq = host.exp_avg_sq();
+          st = read_checkpoint(path, ckpt_->io_comm(), reg, whole);
+        }
+        host.write_back();
       }
-      host.write_back();
     } catch (const Error& e) {
       if (spec != "auto") throw;
       if (grid_.world_rank() == 0) log::warn("skipping invalid checkpoint: {}", e.what());
@@ -1626,12 +1641,12 @@ bool Trainer::resume(const std::string& spec) {
     }
     if (zero_) {
       // The masters are this rank's pieces only: the check is over every rank's.
-      const int64_t bad = dp_.all_reduce_value<int64_t>(ops::read_count_non_finite(zero_->master().tensor()));
+      const int64_t bad = grid_.world().all_reduce_value<int64_t>(ops::read_count_non_finite(zero_->master().tensor()));
       DS_CHECK(bad == 0, "checkpoint '{}': {} weight values are NaN or Inf; resume from an earlier checkpoint", path, bad);
     } else {
       check_finite_weights(reg, "checkpoint '" + path + "'");
     }
-    if (runner_ && runner_->has_tie()) {
+    if (runner_ && runner_->has_tie() && !zero_) {
       const int id = runner_->tied_param();
       const ParamInfo& p = reg.info(id);
       runner_->copy_tied({reg.param(id), optimizer_->exp_avg().tensor(p.offset, p.shape),

@@ -98,7 +98,8 @@ inline int world_size() {
   return n;
 }
 // A test that needs more ranks than some registrations give (tests/CMakeLists.txt leaves
-// *MultiRank* suites out below 2 ranks and *FourRanks* ones except at 4) asserts it: run
+// *MultiRank* suites out below 2 ranks, *FourRanks* ones except at 4 and *EightRanks* ones
+// except at 8) asserts it: run
 // elsewhere by hand, it fails instead of passing without testing anything.
 #define DSTRAIN_REQUIRE_RANKS(condition, what) \
   ASSERT_TRUE(condition) << "this test needs " << (what) << " ranks; it runs at " << world_size()

@@ -374,12 +374,6 @@ TEST(ExpertParallel, LayoutsThatCannotWorkAreErrorsNamingTheKey) {
     EXPECT_NE(e.find("parallel.expert"), std::string::npos) << e;
     EXPECT_NE(e.find("dense"), std::string::npos) << e;
   }
-  {  // ZeRO shards parameters over all data-parallel ranks
-    RunFiles files(1, model_of("v3"));
-    const std::string e = error_of(files.config({"parallel.expert=2", "train.zero_optimization.stage=1"}));
-    EXPECT_NE(e.find("zero_optimization.stage"), std::string::npos) << e;
-    EXPECT_NE(e.find("parallel.expert"), std::string::npos) << e;
-  }
   if (W == 4) {  // 6 experts do not split over 4 ranks
     json run = model_of("v2");
     run["model"]["n_routed_experts"] = 6;

@@ -1,0 +1,114 @@
+#include "train/layout_check.h"
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "distributed/schedule.h"
+#include "model/ctx.h"
+#include "train/pipeline.h"
+
+namespace dstrain {
+
+std::string expert_sizes_text(int64_t experts, int64_t data) {
+  std::string s;
+  for (int64_t d = 1; d <= std::min(experts, data); ++d) {
+    if (experts % d == 0 && data % d == 0) s += fmt::format("{}{}", s.empty() ? "" : ", ", d);
+  }
+  return s;
+}
+
+CheckedLayout check_layout(RunConfig& config, int world) {
+  CheckedLayout L;
+  L.sizes = axis_sizes(config.parallel, world);
+  const AxisSizes& a = L.sizes;
+  config.train.resolve_batch(a.data, config.source);
+  const ModelConfig& mc = config.model;
+  const int tp = a.tensor, ep = a.expert, pp = a.pipeline;
+  // Tensor parallelism: heads, key/value heads, FFN widths, shared experts and the vocabulary
+  // split over the group (the shard of tensor rank 0 stands for every rank's: they split alike).
+  L.sequence_parallel = config.parallel.sequence_parallel && tp > 1;
+  if (L.sequence_parallel) {
+    DS_CHECK(config.train.micro_batch * config.data.seq_len % tp == 0,
+             "{}: parallel.sequence_parallel splits each micro-batch's {} x {} token rows over parallel.tensor = {} "
+             "ranks, which does not divide them; choose train_micro_batch_size_per_gpu x seq_len divisible by {}",
+             config.source, config.train.micro_batch, config.data.seq_len, tp, tp);
+  }
+  // Expert parallelism: the routed experts split over the expert group (carved out of the
+  // data-parallel ranks).
+  if (ep > 1) {
+    DS_CHECK(mc.n_routed_experts > 0,
+             "{}: parallel.expert = {} splits routed experts over ranks, but the model ({}) has none (n_routed_experts "
+             "is null: a dense model); set parallel.expert to 1",
+             config.source, ep, mc.model_type);
+    DS_CHECK(mc.n_routed_experts % ep == 0,
+             "{}: parallel.expert = {} does not divide the model's n_routed_experts = {}: each rank of an expert group "
+             "holds the same number of experts; choose parallel.expert among {}",
+             config.source, ep, mc.n_routed_experts, expert_sizes_text(mc.n_routed_experts, a.data));
+  }
+  (void)ShardSpec::tensor_parallel(mc, 0, tp, 0, ep, L.sequence_parallel);
+  // Pipeline parallelism: the stages, and whether the schedule can run the step's micro-batches.
+  const ParallelConfig& par = config.parallel;
+  DS_CHECK(pp > 1 || par.partition.empty(), "{}: parallel.partition splits the layers over pipeline stages; it needs "
+           "parallel.pipeline > 1", config.source);
+  if (pp > 1) {
+    const auto schedule = make_schedule(par.schedule, par.schedule == "interleaved" ? int(par.virtual_stages) : 1);
+    const int n_micro = int(config.train.grad_accum);
+    // Schedules need enough micro-batches (interleaved: a multiple of the pipeline size;
+    // DualPipeV: at least twice it).
+    const std::string problem = [&]() -> std::string {
+      try {
+        return validate_schedule(schedule_table(*schedule, pp, n_micro), n_micro, stage_map(*schedule, pp));
+      } catch (const Error& e) {
+        return e.what();
+      }
+    }();
+    DS_CHECK(problem.empty(),
+             "{}: parallel.schedule \"{}\" over parallel.pipeline = {} ranks cannot run {} micro-batches per step "
+             "(gradient_accumulation_steps): {}; {}",
+             config.source, par.schedule, pp, n_micro, problem,
+             par.schedule == "interleaved" ? fmt::format("use a multiple of {}", pp)
+             : par.schedule == "dualpipev" ? fmt::format("use at least {}", 2 * pp)
+                                           : std::string("use more"));
+    L.stages = pipeline_stages(mc, pp * schedule->chunks(), par.partition, config.data.seq_len);
+  }
+  return L;
+}
+
+std::vector<std::string> CheckedLayout::describe(const RunConfig& config) const {
+  const AxisSizes& a = sizes;
+  const ModelConfig& mc = config.model;
+  const TrainConfig& tc = config.train;
+  std::vector<std::string> out;
+  out.push_back(fmt::format("{} ranks = data {} x tensor {} x pipeline {}{}", a.world, a.data, a.tensor, a.pipeline,
+                            a.expert > 1 ? fmt::format(", expert {} within data ({} expert group{})", a.expert,
+                                                       a.data / a.expert, a.data / a.expert == 1 ? "" : "s")
+                                         : std::string()));
+  out.push_back(fmt::format("batch: {} sequences of {} tokens per step = {} data-parallel ranks x {} micro-batches of {}",
+                            tc.train_batch_size, config.data.seq_len, a.data, tc.grad_accum, tc.micro_batch));
+  if (a.tensor > 1) {
+    out.push_back(fmt::format("tensor: {} heads, FFN {} and vocabulary {} split over {} ranks{}", mc.num_attention_heads,
+                              mc.intermediate_size, mc.vocab_size, a.tensor,
+                              sequence_parallel ? ", with sequence parallelism" : ""));
+  }
+  if (a.expert > 1) {
+    out.push_back(fmt::format("expert: {} routed experts per MoE layer over {} ranks, {} per rank", mc.n_routed_experts,
+                              a.expert, mc.n_routed_experts / a.expert));
+  }
+  if (!stages.empty()) {
+    out.push_back(fmt::format("pipeline: {} stages over {} ranks, schedule {}; {}", stages.size(), a.pipeline,
+                              config.parallel.schedule,
+                              describe_stages(stages, piece_costs(mc, config.data.seq_len))));
+  }
+  const int64_t stage = tc.zero.stage;
+  if (stage > 0) {
+    out.push_back(fmt::format("ZeRO stage {}: each rank's dense pieces sharded over the {} data-parallel ranks{}", stage,
+                              a.data,
+                              mc.n_routed_experts > 0
+                                  ? fmt::format(", its routed experts over the {} rank(s) holding the same experts",
+                                                a.data / a.expert)
+                                  : std::string()));
+  }
+  return out;
+}
+
+}  // namespace dstrain
