@@ -192,7 +192,8 @@ std::vector<std::string> HFWeights::names() const {
   return out;
 }
 
-HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const ParamRegistry* model) {
+HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const ParamRegistry* model,
+                            Communicator* world) {
   const ParamRegistry& all = model ? *model : reg;
   DS_CHECK(reg.flat_numel() == 0 || reg.values().allocated(),
            "load_hf_weights('{}'): allocate the parameter registry before loading into it", path);
@@ -241,17 +242,10 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const P
              "intermediate_size, vocab_size, num_attention_heads, num_key_value_heads) matches the checkpoint",
              p.name, w.file_of(p.name), file_shape.str(), p.global_shape.str());
   }
-  // A tensor-parallel piece is cut out of its global tensor, read one at a time.
-  int64_t largest_piece_global = 0;
-  for (const ParamInfo& p : reg.all()) {
-    if (is_tensor_piece(p)) largest_piece_global = std::max(largest_piece_global, p.global_shape.numel());
-  }
-  Buffer global;
-  if (largest_piece_global > 0) {
-    global = Buffer("load_hf.global", MemCategory::Workspace, DType::F32, largest_piece_global, Device::cpu());
-  }
+  // A tensor-parallel piece is read straight from its bytes in the file (rows of a dim-0 piece,
+  // a column range of every row of a dim-1 one): no rank reads or holds a whole tensor it
+  // holds a piece of. The files are memory-mapped, so the pages read are the piece's.
   // A NaN or Inf would make every training step non-finite; caught here, it names its file.
-  // Pieces are checked as global tensors, so that every rank reaches the same verdict.
   std::vector<std::string> non_finite;
   for (int id = 0; id < reg.size(); ++id) {
     const ParamInfo& p = reg.info(id);
@@ -259,11 +253,14 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const P
     // Read on the host; a run on a device gets the values sent there.
     const ops::HostView local(reg.param(id));
     Tensor t = local.get();
-    if (is_tensor_piece(p)) {
-      const Tensor whole = global.tensor(0, p.global_shape);
-      w.read_f32(name, whole);
-      extract_local(p, whole, t);
-      t = whole;
+    if (is_tensor_piece(p) && p.placement.dim == 0) {
+      const int64_t L = p.shape.numel();
+      w.read_f32_range(name, p.placement.index * L, L, t.data<float>());
+    } else if (is_tensor_piece(p)) {
+      const int64_t rows = p.shape[0], width = p.shape[1], stride = p.global_shape[1];
+      for (int64_t r = 0; r < rows; ++r) {
+        w.read_f32_range(name, r * stride + p.placement.index * width, width, t.data<float>() + r * width);
+      }
     } else {
       w.read_f32(name, t);
     }
@@ -271,9 +268,21 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const P
     ++stats.loaded;
     const int64_t n = ops::read_count_non_finite(t);
     if (n > 0) {
-      non_finite.push_back(fmt::format("'{}' in '{}': {} of {} values are NaN or Inf", name, w.file_of(name), n,
-                                       t.numel()));
+      non_finite.push_back(fmt::format("'{}' in '{}': {} of {} values{} are NaN or Inf", name, w.file_of(name), n,
+                                       t.numel(), is_tensor_piece(p) ? " of this rank's piece" : ""));
     }
+  }
+  // Every rank reaches the same verdict: the ranks' findings are pooled (each rank reads only
+  // its pieces).
+  if (world && world->size() > 1) {
+    std::string mine;
+    for (const std::string& line : non_finite) mine += line + "\n";
+    std::set<std::string> pooled;
+    for (const std::string& text : all_gather_strings(*world, mine)) {
+      size_t at = 0;
+      for (size_t nl; (nl = text.find('\n', at)) != std::string::npos; at = nl + 1) pooled.insert(text.substr(at, nl - at));
+    }
+    non_finite.assign(pooled.begin(), pooled.end());
   }
   if (!non_finite.empty()) {
     std::string list;
@@ -307,23 +316,61 @@ void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const jso
                      int64_t max_shard_bytes, DType dtype, Communicator* tp) {
   // With a tensor group, its rank 0 writes and every rank gathers the pieces with it.
   const bool root = tp == nullptr || tp->rank() == 0;
+  DS_CHECK(reg.flat_numel() == 0 || reg.values().allocated(),
+           "save_hf_weights('{}'): the parameter registry is not allocated", dir);
+  Buffer host, gathered;
+  const GlobalTensorFn global = [&](int id) -> Tensor {
+    const ParamInfo& p = reg.info(id);
+    if (!(tp && is_tensor_piece(p))) check_whole(p, "save_hf_weights");
+    // Written from the host: a run on a device copies each tensor over first.
+    Tensor local = reg.param(id);
+    if (!local.device().is_cpu()) {
+      if (host.numel() < local.numel()) host = Buffer("save_hf.host", MemCategory::Workspace, DType::F32, local.numel());
+      ops::copy(host.tensor(0, local.shape()), local);
+      local = host.tensor(0, local.shape());
+    }
+    if (!(tp && is_tensor_piece(p))) return root ? local.view(p.global_shape) : Tensor();
+    const int64_t n = p.global_shape.numel();
+    if (gathered.numel() < n) gathered = Buffer("save_hf.gathered", MemCategory::Workspace, DType::F32, n);
+    const Tensor g = gathered.tensor(0, p.global_shape);
+    gather_global(p, local, tp, g);
+    return root ? g : Tensor();
+  };
+  save_hf_weights(dir, reg, global, config_json, max_shard_bytes, dtype, tp);
+}
+
+namespace {
+
+// Raises on every rank of `world` the failures some ranks had (each rank's first one).
+void raise_failures(Communicator* world, const std::string& mine) {
+  if (!world) {
+    if (!mine.empty()) throw Error(mine);
+    return;
+  }
+  const std::vector<std::string> all = all_gather_strings(*world, mine);
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (all[r].empty()) continue;
+    throw Error(world->size() > 1 ? fmt::format("{} (on rank {} of {})", all[r], r, world->name()) : all[r]);
+  }
+}
+
+}  // namespace
+
+void save_hf_weights(const std::string& dir, const ParamRegistry& file, const GlobalTensorFn& global,
+                     const json& config_json, int64_t max_shard_bytes, DType dtype, Communicator* world) {
+  const bool root = world == nullptr || world->rank() == 0;
   DS_CHECK(max_shard_bytes > 0, "save_hf_weights('{}'): max_shard_bytes must be positive, got {}", dir,
            max_shard_bytes);
   const std::string torch_dtype = torch_dtype_name(dtype);
-  DS_CHECK(reg.flat_numel() == 0 || reg.values().allocated(),
-           "save_hf_weights('{}'): the parameter registry is not allocated", dir);
 
-  std::vector<int> ids(size_t(reg.size()));
+  std::vector<int> ids(size_t(file.size()));
   std::iota(ids.begin(), ids.end(), 0);
-  std::sort(ids.begin(), ids.end(), [&](int a, int b) { return reg.info(a).name < reg.info(b).name; });
-
+  std::sort(ids.begin(), ids.end(), [&](int a, int b) { return file.info(a).name < file.info(b).name; });
   // Greedy in name order, as transformers does; a tensor above the limit gets its own shard.
   std::vector<std::vector<int>> shards;
   int64_t total = 0, shard_bytes = 0;
   for (int id : ids) {
-    const ParamInfo& p = reg.info(id);
-    if (!(tp && is_tensor_piece(p))) check_whole(p, "save_hf_weights");
-    const int64_t bytes = p.global_shape.numel() * int64_t(dtype_size(dtype));
+    const int64_t bytes = file.info(id).global_shape.numel() * int64_t(dtype_size(dtype));
     if (shards.empty() || (shard_bytes > 0 && shard_bytes + bytes > max_shard_bytes)) {
       shards.emplace_back();
       shard_bytes = 0;
@@ -332,125 +379,101 @@ void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const jso
     shard_bytes += bytes;
     total += bytes;
   }
-  // A 16-bit save converts one shard at a time (ops::cast rounds to nearest even), so the
-  // extra memory is one shard's; a tensor-parallel one gathers one shard's global tensors at a
-  // time (the other ranks of the group one tensor's).
-  std::vector<Buffer> converted, gathered;
-  Buffer scratch;
-  auto tensors_of = [&](const std::vector<int>& group) {
-    std::vector<std::pair<std::string, Tensor>> out;
-    converted.clear();
-    converted.reserve(group.size());
-    gathered.clear();
-    gathered.reserve(2 * group.size());
-    for (int id : group) {
-      const ParamInfo& p = reg.info(id);
-      // Written from the host: a run on a device copies each tensor over first.
-      Tensor local = reg.param(id);
-      if (!local.device().is_cpu()) {
-        gathered.emplace_back("save_hf.host", MemCategory::Workspace, DType::F32, local.numel(), Device::cpu());
-        ops::copy(gathered.back().tensor(0, local.shape()), local);
-        local = gathered.back().tensor(0, local.shape());
-      }
-      Tensor master;
-      if (tp && is_tensor_piece(p)) {
-        const int64_t n = p.global_shape.numel();
-        if (root) {
-          gathered.emplace_back("save_hf.gathered", MemCategory::Workspace, DType::F32, n, Device::cpu());
-          master = gathered.back().tensor(0, p.global_shape);
-        } else {
-          if (scratch.numel() < n) scratch = Buffer("save_hf.gathered", MemCategory::Workspace, DType::F32, n, Device::cpu());
-          master = scratch.tensor(0, p.global_shape);
-        }
-        gather_global(p, local, tp, master);
-      } else {
-        master = local.view(p.global_shape);
-      }
-      if (!root) continue;
-      if (dtype == DType::F32) {
-        out.emplace_back(reg.info(id).name, master);
-        continue;
-      }
-      converted.emplace_back("save_hf." + torch_dtype, MemCategory::Workspace, dtype, master.numel(), Device::cpu());
-      const Tensor t = converted.back().tensor(0, master.shape());
-      ops::cast(t, master);
-      out.emplace_back(reg.info(id).name, t);
-    }
-    return out;
-  };
+  const bool single = total <= max_shard_bytes;  // then the greedy split made one shard
+  // Every rank knows every file's layout: where each tensor's bytes go.
+  const fs::path d(dir);
   const std::map<std::string, std::string> metadata{{"format", "pt"}};  // transformers checks it
+  std::vector<SafeTensorsLayout> layouts;
+  std::vector<std::pair<size_t, size_t>> where(size_t(file.size()));  // id -> (file, position)
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const std::string name =
+        single ? std::string(kSingleFile) : fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, shards.size());
+    std::vector<SafeTensorInfo> infos;
+    for (size_t k = 0; k < shards[i].size(); ++k) {
+      const ParamInfo& p = file.info(shards[i][k]);
+      infos.push_back(SafeTensorInfo{p.name, dtype, p.global_shape, 0, 0});
+      where[size_t(shards[i][k])] = {i, k};
+    }
+    layouts.emplace_back((d / name).string(), std::move(infos), metadata);
+  }
 
-  // The files are the root's to write. In a tensor group its first failure is kept while the
-  // others go on gathering with it, and all raise it at the end, together.
+  // Rank 0 makes the directory, config.json and every file at its size with its header.
   std::string failure;
-  auto on_root = [&](const auto& write) {
-    if (!root || !failure.empty()) return;
-    if (!tp) return write();
+  if (root) {
     try {
-      write();
+      std::error_code ec;
+      fs::create_directories(d, ec);
+      DS_CHECK(!ec, "cannot create the directory '{}': {}", dir, ec.message());
+      json config = config_json;
+      if (config.is_object() && (config.contains("torch_dtype") || dtype != DType::F32)) config["torch_dtype"] = torch_dtype;
+      write_text_file_atomically((d / "config.json").string(), config.dump(2) + "\n");
+      // Readers find shards through the index: without it an interrupted save fails to load
+      // instead of loading a mix of two saves.
+      remove_if_present(d / kIndexFile);
+      for (const SafeTensorsLayout& l : layouts) l.create();
     } catch (const std::exception& e) {
       failure = e.what();
     }
-  };
+  }
+  raise_failures(world, failure);
 
-  const fs::path d(dir);
-  on_root([&] {
-    std::error_code ec;
-    fs::create_directories(d, ec);
-    DS_CHECK(!ec, "cannot create the directory '{}': {}", dir, ec.message());
-    json config = config_json;
-    if (config.is_object() && (config.contains("torch_dtype") || dtype != DType::F32)) config["torch_dtype"] = torch_dtype;
-    write_text_file_atomically((d / "config.json").string(), config.dump(2) + "\n");
-    // Readers find shards through the index: without it an interrupted save fails to load
-    // instead of loading a mix of two saves.
-    remove_if_present(d / kIndexFile);
-  });
-  std::set<std::string> written;
-  if (total <= max_shard_bytes) {
-    const auto tensors = tensors_of(ids);
-    on_root([&] {
-      write_safetensors((d / kSingleFile).string(), tensors, metadata);
-      written.insert(kSingleFile);
-    });
-  } else {
-    on_root([&] { remove_if_present(d / kSingleFile); });
-    json weight_map = json::object();
-    for (size_t i = 0; i < shards.size(); ++i) {
-      const std::string name = fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, shards.size());
-      const auto tensors = tensors_of(shards[i]);
-      on_root([&] {
-        write_safetensors((d / name).string(), tensors, metadata);
-        for (int id : shards[i]) weight_map[reg.info(id).name] = name;
+  // Each tensor's writer puts its bytes in place; every rank goes through every tensor (the
+  // gathers may be collective), a failed one carrying on without writing.
+  Buffer converted;
+  for (int id = 0; id < file.size(); ++id) {
+    const Tensor g = global(id);
+    if (!g.defined() || !failure.empty()) continue;
+    try {
+      const auto [f, k] = where[size_t(id)];
+      Tensor t = g;
+      if (dtype != DType::F32) {
+        // ops::cast rounds to nearest even.
+        if (converted.numel() < g.numel()) {
+          converted = Buffer("save_hf." + torch_dtype, MemCategory::Workspace, dtype, g.numel(), Device::cpu());
+        }
+        t = converted.tensor(0, g.shape());
+        ops::cast(t, g);
+      }
+      layouts[f].write(k, t);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  }
+  raise_failures(world, failure);
+
+  // Rank 0 names the complete files, writes the index and removes what an earlier save with
+  // another sharding (or an interrupted one) left behind.
+  if (root) {
+    try {
+      std::set<std::string> written;
+      json weight_map = json::object();
+      for (size_t i = 0; i < layouts.size(); ++i) {
+        layouts[i].commit();
+        const std::string name = fs::path(layouts[i].path()).filename().string();
         written.insert(name);
-      });
-    }
-    on_root([&] {
-      const json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-      write_text_file_atomically((d / kIndexFile).string(), index.dump(2) + "\n");
-      written.insert(kIndexFile);
-    });
-  }
-
-  // What an earlier save with another sharding (or an interrupted one) left behind.
-  on_root([&] {
-    std::error_code ec;
-    std::vector<fs::path> stale;
-    fs::directory_iterator entries(d, ec);
-    DS_CHECK(!ec, "cannot list '{}' to remove an earlier save's files: {}", dir, ec.message());
-    for (const fs::directory_entry& e : entries) {
-      std::string name = e.path().filename().string();
-      const bool tmp = name.ends_with(".tmp");
-      if (tmp) name.resize(name.size() - 4);
-      if (is_weight_file(name) && (tmp || !written.count(name))) stale.push_back(e.path());
-    }
-    for (const fs::path& p : stale) remove_if_present(p);
-  });
-  if (tp) {
-    const std::vector<std::string> failures = all_gather_strings(*tp, failure);
-    if (!failures[0].empty()) {
-      throw Error(tp->size() > 1 ? fmt::format("{} (on tensor rank 0)", failures[0]) : failures[0]);
+        for (int id : shards[i]) weight_map[file.info(id).name] = name;
+      }
+      if (!single) {
+        const json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+        write_text_file_atomically((d / kIndexFile).string(), index.dump(2) + "\n");
+        written.insert(kIndexFile);
+      }
+      std::error_code ec;
+      std::vector<fs::path> stale;
+      fs::directory_iterator entries(d, ec);
+      DS_CHECK(!ec, "cannot list '{}' to remove an earlier save's files: {}", dir, ec.message());
+      for (const fs::directory_entry& e : entries) {
+        std::string name = e.path().filename().string();
+        const bool tmp = name.ends_with(".tmp");
+        if (tmp) name.resize(name.size() - 4);
+        if (is_weight_file(name) && (tmp || !written.count(name))) stale.push_back(e.path());
+      }
+      for (const fs::path& p : stale) remove_if_present(p);
+    } catch (const std::exception& e) {
+      failure = e.what();
     }
   }
+  raise_failures(world, failure);
 }
 
 }  // namespace dstrain

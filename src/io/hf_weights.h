@@ -2,6 +2,8 @@
 // model.safetensors.index.json, read into and written from the parameter registry.
 #pragma once
 
+#include <functional>
+
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -30,6 +32,10 @@ class HFWeights {
   DType dtype(const std::string& name) const { return info(name).dtype; }
   // Reads `name` into `out` (host F32, same element count), converting from BF16/F16/F64.
   void read_f32(const std::string& name, Tensor out) const;
+  // Elements [begin, begin + n) of `name` (flattened), converted to fp32: only their bytes.
+  void read_f32_range(const std::string& name, int64_t begin, int64_t n, float* dst) const {
+    file(name).read_f32_range(name, begin, n, dst);
+  }
   // The stored bytes of `name`, valid while this object lives.
   std::span<const std::byte> raw(const std::string& name) const;
   // The file that holds `name`.
@@ -59,12 +65,15 @@ struct HFLoadStats {
 // Each must be present with exactly its global shape; tensors the registry does not have
 // are an error, except rotary inv_freq buffers and, for tied embeddings, an lm_head.weight
 // bitwise equal to model.embed_tokens.weight. Parameters must be in host memory, whole or
-// tensor-parallel pieces (placement Shard over "tensor"): a piece is cut out of its global
-// tensor (extract_local; one global tensor of transient memory), so every rank of any
-// layout loads the same files, without communication. `model`, when given, lists every
-// tensor of the model (other pipeline stages' and expert ranks' too): the files' tensors are
-// checked against it, and this rank loads the ones `reg` holds.
-HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const ParamRegistry* model = nullptr);
+// tensor-parallel pieces (placement Shard over "tensor"): a piece's bytes are read from the
+// memory-mapped file and nothing else (no whole tensor is read or held), so every rank of any
+// layout loads the same files, each its own pieces, with no transient memory beyond them.
+// `model`, when given, lists every tensor of the model (other pipeline stages' and expert
+// ranks' too): the files' tensors are checked against it, and this rank loads the ones `reg`
+// holds. With `world`, the ranks' findings of non-finite values are pooled (collective), so
+// that every rank raises the same error.
+HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const ParamRegistry* model = nullptr,
+                            Communicator* world = nullptr);
 
 // Writes `reg` as a Hugging Face checkpoint in `dir`: config.json, then model.safetensors,
 // or model-0000i-of-0000N.safetensors shards of at most max_shard_bytes of tensor data
@@ -81,6 +90,19 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const P
 void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const json& config_json,
                      int64_t max_shard_bytes = int64_t(5) << 30, DType dtype = DType::F32,
                      Communicator* tp = nullptr);
+
+// The same, for a model whose tensors are spread over ranks: `file` names every tensor of the
+// model with its global shape (not allocated), and every rank of `world` calls this with the
+// same arguments (null `world`: one process). For each tensor, in id order, every rank calls
+// `global(id)`, which returns the global tensor (host F32, the global shape) on the one rank
+// that writes it and an undefined Tensor elsewhere; it may be collective over a group of ranks
+// (a tensor group gathering its pieces). World rank 0 lays out the files and writes their
+// headers; each tensor's writer puts its bytes in place (so the directory must be on a
+// filesystem every writing rank sees, as checkpoints need) and nobody holds more than one
+// tensor (and its 16-bit copy). A failure on any rank is raised on every rank, naming it.
+using GlobalTensorFn = std::function<Tensor(int id)>;
+void save_hf_weights(const std::string& dir, const ParamRegistry& file, const GlobalTensorFn& global,
+                     const json& config_json, int64_t max_shard_bytes, DType dtype, Communicator* world);
 
 // Hugging Face's torch_dtype names: "float32", "bfloat16", "float16".
 std::string torch_dtype_name(DType dtype);

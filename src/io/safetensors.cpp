@@ -249,6 +249,24 @@ std::span<const std::byte> SafeTensorsFile::raw(const std::string& name) const {
   return {data_ + t.begin, size_t(t.nbytes())};
 }
 
+void SafeTensorsFile::read_f32_range(const std::string& name, int64_t begin, int64_t n, float* dst) const {
+  const SafeTensorInfo& t = info(name);
+  DS_CHECK(begin >= 0 && n >= 0 && begin + n <= t.shape.numel(),
+           "reading elements [{}, {}) of '{}' from '{}': it has {} elements", begin, begin + n, name, path_,
+           t.shape.numel());
+  if (n == 0) return;
+  const std::byte* src = data_ + t.begin + begin * int64_t(dtype_size(t.dtype));
+  switch (t.dtype) {
+    case DType::F32: convert_to_f32<float>(src, dst, n, [](float v) { return v; }); return;
+    case DType::BF16: convert_to_f32<uint16_t>(src, dst, n, [](uint16_t v) { return bf16_to_f32(v); }); return;
+    case DType::F16: convert_to_f32<uint16_t>(src, dst, n, [](uint16_t v) { return f16_to_f32(v); }); return;
+    case DType::F64: convert_to_f32<double>(src, dst, n, [](double v) { return float(v); }); return;
+    default:
+      DS_FAIL("tensor '{}' in '{}' is stored as {}; only F32, BF16, F16 and F64 tensors can be read as fp32", name,
+              path_, dtype_name(t.dtype));
+  }
+}
+
 void SafeTensorsFile::read_f32(const std::string& name, Tensor out) const {
   const SafeTensorInfo& t = info(name);
   DS_CHECK(out.device().is_cpu(), "reading '{}' from '{}': the destination is on {}; read into host memory and copy",
@@ -273,44 +291,124 @@ void SafeTensorsFile::read_f32(const std::string& name, Tensor out) const {
   }
 }
 
-void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+SafeTensorsLayout::SafeTensorsLayout(std::string path, std::vector<SafeTensorInfo> tensors,
+                                     const std::map<std::string, std::string>& metadata)
+    : path_(std::move(path)), tensors_(std::move(tensors)) {
   // ordered_json keeps the header in the order given, which is also the order of the data.
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::unordered_set<std::string> seen;
   int64_t offset = 0;
-  for (const auto& [name, t] : tensors) {
-    DS_CHECK(!name.empty() && name != "__metadata__", "writing '{}': '{}' cannot be a tensor name", path, name);
-    DS_CHECK(seen.insert(name).second, "writing '{}': tensor '{}' is given twice", path, name);
-    DS_CHECK(t.dtype() == DType::F32 || t.dtype() == DType::BF16 || t.dtype() == DType::F16,
-             "writing '{}': tensor '{}' is {}; only F32, BF16 and F16 tensors are written", path, name,
-             dtype_name(t.dtype()));
-    DS_CHECK(t.device().is_cpu(), "writing '{}': tensor '{}' is on {}; copy it to host memory first", path, name,
-             t.device().str());
-    DS_CHECK(t.defined() || t.numel() == 0, "writing '{}': tensor '{}' has no data", path, name);
+  for (SafeTensorInfo& t : tensors_) {
+    DS_CHECK(!t.name.empty() && t.name != "__metadata__", "writing '{}': '{}' cannot be a tensor name", path_, t.name);
+    DS_CHECK(seen.insert(t.name).second, "writing '{}': tensor '{}' is given twice", path_, t.name);
+    DS_CHECK(t.dtype == DType::F32 || t.dtype == DType::BF16 || t.dtype == DType::F16,
+             "writing '{}': tensor '{}' is {}; only F32, BF16 and F16 tensors are written", path_, t.name,
+             dtype_name(t.dtype));
     std::vector<int64_t> dims;
-    for (int d = 0; d < t.ndim(); ++d) dims.push_back(t.size(d));
-    const int64_t bytes = int64_t(t.nbytes());
-    header[name] = {{"dtype", std::string(dtype_name(t.dtype()))},
-                    {"shape", dims},
-                    {"data_offsets", {offset, offset + bytes}}};
+    for (int d = 0; d < t.shape.ndim(); ++d) dims.push_back(t.shape[d]);
+    const int64_t bytes = t.shape.numel() * int64_t(dtype_size(t.dtype));
+    t.begin = offset;
+    t.end = offset + bytes;
+    header[t.name] = {{"dtype", std::string(dtype_name(t.dtype))}, {"shape", dims}, {"data_offsets", {t.begin, t.end}}};
     offset += bytes;
   }
   std::string text;
   try {
     text = header.dump();
   } catch (const json::exception& e) {
-    DS_FAIL("writing '{}': cannot encode the header ({}); tensor names and metadata must be UTF-8", path, e.what());
+    DS_FAIL("writing '{}': cannot encode the header ({}); tensor names and metadata must be UTF-8", path_, e.what());
   }
   // Hugging Face pads so that the data region starts 8-byte aligned.
   text.append((8 - text.size() % 8) % 8, ' ');
+  prefix_.resize(8);
+  for (int i = 0; i < 8; ++i) prefix_[size_t(i)] = static_cast<char>(uint64_t(text.size()) >> (8 * i));
+  prefix_ += text;
+}
 
-  unsigned char length[8];
-  for (int i = 0; i < 8; ++i) length[i] = static_cast<unsigned char>(uint64_t(text.size()) >> (8 * i));
+int64_t SafeTensorsLayout::file_bytes() const {
+  return int64_t(prefix_.size()) + (tensors_.empty() ? 0 : tensors_.back().end);
+}
+
+namespace {
+
+// pwrite of all `bytes` at `offset`, in pieces of at most 1 GiB.
+void write_all_at(int fd, const std::string& path, const char* p, size_t bytes, int64_t offset) {
+  while (bytes > 0) {
+    const ssize_t n = ::pwrite(fd, p, std::min(bytes, size_t(1) << 30), off_t(offset));
+    if (n < 0 && errno == EINTR) continue;
+    DS_CHECK(n > 0, "writing '{}' at byte {} failed: {}; check free disk space and quotas", path, offset,
+             n < 0 ? errno_text(errno) : std::string("no progress"));
+    p += n;
+    bytes -= size_t(n);
+    offset += n;
+  }
+}
+
+}  // namespace
+
+void SafeTensorsLayout::create() const {
+  const std::string tmp = path_ + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  DS_CHECK(fd >= 0, "cannot create '{}': {}; check that the directory exists, is writable and has space", tmp,
+           errno_text(errno));
+  try {
+    write_all_at(fd, tmp, prefix_.data(), prefix_.size(), 0);
+    // The data region at its full size (a hole until written), so that writers in any order
+    // and any process find it there.
+    DS_CHECK(::ftruncate(fd, off_t(file_bytes())) == 0, "sizing '{}' to {} bytes failed: {}", tmp, file_bytes(),
+             errno_text(errno));
+    DS_CHECK(::fsync(fd) == 0, "syncing '{}' failed: {}; the disk may be full", tmp, errno_text(errno));
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  DS_CHECK(::close(fd) == 0, "closing '{}' failed: {}", tmp, errno_text(errno));
+}
+
+void SafeTensorsLayout::write(size_t i, const Tensor& t) const {
+  DS_CHECK(i < tensors_.size(), "writing '{}': tensor {} of {}", path_, i, tensors_.size());
+  const SafeTensorInfo& info = tensors_[i];
+  DS_CHECK(t.dtype() == info.dtype && int64_t(t.nbytes()) == info.nbytes() && t.device().is_cpu() &&
+               (t.defined() || t.numel() == 0),
+           "writing '{}': tensor '{}' must be {} bytes of {} in host memory, got {} bytes of {} on {}", path_, info.name,
+           info.nbytes(), dtype_name(info.dtype), t.nbytes(), dtype_name(t.dtype()), t.device().str());
+  const std::string tmp = path_ + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CLOEXEC);
+  DS_CHECK(fd >= 0, "cannot open '{}' to write tensor '{}': {}; the file must be visible to every writing rank (a "
+           "shared filesystem)", tmp, info.name, errno_text(errno));
+  try {
+    write_all_at(fd, tmp, static_cast<const char*>(t.raw()), t.nbytes(), int64_t(prefix_.size()) + info.begin);
+    DS_CHECK(::fdatasync(fd) == 0, "syncing '{}' failed: {}; the disk may be full", tmp, errno_text(errno));
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  DS_CHECK(::close(fd) == 0, "closing '{}' failed: {}", tmp, errno_text(errno));
+}
+
+void SafeTensorsLayout::commit() const {
+  const std::string tmp = path_ + ".tmp";
+  DS_CHECK(::rename(tmp.c_str(), path_.c_str()) == 0, "renaming '{}' to '{}' failed: {}", tmp, path_,
+           errno_text(errno));
+}
+
+void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  std::vector<SafeTensorInfo> infos;
+  for (const auto& [name, t] : tensors) {
+    DS_CHECK(t.device().is_cpu(), "writing '{}': tensor '{}' is on {}; copy it to host memory first", path, name,
+             t.device().str());
+    DS_CHECK(t.defined() || t.numel() == 0, "writing '{}': tensor '{}' has no data", path, name);
+    SafeTensorInfo info;
+    info.name = name;
+    info.dtype = t.dtype();
+    info.shape = t.shape();
+    infos.push_back(std::move(info));
+  }
+  const SafeTensorsLayout layout(path, std::move(infos), metadata);
   AtomicFile out(path);
-  out.write(length, sizeof(length));
-  out.write(text.data(), text.size());
+  out.write(layout.prefix().data(), layout.prefix().size());
   for (const auto& [name, t] : tensors) out.write(t.raw(), t.nbytes());
   out.commit();
 }

@@ -44,6 +44,9 @@ class SafeTensorsFile {
   // Reads tensor `name` into `out` (host, F32, same element count; its shape may differ),
   // converting from the stored F32, BF16, F16 or F64.
   void read_f32(const std::string& name, Tensor out) const;
+  // Elements [begin, begin + n) of tensor `name`, flattened in row-major order, converted to
+  // fp32 into dst: only their bytes are read (a piece of a tensor, not the whole).
+  void read_f32_range(const std::string& name, int64_t begin, int64_t n, float* dst) const;
   // The stored bytes of tensor `name`, unaligned, valid while this object lives.
   std::span<const std::byte> raw(const std::string& name) const;
 
@@ -57,6 +60,34 @@ class SafeTensorsFile {
   std::vector<SafeTensorInfo> tensors_;
   std::unordered_map<std::string, size_t> index_;  // name -> position in tensors_
   std::map<std::string, std::string> metadata_;
+};
+
+// A safetensors file written in place, by one process or several: the header (every tensor's
+// name, dtype, shape and byte range, in the order of their data) is fixed before any data, so
+// that each writer knows where its tensors' bytes go. The bytes are those write_safetensors
+// writes. create() makes path + ".tmp" at its full size with the header; write() puts a
+// tensor's bytes in place (pwrite, from any process that sees the file) and syncs them;
+// commit() renames the file to `path` once every write is done.
+class SafeTensorsLayout {
+ public:
+  // `tensors`: name, dtype (F32, BF16 or F16) and shape of each, in the order of their data
+  // (their byte ranges are computed here).
+  SafeTensorsLayout(std::string path, std::vector<SafeTensorInfo> tensors,
+                    const std::map<std::string, std::string>& metadata = {});
+  const std::string& path() const { return path_; }
+  const std::vector<SafeTensorInfo>& tensors() const { return tensors_; }
+  // The length prefix and the padded JSON header: the file's bytes before the data.
+  const std::string& prefix() const { return prefix_; }
+  int64_t file_bytes() const;
+
+  void create() const;
+  // Tensor i's data (host, its dtype and element count).
+  void write(size_t i, const Tensor& t) const;
+  void commit() const;
+
+ private:
+  std::string path_, prefix_;
+  std::vector<SafeTensorInfo> tensors_;
 };
 
 // Writes `tensors` (host; F32, BF16 or F16; each written in its own dtype) to `path`, data in

@@ -258,6 +258,8 @@ OutputConfig read_output(const JsonReader& r, const PrecisionConfig& precision) 
   o.dir = r.get<std::string>("dir", o.dir);
   o.save_hf = r.get<std::string>("save_hf", o.save_hf);
   o.save_hf_dtype = hf_dtype_of(precision);
+  o.save_hf_shard_bytes = r.get<int64_t>("save_hf_shard_bytes", o.save_hf_shard_bytes);
+  if (o.save_hf_shard_bytes < 1) r.error("save_hf_shard_bytes", "must be a positive number of bytes (default 5 GiB)");
   if (r.has("save_hf_dtype") && !r.is_null("save_hf_dtype")) {
     o.save_hf_dtype = r.get<std::string>("save_hf_dtype");
     if (o.save_hf_dtype != "float32" && o.save_hf_dtype != "bfloat16" && o.save_hf_dtype != "float16") {
@@ -447,7 +449,8 @@ json RunConfig::to_json() const {
   j["moe"] = {{"capacity_factor", model.moe_capacity_factor > 0 ? json(model.moe_capacity_factor) : json(nullptr)},
               {"drop_policy", model.moe_drop_policy}};
   j["data"] = data.to_json();
-  j["output"] = {{"dir", output.dir}, {"save_hf", output.save_hf}, {"save_hf_dtype", output.save_hf_dtype}};
+  j["output"] = {{"dir", output.dir}, {"save_hf", output.save_hf}, {"save_hf_dtype", output.save_hf_dtype},
+                 {"save_hf_shard_bytes", output.save_hf_shard_bytes}};
   j["checkpoint"] = checkpoint.to_json();
   j["resilience"] = resilience.to_json();
   j["metrics"] = metrics.to_json();

@@ -76,6 +76,8 @@ struct OutputConfig {
   // The dtype of the Hugging Face tensors: "float32", "bfloat16" or "float16" (torch_dtype's
   // spelling). Unset in the file: the run's precision.
   std::string save_hf_dtype = "float32";
+  // Tensor bytes per safetensors file of the export (transformers' max_shard_size; 5 GB).
+  int64_t save_hf_shard_bytes = int64_t(5) << 30;
 };
 
 struct GenerateConfig {

@@ -630,7 +630,7 @@ void Trainer::load_weights(const std::string& init_from, bool checkpoint) {
   }
   // Every rank reads the files itself: they are identical, and this needs no broadcast of
   // the whole model.
-  auto counts = load_hf_weights(init_from, model_->params(), sharded_ckpt_ ? &file_registry() : nullptr);
+  auto counts = load_hf_weights(init_from, model_->params(), sharded_ckpt_ ? &file_registry() : nullptr, &grid_.world());
   log::info("loaded {} tensors from {}", counts.loaded, init_from);
 }
 
@@ -944,13 +944,29 @@ void Trainer::gather_rank_timings(StepRecord& r) {
   const int W = grid_.world_size();
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
-  double mine[3] = {r.step_seconds, r.step_seconds - r.exposed_comm_seconds, double(usage.ru_maxrss) * 1024.0};
-  std::vector<double> all(static_cast<size_t>(3 * W));
-  grid_.world().all_gather(Tensor(all.data(), DType::F64, Shape{3 * W}), Tensor(mine, DType::F64, Shape{3}));
+  // With them each rank's model state (weights, gradients, optimizer state and gathered weights
+  // held at the end of the step) and its local parameters per group: a layout's ranks differ
+  // (pipeline stages, expert owners), and rank 0 alone would not show it.
+  const MemoryStats mem = memory_stats(model_->params().device().type);
+  auto held = [&](MemCategory c) { return double(mem.bytes[size_t(c)]); };
+  const ParamRegistry& reg = model_->params();
+  constexpr int kPer = 6;
+  double mine[kPer] = {r.step_seconds,
+                       r.step_seconds - r.exposed_comm_seconds,
+                       double(usage.ru_maxrss) * 1024.0,
+                       held(MemCategory::Parameters) + held(MemCategory::Gradients) +
+                           held(MemCategory::OptimizerState) + held(MemCategory::GatheredParameters),
+                       double(reg.group_numel(ParamGroup::Dense)),
+                       double(reg.group_numel(ParamGroup::Expert))};
+  std::vector<double> all(static_cast<size_t>(kPer * W));
+  grid_.world().all_gather(Tensor(all.data(), DType::F64, Shape{kPer * W}), Tensor(mine, DType::F64, Shape{kPer}));
   for (int k = 0; k < W; ++k) {
-    r.rank_step_seconds.push_back(all[size_t(3 * k)]);
-    r.rank_compute_seconds.push_back(all[size_t(3 * k + 1)]);
-    r.rank_peak_rss_bytes.push_back(all[size_t(3 * k + 2)]);
+    const double* x = all.data() + kPer * k;
+    r.rank_step_seconds.push_back(x[0]);
+    r.rank_compute_seconds.push_back(x[1]);
+    r.rank_peak_rss_bytes.push_back(x[2]);
+    r.rank_model_state_bytes.push_back(x[3]);
+    r.rank_local_params.push_back({int64_t(x[4]), int64_t(x[5])});
   }
 }
 
@@ -1170,6 +1186,16 @@ StepMetrics Trainer::step_metrics(const StepRecord& r, double elapsed, int64_t s
   m.rank_step_s = r.rank_step_seconds;
   m.rank_compute_s = r.rank_compute_seconds;
   m.rank_peak_rss_bytes = r.rank_peak_rss_bytes;
+  {
+    json dense = json::array(), expert = json::array();
+    for (const auto& [d, e] : r.rank_local_params) {
+      dense.push_back(d);
+      expert.push_back(e);
+    }
+    m.extra["ranks"] = {{"model_state_bytes", r.rank_model_state_bytes},
+                        {"local_dense_params", dense},
+                        {"local_expert_params", expert}};
+  }
   if (gpu_monitor_) {
     // This rank's GPU (rank 0's in the record): NVML's utilisation and memory, and what dstrain's
     // own buffers hold on it at their peak.
@@ -1801,50 +1827,29 @@ std::string Trainer::sample(const std::string& prompt) {
 void Trainer::save_hf(const std::string& dir) {
   const DType dtype = dtype_from_torch_name(config_.output.save_hf_dtype);
   if (zero_) zero_->gather_all();  // stage 3: whole weights for the export, handed back after it
-  if (pp_ || ep_) {
-    // Pipeline stages or expert owners: world rank 0 assembles every global tensor (the ranks
-    // that write it to checkpoints gather it over their tensor group, their tensor rank 0 sends
-    // it) and writes the files: the whole model in its memory, once.
-    ParamRegistry& file = file_registry();
-    const bool root = grid_.world_rank() == 0;
-    const int dp = grid_.size(Axis::Data), tp = grid_.size(Axis::Tensor);
-    ParamRegistry whole;
-    for (const ParamInfo& p : file.all()) {
-      ParamOptions o;
-      o.trainable = p.trainable;
-      o.group = p.group;
-      whole.add(p.name, p.global_shape, p.kind, p.layer, o);
+  // Every global tensor is written by one rank, into files laid out beforehand: under tensor,
+  // pipeline or expert splits the ranks that write it to checkpoints gather it over their
+  // tensor group and their tensor rank 0 writes it; otherwise (replicas) world rank 0 writes
+  // them all. Nobody holds more than one global tensor.
+  ParamRegistry& file = file_registry();
+  const int tp_rank = tp_ ? tp_->rank() : 0;
+  Buffer global;
+  const GlobalTensorFn fetch = [&](int id) -> Tensor {
+    const int local = sharded_ckpt_ ? sharded_ckpt_->local_id(id) : id;
+    const bool writes = sharded_ckpt_ ? sharded_ckpt_->writes(id) : grid_.world_rank() == 0;
+    if (!writes) return Tensor();
+    const ParamInfo& p = model_->params().info(local);
+    if (global.numel() < p.global_shape.numel()) {
+      global = Buffer("save_hf.global", MemCategory::Checkpoint, DType::F32, p.global_shape.numel());
     }
-    if (root) whole.allocate(Device::cpu());
-    Buffer global;
-    for (int id = 0; id < file.size(); ++id) {
-      const ParamInfo& fp = file.info(id);
-      if (sharded_ckpt_->writes(id)) {
-        const int local = sharded_ckpt_->local_id(id);
-        Tensor g = root ? whole.param(id) : Tensor();
-        if (!g.raw()) {
-          if (global.numel() < fp.global_shape.numel()) {
-            global = Buffer("save_hf.global", MemCategory::Checkpoint, DType::F32, fp.global_shape.numel());
-          }
-          g = global.tensor(0, fp.global_shape);
-        }
-        // Over the host (a run on a device sends a host copy): the root's tensor is host memory.
-        const ops::HostView piece(model_->params().param(local));
-        gather_global(model_->params().info(local), piece.get(), tp_, g);
-        if (!root && grid_.coord(Axis::Tensor) == 0) grid_.world().send(g, 0, 1);
-      } else if (root) {
-        grid_.world().recv(whole.param(id), (sharded_ckpt_->owner(id) * dp + sharded_ckpt_->writer(id)) * tp, 1);
-      }
-    }
-    if (root) save_hf_weights(dir, whole, config_.model.to_hf_json(), int64_t(5) << 30, dtype);
-  } else if (tp_) {
-    // The data-0 tensor group gathers each global tensor; its rank 0 writes.
-    if (grid_.coord(Axis::Data) == 0) {
-      save_hf_weights(dir, model_->params(), config_.model.to_hf_json(), int64_t(5) << 30, dtype, tp_);
-    }
-  } else if (grid_.world_rank() == 0) {
-    save_hf_weights(dir, model_->params(), config_.model.to_hf_json(), int64_t(5) << 30, dtype);
-  }
+    const Tensor g = global.tensor(0, p.global_shape);
+    // Over the host (a run on a device sends a host copy).
+    const ops::HostView piece(model_->params().param(local));
+    gather_global(p, piece.get(), tp_, g);
+    return tp_rank == 0 ? g : Tensor();
+  };
+  save_hf_weights(dir, file, fetch, config_.model.to_hf_json(), config_.output.save_hf_shard_bytes, dtype,
+                  &grid_.world());
   grid_.world().barrier();
   if (zero_) zero_->release_unused();
   log::info("saved Hugging Face weights ({}) to {}", config_.output.save_hf_dtype, dir);

@@ -106,6 +106,10 @@ struct StepRecord {
   // Per rank of the world (index = rank): step time and compute time (step minus exposed
   // communication), for load balance.
   std::vector<double> rank_step_seconds, rank_compute_seconds, rank_peak_rss_bytes;
+  // Per world rank: weights + gradients + optimizer state + gathered weights held at the end of
+  // the step, and the local parameters (elements) of the dense and expert groups.
+  std::vector<double> rank_model_state_bytes;
+  std::vector<std::pair<int64_t, int64_t>> rank_local_params;
 };
 
 // Bytes per rank of the weights, gradients and AdamW state at the configured precision and

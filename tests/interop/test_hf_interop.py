@@ -71,6 +71,8 @@ MODELS = {
                scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
                aux_loss_alpha=0.001, seq_aux=True, num_nextn_predict_layers=1),
 }
+# The same with 4 layers: DualPipeV over 2 ranks runs 4 stages of at least one layer each.
+MODELS["v3_4layers"] = dict(MODELS["v3"], num_hidden_layers=4)
 
 TEXT = """The quick brown fox jumps over the lazy dog.
 %
@@ -118,13 +120,14 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
     def tearDownClass(cls):
         shutil.rmtree(cls.dir)
 
-    def export(self, name, tensor=1, pipeline=1, expert=1):
+    def export(self, name, tensor=1, pipeline=1, expert=1, recipe=False):
         """Trains `name` for STEPS steps (over `tensor` tensor-parallel ranks with sequence
         parallelism when above 1, over `pipeline` 1F1B pipeline stages, or with its routed experts
-        split over `expert` data-parallel ranks) and saves it; returns the directory and dstrain's
-        eval loss."""
+        split over `expert` data-parallel ranks, or with `recipe` on DeepSeek-V3's layout on 4 ranks:
+        DualPipeV over 2 stages x expert 2 x ZeRO-1, exported as the sharded layout) and saves it;
+        returns the directory and dstrain's eval loss."""
         d = os.path.join(self.dir, name + (f"_tp{tensor}" if tensor > 1 else "") + (f"_pp{pipeline}" if pipeline > 1 else "")
-                         + (f"_ep{expert}" if expert > 1 else ""))
+                         + (f"_ep{expert}" if expert > 1 else "") + ("_recipe" if recipe else ""))
         os.makedirs(d)
         with open(os.path.join(d, "model.json"), "w") as f:
             json.dump(MODELS[name], f)
@@ -152,7 +155,18 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
                      f"parallel.pipeline={pipeline}", 'parallel.schedule="1f1b"']
         if expert > 1:
             train = ["mpirun", "-np", str(expert), "--bind-to", "none", *train, "--set", f"parallel.expert={expert}"]
-        run(train, extra_env=MPI_ENV if tensor > 1 or pipeline > 1 or expert > 1 else {})
+        if recipe:
+            # Small files: the export is the sharded layout (model-0000k-of-0000n plus the index),
+            # each tensor written by the rank that holds it.
+            train = ["mpirun", "-np", "4", "--bind-to", "none", *train, "--set", "parallel.pipeline=2",
+                     'parallel.schedule="dualpipev"', "parallel.expert=2", "train.zero_optimization.stage=1",
+                     "train.gradient_accumulation_steps=4", "output.save_hf_shard_bytes=100000"]
+        run(train, extra_env=MPI_ENV if tensor > 1 or pipeline > 1 or expert > 1 or recipe else {})
+        if recipe:
+            with open(os.path.join(hf, "model.safetensors.index.json")) as f:
+                files = set(json.load(f)["weight_map"].values())
+            self.assertGreater(len(files), 3)
+            self.assertFalse(os.path.exists(os.path.join(hf, "model.safetensors")))
         ev = run([os.path.join(BUILD, "app", "dstrain"), "eval", "--config", config, "--init-from", hf]).stdout
         m = re.search(r"eval loss ([0-9.]+), accuracy ([0-9.]+)% over (\d+) tokens", ev)
         self.assertIsNotNone(m, ev)
@@ -166,12 +180,12 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
         ce = float(re.search(r"^ce ([-0-9.e+]+)$", p.stdout, re.M).group(1))
         return np.fromfile(out, dtype=np.float32).reshape(WINDOWS, T, vocab), ce
 
-    def check(self, name, tensor=1, pipeline=1, expert=1):
+    def check(self, name, tensor=1, pipeline=1, expert=1, recipe=False):
         import numpy as np
         import torch
         import transformers
         start = time.time()
-        hf, eval_loss, eval_accuracy = self.export(name, tensor, pipeline, expert)
+        hf, eval_loss, eval_accuracy = self.export(name, tensor, pipeline, expert, recipe)
         cfg = MODELS[name]
 
         # config.json loads as written, as the class it names.
@@ -194,8 +208,13 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
         if cfg["model_type"] == "deepseek_v3":
             # The trained routing biases decide which experts run: they must be the ones loaded.
             from safetensors.numpy import load_file
-            saved = load_file(os.path.join(hf, "model.safetensors"))
-            bias = saved["model.layers.1.mlp.gate.e_score_correction_bias"]
+            key = "model.layers.1.mlp.gate.e_score_correction_bias"
+            shard = "model.safetensors"
+            index = os.path.join(hf, "model.safetensors.index.json")
+            if os.path.exists(index):  # the sharded layout: the index names the file
+                with open(index) as f:
+                    shard = json.load(f)["weight_map"][key]
+            bias = load_file(os.path.join(hf, shard))[key]
             self.assertGreater(np.abs(bias).max(), 0, "the routing biases moved in training")
             np.testing.assert_array_equal(model.model.layers[1].mlp.gate.e_score_correction_bias.numpy(), bias)
 
@@ -211,7 +230,7 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
         abs_diff = (ours - theirs).abs().max().item()
         scale = theirs.abs().max().item()
         rel_diff = abs_diff / scale
-        print(f"{name}{f' (tensor {tensor})' if tensor > 1 else ''}{f' (pipeline {pipeline})' if pipeline > 1 else ''}{f' (expert {expert})' if expert > 1 else ''}: logits max |diff| {abs_diff:.3g} ({rel_diff:.3g} of max |logit| {scale:.3g}); loss: "
+        print(f"{name}{' (recipe layout)' if recipe else ''}{f' (tensor {tensor})' if tensor > 1 else ''}{f' (pipeline {pipeline})' if pipeline > 1 else ''}{f' (expert {expert})' if expert > 1 else ''}: logits max |diff| {abs_diff:.3g} ({rel_diff:.3g} of max |logit| {scale:.3g}); loss: "
               f"transformers {hf_loss:.7f}, dstrain eval {eval_loss:.6f} ({abs(eval_loss - hf_loss) / hf_loss:.2g} "
               f"rel), dstrain forward {ce:.7f} ({abs(ce - hf_loss) / hf_loss:.2g} rel); accuracy: transformers {hf_accuracy:.3f}%, "
               f"dstrain eval {eval_accuracy:.2f}%; {time.time() - start:.1f} s",
@@ -244,6 +263,12 @@ class HuggingFaceRunsTheExports(unittest.TestCase):
         # Trained over 2 pipeline stages (1F1B; the last stage's MTP reads its copy of the
         # embedding): the export, assembled from the stages, is a model transformers runs too.
         self.check("v3", pipeline=2)
+
+    def test_deepseek_v3_trained_on_its_recipe_layout(self):
+        # Trained as DeepSeek-V3 was (pipeline with DualPipeV x expert x ZeRO-1), on 4 ranks, and
+        # exported as the sharded layout without assembling the model in one process: transformers
+        # loads the shards through the index and runs the model as it runs the others.
+        self.check("v3_4layers", recipe=True)
 
     def test_deepseek_v3_trained_expert_parallel(self):
         # Trained with its routed experts split over 2 ranks (all-to-all dispatch and combine):

@@ -74,6 +74,28 @@ TEST(RunStart, NonFiniteInitFromWeightsAreAnErrorNamingFileAndTensor) {
                 "2 of 32 values are NaN or Inf"});
 }
 
+// Under tensor parallelism each rank reads only its own pieces from the files: a NaN in the
+// last rank's piece of q_proj is still an error on every rank (the findings are pooled), naming
+// the file, the tensor and the piece.
+TEST(RunStartMultiRank, NonFiniteValuesInOneRanksPieceAreAnErrorOnEveryRank) {
+  DSTRAIN_REQUIRE_RANKS(world_size() >= 2, "2 or 4");
+  RunFiles files(2);
+  const fs::path dir = files.dir() / "hf_nan_piece";
+  {
+    ProcessGrid grid(MPI_COMM_WORLD, {});
+    write_hf(files, grid, 17, dir, [](ParamRegistry& reg) {
+      const Tensor q = reg.param(reg.find("model.layers.0.self_attn.q_proj.weight"));
+      q.data<float>()[q.numel() - 1] = NAN;
+    });
+  }
+  const RunConfig cfg = files.config({"parallel.tensor=" + std::to_string(world_size())});
+  ProcessGrid grid(MPI_COMM_WORLD, cfg.parallel);
+  Trainer t(cfg, grid);
+  expect_error([&] { t.init_weights(dir.string()); },
+               {"non-finite", "'model.layers.0.self_attn.q_proj.weight' in '" + (dir / "model.safetensors").string() + "'",
+                fmt::format("1 of {} values of this rank's piece are NaN or Inf", 32 * 32 / world_size())});
+}
+
 // A run of `steps` steps with a checkpoint every 2 steps in files.dir()/out/checkpoints.
 void train_with_checkpoints(const RunFiles& files, ProcessGrid& grid, int steps) {
   Trainer t(files.config({fmt::format("train.max_steps={}", steps), "checkpoint.interval_steps=2"}), grid);

@@ -187,6 +187,35 @@ TEST_F(SafeTensors, WritesAndReadsBF16AndF16) {
   }
 }
 
+// A piece of a tensor read from its own bytes: every row range and column range of a 6 x 10
+// BF16 matrix (behind an F32 tensor, so offsets are not those of the first) equals the same
+// elements of the whole read; ranges past the end are an error naming the tensor.
+TEST_F(SafeTensors, ReadsElementRangesOfATensor) {
+  std::vector<float> first(5, 1.0f);
+  std::vector<uint16_t> m(60);
+  for (size_t i = 0; i < m.size(); ++i) m[i] = f32_to_bf16(0.25f * float(i) - 3.0f);
+  const std::string file = path("ranges.safetensors");
+  write_safetensors(file, {{"a", Tensor(first.data(), DType::F32, Shape{5})}, {"m", Tensor(m.data(), DType::BF16, Shape{6, 10})}});
+  SafeTensorsFile f(file);
+  const std::vector<float> whole = read_all(f, "m");
+  for (int64_t begin = 0; begin < 60; begin += 7) {
+    for (int64_t n : {int64_t(0), int64_t(1), int64_t(5), 60 - begin}) {
+      if (begin + n > 60) continue;
+      std::vector<float> got(size_t(n) + 1, -99.0f);
+      f.read_f32_range("m", begin, n, got.data());
+      for (int64_t i = 0; i < n; ++i) EXPECT_EQ(got[size_t(i)], whole[size_t(begin + i)]) << begin << "+" << i;
+      EXPECT_EQ(got[size_t(n)], -99.0f) << "wrote past the range";
+    }
+  }
+  float x = 0;
+  try {
+    f.read_f32_range("m", 55, 6, &x);
+    ADD_FAILURE() << "a range past the end was read";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("[55, 61) of 'm'"), std::string::npos) << e.what();
+  }
+}
+
 // Bytes built by hand, at odd offsets (a 3-byte tensor first, an unpadded header), against
 // values known independently of dstrain's converters.
 TEST_F(SafeTensors, ReadsHandBuiltHalfPrecisionUnaligned) {
