@@ -69,7 +69,13 @@ CheckedLayout check_layout(RunConfig& config, int world) {
              par.schedule == "interleaved" ? fmt::format("use a multiple of {}", pp)
              : par.schedule == "dualpipev" ? fmt::format("use at least {}", 2 * pp)
                                            : std::string("use more"));
-    L.stages = pipeline_stages(mc, pp * schedule->chunks(), par.partition, config.data.seq_len);
+    const int64_t chunks = schedule->chunks(), layers = mc.num_hidden_layers;
+    DS_CHECK(!par.partition.empty() || pp * chunks <= layers,
+             "{}: parallel.pipeline = {} with schedule \"{}\" makes {} stages ({} per rank) for a model of {} decoder "
+             "layers (num_hidden_layers): each stage needs at least one layer; pipeline sizes that work with this "
+             "schedule: 2 to {}",
+             config.source, pp, par.schedule, pp * chunks, chunks, layers, layers / chunks);
+    L.stages = pipeline_stages(mc, int(pp * chunks), par.partition, config.data.seq_len);
   }
   return L;
 }

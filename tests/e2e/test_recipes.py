@@ -114,7 +114,9 @@ class DeepSeekV3Recipe(unittest.TestCase):
             ("--ranks", "2048", "--set", "parallel.expert=48"): "choose an expert size that divides 128",
             ("--ranks", "2048", "--set", "parallel.expert=128", "parallel.pipeline=8", "parallel.tensor=3"):
                 "tensor 3 x pipeline 8 = 24 does not divide the 2048 ranks",
-            ("--ranks", "4096", "--set", "parallel.pipeline=64"): "each stage needs at least one layer",
+            ("--ranks", "4096", "--set", "parallel.pipeline=64"):
+                "makes 128 stages (2 per rank) for a model of 61 decoder layers (num_hidden_layers): each stage "
+                "needs at least one layer; pipeline sizes that work with this schedule: 2 to 30",
             ("--ranks", "2048", "--set", "train.train_batch_size=15000"): "train_batch_size",
         }
         for args, want in bad.items():

@@ -25,11 +25,12 @@ namespace {
 
 constexpr int kSteps = 3;
 
-// The model: the dense LLaMA-style default, or V3 (MLA, routed experts with the bias updates,
-// MTP: the last pipeline stage holds a copy of the embedding). 4 layers, so that every
+// The model: the dense LLaMA-style default, V2 (MLA, softmax routing, auxiliary loss) or V3
+// (MLA, routed experts with the bias updates, MTP: under 1F1B the last pipeline stage holds a
+// copy of the embedding). 4 layers, so that every
 // schedule has layers on each stage; 8 micro-batches of 2 per data-parallel rank at 1 rank.
 json model_of(const std::string& name) {
-  json run = name == "v3" ? v3_model() : json::object();
+  json run = name == "v3" ? v3_model() : name == "v2" ? v2_model() : json::object();
   // Tied input and output embeddings: under 1F1B the last stage holds a copy of the first's.
   if (name == "dense_tied") run["model"]["tie_word_embeddings"] = true;
   run["model"]["num_hidden_layers"] = 4;
@@ -121,6 +122,9 @@ TEST(ZeroLayoutsMultiRank, EachAxisWithEveryStage) {
       {"v3", {"parallel.pipeline=2", "parallel.schedule=\"1f1b\""}, {1, 2, 3}},
       {"v3", {"parallel.pipeline=2", "parallel.schedule=\"dualpipev\""}, {1, 2, 3}},
       {"v3", {"parallel.expert=2"}, {1, 2, 3}},
+      // DeepSeek-V2: softmax routing with group-limited greedy top-k and the auxiliary loss.
+      {"v2", {"parallel.expert=2"}, {1, 2, 3}},
+      {"v2", {"parallel.pipeline=2", "parallel.schedule=\"1f1b\""}, {1, 3}},
   });
 }
 
@@ -142,6 +146,7 @@ TEST(ZeroLayoutsFourRanks, DeepSeekV3RecipeAndOtherCompositions) {
   train_layouts({
       {"v3", {"parallel.pipeline=2", "parallel.schedule=\"dualpipev\"", "parallel.expert=2"}, {1, 2}},
       {"v3", {"parallel.tensor=2", "parallel.expert=2", "parallel.sequence_parallel=true"}, {1, 2}},
+      {"v2", {"parallel.tensor=2", "parallel.expert=2"}, {1, 3}},
       {"dense", {"parallel.tensor=2", "parallel.pipeline=2", "parallel.schedule=\"1f1b\""}, {1}},
   });
 }
