@@ -375,40 +375,65 @@ void ZeroOptimizer::grad_ready(int first, int last) {
 
 void ZeroOptimizer::flush_pending_grads() {
   if (pending_grads_.empty()) return;
-  for (int id : pending_grads_) launch_reduce(id);
+  // One collective per run of parameters that share a communicator, in the order they came.
+  std::vector<int> bucket;
+  for (int id : pending_grads_) {
+    if (!bucket.empty() && &comm_of(bucket.front()) != &comm_of(id)) {
+      launch_reduce(bucket);
+      bucket.clear();
+    }
+    bucket.push_back(id);
+  }
+  launch_reduce(bucket);
   pending_grads_.clear();
   pending_elems_ = 0;
-  ++buckets_;
   retire_reductions(/*wait_all=*/false);
 }
 
-void ZeroOptimizer::launch_reduce(int id) {
-  const ParamInfo& p = params_.info(id);
-  const RowPiece& pc = pieces_[size_t(id)];
-  Tensor whole = params_.grads().tensor(p.offset, {p.numel()});
-  Tensor out = grad_piece(id);
-  if (comm_dtype_ != DType::F32 && comm_of(id).size() > 1) {
-    // Half the bytes on the wire: this micro-step's gradient goes in 16 bits, and its reduced
-    // piece is added to the fp32 shard when it arrives (retire_reductions).
-    Pending r{id, Work(), Buffer("zero.reduce_wire", MemCategory::CommBuffers, comm_dtype_, p.numel(), params_.device()),
-              Buffer("zero.reduce_wire_piece", MemCategory::CommBuffers, comm_dtype_, std::max<int64_t>(pc.elems(), 1),
-                     params_.device())};
-    ops::cast(r.wire_in.tensor(), whole);
-    r.work = comm_of(id).reduce_scatter_v_async(r.wire_out.tensor(0, {pc.elems()}), r.wire_in.tensor(), counts(id));
-    reductions_.push_back(std::move(r));
-    reduced_once_[size_t(id)] = 1;
-    return;
+void ZeroOptimizer::launch_reduce(const std::vector<int>& ids) {
+  Communicator& comm = comm_of(ids.front());
+  const int n = comm.size(), me = comm.rank();
+  // Rank-major packing: rank r's pieces of every parameter of the bucket, in bucket order.
+  std::vector<int64_t> counts(size_t(n), 0);
+  int64_t total = 0;
+  for (int id : ids) {
+    const Shape& shape = params_.info(id).shape;
+    for (int r = 0; r < n; ++r) counts[size_t(r)] += row_piece(shape, r, n).elems();
+    total += params_.info(id).numel();
   }
-  if (reduced_once_[size_t(id)] && pc.elems()) {
-    // The shard already holds the sum of earlier micro-steps: adding it to this rank's own
-    // rows makes the reduction the running total.
-    ops::add_inplace(whole.slice(pc.elem_begin(), pc.elem_begin() + pc.elems()), out);
-  }
+  // 16-bit communication: this micro-step's gradients go in that type (half the bytes on the
+  // wire) and the reduced pieces are added to the fp32 shard. In fp32 the shard's running sum
+  // of earlier micro-steps goes into this rank's own rows first, so the reduction is the total.
+  const bool wire16 = comm_dtype_ != DType::F32 && n > 1;
+  const DType dt = wire16 ? comm_dtype_ : DType::F32;
   Pending r;
-  r.id = id;
-  r.work = comm_of(id).reduce_scatter_v_async(out, whole, counts(id));
+  r.ids = ids;
+  r.packed = Buffer("zero.reduce_bucket", MemCategory::CommBuffers, dt, std::max<int64_t>(total, 1), params_.device());
+  r.mine = Buffer("zero.reduce_bucket_piece", MemCategory::CommBuffers, dt, std::max<int64_t>(counts[size_t(me)], 1),
+                  params_.device());
+  std::vector<int64_t> at(size_t(n), 0);  // where each rank's next piece goes in `packed`
+  for (int q = 1; q < n; ++q) at[size_t(q)] = at[size_t(q - 1)] + counts[size_t(q - 1)];
+  for (int id : ids) {
+    const ParamInfo& p = params_.info(id);
+    const Tensor whole = params_.grads().tensor(p.offset, {p.numel()});
+    for (int q = 0; q < n; ++q) {
+      const RowPiece pc = row_piece(p.shape, q, n);
+      if (pc.elems() == 0) continue;
+      const Tensor src = whole.slice(pc.elem_begin(), pc.elem_begin() + pc.elems());
+      const Tensor dst = r.packed.tensor(at[size_t(q)], {pc.elems()});
+      if (wire16) {
+        ops::cast(dst, src);
+      } else {
+        ops::copy(dst, src);
+        if (q == me && reduced_once_[size_t(id)]) ops::add_inplace(dst, grad_piece(id));
+      }
+      at[size_t(q)] += pc.elems();
+    }
+    reduced_once_[size_t(id)] = 1;
+  }
+  r.work = comm.reduce_scatter_v_async(r.mine.tensor(0, {counts[size_t(me)]}), r.packed.tensor(0, {total}), counts);
   reductions_.push_back(std::move(r));
-  reduced_once_[size_t(id)] = 1;
+  ++buckets_;
 }
 
 void ZeroOptimizer::retire_reductions(bool wait_all) {
@@ -418,15 +443,25 @@ void ZeroOptimizer::retire_reductions(bool wait_all) {
     Pending& r = reductions_[i];
     const bool done = wait_all ? (r.work.wait(), true) : r.work.test();
     if (!done) {
-      reductions_[kept++] = std::move(r);
+      if (kept != i) reductions_[kept] = std::move(r);  // never onto itself: that would free its buffers
+      ++kept;
       continue;
     }
-    const ParamInfo& p = params_.info(r.id);
-    if (r.wire_out.allocated() && pieces_[size_t(r.id)].elems()) {
-      ops::add_inplace(grad_piece(r.id), r.wire_out.tensor(0, {pieces_[size_t(r.id)].elems()}));
+    // This rank's reduced pieces into the shard (added in 16 bits: the shard holds the running
+    // sum), and the whole gradients handed back.
+    const bool wire16 = r.mine.dtype() != DType::F32;
+    int64_t at = 0;
+    for (int id : r.ids) {
+      const ParamInfo& p = params_.info(id);
+      const int64_t e = pieces_[size_t(id)].elems();
+      if (e > 0) {
+        const Tensor got = r.mine.tensor(at, {e});
+        wire16 ? ops::add_inplace(grad_piece(id), got) : ops::copy(grad_piece(id), got);
+      }
+      at += e;
+      params_.grads().release_range(p.offset, p.numel());
+      account_transient(-p.numel() * 4);
     }
-    params_.grads().release_range(p.offset, p.numel());
-    account_transient(-p.numel() * 4);
   }
   reductions_.resize(kept);
   if (wait_all) exposed_seconds_ += seconds_since(t0);

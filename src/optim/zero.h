@@ -191,10 +191,13 @@ class ZeroOptimizer final : public ParamHooks {
 
  private:
   enum class State { Released, InFlight, Resident };
+  // One bucket's reduce-scatter: its parameters' gradients packed rank by rank (every rank's
+  // pieces of each parameter in turn) so that one collective reduces them all, and this rank's
+  // reduced pieces, in the same order, to unpack into the shard.
   struct Pending {
-    int id = 0;
+    std::vector<int> ids;
     Work work;
-    Buffer wire_in, wire_out;  // 16-bit communication: the gradient and this rank's reduced piece
+    Buffer packed, mine;
   };
   Tensor master_piece(int id) const;  // this rank's master piece of parameter id
   std::vector<int64_t> counts(int id) const;
@@ -203,8 +206,8 @@ class ZeroOptimizer final : public ParamHooks {
   void wait_gather(int id);
   void release_param(int id);
   void prefetch_after(size_t trace_pos);
-  // Stages 2 and 3: reduce-scatter of one parameter's gradient.
-  void launch_reduce(int id);
+  // Stages 2 and 3: one reduce-scatter of a bucket's gradients (parameters of one group).
+  void launch_reduce(const std::vector<int>& ids);
   void retire_reductions(bool wait_all);
   void flush_pending_grads();
   // Stages 1 and 2: the whole weights of every parameter from the pieces.
