@@ -12,6 +12,10 @@ namespace dstrain {
 namespace {
 
 constexpr int64_t kShardAlign = 16;  // elements: each piece starts 64-byte aligned in the shard
+// Parameters of at least this many elements are reduced and gathered alone, in place: their
+// collectives are bandwidth-bound, and packing them would only copy them and hold them twice.
+// Smaller ones (a small model's matrices, MoE experts) share one collective per bucket.
+constexpr int64_t kSoloElements = int64_t(1) << 20;
 
 int64_t align_up(int64_t n) { return (n + kShardAlign - 1) / kShardAlign * kShardAlign; }
 
@@ -67,15 +71,12 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& config, const AdamWConfig& adamw,
     if (host && !config_.offloads_params()) {
       device_shard_ = Buffer("zero.parameter_shard", MemCategory::Parameters, DType::F32, shard_numel_, device);
     }
-    if (config_.offloads_params()) {
-      staging_ = Buffer("zero.gather_staging", MemCategory::CommBuffers, DType::F32, std::max<int64_t>(max_piece, 1),
-                        device);
-    }
     params_.reserve_values();
   }
   state_.assign(size_t(n), config_.stage == 3 ? State::Released : State::Resident);
   uses_.assign(size_t(n), 0);
   gathers_.resize(size_t(n));
+  group_of_.resize(size_t(n));
   reduced_once_.assign(size_t(n), 0);
 }
 
@@ -85,6 +86,13 @@ ZeroOptimizer::~ZeroOptimizer() {
     if (!w.valid()) continue;
     try {
       w.wait();
+    } catch (...) {
+    }
+  }
+  for (auto& g : group_of_) {
+    if (!g || !g->work.valid()) continue;
+    try {
+      g->work.wait();
     } catch (...) {
     }
   }
@@ -167,8 +175,7 @@ void ZeroOptimizer::publish_weights() {
   // ones are whole.
   for (int id = 0; id < params_.size(); ++id) {
     DS_CHECK(uses_[size_t(id)] == 0, "ZeRO-3: '{}' is in use while the weights are replaced", params_.info(id).name);
-    if (gathers_[size_t(id)].valid()) gathers_[size_t(id)].wait();
-    if (state_[size_t(id)] != State::Released) release_param(id);
+    if (state_[size_t(id)] != State::Released) release_param(id);  // waits for a gather in flight
   }
   if (device_shard_.allocated()) ops::copy(device_shard_.tensor(), master_.tensor());
   gather_whole(/*persistent_only=*/true);
@@ -198,32 +205,119 @@ void ZeroOptimizer::gather_whole(bool persistent_only) {
 }
 
 void ZeroOptimizer::launch_gather(int id) {
+  if (config_.stage == 3) {
+    launch_gathers({id});
+    return;
+  }
+  launch_gather_in_place(id);
+}
+
+void ZeroOptimizer::launch_gather_in_place(int id) {
+  // This rank's piece goes to its place in the whole weights first (from the masters, or the
+  // pieces at rest on the device) and the whole tensor is gathered in place.
   const ParamInfo& p = params_.info(id);
   const RowPiece& pc = pieces_[size_t(id)];
   Tensor whole = params_.values().tensor(p.offset, {p.numel()});
   Tensor mine = whole.slice(pc.elem_begin(), pc.elem_begin() + pc.elems());
-  bool blocking = false;
-  if (config_.stage < 3) {
-    // The whole weights are always there: this rank's piece goes to its place first (from the
-    // host masters when offloaded) and is gathered in place.
-    if (pc.elems()) ops::copy(mine, master_piece(id));
-  } else if (config_.offloads_params()) {
-    // At rest on the host: through the device staging buffer, one parameter at a time.
-    Tensor st = staging_.tensor(0, {pc.elems()});
-    if (pc.elems()) ops::copy(st, master_piece(id));
-    mine = st;
-    blocking = true;
-  } else if (device_shard_.allocated()) {
-    mine = device_shard_.tensor(shard_offsets_[size_t(id)], {pc.elems()});
-  } else {
-    mine = master_piece(id);
+  if (pc.elems()) {
+    ops::copy(mine, device_shard_.allocated() ? device_shard_.tensor(shard_offsets_[size_t(id)], {pc.elems()})
+                                              : master_piece(id));
   }
   gathers_[size_t(id)] = comm_of(id).all_gather_v_async(whole, mine, counts(id));
-  if (blocking) gathers_[size_t(id)].wait();
   if (config_.stage == 3) {
     state_[size_t(id)] = State::InFlight;
     account_gathered(gathered_bytes(id));
     live_elems_ += p.numel();
+  }
+}
+
+Buffer ZeroOptimizer::take_buffer(const char* label, DType dtype, int64_t numel) {
+  numel = std::max<int64_t>(numel, 1);
+  // The smallest free one that holds numel elements of dtype.
+  size_t best = free_buffers_.size();
+  for (size_t i = 0; i < free_buffers_.size(); ++i) {
+    const Buffer& b = free_buffers_[i];
+    if (b.dtype() == dtype && b.numel() >= numel && (best == free_buffers_.size() || b.numel() < free_buffers_[best].numel())) {
+      best = i;
+    }
+  }
+  if (best == free_buffers_.size()) return Buffer(label, MemCategory::CommBuffers, dtype, numel, params_.device());
+  Buffer b = std::move(free_buffers_[best]);
+  free_buffers_.erase(free_buffers_.begin() + std::ptrdiff_t(best));
+  return b;
+}
+
+void ZeroOptimizer::give_back(Buffer&& b) {
+  if (b.allocated()) free_buffers_.push_back(std::move(b));
+}
+
+void ZeroOptimizer::launch_gathers(const std::vector<int>& ids) {
+  // One collective per run of small parameters that share a communicator; a large one (or one
+  // alone) in place.
+  size_t from = 0;
+  while (from < ids.size()) {
+    if (params_.info(ids[from]).numel() >= kSoloElements) {
+      launch_gather_in_place(ids[from++]);
+      continue;
+    }
+    size_t to = from + 1;
+    while (to < ids.size() && &comm_of(ids[to]) == &comm_of(ids[from]) &&
+           params_.info(ids[to]).numel() < kSoloElements) {
+      ++to;
+    }
+    if (to == from + 1) {
+      launch_gather_in_place(ids[from++]);
+      continue;
+    }
+    Communicator& comm = comm_of(ids[from]);
+    const int n = comm.size(), me = comm.rank();
+    auto g = std::make_shared<GatherGroup>();
+    g->ids.assign(ids.begin() + std::ptrdiff_t(from), ids.begin() + std::ptrdiff_t(to));
+    std::vector<int64_t> counts(size_t(n), 0);
+    for (int id : g->ids) {
+      const Shape& shape = params_.info(id).shape;
+      for (int r = 0; r < n; ++r) counts[size_t(r)] += row_piece(shape, r, n).elems();
+      g->total += params_.info(id).numel();
+    }
+    g->mine = take_buffer("zero.gather_pieces", DType::F32, counts[size_t(me)]);
+    g->packed = take_buffer("zero.gather_bucket", DType::F32, g->total);
+    // This rank's pieces: at rest on the device (offload without offload_param), or the masters
+    // (on the device, or on the host with offload_param: copied over here).
+    int64_t at = 0;
+    for (int id : g->ids) {
+      const int64_t e = pieces_[size_t(id)].elems();
+      if (e > 0) {
+        const Tensor src = device_shard_.allocated() ? device_shard_.tensor(shard_offsets_[size_t(id)], {e})
+                                                     : master_piece(id);
+        ops::copy(g->mine.tensor(at, {e}), src);
+      }
+      at += e;
+    }
+    g->work = comm.all_gather_v_async(g->packed.tensor(0, {g->total}), g->mine.tensor(0, {counts[size_t(me)]}), counts);
+    for (int id : g->ids) {
+      group_of_[size_t(id)] = g;
+      state_[size_t(id)] = State::InFlight;
+      account_gathered(gathered_bytes(id));
+      live_elems_ += params_.info(id).numel();
+    }
+    from = to;
+  }
+}
+
+void ZeroOptimizer::unpack(GatherGroup& g) {
+  // The packed buffer holds rank 0's pieces of every parameter, then rank 1's, ...: each goes
+  // to its rows of the whole weights.
+  Communicator& comm = comm_of(g.ids.front());
+  const int n = comm.size();
+  int64_t at = 0;
+  for (int q = 0; q < n; ++q) {
+    for (int id : g.ids) {
+      const ParamInfo& p = params_.info(id);
+      const RowPiece pc = row_piece(p.shape, q, n);
+      if (pc.elems() == 0) continue;
+      ops::copy(params_.values().tensor(p.offset + pc.elem_begin(), {pc.elems()}), g.packed.tensor(at, {pc.elems()}));
+      at += pc.elems();
+    }
   }
 }
 
@@ -233,10 +327,23 @@ void ZeroOptimizer::wait_gather(int id) {
     gathers_[size_t(id)].wait();
     gathers_[size_t(id)] = Work();
     exposed_seconds_ += seconds_since(t0);
+    if (config_.stage == 3 && state_[size_t(id)] == State::InFlight) {
+      params_.refresh_compute(id, id);
+      state_[size_t(id)] = State::Resident;
+    }
   }
-  if (config_.stage == 3 && state_[size_t(id)] == State::InFlight) {
-    params_.refresh_compute(id, id);
-    state_[size_t(id)] = State::Resident;
+  if (const std::shared_ptr<GatherGroup> g = group_of_[size_t(id)]) {
+    const auto t0 = Clock::now();
+    g->work.wait();
+    exposed_seconds_ += seconds_since(t0);
+    unpack(*g);
+    give_back(std::move(g->mine));
+    give_back(std::move(g->packed));
+    for (int x : g->ids) {
+      params_.refresh_compute(x, x);
+      state_[size_t(x)] = State::Resident;
+      group_of_[size_t(x)].reset();
+    }
   }
 }
 
@@ -252,9 +359,24 @@ void ZeroOptimizer::release_param(int id) {
 
 void ZeroOptimizer::gather_all() {
   if (config_.stage < 3) return;
+  // In groups of up to allgather_bucket_size elements, each waited before the next starts.
+  std::vector<int> group;
+  int64_t elems = 0;
+  auto flush = [&] {
+    if (group.empty()) return;
+    launch_gathers(group);
+    for (int id : group) wait_gather(id);
+    group.clear();
+    elems = 0;
+  };
   for (int id = 0; id < params_.size(); ++id) {
-    if (state_[size_t(id)] == State::Released) launch_gather(id);
+    if (state_[size_t(id)] != State::Released) continue;
+    const int64_t numel = params_.info(id).numel();
+    if (!group.empty() && elems + numel > config_.allgather_bucket_size) flush();
+    group.push_back(id);
+    elems += numel;
   }
+  flush();
   for (int id = 0; id < params_.size(); ++id) wait_gather(id);
 }
 
@@ -284,10 +406,12 @@ void ZeroOptimizer::before_use(int first, int last) {
       }
     }
   }
+  std::vector<int> released;
   for (int id = first; id <= last; ++id) {
     ++uses_[size_t(id)];
-    if (state_[size_t(id)] == State::Released) launch_gather(id);
+    if (state_[size_t(id)] == State::Released) released.push_back(id);
   }
+  if (!released.empty()) launch_gathers(released);
   for (int id = first; id <= last; ++id) wait_gather(id);
   if (prefetch) prefetch_after(trace_pos_);
 }
@@ -296,17 +420,26 @@ void ZeroOptimizer::prefetch_after(size_t pos) {
   // The parameters the next uses need, in order, until stage3_prefetch_bucket_size elements are
   // gathered ahead: those a previous prefetch already brought count against it, so the window
   // ahead stays bounded however many uses there are.
-  int64_t ahead = 0;
+  // Each use's parameters go in one gather.
+  int64_t ahead = 0, live = live_elems_;
+  std::vector<int> todo;
+  auto launch = [&] {
+    if (!todo.empty()) launch_gathers(todo);
+    todo.clear();
+  };
   for (size_t j = pos; j < trace_.size(); ++j) {
     for (int id = trace_[j].first; id <= trace_[j].second; ++id) {
       if (persistent_[size_t(id)] || uses_[size_t(id)] > 0) continue;
       const int64_t numel = params_.info(id).numel();
-      if (ahead + numel > config_.stage3_prefetch_bucket_size) return;
+      if (ahead + numel > config_.stage3_prefetch_bucket_size) return launch();
       ahead += numel;
       if (state_[size_t(id)] != State::Released) continue;
-      if (live_elems_ + numel > config_.stage3_max_live_parameters) return;
-      launch_gather(id);
+      if (std::find(todo.begin(), todo.end(), id) != todo.end()) continue;
+      if (live + numel > config_.stage3_max_live_parameters) return launch();
+      live += numel;
+      todo.push_back(id);
     }
+    launch();
   }
 }
 
@@ -378,13 +511,17 @@ void ZeroOptimizer::flush_pending_grads() {
   // One collective per run of parameters that share a communicator, in the order they came.
   std::vector<int> bucket;
   for (int id : pending_grads_) {
+    if (params_.info(id).numel() >= kSoloElements) {
+      launch_reduce({id});
+      continue;
+    }
     if (!bucket.empty() && &comm_of(bucket.front()) != &comm_of(id)) {
       launch_reduce(bucket);
       bucket.clear();
     }
     bucket.push_back(id);
   }
-  launch_reduce(bucket);
+  if (!bucket.empty()) launch_reduce(bucket);
   pending_grads_.clear();
   pending_elems_ = 0;
   retire_reductions(/*wait_all=*/false);
@@ -408,9 +545,23 @@ void ZeroOptimizer::launch_reduce(const std::vector<int>& ids) {
   const DType dt = wire16 ? comm_dtype_ : DType::F32;
   Pending r;
   r.ids = ids;
-  r.packed = Buffer("zero.reduce_bucket", MemCategory::CommBuffers, dt, std::max<int64_t>(total, 1), params_.device());
-  r.mine = Buffer("zero.reduce_bucket_piece", MemCategory::CommBuffers, dt, std::max<int64_t>(counts[size_t(me)], 1),
-                  params_.device());
+  if (ids.size() == 1 && !wire16) {
+    // One parameter in fp32: its pieces are already rank-major; reduced in place into the shard.
+    const int id = ids.front();
+    const ParamInfo& p = params_.info(id);
+    const RowPiece& pc = pieces_[size_t(id)];
+    const Tensor whole = params_.grads().tensor(p.offset, {p.numel()});
+    if (reduced_once_[size_t(id)] && pc.elems()) {
+      ops::add_inplace(whole.slice(pc.elem_begin(), pc.elem_begin() + pc.elems()), grad_piece(id));
+    }
+    reduced_once_[size_t(id)] = 1;
+    r.work = comm.reduce_scatter_v_async(grad_piece(id), whole, counts);
+    reductions_.push_back(std::move(r));
+    ++buckets_;
+    return;
+  }
+  r.packed = take_buffer("zero.reduce_bucket", dt, total);
+  r.mine = take_buffer("zero.reduce_bucket_piece", dt, counts[size_t(me)]);
   std::vector<int64_t> at(size_t(n), 0);  // where each rank's next piece goes in `packed`
   for (int q = 1; q < n; ++q) at[size_t(q)] = at[size_t(q - 1)] + counts[size_t(q - 1)];
   for (int id : ids) {
@@ -449,12 +600,12 @@ void ZeroOptimizer::retire_reductions(bool wait_all) {
     }
     // This rank's reduced pieces into the shard (added in 16 bits: the shard holds the running
     // sum), and the whole gradients handed back.
-    const bool wire16 = r.mine.dtype() != DType::F32;
+    const bool wire16 = r.mine.dtype() != DType::F32, in_place = !r.mine.allocated();
     int64_t at = 0;
     for (int id : r.ids) {
       const ParamInfo& p = params_.info(id);
       const int64_t e = pieces_[size_t(id)].elems();
-      if (e > 0) {
+      if (e > 0 && !in_place) {
         const Tensor got = r.mine.tensor(at, {e});
         wire16 ? ops::add_inplace(grad_piece(id), got) : ops::copy(grad_piece(id), got);
       }
@@ -462,6 +613,8 @@ void ZeroOptimizer::retire_reductions(bool wait_all) {
       params_.grads().release_range(p.offset, p.numel());
       account_transient(-p.numel() * 4);
     }
+    give_back(std::move(r.packed));
+    give_back(std::move(r.mine));
   }
   reductions_.resize(kept);
   if (wait_all) exposed_seconds_ += seconds_since(t0);
@@ -625,7 +778,8 @@ ZeroMemory ZeroOptimizer::memory() const {
     m.transient_grads = transient_bytes_;
     m.transient_grads_peak = transient_peak_;
   }
-  m.comm_buffers = int64_t(staging_.nbytes());
+  m.comm_buffers = 0;  // the gathers' and reductions' buffers, in flight or kept for reuse
+  for (const Buffer& b : free_buffers_) m.comm_buffers += int64_t(b.nbytes());
   return m;
 }
 
