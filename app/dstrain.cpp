@@ -173,6 +173,10 @@ int cmd_validate(const Options& o) {
     std::printf("  model: %s, %.2fB parameters, %lld layers\n", c.model.model_type.c_str(),
                 double(c.model.num_parameters()) / 1e9, static_cast<long long>(c.model.num_hidden_layers));
     for (const std::string& line : layout.describe(c)) std::printf("  %s\n", line.c_str());
+    const double bytes = model_state_bytes_per_rank(c, layout.sizes.data);
+    std::printf("  model state per rank (weights, gradients, AdamW; layers spread evenly over the stages): %.1f GB "
+                "at ZeRO stage %lld, %s\n",
+                bytes / 1e9, static_cast<long long>(c.train.zero.stage), c.train.precision.name().c_str());
   }
   return 0;
 }

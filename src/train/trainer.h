@@ -114,8 +114,9 @@ struct StepRecord {
 
 // Bytes per rank of the weights, gradients and AdamW state at the configured precision and
 // ZeRO stage over `dp` data-parallel ranks (the ZeRO paper's (2 + 2 + K)Psi and its sharded
-// forms, with dstrain's fp32 weights and gradients): what the run checks against the memory
-// budget before it allocates anything.
+// forms, with dstrain's fp32 weights and gradients), with the model split over the tensor,
+// pipeline (evenly) and expert axes: what the run checks against the memory budget before it
+// allocates anything, and what `dstrain validate` reports.
 double model_state_bytes_per_rank(const RunConfig& config, int64_t dp);
 
 class Trainer {

@@ -107,6 +107,10 @@ class DeepSeekV3Recipe(unittest.TestCase):
         self.assertIn("pipeline: 32 stages over 16 ranks, schedule dualpipev", p.stdout)
         self.assertIn("= 128 data-parallel ranks x 120 micro-batches of 1", p.stdout)
         self.assertIn("ZeRO stage 1", p.stdout)
+        # About 1.1B dense and 0.65B expert parameters per rank in bf16 with fp32 masters, AdamW
+        # sharded: (4 + 2 + 4 + 2) bytes each plus 12 over the ZeRO groups.
+        self.assertIn("model state per rank (weights, gradients, AdamW; layers spread evenly over the stages): 24.9 GB "
+                      "at ZeRO stage 1, bf16", p.stdout)
         # What cannot work is an error naming the sizes that would.
         bad = {
             ("--ranks", "2000"): "or a rank count that is a multiple of 1024",

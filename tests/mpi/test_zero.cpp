@@ -420,6 +420,13 @@ TEST(Zero, MemoryBudgetRefusesStageZeroAndAdmitsStage3) {
   EXPECT_DOUBLE_EQ(model_state_bytes_per_rank(base, n), 16 * params);
   RunConfig z3 = files.config(zero_overrides(3));
   EXPECT_DOUBLE_EQ(model_state_bytes_per_rank(z3, n), 16 * params / n);
+  // Split over tensor 2 x pipeline 2 a rank holds a quarter of the dense model (the estimate
+  // spreads the layers evenly over the stages), and ZeRO shards that quarter.
+  const RunConfig split = files.config({"parallel.tensor=2", "parallel.pipeline=2"});
+  EXPECT_DOUBLE_EQ(model_state_bytes_per_rank(split, 1), 16 * params / 4);
+  std::vector<std::string> split3 = zero_overrides(3);
+  split3.insert(split3.end(), {"parallel.tensor=2", "parallel.pipeline=2"});
+  EXPECT_DOUBLE_EQ(model_state_bytes_per_rank(files.config(split3), 2), 16 * params / 4 / 2);
   // A budget between the two: 60% of stage 0's need.
   const std::string budget = fmt::format("metrics.memory_budget_gb={:.9f}", 16 * params * 0.6 / 1e9);
   try {
