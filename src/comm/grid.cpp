@@ -68,16 +68,15 @@ std::string multiples_text(int64_t unit, int count = 4) {
   return s + ", ...";
 }
 
-// "1, 2, 4": the divisors of n.
-std::string divisors_of(int64_t n) {
+}  // namespace
+
+std::string divisors_text(int64_t n) {
   std::string s;
   for (int64_t d = 1; d <= n; ++d) {
     if (n % d == 0) s += fmt::format("{}{}", s.empty() ? "" : ", ", d);
   }
   return s;
 }
-
-}  // namespace
 
 AxisSizes axis_sizes(const ParallelConfig& config, int W) {
   const int64_t fixed = config.tensor * config.pipeline;
@@ -105,7 +104,7 @@ AxisSizes axis_sizes(const ParallelConfig& config, int W) {
     throw Error(fmt::format("parallel layout: expert {} does not divide the {} data-parallel ranks (expert-parallel "
                             "ranks are carved out of the data-parallel ones); choose an expert size that divides {} "
                             "({}), or a rank count that is a multiple of {}",
-                            config.expert, data, data, divisors_of(data), unit));
+                            config.expert, data, data, divisors_text(data), unit));
   }
   return {W, int(data), int(config.tensor), int(config.pipeline), int(config.expert)};
 }

@@ -47,6 +47,8 @@ struct AxisSizes {
   int world = 1, data = 1, tensor = 1, pipeline = 1, expert = 1;
 };
 AxisSizes axis_sizes(const ParallelConfig& config, int world);
+// "1, 2, 4": the divisors of n (sizes that split n ways evenly, for error messages).
+std::string divisors_text(int64_t n);
 
 class ProcessGrid {
  public:

@@ -276,19 +276,7 @@ void SafeTensorsFile::read_f32(const std::string& name, Tensor out) const {
   DS_CHECK(out.numel() == t.shape.numel(),
            "reading '{}' from '{}': the file holds shape {} ({} elements) but the destination has shape {} ({} "
            "elements)", name, path_, t.shape.str(), t.shape.numel(), out.shape().str(), out.numel());
-  const int64_t n = out.numel();
-  if (n == 0) return;
-  const std::byte* src = data_ + t.begin;
-  float* dst = static_cast<float*>(out.raw());
-  switch (t.dtype) {
-    case DType::F32: convert_to_f32<float>(src, dst, n, [](float v) { return v; }); return;
-    case DType::BF16: convert_to_f32<uint16_t>(src, dst, n, [](uint16_t v) { return bf16_to_f32(v); }); return;
-    case DType::F16: convert_to_f32<uint16_t>(src, dst, n, [](uint16_t v) { return f16_to_f32(v); }); return;
-    case DType::F64: convert_to_f32<double>(src, dst, n, [](double v) { return float(v); }); return;
-    default:
-      DS_FAIL("tensor '{}' in '{}' is stored as {}; only F32, BF16, F16 and F64 tensors can be read as fp32", name,
-              path_, dtype_name(t.dtype));
-  }
+  read_f32_range(name, 0, out.numel(), static_cast<float*>(out.raw()));
 }
 
 SafeTensorsLayout::SafeTensorsLayout(std::string path, std::vector<SafeTensorInfo> tensors,

@@ -273,13 +273,13 @@ void ZeroOptimizer::launch_gathers(const std::vector<int>& ids) {
     const int n = comm.size(), me = comm.rank();
     auto g = std::make_shared<GatherGroup>();
     g->ids.assign(ids.begin() + std::ptrdiff_t(from), ids.begin() + std::ptrdiff_t(to));
-    std::vector<int64_t> counts(size_t(n), 0);
+    std::vector<int64_t> per_rank(size_t(n), 0);
     for (int id : g->ids) {
-      const Shape& shape = params_.info(id).shape;
-      for (int r = 0; r < n; ++r) counts[size_t(r)] += row_piece(shape, r, n).elems();
+      const std::vector<int64_t> c = counts(id);
+      for (int r = 0; r < n; ++r) per_rank[size_t(r)] += c[size_t(r)];
       g->total += params_.info(id).numel();
     }
-    g->mine = take_buffer("zero.gather_pieces", DType::F32, counts[size_t(me)]);
+    g->mine = take_buffer("zero.gather_pieces", DType::F32, per_rank[size_t(me)]);
     g->packed = take_buffer("zero.gather_bucket", DType::F32, g->total);
     // This rank's pieces: at rest on the device (offload without offload_param), or the masters
     // (on the device, or on the host with offload_param: copied over here).
@@ -293,7 +293,7 @@ void ZeroOptimizer::launch_gathers(const std::vector<int>& ids) {
       }
       at += e;
     }
-    g->work = comm.all_gather_v_async(g->packed.tensor(0, {g->total}), g->mine.tensor(0, {counts[size_t(me)]}), counts);
+    g->work = comm.all_gather_v_async(g->packed.tensor(0, {g->total}), g->mine.tensor(0, {per_rank[size_t(me)]}), per_rank);
     for (int id : g->ids) {
       group_of_[size_t(id)] = g;
       state_[size_t(id)] = State::InFlight;
@@ -531,11 +531,11 @@ void ZeroOptimizer::launch_reduce(const std::vector<int>& ids) {
   Communicator& comm = comm_of(ids.front());
   const int n = comm.size(), me = comm.rank();
   // Rank-major packing: rank r's pieces of every parameter of the bucket, in bucket order.
-  std::vector<int64_t> counts(size_t(n), 0);
+  std::vector<int64_t> per_rank(size_t(n), 0);
   int64_t total = 0;
   for (int id : ids) {
-    const Shape& shape = params_.info(id).shape;
-    for (int r = 0; r < n; ++r) counts[size_t(r)] += row_piece(shape, r, n).elems();
+    const std::vector<int64_t> c = counts(id);
+    for (int r = 0; r < n; ++r) per_rank[size_t(r)] += c[size_t(r)];
     total += params_.info(id).numel();
   }
   // 16-bit communication: this micro-step's gradients go in that type (half the bytes on the
@@ -555,15 +555,15 @@ void ZeroOptimizer::launch_reduce(const std::vector<int>& ids) {
       ops::add_inplace(whole.slice(pc.elem_begin(), pc.elem_begin() + pc.elems()), grad_piece(id));
     }
     reduced_once_[size_t(id)] = 1;
-    r.work = comm.reduce_scatter_v_async(grad_piece(id), whole, counts);
+    r.work = comm.reduce_scatter_v_async(grad_piece(id), whole, per_rank);
     reductions_.push_back(std::move(r));
     ++buckets_;
     return;
   }
   r.packed = take_buffer("zero.reduce_bucket", dt, total);
-  r.mine = take_buffer("zero.reduce_bucket_piece", dt, counts[size_t(me)]);
+  r.mine = take_buffer("zero.reduce_bucket_piece", dt, per_rank[size_t(me)]);
   std::vector<int64_t> at(size_t(n), 0);  // where each rank's next piece goes in `packed`
-  for (int q = 1; q < n; ++q) at[size_t(q)] = at[size_t(q - 1)] + counts[size_t(q - 1)];
+  for (int q = 1; q < n; ++q) at[size_t(q)] = at[size_t(q - 1)] + per_rank[size_t(q - 1)];
   for (int id : ids) {
     const ParamInfo& p = params_.info(id);
     const Tensor whole = params_.grads().tensor(p.offset, {p.numel()});
@@ -582,7 +582,7 @@ void ZeroOptimizer::launch_reduce(const std::vector<int>& ids) {
     }
     reduced_once_[size_t(id)] = 1;
   }
-  r.work = comm.reduce_scatter_v_async(r.mine.tensor(0, {counts[size_t(me)]}), r.packed.tensor(0, {total}), counts);
+  r.work = comm.reduce_scatter_v_async(r.mine.tensor(0, {per_rank[size_t(me)]}), r.packed.tensor(0, {total}), per_rank);
   reductions_.push_back(std::move(r));
   ++buckets_;
 }

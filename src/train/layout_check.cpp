@@ -2,20 +2,14 @@
 
 #include <fmt/format.h>
 
+#include <numeric>
+
 #include "core/error.h"
 #include "distributed/schedule.h"
 #include "model/ctx.h"
 #include "train/pipeline.h"
 
 namespace dstrain {
-
-std::string expert_sizes_text(int64_t experts, int64_t data) {
-  std::string s;
-  for (int64_t d = 1; d <= std::min(experts, data); ++d) {
-    if (experts % d == 0 && data % d == 0) s += fmt::format("{}{}", s.empty() ? "" : ", ", d);
-  }
-  return s;
-}
 
 CheckedLayout check_layout(RunConfig& config, int world) {
   CheckedLayout L;
@@ -43,7 +37,7 @@ CheckedLayout check_layout(RunConfig& config, int world) {
     DS_CHECK(mc.n_routed_experts % ep == 0,
              "{}: parallel.expert = {} does not divide the model's n_routed_experts = {}: each rank of an expert group "
              "holds the same number of experts; choose parallel.expert among {}",
-             config.source, ep, mc.n_routed_experts, expert_sizes_text(mc.n_routed_experts, a.data));
+             config.source, ep, mc.n_routed_experts, divisors_text(std::gcd(mc.n_routed_experts, int64_t(a.data))));
   }
   (void)ShardSpec::tensor_parallel(mc, 0, tp, 0, ep, L.sequence_parallel);
   // Pipeline parallelism: the stages, and whether the schedule can run the step's micro-batches.

@@ -29,8 +29,4 @@ struct CheckedLayout {
 // rank) for a job of `world` ranks, then checks every axis. Throws Error on the first problem.
 CheckedLayout check_layout(RunConfig& config, int world);
 
-// "1, 2, 4": the expert-parallel sizes that divide both the routed experts and the
-// data-parallel ranks.
-std::string expert_sizes_text(int64_t experts, int64_t data);
-
 }  // namespace dstrain

@@ -2,6 +2,7 @@
 // configuration of a tiny model, and small helpers to compare runs.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <mpi.h>
 #include <unistd.h>
 
@@ -16,6 +17,7 @@
 #include "core/tensor.h"
 #include "data/token_shard.h"
 #include "train/run_config.h"
+#include "train/trainer.h"
 
 namespace dstrain {
 
@@ -198,6 +200,24 @@ inline double rel_error(const float* a, const float* b, int64_t n) {
 // The same for whole vectors; infinite when their sizes differ.
 inline double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() ? rel_error(a.data(), b.data(), int64_t(a.size())) : INFINITY;
+}
+
+// Every step of `t` against the reference run's: the loss, its CE, MTP and auxiliary parts and
+// the gradient norm within 1e-5, and the expert loads equal.
+inline void expect_same_steps(const Trainer& ref, const Trainer& t, const std::string& what) {
+  ASSERT_EQ(ref.history().size(), t.history().size()) << what;
+  for (size_t i = 0; i < ref.history().size(); ++i) {
+    const StepRecord &a = t.history()[i], &b = ref.history()[i];
+    EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::fabs(b.loss)) << what << ": loss of step " << i + 1;
+    EXPECT_NEAR(a.ce_loss, b.ce_loss, 1e-5 * std::fabs(b.ce_loss)) << what << ": CE loss of step " << i + 1;
+    EXPECT_NEAR(a.mtp_loss, b.mtp_loss, 1e-5 * std::fabs(b.mtp_loss)) << what << ": MTP loss of step " << i + 1;
+    EXPECT_NEAR(a.aux_loss, b.aux_loss, 1e-5 * std::fabs(b.aux_loss) + 1e-12) << what << ": aux loss";
+    EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-5 * b.grad_norm) << what << ": gradient norm of step " << i + 1;
+    ASSERT_EQ(a.moe.size(), b.moe.size()) << what;
+    for (size_t l = 0; l < a.moe.size(); ++l) {
+      EXPECT_EQ(a.moe[l].tokens, b.moe[l].tokens) << what << ": expert loads of layer " << a.moe[l].layer;
+    }
+  }
 }
 
 // A host F32 tensor's values.

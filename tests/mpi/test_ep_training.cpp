@@ -36,17 +36,10 @@ json model_of(const std::string& name) {
 // experts and the replicated rest) against the run with every expert everywhere; the expert
 // group holds every expert once.
 void expect_same_training(Trainer& ref, Trainer& ep, ProcessGrid& grid, const std::string& what) {
-  ASSERT_EQ(ref.history().size(), ep.history().size());
-  for (size_t i = 0; i < ref.history().size(); ++i) {
-    const StepRecord &a = ep.history()[i], &b = ref.history()[i];
-    EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::fabs(b.loss)) << what << ": loss of step " << i + 1;
-    EXPECT_NEAR(a.ce_loss, b.ce_loss, 1e-5 * std::fabs(b.ce_loss)) << what << ": CE loss of step " << i + 1;
-    EXPECT_NEAR(a.mtp_loss, b.mtp_loss, 1e-5 * std::fabs(b.mtp_loss)) << what << ": MTP loss of step " << i + 1;
-    EXPECT_NEAR(a.aux_loss, b.aux_loss, 1e-5 * std::fabs(b.aux_loss) + 1e-12) << what << ": aux loss";
-    EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-5 * b.grad_norm) << what << ": gradient norm of step " << i + 1;
-    ASSERT_EQ(a.moe.size(), b.moe.size()) << what;
+  expect_same_steps(ref, ep, what);
+  for (size_t i = 0; i < ep.history().size(); ++i) {
+    const StepRecord& a = ep.history()[i];
     for (size_t l = 0; l < a.moe.size(); ++l) {
-      EXPECT_EQ(a.moe[l].tokens, b.moe[l].tokens) << what << ": expert loads of layer " << a.moe[l].layer;
       // Each assignment is computed once, by its expert's owner.
       int64_t assigned = 0, received = 0;
       for (int64_t t : a.moe[l].tokens) assigned += t;

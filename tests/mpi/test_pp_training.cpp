@@ -34,15 +34,7 @@ json model_of(const std::string& name) {
 // gathered over its tensor group) against the one-rank run; every weight of the model is held
 // by some rank.
 void expect_same_training(Trainer& ref, Trainer& pp, ProcessGrid& grid, const std::string& what) {
-  ASSERT_EQ(ref.history().size(), pp.history().size());
-  for (size_t i = 0; i < ref.history().size(); ++i) {
-    const StepRecord &a = pp.history()[i], &b = ref.history()[i];
-    EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::fabs(b.loss)) << what << ": loss of step " << i + 1;
-    EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-5 * b.grad_norm) << what << ": gradient norm of step " << i + 1;
-    EXPECT_NEAR(a.aux_loss, b.aux_loss, 1e-5 * std::fabs(b.aux_loss) + 1e-12) << what << ": aux loss";
-    ASSERT_EQ(a.moe.size(), b.moe.size()) << what;
-    for (size_t l = 0; l < a.moe.size(); ++l) EXPECT_EQ(a.moe[l].tokens, b.moe[l].tokens) << what << ": loads";
-  }
+  expect_same_steps(ref, pp, what);
   Communicator* tp = grid.size(Axis::Tensor) > 1 ? &grid.comm(Axis::Tensor) : nullptr;
   const ParamRegistry& reg = pp.model().params();
   const ParamRegistry& whole = ref.model().params();

@@ -41,15 +41,7 @@ json model_of(const std::string& name) {
 // This rank's pieces of every weight (gathered by ZeRO stage 3 first) against the same pieces
 // cut from the one-process run's whole tensors; the routing biases exactly as the loads move them.
 void expect_same_training(Trainer& ref, Trainer& t, ProcessGrid& grid, const std::string& what) {
-  ASSERT_EQ(ref.history().size(), t.history().size()) << what;
-  for (size_t i = 0; i < ref.history().size(); ++i) {
-    const StepRecord &a = t.history()[i], &b = ref.history()[i];
-    EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::fabs(b.loss)) << what << ": loss of step " << i + 1;
-    EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-5 * b.grad_norm) << what << ": gradient norm of step " << i + 1;
-    EXPECT_NEAR(a.mtp_loss, b.mtp_loss, 1e-5 * std::fabs(b.mtp_loss) + 1e-12) << what << ": MTP loss";
-    ASSERT_EQ(a.moe.size(), b.moe.size()) << what;
-    for (size_t l = 0; l < a.moe.size(); ++l) EXPECT_EQ(a.moe[l].tokens, b.moe[l].tokens) << what << ": loads";
-  }
+  expect_same_steps(ref, t, what);
   ASSERT_NE(t.zero(), nullptr) << what;
   t.zero()->gather_all();
   const ParamRegistry& reg = t.model().params();
