@@ -14,7 +14,7 @@
 #include "model/model_config.h"
 #include "optim/adamw.h"
 #include "optim/loss_scaler.h"
-#include "optim/zero.h"
+#include "optim/distributed_optimizer.h"
 #include "optim/lr_schedule.h"
 #include "train/checkpointing.h"
 #include "train/metrics.h"

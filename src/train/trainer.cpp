@@ -92,12 +92,13 @@ class HostState {
   std::optional<ops::HostView> values_, exp_avg_, exp_avg_sq_;
 };
 
-// ZeRO's shards as checkpoints write and read them: every rank its own rows of every tensor.
-HostState zero_host_state(ZeroOptimizer& z) {
+// The optimizer's state where checkpoints write and read it: the whole local weights and moments
+// (stage 0), or every rank its own rows of every tensor (ZeRO).
+HostState optimizer_host_state(DistributedOptimizer& z) {
   return HostState(z.master().tensor(), z.exp_avg().tensor(), z.exp_avg_sq().tensor());
 }
 
-CheckpointBuffers zero_checkpoint_buffers(ZeroOptimizer& z, const HostState& h) {
+CheckpointBuffers zero_checkpoint_buffers(DistributedOptimizer& z, const HostState& h) {
   CheckpointBuffers b;
   b.values = h.values();
   b.exp_avg = h.exp_avg();
@@ -107,7 +108,7 @@ CheckpointBuffers zero_checkpoint_buffers(ZeroOptimizer& z, const HostState& h) 
   return b;
 }
 
-CheckpointTargets zero_checkpoint_targets(ZeroOptimizer& z, const HostState& h) {
+CheckpointTargets zero_checkpoint_targets(DistributedOptimizer& z, const HostState& h) {
   CheckpointTargets t;
   t.values = h.values();
   t.exp_avg = h.exp_avg();
@@ -120,7 +121,7 @@ CheckpointTargets zero_checkpoint_targets(ZeroOptimizer& z, const HostState& h) 
 // host views of them): what the tensor, pipeline and expert checkpoint staging reads and
 // writes. Gathered from every rank's pieces when `gather`.
 struct ZeroLocalState {
-  ZeroLocalState(ZeroOptimizer& z, int64_t numel, bool gather = true)
+  ZeroLocalState(DistributedOptimizer& z, int64_t numel, bool gather = true)
       : values("checkpoint.zero_local_values", MemCategory::Checkpoint, DType::F32, numel, z.master().device()),
         exp_avg("checkpoint.zero_local_exp_avg", MemCategory::Checkpoint, DType::F32, numel, z.master().device()),
         exp_avg_sq("checkpoint.zero_local_exp_avg_sq", MemCategory::Checkpoint, DType::F32, numel,
@@ -130,7 +131,7 @@ struct ZeroLocalState {
   HostState host;  // after the buffers: made from them once they are gathered
 
  private:
-  Tensor prepared(ZeroOptimizer& z, bool gather) {
+  Tensor prepared(DistributedOptimizer& z, bool gather) {
     if (gather) z.gather_state(values.tensor(), exp_avg.tensor(), exp_avg_sq.tensor());
     return values.tensor();
   }
@@ -249,30 +250,23 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
   const ZeroConfig& zc = config_.train.zero;
   const PrecisionConfig& precision = config_.train.precision;
   scaler_ = std::make_unique<LossScaler>(precision.fp16_scaler, precision.fp16);
-  if (zc.stage == 0) optimizer_ = std::make_unique<AdamW>(config_.train.adamw, model_->params());
   // The tensor group's partial gradients are summed before the data-parallel buckets see them.
   tp_sync_ = std::make_unique<TensorParallelGradSync>(model_->params(), tp_);
   if (zc.stage >= 2) tp_sync_->sum_every_micro_step();
   if (tp_sync_->needed()) param_hooks_.add(*tp_sync_);
-  if (zc.stage <= 1) {
-    reducer_ = std::make_unique<GradReducer>(model_->params(), ParamGroupComms::from_grid(grid_), zc.reduce_bucket_size,
-                                             zc.overlap_comm, precision.communication_dtype());
-    param_hooks_.add(*reducer_);
-  }
-  if (zc.stage >= 1) {
-    // Each rank shards its local pieces per parameter group: dense over the data axis, routed
-    // experts over the ranks holding the same experts. Without other axes checkpoints split
-    // every tensor over the world's ranks as ZeRO splits it over the data-parallel ones, and
-    // each rank writes and reads exactly its own shard; with them, through the staging of the
-    // tensor, pipeline and expert pieces (sharded_ckpt_).
-    DS_CHECK(sharded_ckpt_ || (grid_.world_size() == dp_.size() && dp_.rank() == grid_.world_rank()),
-             "zero_optimization.stage {} needs every rank on the data-parallel axis ({} of {} are)", zc.stage,
-             dp_.size(), grid_.world_size());
-    zero_ = std::make_unique<ZeroOptimizer>(zc, config_.train.adamw, model_->params(),
-                                            ParamGroupComms::from_grid(grid_), precision.communication_dtype());
-    param_hooks_.add(*zero_);
-    log::info("{}", zero_->describe());
-  }
+  // One optimizer for every stage: each rank reduces and (from stage 1) shards its local pieces
+  // per parameter group, dense over the data axis, routed experts over the ranks holding the
+  // same experts. Without other axes a ZeRO checkpoint splits every tensor over the world's
+  // ranks as ZeRO splits it over the data-parallel ones, and each rank writes and reads exactly
+  // its own shard; with them, through the staging of the tensor, pipeline and expert pieces
+  // (sharded_ckpt_).
+  DS_CHECK(zc.stage == 0 || sharded_ckpt_ || (grid_.world_size() == dp_.size() && dp_.rank() == grid_.world_rank()),
+           "zero_optimization.stage {} needs every rank on the data-parallel axis ({} of {} are)", zc.stage,
+           dp_.size(), grid_.world_size());
+  optimizer_ = std::make_unique<DistributedOptimizer>(zc, config_.train.adamw, model_->params(),
+                                                      ParamGroupComms::from_grid(grid_), precision.communication_dtype());
+  param_hooks_.add(*optimizer_);
+  if (zc.stage >= 1) log::info("{}", optimizer_->describe());
   if (runner_) {
     final_hooks_ = std::make_unique<FinalGradHooks>(param_hooks_, model_->params().size());
     model_->set_hooks(final_hooks_.get());
@@ -569,7 +563,7 @@ void Trainer::init_weights(const std::string& init_from) {
   check_same_weights(dp_, reg, hashes, source, /*skip_experts=*/ep_ != nullptr);
   if (ep_) check_same_weights(grid_.expert_data(), reg, hashes, source);
   apply_precision();
-  if (zero_) zero_->adopt_weights();  // each rank keeps its pieces (stage 3: and hands the rest back)
+  optimizer_->adopt_weights();  // each rank keeps its pieces (stage 3: and hands the rest back)
 }
 
 void Trainer::apply_precision() {
@@ -749,7 +743,7 @@ std::string Trainer::forward_backward(StepData& data, const LossScales& scales, 
             oom_fault_fired_ = true;  // once: the retried step gets through
             throw OutOfMemory(fmt::format("fault injection: allocation failure at step {}", step_ + 1));
           }
-          if (zero_) zero_->begin_forward();
+          optimizer_->begin_forward();
           const LossSums s =
               model_->forward(a.micro_batch, tokens_tensor(b.inputs, mb, T), tokens_tensor(b.targets, mb, T), scales);
           sums[0] += s.sum;
@@ -772,12 +766,12 @@ std::string Trainer::forward_backward(StepData& data, const LossScales& scales, 
   } catch (const OutOfMemory& e) {
     // Micro-batches in flight are dropped. This rank still takes part in every gradient
     // bucket the others reduce; the step is then discarded everywhere.
-    if (zero_ && zero_->stage() >= 2) {
+    if (optimizer_->reduces_into_shard()) {
       // The other ranks go on reducing every micro-step's gradients: this rank cannot match
       // them with a smaller micro-batch, so the run ends (on every rank, through the error).
       throw Error(fmt::format("{}; ZeRO stage {} reduces gradients every micro-step and cannot retry the step with a "
                               "smaller micro-batch: lower train.train_micro_batch_size_per_gpu",
-                              e.what(), zero_->stage()));
+                              e.what(), optimizer_->stage()));
     }
     model_->release_activations();
     sums[2] = 1;
@@ -910,12 +904,8 @@ void Trainer::update_weights(StepRecord& r) {
   // AdamW as it reads each gradient: no pass over the gradients of their own.
   const double clip = tc.gradient_clipping > 0 ? clip_coefficient(tc.gradient_clipping, r.grad_norm) : 1.0;
   const double grad_scale = scaler_->enabled() ? clip / r.loss_scale : clip;
-  if (zero_) {
-    zero_->step(r.lr, grad_scale);
-    collective_wait_seconds_ += zero_->take_exposed_seconds();  // the weights' all-gather
-  } else {
-    optimizer_->step(r.lr, grad_scale);
-  }
+  optimizer_->step(r.lr, grad_scale);
+  collective_wait_seconds_ += optimizer_->take_exposed_seconds();  // the weights' all-gather
   // DeepSeek-V3's auxiliary-loss-free balancing: routing biases follow the global loads.
   const auto moe = model_->moe_layers();
   for (const auto& [l, ffn] : moe) {
@@ -923,11 +913,9 @@ void Trainer::update_weights(StepRecord& r) {
     DS_CHECK(it != r.moe.end(), "no routing statistics of MoE layer {}", l);
     ffn->update_routing_bias(it->tokens, tc.router_bias_update_rate);
   }
-  if (zero_ && !moe.empty()) {
-    const ParamRegistry& reg = model_->params();
-    for (int id = 0; id < reg.size(); ++id) {
-      if (!reg.info(id).trainable) zero_->take_rule_update(id);
-    }
+  const ParamRegistry& reg = model_->params();
+  for (int id = 0; id < reg.size(); ++id) {
+    if (!reg.info(id).trainable) optimizer_->take_rule_update(id);
   }
 }
 
@@ -941,8 +929,7 @@ bool Trainer::gradients_overflowed(double scaled_norm) {
 
 void Trainer::begin_micro_step(bool communicates) {
   tp_sync_->begin_micro_step(communicates);
-  if (reducer_) reducer_->begin_micro_step(communicates);
-  if (zero_) zero_->begin_micro_step(communicates);
+  optimizer_->begin_micro_step(communicates);
 }
 
 void Trainer::gather_rank_timings(StepRecord& r) {
@@ -990,11 +977,7 @@ bool Trainer::train_step(StepRecord& r) {
   const LossScales scales = loss_scales(counts);
   for (auto& [l, ffn] : model_->moe_layers()) ffn->routing()->reset();
 
-  if (zero_) {
-    zero_->begin_step();
-  } else {
-    model_->params().grads().zero();
-  }
+  optimizer_->begin_step();
   const int D = int(config_.model.num_nextn_predict_layers);
   // loss sum, target count, ranks out of memory, then the MTP loss sum per depth
   std::vector<double> sums(size_t(3 + D), 0.0);
@@ -1003,19 +986,17 @@ bool Trainer::train_step(StepRecord& r) {
   {
     const Timeline::Scope recorded(timeline_.get(), "reduce", step_ + 1, -1);
     tp_sync_->finish();
-    if (reducer_) rt = reducer_->finish();
+    rt = optimizer_->finish();
     // The tied embedding's two stages add their (data-parallel reduced) gradients: the whole
     // ones, or at ZeRO stages 2 and 3 the two stages' identical pieces of them (the sum is linear).
-    const bool tied_in_shards = zero_ && zero_->stage() >= 2;
-    if (runner_ && !tied_in_shards) timed_collective([&] { runner_->reduce_tied_grads(); });
-    if (zero_) {
-      const ReduceTimings z = zero_->finish();
-      rt.comm_seconds += z.comm_seconds;
-      rt.exposed_seconds += z.exposed_seconds;
-      rt.buckets += z.buckets;
-    }
-    if (runner_ && runner_->has_tie() && tied_in_shards) {
-      timed_collective([&] { runner_->reduce_tied_grads(zero_->grad_piece(runner_->tied_param())); });
+    if (runner_ && runner_->has_tie()) {
+      timed_collective([&] {
+        if (optimizer_->reduces_into_shard()) {
+          runner_->reduce_tied_grads(optimizer_->grad_piece(runner_->tied_param()));
+        } else {
+          runner_->reduce_tied_grads();
+        }
+      });
     }
   }
   timed_collective([&] { dp_.all_reduce(Tensor(sums.data(), DType::F64, Shape{int64_t(sums.size())})); });
@@ -1038,11 +1019,10 @@ bool Trainer::train_step(StepRecord& r) {
   }
   reduce_routing_stats(r);
   r.loss = r.ce_loss + r.aux_loss + r.mtp_loss;
-  if (zero_ && !sharded_ckpt_) {
-    r.grad_norm = zero_->grad_norm();
-  } else if (zero_) {
-    // Each global element counted on one rank: ZeRO's pieces split each group's local pieces,
-    // which a pipeline copy or a tensor rank holding a replicated parameter does not count.
+  {
+    // Each global element counted on one rank: the optimizer's pieces split each group's local
+    // pieces over its data-parallel ranks, and a pipeline copy or a tensor rank holding a
+    // replicated parameter does not count.
     const ParamRegistry& reg = model_->params();
     std::vector<char> counted(size_t(reg.size()));
     const int tp_rank = tp_ ? tp_->rank() : 0, tp_size = ProcessGroups::size_of(tp_);
@@ -1050,12 +1030,8 @@ bool Trainer::train_step(StepRecord& r) {
       const ParamInfo& p = reg.info(id);
       counted[size_t(id)] = !p.pipeline_copy && counts_piece(p, tp_rank, tp_size);
     }
-    double sq = zero_->local_grad_sum_squares(counted);
-    timed_collective([&] { sq = grid_.world().all_reduce_value<double>(sq); });
-    r.grad_norm = std::sqrt(sq);
-  } else {
-    double sq = sharded_grad_sum_squares(model_->params(), tp_, ep_);
-    if (pp_) timed_collective([&] { sq = pp_->all_reduce_value<double>(sq); });
+    double sq = optimizer_->local_grad_sum_squares(counted);
+    if (grid_.world_size() > 1) timed_collective([&] { sq = grid_.world().all_reduce_value<double>(sq); });
     r.grad_norm = std::sqrt(sq);
   }
   // As DeepSpeed, a step skipped for an fp16 overflow does not advance the learning-rate
@@ -1246,11 +1222,12 @@ StepMetrics Trainer::step_metrics(const StepRecord& r, double elapsed, int64_t s
                                   {"expert_s", r.ep.expert_seconds},
                                   {"combine_s", r.ep.combine_seconds}};
   }
-  if (zero_) {
-    // Rank 0's ZeRO state, with the step's peaks of what is only held while in use.
-    const ZeroMemory z = zero_->memory();
-    m.extra["zero"] = {{"stage", zero_->stage()},
-                       {"shard_elements", zero_->shard_numel()},
+  {
+    // Rank 0's optimizer state (ZeRO's shard), with the step's peaks of what is only held while
+    // in use.
+    const ZeroMemory z = optimizer_->memory();
+    m.extra["zero"] = {{"stage", optimizer_->stage()},
+                       {"shard_elements", optimizer_->shard_numel()},
                        {"master_bytes", z.master},
                        {"optimizer_bytes", z.optimizer},
                        {"grad_shard_bytes", z.grad_shard},
@@ -1305,8 +1282,8 @@ Trainer::Outcome Trainer::train() {
               tc.max_steps - step_, step_ + 1, tc.max_steps, tc.train_batch_size, config_.data.seq_len, tc.micro_batch,
               tc.grad_accum, dp_.size());
   }
-  if (dp_.size() > 1 && reducer_) {
-    log::info("gradients: {} bucket(s) of up to {} elements, all-reduce {}", reducer_->num_buckets(),
+  if (dp_.size() > 1 && optimizer_->reducer()) {
+    log::info("gradients: {} bucket(s) of up to {} elements, all-reduce {}", optimizer_->reducer()->num_buckets(),
               tc.zero.reduce_bucket_size, tc.zero.overlap_comm ? "overlapped with the backward" : "after the backward");
   } else if (dp_.size() > 1) {
     log::info("gradients: reduce-scattered per parameter in buckets of up to {} elements, {}",
@@ -1526,9 +1503,9 @@ std::string Trainer::unsafe_to_save() {
                        scaler_->scale());
   }
   // Every rank holds the whole state (with ZeRO: its shard); each looks at it, and all agree.
-  const Buffer& weights = zero_ ? zero_->master() : model_->params().values();
-  const Buffer& m = zero_ ? zero_->exp_avg() : optimizer_->exp_avg();
-  const Buffer& v = zero_ ? zero_->exp_avg_sq() : optimizer_->exp_avg_sq();
+  const Buffer& weights = optimizer_->master();
+  const Buffer& m = optimizer_->exp_avg();
+  const Buffer& v = optimizer_->exp_avg_sq();
   int64_t bad[3] = {ops::read_count_non_finite(weights.tensor()), ops::read_count_non_finite(m.tensor()),
                     ops::read_count_non_finite(v.tensor())};
   grid_.world().all_reduce(Tensor(bad, DType::I64, Shape{3}), ReduceOp::Max);
@@ -1552,22 +1529,18 @@ double Trainer::save_checkpoint() {
   ParamRegistry& reg = model_->params();
   CheckpointBuffers live;
   std::optional<HostState> host;  // what `live` points into, until the save has it
-  if (zero_ && sharded_ckpt_) {
+  const bool sharded = optimizer_->stage() >= 1;
+  if (sharded && sharded_ckpt_) {
     // ZeRO under tensor, pipeline or expert splits: the full local state gathered from the
     // pieces (transient: three times the local model), then staged as without ZeRO.
-    const ZeroLocalState full(*zero_, reg.flat_numel());
+    const ZeroLocalState full(*optimizer_, reg.flat_numel());
     live = sharded_ckpt_->stage(full.host.values(), full.host.exp_avg(), full.host.exp_avg_sq());
   } else {
-    if (zero_) {
-      host.emplace(zero_host_state(*zero_));
-    } else {
-      host.emplace(reg.values().tensor(), optimizer_ ? optimizer_->exp_avg().tensor() : Tensor(),
-                   optimizer_ ? optimizer_->exp_avg_sq().tensor() : Tensor());
-    }
+    host.emplace(optimizer_host_state(*optimizer_));
     live.values = host->values();
     live.exp_avg = host->exp_avg();
     live.exp_avg_sq = host->exp_avg_sq();
-    if (zero_) live = zero_checkpoint_buffers(*zero_, *host);
+    if (sharded) live = zero_checkpoint_buffers(*optimizer_, *host);
     // Tensor parallelism: the global tensors' row blocks, staged by the data-0 tensor group.
     if (sharded_ckpt_) live = sharded_ckpt_->stage(live.values, live.exp_avg, live.exp_avg_sq);
   }
@@ -1626,6 +1599,7 @@ bool Trainer::resume(const std::string& spec) {
               candidates.front());
   }
   ParamRegistry& reg = model_->params();
+  const bool sharded = optimizer_->stage() >= 1;
   for (const std::string& path : candidates) {
     TrainState st;
     const auto t0 = Clock::now();
@@ -1633,10 +1607,10 @@ bool Trainer::resume(const std::string& spec) {
     throw_if_root_failed(grid_.world(),
                          grid_.world_rank() == 0 ? model_mismatch(path, file_registry(), config_.model) : "");
     try {
-      if (zero_ && sharded_ckpt_) {
+      if (sharded && sharded_ckpt_) {
         // ZeRO under tensor, pipeline or expert splits: the full local state from the staging,
         // the tied copy's from its owner, then this rank's pieces of it.
-        ZeroLocalState full(*zero_, reg.flat_numel(), /*gather=*/false);
+        ZeroLocalState full(*optimizer_, reg.flat_numel(), /*gather=*/false);
         st = read_checkpoint(path, ckpt_->io_comm(), file_registry(), sharded_ckpt_->targets(true));
         sharded_ckpt_->unstage(full.host.values(), full.host.exp_avg(), full.host.exp_avg_sq());
         sharded_ckpt_->release();
@@ -1646,13 +1620,11 @@ bool Trainer::resume(const std::string& spec) {
           runner_->copy_tied({full.values.tensor(p.offset, p.shape), full.exp_avg.tensor(p.offset, p.shape),
                               full.exp_avg_sq.tensor(p.offset, p.shape)});
         }
-        zero_->scatter_state(full.values.tensor(), full.exp_avg.tensor(), full.exp_avg_sq.tensor());
+        optimizer_->scatter_state(full.values.tensor(), full.exp_avg.tensor(), full.exp_avg_sq.tensor());
       } else {
-        const HostState host = zero_ ? zero_host_state(*zero_)
-                                     : HostState(reg.values().tensor(), optimizer_->exp_avg().tensor(),
-                                                 optimizer_->exp_avg_sq().tensor());
-        if (zero_) {
-          st = read_checkpoint(path, ckpt_->io_comm(), reg, zero_checkpoint_targets(*zero_, host));
+        const HostState host = optimizer_host_state(*optimizer_);
+        if (sharded) {
+          st = read_checkpoint(path, ckpt_->io_comm(), reg, zero_checkpoint_targets(*optimizer_, host));
         } else if (sharded_ckpt_) {
           st = read_checkpoint(path, ckpt_->io_comm(), file_registry(), sharded_ckpt_->targets(true));
           sharded_ckpt_->unstage(host.values(), host.exp_avg(), host.exp_avg_sq());
@@ -1671,14 +1643,15 @@ bool Trainer::resume(const std::string& spec) {
       if (grid_.world_rank() == 0) log::warn("skipping invalid checkpoint: {}", e.what());
       continue;
     }
-    if (zero_) {
+    if (sharded) {
       // The masters are this rank's pieces only: the check is over every rank's.
-      const int64_t bad = grid_.world().all_reduce_value<int64_t>(ops::read_count_non_finite(zero_->master().tensor()));
+      const int64_t bad =
+          grid_.world().all_reduce_value<int64_t>(ops::read_count_non_finite(optimizer_->master().tensor()));
       DS_CHECK(bad == 0, "checkpoint '{}': {} weight values are NaN or Inf; resume from an earlier checkpoint", path, bad);
     } else {
       check_finite_weights(reg, "checkpoint '" + path + "'");
     }
-    if (runner_ && runner_->has_tie() && !zero_) {
+    if (runner_ && runner_->has_tie() && !sharded) {
       const int id = runner_->tied_param();
       const ParamInfo& p = reg.info(id);
       runner_->copy_tied({reg.param(id), optimizer_->exp_avg().tensor(p.offset, p.shape),
@@ -1689,11 +1662,7 @@ bool Trainer::resume(const std::string& spec) {
     overflow_steps_ = st.scheduler.is_object() ? st.scheduler.value("skipped_for_overflow", int64_t(0)) : 0;
     resumed_ = true;
     consumed_samples_ = st.consumed_samples;
-    if (zero_) {
-      zero_->set_steps_taken(st.optimizer_steps);
-    } else {
-      optimizer_->set_steps_taken(st.optimizer_steps);
-    }
+    optimizer_->set_steps_taken(st.optimizer_steps);
     last_saved_step_ = step_;
     last_save_time_ = Clock::now();
     DataPipeline& data = data_pipeline();
@@ -1722,7 +1691,7 @@ bool Trainer::resume(const std::string& spec) {
               path, step_, consumed_samples_, st.layout.value("world_size", 0), grid_.world_size(), mb, secs,
               mb / std::max(secs, 1e-9));
     apply_precision();
-    if (zero_) zero_->publish_weights();  // the whole weights (stage 3: the persistent ones) from the shards
+    optimizer_->publish_weights();  // the whole weights (stage 3: the persistent ones) from the shards
     return true;
   }
   throw Error(fmt::format("none of the {} checkpoint(s) in {} is valid (see the warnings above); move them away or "
@@ -1832,7 +1801,7 @@ std::string Trainer::sample(const std::string& prompt) {
 
 void Trainer::save_hf(const std::string& dir) {
   const DType dtype = dtype_from_torch_name(config_.output.save_hf_dtype);
-  if (zero_) zero_->gather_all();  // stage 3: whole weights for the export, handed back after it
+  optimizer_->gather_all();  // stage 3: whole weights for the export, handed back after it
   // Every global tensor is written by one rank, into files laid out beforehand: under tensor,
   // pipeline or expert splits the ranks that write it to checkpoints gather it over their
   // tensor group and their tensor rank 0 writes it; otherwise (replicas) world rank 0 writes
@@ -1857,7 +1826,7 @@ void Trainer::save_hf(const std::string& dir) {
   save_hf_weights(dir, file, fetch, config_.model.to_hf_json(), config_.output.save_hf_shard_bytes, dtype,
                   &grid_.world());
   grid_.world().barrier();
-  if (zero_) zero_->release_unused();
+  optimizer_->release_unused();
   log::info("saved Hugging Face weights ({}) to {}", config_.output.save_hf_dtype, dir);
 }
 

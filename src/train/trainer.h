@@ -22,7 +22,7 @@
 #include "distributed/schedule.h"
 #include "distributed/tensor_parallel.h"
 #include "io/sharded_model_state.h"
-#include "optim/zero.h"
+#include "optim/distributed_optimizer.h"
 #include "model/transformer.h"
 #include "optim/adamw.h"
 #include "optim/loss_scaler.h"
@@ -160,13 +160,9 @@ class Trainer {
   void save_hf(const std::string& dir);
 
   Transformer& model() { return *model_; }
-  // Stage 0's AdamW over the whole buffers; with ZeRO (stage >= 1) zero() steps the shards.
-  AdamW& optimizer() {
-    DS_CHECK(optimizer_, "ZeRO stage {} shards the optimizer: use zero()", config_.train.zero.stage);
-    return *optimizer_;
-  }
-  ZeroOptimizer* zero() { return zero_.get(); }
-  int64_t optimizer_steps() const { return zero_ ? zero_->steps_taken() : optimizer_->steps_taken(); }
+  // The optimizer of every ZeRO stage (stage 0: AdamW on the whole local weights).
+  DistributedOptimizer& optimizer() { return *optimizer_; }
+  int64_t optimizer_steps() const { return optimizer_->steps_taken(); }
   const LossScaler& loss_scaler() const { return *scaler_; }
   const RunConfig& config() const { return config_; }
   const std::vector<StepRecord>& history() const { return history_; }
@@ -242,15 +238,13 @@ class Trainer {
   std::unique_ptr<GpuMonitor> gpu_monitor_;  // a run on a GPU: NVML's view of it
   std::unique_ptr<Timeline> timeline_;  // metrics.timeline_steps (null: off)
   std::unique_ptr<Transformer> model_;
-  std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<LossScaler> scaler_;  // fp16's loss scale (1, unchanging, otherwise)
   bool precision_logged_ = false;
   std::unique_ptr<TensorParallelGradSync> tp_sync_;  // partial gradients summed over the tensor group
   Communicator* tp_ = nullptr;             // the tensor group (null: one rank)
   std::unique_ptr<ShardedModelCheckpoint> sharded_ckpt_;  // checkpoints of global tensors from the pieces
   CommStats tp_stats_before_;
-  std::unique_ptr<GradReducer> reducer_;   // stages 0 and 1: the whole gradients all-reduced
-  std::unique_ptr<ZeroOptimizer> zero_;    // stages 1 to 3
+  std::unique_ptr<DistributedOptimizer> optimizer_;  // every ZeRO stage, behind the model's hooks
   std::unique_ptr<Schedule> schedule_;  // the order of the micro-batches' forwards and backwards
   // Pipeline parallelism (null: one stage): the pipeline group, its schedule, the runner of this
   // rank's chunks, and the hook that hands the reducer each gradient once all micro-batches

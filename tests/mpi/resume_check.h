@@ -45,14 +45,9 @@ inline void expect_resume_is_bitwise(const RunFiles& files, ProcessGrid& grid, i
   // whole moments, or ZeRO's shards with their masters.
   std::vector<std::pair<const Buffer*, const Buffer*>> pairs = {
       {&full.model().params().values(), &b.model().params().values()}};
-  if (full.zero()) {
-    pairs.push_back({&full.zero()->master(), &b.zero()->master()});
-    pairs.push_back({&full.zero()->exp_avg(), &b.zero()->exp_avg()});
-    pairs.push_back({&full.zero()->exp_avg_sq(), &b.zero()->exp_avg_sq()});
-  } else {
-    pairs.push_back({&full.optimizer().exp_avg(), &b.optimizer().exp_avg()});
-    pairs.push_back({&full.optimizer().exp_avg_sq(), &b.optimizer().exp_avg_sq()});
-  }
+  pairs.push_back({&full.optimizer().master(), &b.optimizer().master()});
+  pairs.push_back({&full.optimizer().exp_avg(), &b.optimizer().exp_avg()});
+  pairs.push_back({&full.optimizer().exp_avg_sq(), &b.optimizer().exp_avg_sq()});
   EXPECT_EQ(full.optimizer_steps(), b.optimizer_steps());
   for (const auto& [x, y] : pairs) {
     EXPECT_EQ(0, std::memcmp(x->data(), y->data(), x->nbytes())) << x->label() << " differs after resuming";

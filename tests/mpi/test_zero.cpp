@@ -40,10 +40,10 @@ json model_of(const std::string& name) {
 
 // The whole weights of a trainer, whatever its stage (stage 3 gathers them for the look).
 std::vector<float> whole_weights(Trainer& t) {
-  if (t.zero()) t.zero()->gather_all();
+  t.optimizer().gather_all();
   const Buffer& v = t.model().params().values();
   std::vector<float> out(v.data<float>(), v.data<float>() + v.numel());
-  if (t.zero()) t.zero()->release_unused();
+  t.optimizer().release_unused();
   return out;
 }
 
@@ -80,7 +80,7 @@ TEST_P(ZeroMatchesStageZero, InLossesAndWeights) {
   ref.train();
   for (int stage : {1, 2, 3}) {
     Trainer z(files.config(zero_overrides(stage)), grid);
-    ASSERT_NE(z.zero(), nullptr);
+    ASSERT_GE(z.optimizer().stage(), 1);
     // Every rank's weights stay the same bits (each rank steps its pieces; the gathers
     // hand every rank the same result).
     z.on_step = [&](const StepRecord&) {
@@ -116,7 +116,7 @@ TEST(Zero, OffloadMatchesStageZero) {
   for (size_t c = 0; c < cases.size(); ++c) {
     Trainer z(files.config(cases[c].first), grid);
     // The optimizer state lives in the host allocator's memory, page-locked with pin_memory.
-    ASSERT_STREQ(std::string(z.zero()->master().allocator()->name()).c_str(), cases[c].second) << "case " << c;
+    ASSERT_STREQ(std::string(z.optimizer().master().allocator()->name()).c_str(), cases[c].second) << "case " << c;
     z.init_weights("");
     z.train();
     expect_same_training(ref, z, "offload case " + std::to_string(c));
@@ -334,7 +334,7 @@ TEST(Zero, ShardedMemoryFallsWithRanks) {
       const int64_t rows = p.shape[0];
       bound += ((rows + n - 1) / n) * (p.numel() / rows) + 16;  // a piece of at most ceil(R/N) rows, aligned
     }
-    const ZeroOptimizer& zo = *z.zero();
+    const DistributedOptimizer& zo = z.optimizer();
     EXPECT_LE(zo.shard_numel(), bound) << "stage " << stage;
     EXPECT_LE(double(zo.shard_numel()), double(params) / n * 1.25 + 16.0 * reg.size()) << "stage " << stage;
     int64_t total = 0, mine = zo.shard_numel();
@@ -343,7 +343,7 @@ TEST(Zero, ShardedMemoryFallsWithRanks) {
     z.init_weights("");
     int64_t peak_gathered = 0, peak_grads = 0;
     z.on_step = [&](const StepRecord&) {
-      const ZeroMemory m = z.zero()->memory();
+      const ZeroMemory m = z.optimizer().memory();
       peak_gathered = std::max(peak_gathered, m.gathered_peak);
       peak_grads = std::max(peak_grads, m.transient_grads_peak);
       EXPECT_EQ(m.optimizer, 2 * m.master) << "two moments per master element";
@@ -381,7 +381,7 @@ TEST(Zero, Stage3PrefetchStaysWithinItsBucket) {
     Trainer probe(files.config(zero_overrides(3)), grid);
     const ParamRegistry& reg = probe.model().params();
     for (int id = 0; id < reg.size(); ++id) {
-      if (reg.info(id).layer == 0 && !probe.zero()->persistent(id)) layer += reg.info(id).numel();
+      if (reg.info(id).layer == 0 && !probe.optimizer().persistent(id)) layer += reg.info(id).numel();
     }
   }
   ASSERT_GT(layer, 0);
@@ -393,7 +393,7 @@ TEST(Zero, Stage3PrefetchStaysWithinItsBucket) {
   for (int id = 0; id < reg.size(); ++id) {
     const int64_t n = reg.info(id).numel();
     whole += n;
-    if (z.zero()->persistent(id)) {
+    if (z.optimizer().persistent(id)) {
       persistent += n;
     } else if (reg.info(id).layer < 0) {
       outside += n;  // embedding, head
@@ -401,7 +401,7 @@ TEST(Zero, Stage3PrefetchStaysWithinItsBucket) {
   }
   z.init_weights("");
   int64_t peak = 0;
-  z.on_step = [&](const StepRecord&) { peak = std::max(peak, z.zero()->memory().gathered_peak / 4); };
+  z.on_step = [&](const StepRecord&) { peak = std::max(peak, z.optimizer().memory().gathered_peak / 4); };
   z.train();
   // In use: a layer, or the embedding or head; ahead: one bucket; always: the persistent ones.
   const int64_t bound = persistent + std::max(layer, outside) + layer;

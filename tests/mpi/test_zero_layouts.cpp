@@ -16,7 +16,7 @@
 
 #include "io/sharded_model_state.h"
 #include "resume_check.h"
-#include "optim/zero.h"
+#include "optim/distributed_optimizer.h"
 #include "run_files.h"
 #include "train/trainer.h"
 
@@ -42,8 +42,8 @@ json model_of(const std::string& name) {
 // cut from the one-process run's whole tensors; the routing biases exactly as the loads move them.
 void expect_same_training(Trainer& ref, Trainer& t, ProcessGrid& grid, const std::string& what) {
   expect_same_steps(ref, t, what);
-  ASSERT_NE(t.zero(), nullptr) << what;
-  t.zero()->gather_all();
+  ASSERT_GE(t.optimizer().stage(), 1) << what;
+  t.optimizer().gather_all();
   const ParamRegistry& reg = t.model().params();
   const ParamRegistry& whole = ref.model().params();
   double worst = 0, worst_bias = 0;
@@ -62,7 +62,7 @@ void expect_same_training(Trainer& ref, Trainer& t, ProcessGrid& grid, const std
     worst = std::max(worst, e);
   }
   EXPECT_LE(worst_bias, 1e-5) << what << ": routing biases";
-  t.zero()->release_unused();
+  t.optimizer().release_unused();
   worst = grid.world().all_reduce_value<double>(worst, ReduceOp::Max);
   if (world_rank() == 0) {
     std::printf("[ %d ranks ] %s: loss %.6f vs %.6f (one process), worst weight error %.2e\n", world_size(),
@@ -207,8 +207,8 @@ void expect_reshard(const std::string& model, std::vector<std::string> a, std::v
     for (const std::string& o : b) what += " " + o.substr(o.find('.') + 1);
     expect_continues(t, what);
     // Its weights after the resumed steps: the uninterrupted run's.
-    ASSERT_NE(t.zero(), nullptr);
-    t.zero()->gather_all();
+    ASSERT_GE(t.optimizer().stage(), 1);
+    t.optimizer().gather_all();
     const ParamRegistry& reg = t.model().params();
     for (int id = 0; id < reg.size(); ++id) {
       const ParamInfo& p = reg.info(id);

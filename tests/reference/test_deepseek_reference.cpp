@@ -95,7 +95,7 @@ TEST_P(DeepSeekReference, ThreeStepsWithRoutingBiasUpdates) {
     trainer.train();
     const auto& h = trainer.history();
     ASSERT_NO_FATAL_FAILURE(expect_history(h));
-    if (trainer.zero()) trainer.zero()->gather_all();
+    trainer.optimizer().gather_all();
     ParamRegistry& params = trainer.model().params();
     double worst = 0;
     std::string worst_name;

@@ -71,7 +71,7 @@ TEST_P(TorchReference, ThreeAdamWStepsWithClippingAndAccumulation) {
     trainer.train();
     const auto& h = trainer.history();
     ASSERT_NO_FATAL_FAILURE(expect_history(h));
-    if (trainer.zero()) trainer.zero()->gather_all();
+    trainer.optimizer().gather_all();
     ParamRegistry& params = trainer.model().params();
     double worst = 0;
     for (int id = 0; id < params.size(); ++id) {

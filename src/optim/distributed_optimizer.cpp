@@ -1,4 +1,4 @@
-#include "optim/zero.h"
+#include "optim/distributed_optimizer.h"
 
 #include <algorithm>
 #include <cmath>
@@ -29,13 +29,15 @@ Buffer shard_buffer(const std::string& label, MemCategory category, int64_t n, b
 
 }  // namespace
 
-ZeroOptimizer::ZeroOptimizer(const ZeroConfig& config, const AdamWConfig& adamw, ParamRegistry& params,
+DistributedOptimizer::DistributedOptimizer(const ZeroConfig& config, const AdamWConfig& adamw, ParamRegistry& params,
                              const ParamGroupComms& comms, DType comm_dtype)
     : config_(config), adamw_(adamw), params_(params), comms_(comms), comm_dtype_(comm_dtype) {
   DS_CHECK(comm_dtype_ == DType::F32 || comm_dtype_ == DType::BF16 || comm_dtype_ == DType::F16,
            "ZeRO communicates gradients in fp32, bf16 or fp16, not {}", dtype_name(comm_dtype_));
-  DS_CHECK(config_.stage >= 1 && config_.stage <= 3, "ZeRO stage {} (the optimizer handles stages 1 to 3)",
+  DS_CHECK(config_.stage >= 0 && config_.stage <= 3, "ZeRO stage {} (the optimizer handles stages 0 to 3)",
            config_.stage);
+  DS_CHECK(config_.stage >= 1 || !config_.offloads_optimizer(),
+           "zero_optimization.offload_optimizer needs stage 1 or above (stage 0 keeps no shard to offload)");
   DS_CHECK(!config_.offloads_params() || (config_.stage == 3 && config_.offloads_optimizer()),
            "zero_optimization.offload_param needs stage 3 and offload_optimizer on the cpu");
   const int n = params_.size();
@@ -50,15 +52,37 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& config, const AdamWConfig& adamw,
              "ZeRO shards a rank's local pieces by rows; '{}' is already a flat range", p.name);
     Communicator& c = comms_.comm(p.group);
     comm_of_[size_t(id)] = &c;
-    pieces_[size_t(id)] = row_piece(p.shape, c.rank(), c.size());
-    shard_offsets_[size_t(id)] = shard_numel_;
-    shard_numel_ += align_up(pieces_[size_t(id)].elems());
+    if (config_.stage == 0) {
+      // The shard of one: the whole local tensor, where the registry keeps it.
+      pieces_[size_t(id)] = row_piece(p.shape, 0, 1);
+      shard_offsets_[size_t(id)] = p.offset;
+      shard_numel_ = std::max(shard_numel_, p.offset + p.numel());
+    } else {
+      pieces_[size_t(id)] = row_piece(p.shape, c.rank(), c.size());
+      shard_offsets_[size_t(id)] = shard_numel_;
+      shard_numel_ += align_up(pieces_[size_t(id)].elems());
+    }
     max_piece = std::max(max_piece, pieces_[size_t(id)].elems());
     persistent_[size_t(id)] =
         config_.stage == 3 && (p.numel() < config_.stage3_param_persistence_threshold || !p.trainable);
   }
   const Device device = params_.device();
   const bool host = config_.offloads_optimizer(), pinned = config_.pins_host_memory();
+  if (config_.stage <= 1) {
+    reducer_ = std::make_unique<GradReducer>(params_, comms_, config_.reduce_bucket_size, config_.overlap_comm,
+                                             comm_dtype_);
+  }
+  if (config_.stage == 0) {
+    shard_numel_ = params_.values().numel();
+    exp_avg_ = Buffer("optimizer.exp_avg", MemCategory::OptimizerState, DType::F32, shard_numel_, device);
+    exp_avg_sq_ = Buffer("optimizer.exp_avg_sq", MemCategory::OptimizerState, DType::F32, shard_numel_, device);
+    state_.assign(size_t(n), State::Resident);
+    uses_.assign(size_t(n), 0);
+    gathers_.resize(size_t(n));
+    group_of_.resize(size_t(n));
+    reduced_once_.assign(size_t(n), 0);
+    return;
+  }
   master_ = shard_buffer("zero.master_weights", MemCategory::Parameters, shard_numel_, host, pinned, device);
   exp_avg_ = shard_buffer("zero.exp_avg", MemCategory::OptimizerState, shard_numel_, host, pinned, device);
   exp_avg_sq_ = shard_buffer("zero.exp_avg_sq", MemCategory::OptimizerState, shard_numel_, host, pinned, device);
@@ -80,7 +104,7 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& config, const AdamWConfig& adamw,
   reduced_once_.assign(size_t(n), 0);
 }
 
-ZeroOptimizer::~ZeroOptimizer() {
+DistributedOptimizer::~DistributedOptimizer() {
   // Nothing may still write into the buffers about to go.
   for (Work& w : gathers_) {
     if (!w.valid()) continue;
@@ -104,7 +128,15 @@ ZeroOptimizer::~ZeroOptimizer() {
   }
 }
 
-std::string ZeroOptimizer::describe() const {
+std::string DistributedOptimizer::describe() const {
+  if (config_.stage == 0) {
+    std::string s = fmt::format("optimizer: AdamW on every rank's whole local weights (ZeRO stage 0, {})",
+                                comms_.describe());
+    if (max_group_size() > 1) {
+      s += fmt::format(", gradients all-reduced in {} in {} bucket(s)", dtype_name(comm_dtype_), reducer_->num_buckets());
+    }
+    return s;
+  }
   int64_t persistent = 0;
   for (int id = 0; id < params_.size(); ++id) persistent += persistent_[size_t(id)] ? params_.info(id).numel() : 0;
   std::string s = fmt::format("ZeRO stage {} ({}): {} of {} local elements per rank", stage(), comms_.describe(),
@@ -119,7 +151,7 @@ std::string ZeroOptimizer::describe() const {
   return s;
 }
 
-std::vector<int64_t> ZeroOptimizer::counts(int id) const {
+std::vector<int64_t> DistributedOptimizer::counts(int id) const {
   const int n = comm_of(id).size();
   std::vector<int64_t> c(static_cast<size_t>(n));
   const Shape& shape = params_.info(id).shape;
@@ -127,29 +159,36 @@ std::vector<int64_t> ZeroOptimizer::counts(int id) const {
   return c;
 }
 
-Tensor ZeroOptimizer::master_piece(int id) const {
-  return master_.tensor(shard_offsets_[size_t(id)], {pieces_[size_t(id)].elems()});
+Tensor DistributedOptimizer::master_piece(int id) const {
+  const Buffer& b = config_.stage == 0 ? params_.values() : master_;
+  return b.tensor(shard_offsets_[size_t(id)], {pieces_[size_t(id)].elems()});
 }
 
-Tensor ZeroOptimizer::grad_piece(int id) const {
+Tensor DistributedOptimizer::grad_piece(int id) const {
+  if (config_.stage == 0) {
+    // Every rank of the group holds the reduced whole gradient: its rows over the group.
+    const Communicator& c = comm_of(id);
+    const RowPiece pc = row_piece(params_.info(id).shape, c.rank(), c.size());
+    return params_.grads().tensor(params_.info(id).offset + pc.elem_begin(), {pc.elems()});
+  }
   const RowPiece& pc = pieces_[size_t(id)];
   if (config_.stage == 1) return params_.grads().tensor(params_.info(id).offset + pc.elem_begin(), {pc.elems()});
   return grad_shard_.tensor(shard_offsets_[size_t(id)], {pc.elems()});
 }
 
-int64_t ZeroOptimizer::gathered_bytes(int id) const {
+int64_t DistributedOptimizer::gathered_bytes(int id) const {
   // The fp32 weight and, in mixed precision, its compute copy.
   const int64_t per = 4 + (params_.has_compute_copy() ? int64_t(dtype_size(params_.compute_dtype())) : 0);
   return params_.info(id).numel() * per;
 }
 
-void ZeroOptimizer::account_gathered(int64_t delta) {
+void DistributedOptimizer::account_gathered(int64_t delta) {
   gathered_bytes_ += delta;
   gathered_peak_ = std::max(gathered_peak_, gathered_bytes_);
   memory_account(params_.device().type, MemCategory::GatheredParameters, delta);
 }
 
-void ZeroOptimizer::account_transient(int64_t delta) {
+void DistributedOptimizer::account_transient(int64_t delta) {
   transient_bytes_ += delta;
   transient_peak_ = std::max(transient_peak_, transient_bytes_);
   memory_account(params_.device().type, MemCategory::Gradients, delta);
@@ -157,7 +196,8 @@ void ZeroOptimizer::account_transient(int64_t delta) {
 
 // ---- whole weights ----------------------------------------------------------------------
 
-void ZeroOptimizer::adopt_weights() {
+void DistributedOptimizer::adopt_weights() {
+  if (config_.stage == 0) return;  // the weights are the masters
   for (int id = 0; id < params_.size(); ++id) {
     const RowPiece& pc = pieces_[size_t(id)];
     if (pc.elems() == 0) continue;
@@ -166,7 +206,11 @@ void ZeroOptimizer::adopt_weights() {
   publish_weights();
 }
 
-void ZeroOptimizer::publish_weights() {
+void DistributedOptimizer::publish_weights() {
+  if (config_.stage == 0) {
+    params_.refresh_compute();
+    return;
+  }
   if (config_.stage < 3) {
     gather_whole(/*persistent_only=*/false);
     return;
@@ -181,7 +225,7 @@ void ZeroOptimizer::publish_weights() {
   gather_whole(/*persistent_only=*/true);
 }
 
-void ZeroOptimizer::gather_whole(bool persistent_only) {
+void DistributedOptimizer::gather_whole(bool persistent_only) {
   // Launched in groups of up to allgather_bucket_size elements, each group waited before the
   // next starts.
   std::vector<int> group;
@@ -204,7 +248,7 @@ void ZeroOptimizer::gather_whole(bool persistent_only) {
   if (config_.stage < 3) params_.refresh_compute();
 }
 
-void ZeroOptimizer::launch_gather(int id) {
+void DistributedOptimizer::launch_gather(int id) {
   if (config_.stage == 3) {
     launch_gathers({id});
     return;
@@ -212,7 +256,7 @@ void ZeroOptimizer::launch_gather(int id) {
   launch_gather_in_place(id);
 }
 
-void ZeroOptimizer::launch_gather_in_place(int id) {
+void DistributedOptimizer::launch_gather_in_place(int id) {
   // This rank's piece goes to its place in the whole weights first (from the masters, or the
   // pieces at rest on the device) and the whole tensor is gathered in place.
   const ParamInfo& p = params_.info(id);
@@ -231,7 +275,7 @@ void ZeroOptimizer::launch_gather_in_place(int id) {
   }
 }
 
-Buffer ZeroOptimizer::take_buffer(const char* label, DType dtype, int64_t numel) {
+Buffer DistributedOptimizer::take_buffer(const char* label, DType dtype, int64_t numel) {
   numel = std::max<int64_t>(numel, 1);
   // The smallest free one that holds numel elements of dtype.
   size_t best = free_buffers_.size();
@@ -247,11 +291,11 @@ Buffer ZeroOptimizer::take_buffer(const char* label, DType dtype, int64_t numel)
   return b;
 }
 
-void ZeroOptimizer::give_back(Buffer&& b) {
+void DistributedOptimizer::give_back(Buffer&& b) {
   if (b.allocated()) free_buffers_.push_back(std::move(b));
 }
 
-void ZeroOptimizer::launch_gathers(const std::vector<int>& ids) {
+void DistributedOptimizer::launch_gathers(const std::vector<int>& ids) {
   // One collective per run of small parameters that share a communicator; a large one (or one
   // alone) in place.
   size_t from = 0;
@@ -304,7 +348,7 @@ void ZeroOptimizer::launch_gathers(const std::vector<int>& ids) {
   }
 }
 
-void ZeroOptimizer::unpack(GatherGroup& g) {
+void DistributedOptimizer::unpack(GatherGroup& g) {
   // The packed buffer holds rank 0's pieces of every parameter, then rank 1's, ...: each goes
   // to its rows of the whole weights.
   Communicator& comm = comm_of(g.ids.front());
@@ -321,7 +365,7 @@ void ZeroOptimizer::unpack(GatherGroup& g) {
   }
 }
 
-void ZeroOptimizer::wait_gather(int id) {
+void DistributedOptimizer::wait_gather(int id) {
   if (gathers_[size_t(id)].valid()) {
     const auto t0 = Clock::now();
     gathers_[size_t(id)].wait();
@@ -347,7 +391,7 @@ void ZeroOptimizer::wait_gather(int id) {
   }
 }
 
-void ZeroOptimizer::release_param(int id) {
+void DistributedOptimizer::release_param(int id) {
   wait_gather(id);
   const ParamInfo& p = params_.info(id);
   params_.values().release_range(p.offset, p.numel());
@@ -357,7 +401,7 @@ void ZeroOptimizer::release_param(int id) {
   live_elems_ -= p.numel();
 }
 
-void ZeroOptimizer::gather_all() {
+void DistributedOptimizer::gather_all() {
   if (config_.stage < 3) return;
   // In groups of up to allgather_bucket_size elements, each waited before the next starts.
   std::vector<int> group;
@@ -380,7 +424,7 @@ void ZeroOptimizer::gather_all() {
   for (int id = 0; id < params_.size(); ++id) wait_gather(id);
 }
 
-void ZeroOptimizer::release_unused() {
+void DistributedOptimizer::release_unused() {
   if (config_.stage < 3) return;
   for (int id = 0; id < params_.size(); ++id) {
     if (!persistent_[size_t(id)] && uses_[size_t(id)] == 0 && state_[size_t(id)] != State::Released) release_param(id);
@@ -389,7 +433,7 @@ void ZeroOptimizer::release_unused() {
 
 // ---- stage 3: the model's uses -----------------------------------------------------------
 
-void ZeroOptimizer::before_use(int first, int last) {
+void DistributedOptimizer::before_use(int first, int last) {
   if (config_.stage < 3) return;
   bool prefetch = false;
   if (in_step_) {
@@ -416,7 +460,7 @@ void ZeroOptimizer::before_use(int first, int last) {
   if (prefetch) prefetch_after(trace_pos_);
 }
 
-void ZeroOptimizer::prefetch_after(size_t pos) {
+void DistributedOptimizer::prefetch_after(size_t pos) {
   // The parameters the next uses need, in order, until stage3_prefetch_bucket_size elements are
   // gathered ahead: those a previous prefetch already brought count against it, so the window
   // ahead stays bounded however many uses there are.
@@ -443,7 +487,7 @@ void ZeroOptimizer::prefetch_after(size_t pos) {
   }
 }
 
-void ZeroOptimizer::after_use(int first, int last) {
+void DistributedOptimizer::after_use(int first, int last) {
   if (config_.stage < 3) return;
   for (int id = first; id <= last; ++id) {
     DS_CHECK(uses_[size_t(id)] > 0, "ZeRO-3: '{}' released more often than it was used", params_.info(id).name);
@@ -453,7 +497,7 @@ void ZeroOptimizer::after_use(int first, int last) {
 
 // ---- gradients ----------------------------------------------------------------------------
 
-void ZeroOptimizer::begin_step() {
+void DistributedOptimizer::begin_step() {
   in_step_ = true;
   trace_pos_ = 0;
   first_micro_ = true;
@@ -464,7 +508,7 @@ void ZeroOptimizer::begin_step() {
   stats_before_.clear();
   for (Communicator* c : comms_.distinct()) stats_before_.push_back(c->stats());
   reset_peaks();
-  if (config_.stage == 1) {
+  if (config_.stage <= 1) {
     params_.zero_grads();
   } else {
     // Whole gradients are handed back as they are reduced; the shard restarts from zero.
@@ -473,7 +517,7 @@ void ZeroOptimizer::begin_step() {
   }
 }
 
-void ZeroOptimizer::begin_forward() {
+void DistributedOptimizer::begin_forward() {
   if (config_.stage < 2) return;
   if (!first_forward_) {
     flush_pending_grads();
@@ -482,7 +526,8 @@ void ZeroOptimizer::begin_forward() {
   first_forward_ = false;
 }
 
-void ZeroOptimizer::begin_micro_step(bool) {
+void DistributedOptimizer::begin_micro_step(bool last) {
+  if (reducer_) reducer_->begin_micro_step(last);
   if (config_.stage < 2) return;
   if (!first_micro_) {
     // The gradients reduced so far must be done (and their memory handed back) before this
@@ -494,7 +539,8 @@ void ZeroOptimizer::begin_micro_step(bool) {
   first_micro_ = false;
 }
 
-void ZeroOptimizer::grad_ready(int first, int last) {
+void DistributedOptimizer::grad_ready(int first, int last) {
+  if (reducer_) reducer_->grad_ready(first, last);
   if (config_.stage < 2) return;
   for (int id = first; id <= last; ++id) {
     const ParamInfo& p = params_.info(id);
@@ -506,7 +552,7 @@ void ZeroOptimizer::grad_ready(int first, int last) {
   if (config_.overlap_comm && pending_elems_ >= config_.reduce_bucket_size) flush_pending_grads();
 }
 
-void ZeroOptimizer::flush_pending_grads() {
+void DistributedOptimizer::flush_pending_grads() {
   if (pending_grads_.empty()) return;
   // One collective per run of parameters that share a communicator, in the order they came.
   std::vector<int> bucket;
@@ -527,7 +573,7 @@ void ZeroOptimizer::flush_pending_grads() {
   retire_reductions(/*wait_all=*/false);
 }
 
-void ZeroOptimizer::launch_reduce(const std::vector<int>& ids) {
+void DistributedOptimizer::launch_reduce(const std::vector<int>& ids) {
   Communicator& comm = comm_of(ids.front());
   const int n = comm.size(), me = comm.rank();
   // Rank-major packing: rank r's pieces of every parameter of the bucket, in bucket order.
@@ -587,7 +633,7 @@ void ZeroOptimizer::launch_reduce(const std::vector<int>& ids) {
   ++buckets_;
 }
 
-void ZeroOptimizer::retire_reductions(bool wait_all) {
+void DistributedOptimizer::retire_reductions(bool wait_all) {
   const auto t0 = Clock::now();
   size_t kept = 0;
   for (size_t i = 0; i < reductions_.size(); ++i) {
@@ -620,14 +666,14 @@ void ZeroOptimizer::retire_reductions(bool wait_all) {
   if (wait_all) exposed_seconds_ += seconds_since(t0);
 }
 
-ReduceTimings ZeroOptimizer::finish() {
+ReduceTimings DistributedOptimizer::finish() {
   ReduceTimings t;
-  if (config_.stage == 1) {
-    // The whole gradients were all-reduced by the GradReducer, which reports its own time.
+  if (config_.stage <= 1) {
+    // The whole gradients, all-reduced by the GradReducer.
     recording_ = false;
     in_step_ = false;
     exposed_seconds_ = 0;
-    return t;
+    return reducer_->finish();
   }
   if (config_.stage >= 2) {
     flush_pending_grads();
@@ -650,19 +696,33 @@ ReduceTimings ZeroOptimizer::finish() {
   return t;
 }
 
-double ZeroOptimizer::local_grad_sum_squares(const std::vector<char>& counted) const {
+double DistributedOptimizer::local_grad_sum_squares(const std::vector<char>& counted) const {
   if (config_.stage >= 2 && counted.empty()) {
     return ops::read_sum_squares(grad_shard_.tensor());  // the padding between pieces is zero
   }
+  // One read per run of counted pieces that lie end to end (stage 0 on one rank: the whole
+  // gradient buffer in one), not one per parameter: on a device each read waits for it.
+  const Buffer& buf = config_.stage >= 2 ? grad_shard_ : params_.grads();
   double local = 0;
+  int64_t run_begin = 0, run_end = 0;
+  auto flush = [&] {
+    if (run_end > run_begin) local += ops::read_sum_squares(buf.tensor(run_begin, {run_end - run_begin}));
+    run_begin = run_end = 0;
+  };
   for (int id = 0; id < params_.size(); ++id) {
     if (!counted.empty() && !counted[size_t(id)]) continue;
-    if (pieces_[size_t(id)].elems()) local += ops::read_sum_squares(grad_piece(id));
+    const Tensor g = grad_piece(id);
+    if (g.numel() == 0) continue;
+    const int64_t begin = (static_cast<const float*>(g.raw()) - static_cast<const float*>(buf.tensor().raw()));
+    const int64_t end = begin + g.numel();
+    if (begin != run_end) flush(), run_begin = begin;
+    run_end = end;
   }
+  flush();
   return local;
 }
 
-double ZeroOptimizer::grad_norm() {
+double DistributedOptimizer::grad_norm() {
   DS_CHECK(comms_.shared(), "ZeRO: the gradient norm of groups sharded over different communicators needs the "
            "caller's count (local_grad_sum_squares)");
   return std::sqrt(comms_.comm(ParamGroup::Dense).all_reduce_value(local_grad_sum_squares({})));
@@ -670,8 +730,20 @@ double ZeroOptimizer::grad_norm() {
 
 // ---- the update ---------------------------------------------------------------------------
 
-void ZeroOptimizer::step(double lr, double grad_scale) {
+void DistributedOptimizer::step(double lr, double grad_scale) {
   ops::AdamWStep s = adamw_.step_params(++step_, lr, grad_scale);
+  if (config_.stage == 0) {
+    // The whole local weights from the whole reduced gradients, the compute copy (when there is
+    // one) written in the same pass.
+    for (const ParamInfo& p : params_.all()) {
+      if (!p.trainable) continue;  // updated by its own rule (routing biases)
+      s.weight_decay = float(adamw_.weight_decay_of(p));
+      ops::adamw_update(params_.values().tensor(p.offset, p.shape), params_.grads().tensor(p.offset, p.shape),
+                        exp_avg_.tensor(p.offset, p.shape), exp_avg_sq_.tensor(p.offset, p.shape),
+                        params_.has_compute_copy() ? params_.compute_values().tensor(p.offset, p.shape) : Tensor(), s);
+    }
+    return;
+  }
   const bool host = config_.offloads_optimizer();
   for (int id = 0; id < params_.size(); ++id) {
     const ParamInfo& p = params_.info(id);
@@ -701,7 +773,8 @@ void ZeroOptimizer::step(double lr, double grad_scale) {
   gather_whole(/*persistent_only=*/true);
 }
 
-void ZeroOptimizer::take_rule_update(int id) {
+void DistributedOptimizer::take_rule_update(int id) {
+  if (config_.stage == 0) return;  // the rule wrote the masters themselves
   const RowPiece& pc = pieces_[size_t(id)];
   if (pc.elems() == 0) return;
   DS_CHECK(state_[size_t(id)] != State::Released, "ZeRO: '{}' was updated by a rule while not whole",
@@ -711,13 +784,13 @@ void ZeroOptimizer::take_rule_update(int id) {
   if (device_shard_.allocated()) ops::copy(device_shard_.tensor(shard_offsets_[size_t(id)], {pc.elems()}), whole);
 }
 
-int64_t ZeroOptimizer::count_non_finite() {
-  return ops::read_count_non_finite(master_.tensor()) + ops::read_count_non_finite(exp_avg_.tensor()) +
+int64_t DistributedOptimizer::count_non_finite() {
+  return ops::read_count_non_finite(master().tensor()) + ops::read_count_non_finite(exp_avg_.tensor()) +
          ops::read_count_non_finite(exp_avg_sq_.tensor());
 }
 
-void ZeroOptimizer::gather_state(Tensor values, Tensor exp_avg, Tensor exp_avg_sq) {
-  const Buffer* shards[3] = {&master_, &exp_avg_, &exp_avg_sq_};
+void DistributedOptimizer::gather_state(Tensor values, Tensor exp_avg, Tensor exp_avg_sq) {
+  const Buffer* shards[3] = {&master(), &exp_avg_, &exp_avg_sq_};
   const Tensor full[3] = {values, exp_avg, exp_avg_sq};
   for (int k = 0; k < 3; ++k) {
     DS_CHECK(full[k].numel() >= params_.flat_numel(), "ZeRO::gather_state: {} elements for a local layout of {}",
@@ -737,6 +810,10 @@ void ZeroOptimizer::gather_state(Tensor values, Tensor exp_avg, Tensor exp_avg_s
     const int64_t n = pieces_[size_t(id)].elems();
     if (!group.empty() && group_elems + 3 * p.numel() > config_.allgather_bucket_size) wait_group();
     for (int k = 0; k < 3; ++k) {
+      if (config_.stage == 0) {  // every rank holds the whole local tensors
+        ops::copy(full[k].slice(p.offset, p.offset + p.numel()), shards[k]->tensor(p.offset, {p.numel()}));
+        continue;
+      }
       group.push_back(comm_of(id).all_gather_v_async(full[k].slice(p.offset, p.offset + p.numel()),
                                                      shards[k]->tensor(shard_offsets_[size_t(id)], {n}), counts(id)));
     }
@@ -745,8 +822,8 @@ void ZeroOptimizer::gather_state(Tensor values, Tensor exp_avg, Tensor exp_avg_s
   wait_group();
 }
 
-void ZeroOptimizer::scatter_state(Tensor values, Tensor exp_avg, Tensor exp_avg_sq) {
-  Buffer* shards[3] = {&master_, &exp_avg_, &exp_avg_sq_};
+void DistributedOptimizer::scatter_state(Tensor values, Tensor exp_avg, Tensor exp_avg_sq) {
+  Buffer* shards[3] = {&master(), &exp_avg_, &exp_avg_sq_};
   const Tensor full[3] = {values, exp_avg, exp_avg_sq};
   for (int k = 0; k < 3; ++k) {
     if (full[k].numel() == 0) continue;
@@ -761,7 +838,7 @@ void ZeroOptimizer::scatter_state(Tensor values, Tensor exp_avg, Tensor exp_avg_
   }
 }
 
-ZeroMemory ZeroOptimizer::memory() const {
+ZeroMemory DistributedOptimizer::memory() const {
   ZeroMemory m;
   m.master = int64_t(master_.nbytes() + device_shard_.nbytes());
   m.optimizer = int64_t(exp_avg_.nbytes() + exp_avg_sq_.nbytes());
@@ -783,7 +860,7 @@ ZeroMemory ZeroOptimizer::memory() const {
   return m;
 }
 
-void ZeroOptimizer::reset_peaks() {
+void DistributedOptimizer::reset_peaks() {
   gathered_peak_ = gathered_bytes_;
   transient_peak_ = transient_bytes_;
 }

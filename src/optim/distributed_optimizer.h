@@ -1,5 +1,8 @@
-// ZeRO (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
-// Models", 2020) over the parameter registry's flat buffers, with DeepSpeed's configuration.
+// The distributed optimizer: AdamW over the parameter registry's flat buffers, with its
+// gradients reduced and its state sharded as DeepSpeed's zero_optimization block says (ZeRO:
+// Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+// 2020). Every stage is one type behind the model's parameter hooks: stage 0 is the shard of
+// one (each rank holds and steps its whole local pieces), stages 1-3 shard more.
 //
 // Partition. Every parameter's local piece (what this rank holds after the tensor, pipeline and
 // expert splits: the whole tensor without them) is split by rows over the data-parallel ranks of
@@ -12,9 +15,12 @@
 // checkpoint is each rank writing its own; with them, checkpoints go through gather_state and
 // scatter_state (the full local layout) and the tensor, pipeline and expert staging.
 //
-// Stages (the paper's P_os, P_os+g, P_os+g+p):
-//   1  the whole gradients are all-reduced (GradReducer, overlapped with the backward); each
-//      rank steps its pieces and the whole weights are all-gathered from the pieces;
+// Stages (the paper's baseline, P_os, P_os+g, P_os+g+p):
+//   0  nothing is sharded: the pieces are the whole local tensors, the registry's fp32 weights
+//      are the masters (no copy) and the moments mirror its layout; the gradients are
+//      all-reduced (a GradReducer, overlapped with the backward) and every rank steps them all;
+//   1  the whole gradients are all-reduced the same way; each rank steps its pieces and the
+//      whole weights are all-gathered from the pieces;
 //   2  the gradients are reduce-scattered instead, per parameter as the backward finishes it,
 //      into the gradient shard; the whole-model gradient buffer is reserved address space
 //      whose pages are handed back as soon as a parameter's reduction is done, so only the
@@ -85,23 +91,27 @@ struct ZeroMemory {
   int64_t comm_buffers = 0;
 };
 
-class ZeroOptimizer final : public ParamHooks {
+class DistributedOptimizer final : public ParamHooks {
  public:
   // `params` is allocated (whole, as the model made it). `comms` names the data-parallel
-  // communicator over which each parameter group is sharded. comm_dtype (DeepSpeed's
-  // communication_data_type): at stages 2 and 3, BF16 or F16 reduce-scatters each gradient in
-  // that type (summed in fp32 per addition and rounded, as MpiCommunicator's 16-bit sum does)
-  // and adds the result to the fp32 shard; stage 1's all-reduce is the GradReducer's.
-  ZeroOptimizer(const ZeroConfig& config, const AdamWConfig& adamw, ParamRegistry& params,
+  // communicator over which each parameter group is reduced and sharded. comm_dtype
+  // (DeepSpeed's communication_data_type): at stages 2 and 3, BF16 or F16 reduce-scatters each
+  // gradient in that type (summed in fp32 per addition and rounded, as MpiCommunicator's 16-bit
+  // sum does) and adds the result to the fp32 shard; at stages 0 and 1 the GradReducer's
+  // all-reduce runs in it.
+  DistributedOptimizer(const ZeroConfig& config, const AdamWConfig& adamw, ParamRegistry& params,
                 const ParamGroupComms& comms, DType comm_dtype = DType::F32);
-  ~ZeroOptimizer() override;
-  ZeroOptimizer(const ZeroOptimizer&) = delete;
-  ZeroOptimizer& operator=(const ZeroOptimizer&) = delete;
+  ~DistributedOptimizer() override;
+  DistributedOptimizer(const DistributedOptimizer&) = delete;
+  DistributedOptimizer& operator=(const DistributedOptimizer&) = delete;
 
   int stage() const { return int(config_.stage); }
   const ZeroConfig& config() const { return config_; }
   const AdamWConfig& adamw() const { return adamw_; }
-  // This rank's piece of parameter id, and where it starts in the shard buffers.
+  // Whether the gradients end reduced into the shard (stages 2 and 3) rather than whole.
+  bool reduces_into_shard() const { return config_.stage >= 2; }
+  // This rank's piece of parameter id, and where it starts in the shard buffers (stage 0: the
+  // whole local tensor, at its offset in the registry).
   const RowPiece& piece(int id) const { return pieces_[size_t(id)]; }
   int64_t shard_offset(int id) const { return shard_offsets_[size_t(id)]; }
   const std::vector<int64_t>& shard_offsets() const { return shard_offsets_; }
@@ -129,8 +139,11 @@ class ZeroOptimizer final : public ParamHooks {
   // the MTP modules' are formed as soon as their losses are), so every reduction of the
   // micro-steps before is completed (and its gradients zeroed) first.
   void begin_forward();
-  // Before each micro-step's backward; `last` is true for the step's last one.
+  // Before each micro-step's backward; `last` is true for the step's last one (stages 0 and 1
+  // communicate only then).
   void begin_micro_step(bool last);
+  // Stages 0 and 1: the all-reduce of the whole gradients (its buckets); null at stages 2-3.
+  const GradReducer* reducer() const { return reducer_.get(); }
   void before_use(int first, int last) override;
   void after_use(int first, int last) override;
   void grad_ready(int first, int last) override;
@@ -145,7 +158,8 @@ class ZeroOptimizer final : public ParamHooks {
   // one rank (not a pipeline copy, one tensor rank of a replicated parameter) and sums over the
   // world. Not collective.
   double local_grad_sum_squares(const std::vector<char>& counted) const;
-  // This rank's reduced gradient piece of parameter id (stage 1: in the whole gradients).
+  // This rank's reduced gradient piece of parameter id: its rows over the group's communicator
+  // (stages 0 and 1: in the whole gradients, which every rank of the group holds alike).
   Tensor grad_piece(int id) const;
   // The communicator parameter id is sharded over.
   Communicator& comm_of(int id) const { return *comm_of_[size_t(id)]; }
@@ -171,8 +185,9 @@ class ZeroOptimizer final : public ParamHooks {
   int64_t steps_taken() const { return step_; }
   void set_steps_taken(int64_t s) { step_ = s; }
 
-  // The shard buffers, in the layout of shard_offset(): what checkpoints write and read.
-  Buffer& master() { return master_; }
+  // The shard buffers, in the layout of shard_offset(): what checkpoints write and read (stage
+  // 0: the registry's weights are the masters).
+  Buffer& master() { return config_.stage == 0 ? params_.values() : master_; }
   Buffer& exp_avg() { return exp_avg_; }
   Buffer& exp_avg_sq() { return exp_avg_sq_; }
   // Non-finite values in this rank's masters and moments (the caller reduces over ranks).
@@ -243,7 +258,8 @@ class ZeroOptimizer final : public ParamHooks {
   std::vector<int64_t> shard_offsets_;
   std::vector<char> persistent_;
   int64_t shard_numel_ = 0;
-  Buffer master_, exp_avg_, exp_avg_sq_;
+  Buffer master_, exp_avg_, exp_avg_sq_;  // master_: stages 1-3
+  std::unique_ptr<GradReducer> reducer_;  // stages 0 and 1
   Buffer grad_shard_;     // stages 2 and 3 (on the device)
   Buffer host_grads_;     // offload: the gradient pieces on the host
   Buffer device_shard_;   // offload at stage 3 without offload_param: the pieces at rest on the device
