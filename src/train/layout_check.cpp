@@ -111,4 +111,37 @@ std::vector<std::string> CheckedLayout::describe(const RunConfig& config) const 
   return out;
 }
 
+double model_state_bytes_per_rank(const RunConfig& config, int64_t dp) {
+  // Tensor parallelism splits (nearly) every parameter over the tensor group, except the routed
+  // experts, which expert parallelism splits over the expert group; pipeline parallelism splits
+  // the layers over the stages (evenly, in this estimate). ZeRO shards the dense parameters over
+  // the data axis and the routed experts over the ranks holding the same experts.
+  const ModelConfig& mc = config.model;
+  double routed = 0;
+  for (int64_t l = 0; l < mc.num_hidden_layers + mc.num_nextn_predict_layers; ++l) {
+    if (mc.is_moe_layer(l)) routed += 3.0 * double(mc.n_routed_experts * mc.moe_intermediate_size * mc.hidden_size);
+  }
+  const double tp = double(std::max<int64_t>(config.parallel.tensor, 1));
+  const double pp = double(std::max<int64_t>(config.parallel.pipeline, 1));
+  const double ep = double(std::max<int64_t>(config.parallel.expert, 1));
+  const double dense = (double(mc.num_parameters()) - routed) / tp / pp, experts = routed / ep / pp;
+  const double params = dense + experts;
+  const double n = double(std::max<int64_t>(dp, 1)), n_experts = std::max(n / ep, 1.0);
+  const double sharded = dense / n + experts / n_experts;
+  const PrecisionConfig& pc = config.train.precision;
+  // Whole weights (4) and their 16-bit compute copy; gradients (4) and a 16-bit all-reduce's
+  // wire buffer; fp32 masters and AdamW's two moments (12, the ZeRO paper's K). Stage 0 keeps
+  // the weights as the masters (16 bytes in all); ZeRO shards the masters and moments (stage
+  // 1), the gradients (2) and the weights (3) over the data-parallel ranks.
+  const double compute = pc.compute_dtype() != DType::F32 ? 2 : 0;
+  const double wire = pc.communication_dtype() != DType::F32 ? 2 : 0;
+  // (Stages 2 and 3 hold 16-bit wire copies only of the gradients being reduced.)
+  switch (config.train.zero.stage) {
+    case 0: return params * (16 + compute + wire);
+    case 1: return params * (4 + compute + 4 + wire) + 12 * sharded;
+    case 2: return params * (4 + compute) + 16 * sharded;
+    default: return 16 * sharded;
+  }
+}
+
 }  // namespace dstrain

@@ -29,4 +29,11 @@ struct CheckedLayout {
 // rank) for a job of `world` ranks, then checks every axis. Throws Error on the first problem.
 CheckedLayout check_layout(RunConfig& config, int world);
 
+// Bytes per rank of the weights, gradients and AdamW state at the configured precision and
+// ZeRO stage over `dp` data-parallel ranks (the ZeRO paper's (2 + 2 + K)Psi and its sharded
+// forms, with dstrain's fp32 weights and gradients), with the model split over the tensor,
+// pipeline (evenly) and expert axes: what the run checks against the memory budget before it
+// allocates anything, and what `dstrain validate` reports.
+double model_state_bytes_per_rank(const RunConfig& config, int64_t dp);
+
 }  // namespace dstrain

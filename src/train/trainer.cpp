@@ -1,181 +1,20 @@
 #include "train/trainer.h"
 
-#include <chrono>
-#include <fcntl.h>
-#include <sys/resource.h>
-#include <sys/stat.h>
-#include <unistd.h>
-#include <xxhash.h>
-
-#include <cmath>
 #include <csignal>
-#include <cstring>
-#include <thread>
+#include <chrono>
+#include <cmath>
 #include <filesystem>
-#include <map>
-#include <optional>
-#include <set>
+#include <thread>
 
+#include "backend/cuda_device.h"
+#include "backend/ops.h"
 #include "core/clock.h"
 #include "core/log.h"
-#include "backend/cuda_device.h"
 #include "distributed/routed_comm.h"
-#include "io/checkpoint.h"
-#include "io/hf_weights.h"
-#include "io/sharded_model_state.h"
-#include "backend/ops.h"
-#include "train/generate.h"
 #include "train/layout_check.h"
+#include "train/startup_checks.h"
 
 namespace dstrain {
-namespace {
-
-Tensor tokens_tensor(std::vector<int32_t>& v, int64_t B, int64_t T) { return Tensor(v.data(), DType::I32, Shape{B, T}); }
-
-}  // namespace
-
-double model_state_bytes_per_rank(const RunConfig& config, int64_t dp) {
-  // Tensor parallelism splits (nearly) every parameter over the tensor group, except the routed
-  // experts, which expert parallelism splits over the expert group; pipeline parallelism splits
-  // the layers over the stages (evenly, in this estimate). ZeRO shards the dense parameters over
-  // the data axis and the routed experts over the ranks holding the same experts.
-  const ModelConfig& mc = config.model;
-  double routed = 0;
-  for (int64_t l = 0; l < mc.num_hidden_layers + mc.num_nextn_predict_layers; ++l) {
-    if (mc.is_moe_layer(l)) routed += 3.0 * double(mc.n_routed_experts * mc.moe_intermediate_size * mc.hidden_size);
-  }
-  const double tp = double(std::max<int64_t>(config.parallel.tensor, 1));
-  const double pp = double(std::max<int64_t>(config.parallel.pipeline, 1));
-  const double ep = double(std::max<int64_t>(config.parallel.expert, 1));
-  const double dense = (double(mc.num_parameters()) - routed) / tp / pp, experts = routed / ep / pp;
-  const double params = dense + experts;
-  const double n = double(std::max<int64_t>(dp, 1)), n_experts = std::max(n / ep, 1.0);
-  const double sharded = dense / n + experts / n_experts;
-  const PrecisionConfig& pc = config.train.precision;
-  // Whole weights (4) and their 16-bit compute copy; gradients (4) and a 16-bit all-reduce's
-  // wire buffer; fp32 masters and AdamW's two moments (12, the ZeRO paper's K). Stage 0 keeps
-  // the weights as the masters (16 bytes in all); ZeRO shards the masters and moments (stage
-  // 1), the gradients (2) and the weights (3) over the data-parallel ranks.
-  const double compute = pc.compute_dtype() != DType::F32 ? 2 : 0;
-  const double wire = pc.communication_dtype() != DType::F32 ? 2 : 0;
-  // (Stages 2 and 3 hold 16-bit wire copies only of the gradients being reduced.)
-  switch (config.train.zero.stage) {
-    case 0: return params * (16 + compute + wire);
-    case 1: return params * (4 + compute + 4 + wire) + 12 * sharded;
-    case 2: return params * (4 + compute) + 16 * sharded;
-    default: return 16 * sharded;
-  }
-}
-
-namespace {
-
-// The flat buffers a checkpoint writes or reads (weights and AdamW moments), where the host can
-// reach them: the buffers themselves in a run on the host; host copies in a run on a device,
-// sent back by write_back() after a read. A moment tensor may be undefined (none).
-class HostState {
- public:
-  HostState(Tensor values, Tensor exp_avg, Tensor exp_avg_sq) {
-    values_.emplace(values);
-    if (exp_avg.defined()) exp_avg_.emplace(exp_avg);
-    if (exp_avg_sq.defined()) exp_avg_sq_.emplace(exp_avg_sq);
-  }
-  float* values() const { return values_->data<float>(); }
-  float* exp_avg() const { return exp_avg_ ? exp_avg_->data<float>() : nullptr; }
-  float* exp_avg_sq() const { return exp_avg_sq_ ? exp_avg_sq_->data<float>() : nullptr; }
-  void write_back() const {
-    values_->write_back();
-    if (exp_avg_) exp_avg_->write_back();
-    if (exp_avg_sq_) exp_avg_sq_->write_back();
-  }
-
- private:
-  std::optional<ops::HostView> values_, exp_avg_, exp_avg_sq_;
-};
-
-// The optimizer's state where checkpoints write and read it: the whole local weights and moments
-// (stage 0), or every rank its own rows of every tensor (ZeRO).
-HostState optimizer_host_state(DistributedOptimizer& z) {
-  return HostState(z.master().tensor(), z.exp_avg().tensor(), z.exp_avg_sq().tensor());
-}
-
-CheckpointBuffers zero_checkpoint_buffers(DistributedOptimizer& z, const HostState& h) {
-  CheckpointBuffers b;
-  b.values = h.values();
-  b.exp_avg = h.exp_avg();
-  b.exp_avg_sq = h.exp_avg_sq();
-  b.piece_offsets = std::make_shared<const std::vector<int64_t>>(z.shard_offsets());
-  b.numel = z.shard_numel();
-  return b;
-}
-
-CheckpointTargets zero_checkpoint_targets(DistributedOptimizer& z, const HostState& h) {
-  CheckpointTargets t;
-  t.values = h.values();
-  t.exp_avg = h.exp_avg();
-  t.exp_avg_sq = h.exp_avg_sq();
-  t.piece_offsets = std::make_shared<const std::vector<int64_t>>(z.shard_offsets());
-  return t;
-}
-
-// ZeRO's masters and moments in the registry's full local layout (on the masters' device, with
-// host views of them): what the tensor, pipeline and expert checkpoint staging reads and
-// writes. Gathered from every rank's pieces when `gather`.
-struct ZeroLocalState {
-  ZeroLocalState(DistributedOptimizer& z, int64_t numel, bool gather = true)
-      : values("checkpoint.zero_local_values", MemCategory::Checkpoint, DType::F32, numel, z.master().device()),
-        exp_avg("checkpoint.zero_local_exp_avg", MemCategory::Checkpoint, DType::F32, numel, z.master().device()),
-        exp_avg_sq("checkpoint.zero_local_exp_avg_sq", MemCategory::Checkpoint, DType::F32, numel,
-                   z.master().device()),
-        host(prepared(z, gather), exp_avg.tensor(), exp_avg_sq.tensor()) {}
-  Buffer values, exp_avg, exp_avg_sq;
-  HostState host;  // after the buffers: made from them once they are gathered
-
- private:
-  Tensor prepared(DistributedOptimizer& z, bool gather) {
-    if (gather) z.gather_state(values.tensor(), exp_avg.tensor(), exp_avg_sq.tensor());
-    return values.tensor();
-  }
-};
-
-// A model whose state per rank (model_state_bytes_per_rank) cannot fit the rank's memory
-// budget is an error that says so, before anything is allocated.
-void check_model_state_fits(const RunConfig& config, const ProcessGrid& grid) {
-  const double params = double(config.model.num_parameters());
-  const int64_t dp = grid.size(Axis::Data);
-  const double need = model_state_bytes_per_rank(config, dp);
-  const double budget = config.metrics.memory_budget_gb * 1e9;
-  const double have = budget > 0 ? budget : node_memory_bytes() / double(std::max(grid.local_size(), 1));
-  const int64_t stage = config.train.zero.stage;
-  auto count = [](double p) { return p >= 1e9 ? fmt::format("{:.2f}B", p / 1e9) : fmt::format("{:.2f}M", p / 1e6); };
-  auto size = [](double b) { return b >= 1e9 ? fmt::format("{:.1f} GB", b / 1e9) : fmt::format("{:.1f} MB", b / 1e6); };
-  DS_CHECK(have <= 0 || need < have,
-           "{}: the model has {} parameters, whose weights, gradients and AdamW state need {} per rank at ZeRO stage "
-           "{} over {} data-parallel rank(s) ({:.1f} bytes per parameter), more than the {} {}; {}",
-           config.source, count(params), size(need), stage, dp, need / params, size(have),
-           budget > 0 ? "of metrics.memory_budget_gb" : fmt::format("each of the {} rank(s) on this node has", grid.local_size()),
-           stage < 3 ? "shard more with zero_optimization.stage (up to 3), run more data-parallel ranks, or train a "
-                       "smaller model"
-                     : "run more data-parallel ranks or train a smaller model");
-}
-
-// Every rank must train the same thing: a rank whose resolved configuration differs from
-// rank 0's (another file, other overrides) is an error on every rank.
-void check_same_config(Communicator& world, const RunConfig& c) {
-  const std::string text = c.to_json().dump();
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char ch : text) h = (h ^ ch) * 1099511628211ull;
-  std::vector<uint64_t> all(static_cast<size_t>(world.size()));
-  world.all_gather(Tensor(all.data(), DType::U32, Shape{2 * world.size()}), Tensor(&h, DType::U32, Shape{2}));
-  for (int r = 1; r < world.size(); ++r) {
-    DS_CHECK(all[size_t(r)] == all[0],
-             "rank {}'s resolved configuration differs from rank 0's: every rank must be started with the same "
-             "config file and --set overrides",
-             r);
-  }
-}
-
-}  // namespace
-
 Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
     : config_(std::move(config)), grid_(use_device_communicators(grid, device)), dp_(grid.comm(Axis::Data)) {
   // The layout against the model and the batch (the checks `dstrain validate` runs).
@@ -191,69 +30,33 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
     if (grid_.world_rank() == 0) log::warn("{}", w);
   }
   check_model_state_fits(config_, grid_);
-  // Tensor parallelism: this rank's piece of the model, over the grid's tensor group.
-  const int tp = grid_.size(Axis::Tensor);
-  const bool sequence_parallel = layout.sequence_parallel;
+  // The model: this rank's tensor piece (over the tensor group), its routed experts (over the
+  // expert group, carved out of the data-parallel ranks) and its pipeline chunks.
+  const int tp = grid_.size(Axis::Tensor), ep = grid_.size(Axis::Expert), pp = grid_.size(Axis::Pipeline);
   tp_ = tp > 1 ? &grid_.comm(Axis::Tensor) : nullptr;
+  ep_ = ep > 1 ? &grid_.comm(Axis::Expert) : nullptr;
+  pp_ = pp > 1 ? &grid_.comm(Axis::Pipeline) : nullptr;
   ProcessGroups groups;
   groups.tp = tp_;
-  // Expert parallelism: the routed experts split over the expert group (carved out of the
-  // data-parallel ranks), tokens sent to their experts' owners by all-to-alls.
-  const int ep = grid_.size(Axis::Expert);
-  if (ep > 1) {
-    const ModelConfig& mc = config_.model;
-    ep_ = &grid_.comm(Axis::Expert);
-    groups.ep = ep_;
-    if (grid_.world_rank() == 0) {
-      // Group-limited routing (V2's device-limited, V3's node-limited) picks topk_group of the
-      // n_group expert groups per token; where the groups lie on whole ranks (or nodes) that
-      // bounds the ranks a token's rows are sent to.
-      const int64_t El = mc.n_routed_experts / ep, per_group = mc.n_routed_experts / mc.n_group;
-      std::string bound;
-      if (mc.topk_method != "greedy") {
-        // Ranks a group lies on (whole groups per rank: 1), when groups and ranks align.
-        const int64_t ranks = per_group % El == 0 ? per_group / El : El % per_group == 0 ? 1 : 0;
-        bound = ranks > 0 ? fmt::format("; {} of {} expert groups per token, each on {} rank(s): a token's rows go to "
-                                        "at most {} rank(s)",
-                                        mc.topk_group, mc.n_group, ranks,
-                                        std::min<int64_t>({int64_t(ep), mc.num_experts_per_tok, mc.topk_group * ranks}))
-                          : fmt::format("; {} of {} expert groups per token (the groups do not align with the ranks' "
-                                        "experts)",
-                                        mc.topk_group, mc.n_group);
-      }
-      log::info("expert parallelism: {} routed experts per MoE layer over {} ranks, {} per rank ({}){}",
-                mc.n_routed_experts, ep, El, ParamGroupComms::from_grid(grid_).describe(), bound);
-    }
-  }
-  // Pipeline parallelism: the stages, and this rank's chunks of them.
-  const int pp = grid_.size(Axis::Pipeline);
+  groups.ep = ep_;
   const ParallelConfig& par = config_.parallel;
-  std::vector<StageSpec> stages = layout.stages, chunks;
-  if (pp > 1) {
-    pp_ = &grid_.comm(Axis::Pipeline);
+  std::vector<StageSpec> chunks;
+  if (pp_) {
     schedule_ = make_schedule(par.schedule, par.schedule == "interleaved" ? int(par.virtual_stages) : 1);
-    chunks = rank_chunks(*schedule_, stages, grid_.coord(Axis::Pipeline), pp);
-    if (grid_.world_rank() == 0) {
-      log::info("pipeline: {} stages over {} ranks, schedule {}; {}", stages.size(), pp, schedule_->name(),
-                describe_stages(stages, piece_costs(config_.model, config_.data.seq_len)));
-    }
+    chunks = rank_chunks(*schedule_, layout.stages, grid_.coord(Axis::Pipeline), pp);
+  } else {
+    schedule_ = make_schedule(config_.train.micro_batch_schedule);
   }
   model_ = std::make_unique<Transformer>(
       config_.model, device,
       ShardSpec::tensor_parallel(config_.model, grid_.coord(Axis::Tensor), tp, grid_.coord(Axis::Expert), ep,
-                                 sequence_parallel),
+                                 layout.sequence_parallel),
       groups, chunks);
-  if (pp_) runner_ = std::make_unique<PipelineRunner>(*model_, *pp_, *schedule_, stages);
-  if (tp_) tp_stats_before_ = tp_->stats();
   // Checkpoints of global tensors from the tensor pieces, pipeline stages and expert owners.
   if (tp_ || pp_ || ep_) sharded_ckpt_ = std::make_unique<ShardedModelCheckpoint>(model_->params(), grid_);
   const ZeroConfig& zc = config_.train.zero;
   const PrecisionConfig& precision = config_.train.precision;
   scaler_ = std::make_unique<LossScaler>(precision.fp16_scaler, precision.fp16);
-  // The tensor group's partial gradients are summed before the data-parallel buckets see them.
-  tp_sync_ = std::make_unique<TensorParallelGradSync>(model_->params(), tp_);
-  if (zc.stage >= 2) tp_sync_->sum_every_micro_step();
-  if (tp_sync_->needed()) param_hooks_.add(*tp_sync_);
   // One optimizer for every stage: each rank reduces and (from stage 1) shards its local pieces
   // per parameter group, dense over the data axis, routed experts over the ranks holding the
   // same experts. Without other axes a ZeRO checkpoint splits every tensor over the world's
@@ -265,14 +68,33 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
            dp_.size(), grid_.world_size());
   optimizer_ = std::make_unique<DistributedOptimizer>(zc, config_.train.adamw, model_->params(),
                                                       ParamGroupComms::from_grid(grid_), precision.communication_dtype());
-  param_hooks_.add(*optimizer_);
-  if (zc.stage >= 1) log::info("{}", optimizer_->describe());
+  // The axes, in the order their gradient work runs: the tensor group's partial sums before the
+  // data-parallel reduction sees them (every micro-step at ZeRO stages 2 and 3, which reduce
+  // every micro-step), the pipeline's tied weights after it.
+  if (tp_) axes_.push_back(std::make_unique<TensorAxis>(*model_, *tp_, optimizer_->reduces_into_shard()));
+  if (ep_) {
+    axes_.push_back(std::make_unique<ExpertAxis>(
+        *ep_, describe_expert_layout(config_.model, ep, ParamGroupComms::from_grid(grid_).describe())));
+  }
+  axes_.push_back(std::make_unique<DataAxis>(*optimizer_));
+  if (pp_) {
+    runner_ = std::make_unique<PipelineRunner>(*model_, *pp_, *schedule_, layout.stages);
+    axes_.push_back(std::make_unique<PipelineAxis>(
+        *runner_, *pp_, schedule_->name(), *model_, *optimizer_,
+        fmt::format("pipeline: {} stages over {} ranks, schedule {}; {}", layout.stages.size(), pp, schedule_->name(),
+                    describe_stages(layout.stages, piece_costs(config_.model, config_.data.seq_len)))));
+  }
+  for (auto& axis : axes_) {
+    if (ParamHooks* h = axis->hooks()) param_hooks_.add(*h);
+    const std::string line = axis->describe();
+    if (grid_.world_rank() == 0 && !line.empty()) log::info("{}", line);
+  }
   if (runner_) {
+    // Each gradient goes to the hooks once every micro-batch has reported it.
     final_hooks_ = std::make_unique<FinalGradHooks>(param_hooks_, model_->params().size());
     model_->set_hooks(final_hooks_.get());
   } else {
     model_->set_hooks(&param_hooks_);
-    schedule_ = make_schedule(config_.train.micro_batch_schedule);
   }
   ckpt_ = std::make_unique<CheckpointManager>(config_.checkpoint, grid_);
   resolve_epochs();
@@ -294,243 +116,6 @@ void Trainer::resolve_epochs() {
             steps, tc.train_batch_size, per_epoch);
 }
 
-namespace {
-
-bool is_hdf5_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  char sig[8] = {};
-  in.read(sig, 8);
-  return in.gcount() == 8 && std::memcmp(sig, "\x89HDF\r\n\x1a\n", 8) == 0;
-}
-
-// Dotted keys whose values differ between two JSON objects.
-void json_diff(const json& a, const json& b, const std::string& prefix, std::vector<std::string>& out) {
-  if (a.is_object() && b.is_object()) {
-    std::set<std::string> keys;
-    for (const auto& [k, v] : a.items()) keys.insert(k);
-    for (const auto& [k, v] : b.items()) keys.insert(k);
-    for (const std::string& k : keys) {
-      const std::string path = prefix.empty() ? k : prefix + "." + k;
-      if (!a.contains(k) || !b.contains(k)) {
-        out.push_back(path);
-      } else {
-        json_diff(a.at(k), b.at(k), path, out);
-      }
-    }
-  } else if (a != b) {
-    out.push_back(prefix);
-  }
-}
-
-// "rank r (host h): value" for rank 0 and the ranks whose value differs from rank 0's, the
-// first few of them: a job of a thousand ranks must not bury the message.
-std::string differing_ranks(const std::vector<std::string>& values, const std::vector<std::string>& hosts) {
-  constexpr int kShown = 8;
-  std::string lines;
-  int shown = 0, more = 0;
-  for (size_t r = 0; r < values.size(); ++r) {
-    if (r > 0 && values[r] == values[0]) continue;
-    if (shown++ < kShown) {
-      lines += fmt::format("\n  rank {} (host {}): {}", r, hosts[r], values[r]);
-    } else {
-      ++more;
-    }
-  }
-  if (more > 0) lines += fmt::format("\n  and {} more rank(s) that differ from rank 0", more);
-  return lines;
-}
-
-// Rank 0's `message` on every rank; thrown everywhere when not empty.
-void throw_if_root_failed(Communicator& world, const std::string& message) {
-  int64_t len = world.rank() == 0 ? int64_t(message.size()) : 0;
-  world.broadcast(Tensor(&len, DType::I64, Shape{1}), 0);
-  if (len == 0) return;
-  std::vector<uint8_t> buf(message.begin(), message.end());
-  buf.resize(size_t(len));
-  world.broadcast(Tensor(buf.data(), DType::U8, Shape{len}), 0);
-  throw Error(std::string(buf.begin(), buf.end()));
-}
-
-// Weights with a NaN or Inf cannot be trained from: every step would be skipped.
-void check_finite_weights(const ParamRegistry& reg, const std::string& source) {
-  std::string report;
-  int bad = 0;
-  for (int id = 0; id < reg.size(); ++id) {
-    const Tensor p = reg.param(id);
-    const int64_t n = ops::read_count_non_finite(p);
-    if (n > 0 && ++bad <= 5) {
-      report += fmt::format("\n  '{}': {} of {} values are NaN or Inf", reg.info(id).name, n, p.numel());
-    }
-  }
-  if (bad > 5) report += fmt::format("\n  and {} more tensor(s)", bad - 5);
-  DS_CHECK(bad == 0, "{} holds non-finite weights in {} tensor(s):{}\n  training from them would skip every step; "
-           "use weights saved before the run diverged", source, bad, report);
-}
-
-// xxh3 of every parameter's values, in registry order.
-std::vector<int64_t> weight_hashes(const ParamRegistry& reg) {
-  std::vector<int64_t> out(static_cast<size_t>(reg.size()));
-#pragma omp parallel for schedule(dynamic)
-  for (int id = 0; id < reg.size(); ++id) {
-    const ops::HostView p(reg.param(id));
-    out[size_t(id)] = int64_t(XXH3_64bits(p.data<float>(), p.get().nbytes()));
-  }
-  return out;
-}
-
-// Every rank must start from the same weights: ranks that loaded different files (another
-// directory, a stale copy on a node-local disk) would train a model spliced from both, since
-// each checkpoint writes the rows of its own rank. `mine` (weight_hashes) is compared over
-// `world`; with skip_experts the routed experts are left out (ranks of an expert group hold
-// different ones).
-void check_same_weights(Communicator& world, const ParamRegistry& reg, std::vector<int64_t> mine,
-                        const std::string& source, bool skip_experts = false) {
-  const int P = reg.size(), n = world.size();
-  std::vector<int64_t> all(static_cast<size_t>(P) * size_t(n));
-  for (int id = 0; skip_experts && id < P; ++id) {
-    if (reg.info(id).placement.kind == Placement::Kind::Expert) mine[size_t(id)] = 0;
-  }
-  world.all_gather(Tensor(all.data(), DType::I64, Shape{int64_t(all.size())}), Tensor(mine.data(), DType::I64, Shape{P}));
-  int first = -1;
-  for (int id = 0; id < P && first < 0; ++id) {
-    for (int r = 1; r < n; ++r) {
-      if (all[size_t(r * P + id)] != all[size_t(id)]) first = id;
-    }
-  }
-  if (first < 0) return;  // the same on every rank, so every rank returns here
-  const std::vector<std::string> sources = all_gather_strings(world, source);
-  std::vector<std::string> values;
-  for (int r = 0; r < n; ++r) {
-    values.push_back(fmt::format("{}, xxh3 of {} {:016x}", sources[size_t(r)], reg.info(first).name,
-                                 uint64_t(all[size_t(r * P + first)])));
-  }
-  const std::string lines = differing_ranks(values, all_gather_strings(world, host_name()));
-  throw Error(fmt::format("ranks start from different weights (first differing tensor '{}'):{}\n  every rank must "
-                          "load identical weights: give every rank the same --init-from, on a filesystem they share "
-                          "(or identical copies)",
-                          reg.info(first).name, lines));
-}
-
-// What identifies a checkpoint file cheaply: its size and the hash of its first and last MiB.
-std::string file_fingerprint(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) return fmt::format("cannot be opened ({})", std::strerror(errno));
-  struct stat st {};
-  ::fstat(fd, &st);
-  const int64_t size = st.st_size, span = int64_t(1) << 20;
-  std::vector<char> buf(static_cast<size_t>(span));
-  XXH64_state_t* h = XXH64_createState();
-  XXH64_reset(h, 0);
-  for (const int64_t off : {int64_t(0), std::max<int64_t>(0, size - span)}) {
-    const ssize_t got = ::pread(fd, buf.data(), buf.size(), off_t(off));
-    if (got > 0) XXH64_update(h, buf.data(), size_t(got));
-  }
-  const uint64_t digest = XXH64_digest(h);
-  XXH64_freeState(h);
-  ::close(fd);
-  return fmt::format("{} bytes, xxh64 of its ends {:016x}", size, digest);
-}
-
-// Ranks that read one checkpoint collectively must name the same file, and that name must be
-// the same file everywhere (not differing copies on node-local disks): otherwise each rank
-// reads its rows from another file and the checksums, combined over the ranks, fail.
-void check_same_file_on_every_rank(Communicator& world, const std::string& option, const std::string& path) {
-  const std::vector<std::string> all =
-      all_gather_strings(world, fmt::format("{} {} ({})", option, path, file_fingerprint(path)));
-  if (std::all_of(all.begin(), all.end(), [&](const std::string& a) { return a == all[0]; })) return;
-  const std::string lines = differing_ranks(all, all_gather_strings(world, host_name()));
-  throw Error(fmt::format("ranks were given different checkpoint files:{}\n  every rank must read the same file: pass "
-                          "the same {} to every rank, on a filesystem every rank shares",
-                          lines, option));
-}
-
-// "" when the checkpoint holds the model's tensors with the model's shapes; otherwise what
-// differs, in terms of the model configuration. A file that cannot be read is left to the
-// load, which says why.
-std::string model_mismatch(const std::string& path, const ParamRegistry& reg, const ModelConfig& model) {
-  CheckpointInfo info;
-  try {
-    info = inspect_checkpoint(path, /*verify=*/false);
-  } catch (const std::exception&) {
-    return "";  // unreadable: reading it says why, and --resume auto then tries an older one
-  }
-  if (!info.metadata_problems.empty() || !info.state.config.is_object()) return "";
-  std::map<std::string, Shape> stored;
-  for (const CheckpointTensorInfo& t : info.tensors) {
-    if (t.group == "model") stored.emplace(t.name, t.shape);
-  }
-  std::string tensor;
-  for (const ParamInfo& p : reg.all()) {
-    auto it = stored.find(p.name);
-    if (it == stored.end()) {
-      tensor = fmt::format("the checkpoint has no tensor {}", p.name);
-      break;
-    }
-    if (!(it->second == p.global_shape)) {
-      tensor = fmt::format("{} is {} in the checkpoint vs {} in the model", p.name, it->second.str(),
-                           p.global_shape.str());
-      break;
-    }
-    stored.erase(it);
-  }
-  if (tensor.empty() && !stored.empty()) {
-    tensor = fmt::format("the checkpoint holds {} tensor(s) the model does not have, such as {}", stored.size(),
-                         stored.begin()->first);
-  }
-  if (tensor.empty()) return "";
-  std::string fields;
-  const json ours = model.to_hf_json(), theirs = info.state.config.value("model", json::object());
-  for (const auto& [key, value] : ours.items()) {
-    if (theirs.contains(key) && theirs.at(key) != value) {
-      fields += fmt::format("{}{} {} in the checkpoint vs {} in the config", fields.empty() ? "" : ", ", key,
-                            theirs.at(key).dump(), value.dump());
-    }
-  }
-  return fmt::format("checkpoint '{}' was written for a different model: {}{}\n  resume with the model configuration "
-                     "it was written for (`dstrain-ckpt info {}` shows it), or start the new model in another "
-                     "checkpoint.dir",
-                     path, fields.empty() ? tensor : fields, fields.empty() ? "" : " (" + tensor + ")", path);
-}
-
-// Hugging Face weights are written after the last step: a directory that cannot take them
-// must stop the run before it trains, not after.
-void check_writable_dir(const std::string& dir, const char* what) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  DS_CHECK(!ec && std::filesystem::is_directory(dir),
-           "{} '{}' cannot be created ({}); Hugging Face weights are written there when training ends: choose a "
-           "writable directory",
-           what, dir, ec ? ec.message() : "a file of that name exists");
-  const std::string probe = (std::filesystem::path(dir) / fmt::format(".dstrain_write_test.{}", ::getpid())).string();
-  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
-  DS_CHECK(fd >= 0,
-           "{} '{}' is not writable ({}); Hugging Face weights are written there when training ends: choose a "
-           "writable directory",
-           what, dir, std::strerror(errno));
-  ::close(fd);
-  ::unlink(probe.c_str());
-}
-
-}  // namespace
-
-void Trainer::claim_output_dirs() {
-  std::string error;
-  if (grid_.world_rank() == 0) {
-    try {
-      namespace fs = std::filesystem;
-      locks_.push_back(std::make_unique<RunLock>(config_.output.dir));
-      // A checkpoint.dir outside output.dir may be shared with another run's output.dir.
-      const fs::path out = fs::weakly_canonical(config_.output.dir), ck = fs::weakly_canonical(config_.checkpoint.dir);
-      if (ck != out) locks_.push_back(std::make_unique<RunLock>(config_.checkpoint.dir));
-      if (!config_.output.save_hf.empty()) check_writable_dir(config_.output.save_hf, "output.save_hf (--save-hf)");
-    } catch (const std::exception& e) {
-      locks_.clear();
-      error = e.what();
-    }
-  }
-  throw_if_root_failed(grid_.world(), error);
-}
-
 Tokenizer& Trainer::tokenizer() {
   // Training reads token ids only; text needs the tokenizer, made on first use.
   if (!tokenizer_) {
@@ -541,97 +126,6 @@ Tokenizer& Trainer::tokenizer() {
              tokenizer_->name(), tokenizer_->vocab_size(), config_.model.vocab_size);
   }
   return *tokenizer_;
-}
-
-void Trainer::init_weights(const std::string& init_from) {
-  const bool checkpoint = !init_from.empty() && std::filesystem::is_regular_file(init_from) && is_hdf5_file(init_from);
-  // A checkpoint is read collectively: no rank may take another way.
-  if (grid_.world().all_reduce_value<int32_t>(checkpoint ? 1 : 0, ReduceOp::Max) > 0) {
-    check_same_file_on_every_rank(grid_.world(), "--init-from", init_from);
-  }
-  load_weights(init_from, checkpoint);
-  ParamRegistry& reg = model_->params();
-  // A stage's copy of the tied embedding takes the owner's values (a checkpoint holds the
-  // owner's only).
-  if (runner_ && runner_->has_tie()) runner_->copy_tied({reg.param(runner_->tied_param())});
-  if (checkpoint) check_finite_weights(reg, "checkpoint '" + init_from + "'");
-  // Over the data-parallel ranks: those hold the same pieces (tensor ranks hold different ones);
-  // with expert parallelism the same routed experts only where the expert coordinate agrees.
-  const std::string source = init_from.empty() ? fmt::format("initialised from train.seed {}", config_.train.seed)
-                                               : "--init-from " + init_from;
-  const std::vector<int64_t> hashes = weight_hashes(reg);
-  check_same_weights(dp_, reg, hashes, source, /*skip_experts=*/ep_ != nullptr);
-  if (ep_) check_same_weights(grid_.expert_data(), reg, hashes, source);
-  apply_precision();
-  optimizer_->adopt_weights();  // each rank keeps its pieces (stage 3: and hands the rest back)
-}
-
-void Trainer::apply_precision() {
-  const PrecisionConfig& pc = config_.train.precision;
-  const DType dt = pc.compute_dtype();
-  if (model_->compute_dtype() != dt) {
-    model_->set_compute_dtype(dt);  // makes the compute copy from the masters as they are now
-  } else if (dt != DType::F32) {
-    model_->params().refresh_compute();
-  }
-  if (precision_logged_) return;
-  precision_logged_ = true;
-  if (dt == DType::F32) {
-    if (pc.communication_dtype() != DType::F32) {
-      log::info("precision: fp32; gradients all-reduced in {}", pc.communication_data_type);
-    }
-    return;
-  }
-  std::string scaling;
-  if (scaler_->enabled()) {
-    const LossScalerConfig& s = pc.fp16_scaler;
-    scaling = s.dynamic() ? fmt::format("; dynamic loss scale from {} (window {}, hysteresis {}, minimum {})",
-                                        scaler_->scale(), s.loss_scale_window, s.hysteresis, s.min_loss_scale)
-                          : fmt::format("; static loss scale {}", s.loss_scale);
-  }
-  log::info("precision: {} compute, fp32 master weights, gradients and AdamW moments; gradients all-reduced in {}{}",
-            pc.name(), pc.communication_data_type, scaling);
-}
-
-void Trainer::load_weights(const std::string& init_from, bool checkpoint) {
-  if (init_from.empty()) {
-    model_->init_weights(config_.train.seed);
-    log::info("initialised {} parameters (seed {})", model_->config().num_parameters(), config_.train.seed);
-    return;
-  }
-  if (checkpoint) {
-    TrainState st;
-    const HostState host(model_->params().values().tensor(), Tensor(), Tensor());
-    if (sharded_ckpt_) {
-      st = read_checkpoint(init_from, ckpt_->io_comm(), file_registry(), sharded_ckpt_->targets(false));
-      sharded_ckpt_->unstage(host.values(), nullptr, nullptr);
-      sharded_ckpt_->release();
-    } else {
-      CheckpointTargets whole;
-      whole.values = host.values();
-      st = read_checkpoint(init_from, ckpt_->io_comm(), model_->params(), whole);
-    }
-    host.write_back();
-    log::info("loaded the model of checkpoint {} (step {}); optimizer state and position start afresh", init_from,
-              st.step);
-    return;
-  }
-  // The directory's architecture, when it states one, must be the configured one.
-  const auto cfg_path = std::filesystem::path(init_from) / "config.json";
-  if (std::filesystem::is_directory(init_from) && std::filesystem::exists(cfg_path)) {
-    const json theirs = load_hf_config(cfg_path.string()).to_hf_json();
-    const json ours = config_.model.to_hf_json();
-    for (const auto& [key, value] : ours.items()) {
-      if (key == "torch_dtype" || key == "eos_token_id" || key == "bos_token_id") continue;
-      DS_CHECK(theirs.contains(key) && theirs.at(key) == value,
-               "--init-from {}: its config.json has {} = {} but the run's model has {}; use the same architecture",
-               init_from, key, theirs.contains(key) ? theirs.at(key).dump() : "nothing", value.dump());
-    }
-  }
-  // Every rank reads the files itself: they are identical, and this needs no broadcast of
-  // the whole model.
-  auto counts = load_hf_weights(init_from, model_->params(), sharded_ckpt_ ? &file_registry() : nullptr, &grid_.world());
-  log::info("loaded {} tensors from {}", counts.loaded, init_from);
 }
 
 void Trainer::inject_process_faults() {
@@ -743,7 +237,7 @@ std::string Trainer::forward_backward(StepData& data, const LossScales& scales, 
             oom_fault_fired_ = true;  // once: the retried step gets through
             throw OutOfMemory(fmt::format("fault injection: allocation failure at step {}", step_ + 1));
           }
-          optimizer_->begin_forward();
+          for (auto& axis : axes_) axis->begin_forward();
           const LossSums s =
               model_->forward(a.micro_batch, tokens_tensor(b.inputs, mb, T), tokens_tensor(b.targets, mb, T), scales);
           sums[0] += s.sum;
@@ -779,91 +273,6 @@ std::string Trainer::forward_backward(StepData& data, const LossScales& scales, 
     return e.what();
   }
   return "";
-}
-
-void Trainer::reduce_routing_stats(StepRecord& r) {
-  const auto moe = model_->moe_layers();
-  std::vector<double> routing;  // per MoE layer: aux loss, then tokens per expert
-  for (auto& [l, ffn] : moe) {
-    const RoutingStats& st = *ffn->routing();
-    routing.push_back(st.aux_loss);
-    for (int64_t c : st.tokens_per_expert) routing.push_back(double(c));
-    routing.push_back(double(st.dropped_rows));
-  }
-  if (!routing.empty() && model_->shard().sequence_parallel) {
-    // Each tensor rank routed its own rows: the loads add up over the group. The auxiliary
-    // loss is the whole micro-batch's on every rank already: it goes in as zeros elsewhere.
-    std::vector<double> loads = routing;
-    size_t at = 0;
-    for (auto& [l, ffn] : moe) {
-      if (tp_->rank() != 0) loads[at] = 0;
-      at += 2 + ffn->routing()->tokens_per_expert.size();
-    }
-    timed_collective([&] { tp_->all_reduce(Tensor(loads.data(), DType::F64, Shape{int64_t(loads.size())})); });
-    routing = std::move(loads);
-  }
-  if (!routing.empty()) {
-    timed_collective([&] { dp_.all_reduce(Tensor(routing.data(), DType::F64, Shape{int64_t(routing.size())})); });
-  }
-  // Expert parallelism: the rows each data-parallel rank's experts received, per layer (each
-  // rank is an expert rank of its group: the max over the mean is the groups' imbalance).
-  const int64_t L = int64_t(moe.size()), dp = dp_.size();
-  std::vector<int64_t> received(size_t(L * dp), 0);
-  if (ep_ && L > 0) {
-    std::vector<int64_t> mine;
-    for (auto& [l, ffn] : moe) mine.push_back(ffn->routing()->received_rows);
-    timed_collective([&] { dp_.all_gather(Tensor(received.data(), DType::I64, Shape{L * dp}), Tensor(mine.data(), DType::I64, Shape{L})); });
-  }
-  size_t at = 0;
-  for (int64_t i = 0; i < L; ++i) {
-    const auto& [l, ffn] = moe[size_t(i)];
-    const RoutingStats& st = *ffn->routing();
-    r.moe_route_seconds += st.route_seconds;
-    r.moe_permute_seconds += st.permute_seconds;
-    MoeLayerStats ms;
-    ms.layer = l;
-    ms.aux_loss = routing[at++] / scaler_->scale();
-    r.aux_loss += ms.aux_loss;
-    for (size_t e = 0; e < st.tokens_per_expert.size(); ++e) ms.tokens.push_back(int64_t(routing[at++]));
-    ms.dropped = int64_t(routing[at++]);
-    if (ep_) {
-      for (int64_t d = 0; d < dp; ++d) ms.received.push_back(received[size_t(d * L + i)]);
-      r.ep.a2a_bytes += st.a2a_bytes;
-      r.ep.dispatch_seconds += st.dispatch_seconds;
-      r.ep.combine_seconds += st.combine_seconds;
-      r.ep.expert_seconds += st.expert_seconds;
-    }
-    r.moe.push_back(std::move(ms));
-  }
-  if (ep_) {
-    // Rows received per data-parallel rank over all layers (with pipeline stages: all stages').
-    r.ep.received_rows.assign(size_t(dp), 0);
-    for (int64_t d = 0; d < dp; ++d) {
-      for (int64_t i = 0; i < L; ++i) r.ep.received_rows[size_t(d)] += received[size_t(d * L + i)];
-    }
-    if (pp_) {
-      timed_collective([&] { pp_->all_reduce(Tensor(r.ep.received_rows.data(), DType::I64, Shape{dp})); });
-    }
-  }
-  if (!pp_) return;
-  // Each stage holds some MoE layers: every rank gets every layer's statistics, in layer order.
-  json mine = json::array();
-  for (const MoeLayerStats& ms : r.moe) mine.push_back({ms.layer, ms.aux_loss, ms.tokens, ms.received, ms.dropped});
-  r.moe.clear();
-  for (const std::string& theirs : all_gather_strings(*pp_, mine.dump())) {
-    for (const json& e : json::parse(theirs)) {
-      MoeLayerStats ms;
-      ms.layer = e[0].get<int>();
-      ms.aux_loss = e[1].get<double>();
-      ms.tokens = e[2].get<std::vector<int64_t>>();
-      ms.received = e[3].get<std::vector<int64_t>>();
-      ms.dropped = e[4].get<int64_t>();
-      r.moe.push_back(std::move(ms));
-    }
-  }
-  std::sort(r.moe.begin(), r.moe.end(), [](const MoeLayerStats& a, const MoeLayerStats& b) { return a.layer < b.layer; });
-  r.aux_loss = 0;
-  for (const MoeLayerStats& ms : r.moe) r.aux_loss += ms.aux_loss;
 }
 
 void Trainer::judge_step(StepRecord& r) {
@@ -928,39 +337,7 @@ bool Trainer::gradients_overflowed(double scaled_norm) {
 }
 
 void Trainer::begin_micro_step(bool communicates) {
-  tp_sync_->begin_micro_step(communicates);
-  optimizer_->begin_micro_step(communicates);
-}
-
-void Trainer::gather_rank_timings(StepRecord& r) {
-  // Every rank's timing, for the load-balance view (a small gather outside the timed step).
-  const int W = grid_.world_size();
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  // With them each rank's model state (weights, gradients, optimizer state and gathered weights
-  // held at the end of the step) and its local parameters per group: a layout's ranks differ
-  // (pipeline stages, expert owners), and rank 0 alone would not show it.
-  const MemoryStats mem = memory_stats(model_->params().device().type);
-  auto held = [&](MemCategory c) { return double(mem.bytes[size_t(c)]); };
-  const ParamRegistry& reg = model_->params();
-  constexpr int kPer = 6;
-  double mine[kPer] = {r.step_seconds,
-                       r.step_seconds - r.exposed_comm_seconds,
-                       double(usage.ru_maxrss) * 1024.0,
-                       held(MemCategory::Parameters) + held(MemCategory::Gradients) +
-                           held(MemCategory::OptimizerState) + held(MemCategory::GatheredParameters),
-                       double(reg.group_numel(ParamGroup::Dense)),
-                       double(reg.group_numel(ParamGroup::Expert))};
-  std::vector<double> all(static_cast<size_t>(kPer * W));
-  grid_.world().all_gather(Tensor(all.data(), DType::F64, Shape{kPer * W}), Tensor(mine, DType::F64, Shape{kPer}));
-  for (int k = 0; k < W; ++k) {
-    const double* x = all.data() + kPer * k;
-    r.rank_step_seconds.push_back(x[0]);
-    r.rank_compute_seconds.push_back(x[1]);
-    r.rank_peak_rss_bytes.push_back(x[2]);
-    r.rank_model_state_bytes.push_back(x[3]);
-    r.rank_local_params.push_back({int64_t(x[4]), int64_t(x[5])});
-  }
+  for (auto& axis : axes_) axis->begin_micro_step(communicates);
 }
 
 bool Trainer::train_step(StepRecord& r) {
@@ -977,7 +354,7 @@ bool Trainer::train_step(StepRecord& r) {
   const LossScales scales = loss_scales(counts);
   for (auto& [l, ffn] : model_->moe_layers()) ffn->routing()->reset();
 
-  optimizer_->begin_step();
+  for (auto& axis : axes_) axis->begin_step();
   const int D = int(config_.model.num_nextn_predict_layers);
   // loss sum, target count, ranks out of memory, then the MTP loss sum per depth
   std::vector<double> sums(size_t(3 + D), 0.0);
@@ -985,19 +362,7 @@ bool Trainer::train_step(StepRecord& r) {
   ReduceTimings rt;
   {
     const Timeline::Scope recorded(timeline_.get(), "reduce", step_ + 1, -1);
-    tp_sync_->finish();
-    rt = optimizer_->finish();
-    // The tied embedding's two stages add their (data-parallel reduced) gradients: the whole
-    // ones, or at ZeRO stages 2 and 3 the two stages' identical pieces of them (the sum is linear).
-    if (runner_ && runner_->has_tie()) {
-      timed_collective([&] {
-        if (optimizer_->reduces_into_shard()) {
-          runner_->reduce_tied_grads(optimizer_->grad_piece(runner_->tied_param()));
-        } else {
-          runner_->reduce_tied_grads();
-        }
-      });
-    }
+    for (auto& axis : axes_) axis->finish_gradients(rt);
   }
   timed_collective([&] { dp_.all_reduce(Tensor(sums.data(), DType::F64, Shape{int64_t(sums.size())})); });
   // The loss is the last stage's: every stage gets it (the others add zeros).
@@ -1021,14 +386,11 @@ bool Trainer::train_step(StepRecord& r) {
   r.loss = r.ce_loss + r.aux_loss + r.mtp_loss;
   {
     // Each global element counted on one rank: the optimizer's pieces split each group's local
-    // pieces over its data-parallel ranks, and a pipeline copy or a tensor rank holding a
-    // replicated parameter does not count.
+    // pieces over its data-parallel ranks, and the other axes leave out their replicas.
     const ParamRegistry& reg = model_->params();
-    std::vector<char> counted(size_t(reg.size()));
-    const int tp_rank = tp_ ? tp_->rank() : 0, tp_size = ProcessGroups::size_of(tp_);
+    std::vector<char> counted(size_t(reg.size()), 1);
     for (int id = 0; id < reg.size(); ++id) {
-      const ParamInfo& p = reg.info(id);
-      counted[size_t(id)] = !p.pipeline_copy && counts_piece(p, tp_rank, tp_size);
+      for (auto& axis : axes_) counted[size_t(id)] = counted[size_t(id)] && axis->counts_in_norm(reg.info(id));
     }
     double sq = optimizer_->local_grad_sum_squares(counted);
     if (grid_.world_size() > 1) timed_collective([&] { sq = grid_.world().all_reduce_value<double>(sq); });
@@ -1083,20 +445,7 @@ bool Trainer::train_step(StepRecord& r) {
   r.data_wait_seconds = data_wait;
   r.comm_seconds = rt.comm_seconds;
   r.exposed_comm_seconds = rt.exposed_seconds + collective_wait_seconds_;
-  if (tp_) {
-    const CommStats now = tp_->stats();
-    r.tp_comm_seconds = now.busy_seconds - tp_stats_before_.busy_seconds;
-    r.tp_comm_bytes = now.bytes - tp_stats_before_.bytes;
-    r.tp_comm_ops = int64_t(now.ops - tp_stats_before_.ops);
-    r.tp_grad_sync_seconds = tp_sync_->take_seconds();
-    tp_stats_before_ = now;
-  }
-  if (runner_) {
-    const PipelineRunner::Traffic t = runner_->take_traffic();
-    r.pp_comm_bytes = t.bytes_sent + t.bytes_received;
-    r.pp_recv_wait_seconds = t.recv_wait_seconds;
-    r.pp_messages = t.messages;
-  }
+  for (auto& axis : axes_) axis->record(r);
   gather_rank_timings(r);
   return true;
 }
@@ -1136,129 +485,6 @@ void Trainer::apply_activation_budget() {
               "with {} accumulation steps (global batch {} unchanged)",
               need, budget / 1e6, tc.micro_batch, tc.grad_accum, tc.train_batch_size);
   }
-}
-
-StepMetrics Trainer::step_metrics(const StepRecord& r, double elapsed, int64_t steps_this_run) {
-  StepMetrics m;
-  m.step = r.step;
-  m.max_steps = config_.train.max_steps;
-  m.loss = r.loss;
-  m.lr = r.lr;
-  m.grad_norm = r.grad_norm;
-  m.tokens_per_s = r.tokens_per_s;
-  m.tokens = consumed_samples_ * config_.data.seq_len;
-  m.elapsed_s = elapsed;
-  m.steps_this_run = steps_this_run;
-  m.time.total = r.step_seconds;
-  m.time.data_wait = r.data_wait_seconds;
-  m.time.forward = r.forward_seconds;
-  m.time.backward = r.backward_seconds;
-  m.time.exposed_comm = r.exposed_comm_seconds;
-  m.time.optimizer = r.optimizer_seconds;
-  m.time.checkpoint = r.checkpoint_seconds;
-  m.comm_s = r.comm_seconds;
-  m.skipped = r.skipped;
-  m.skipped_total = skipped_total_;
-  if (scaler_->enabled()) {
-    m.loss_scaling = true;
-    m.loss_scale = r.loss_scale;
-    m.overflow = r.overflow;
-    m.overflow_skipped_total = overflow_steps_;
-  }
-  m.rank_step_s = r.rank_step_seconds;
-  m.rank_compute_s = r.rank_compute_seconds;
-  m.rank_peak_rss_bytes = r.rank_peak_rss_bytes;
-  {
-    json dense = json::array(), expert = json::array();
-    for (const auto& [d, e] : r.rank_local_params) {
-      dense.push_back(d);
-      expert.push_back(e);
-    }
-    m.extra["ranks"] = {{"model_state_bytes", r.rank_model_state_bytes},
-                        {"local_dense_params", dense},
-                        {"local_expert_params", expert}};
-  }
-  if (gpu_monitor_) {
-    // This rank's GPU (rank 0's in the record): NVML's utilisation and memory, and what dstrain's
-    // own buffers hold on it at their peak.
-    json gpu = {{"device", model_->ctx().device.str()},
-                {"dstrain_peak_bytes", double(memory_stats(DeviceType::CUDA).total())}};
-    if (const std::optional<GpuSample> g = gpu_monitor_->sample()) {
-      gpu["utilization_percent"] = g->utilization_percent;
-      gpu["memory_used_bytes"] = g->memory_used_bytes;
-      gpu["memory_total_bytes"] = g->memory_total_bytes;
-    }
-    m.extra["gpu"] = gpu;
-  }
-  if (config_.data.train.size() > 1) m.extra["data_mix"] = data_pipeline().drawn();
-  if (tp_) {
-    m.extra["tensor_parallel"] = {{"size", tp_->size()},
-                                  {"sequence_parallel", model_->shard().sequence_parallel},
-                                  {"comm_s", r.tp_comm_seconds},
-                                  {"comm_bytes", r.tp_comm_bytes},
-                                  {"collectives", r.tp_comm_ops},
-                                  {"grad_sync_s", r.tp_grad_sync_seconds},
-                                  {"activation_bytes", model_->activations().bytes_allocated()}};
-  }
-  if (runner_) {
-    // Rank 0's stage: its point-to-point traffic and the time it waited for the others.
-    m.extra["pipeline"] = {{"size", pp_->size()},
-                           {"schedule", schedule_->name()},
-                           {"stages", runner_->num_stages()},
-                           {"comm_bytes", r.pp_comm_bytes},
-                           {"messages", r.pp_messages},
-                           {"recv_wait_s", r.pp_recv_wait_seconds},
-                           {"activation_bytes", model_->activations().bytes_allocated()}};
-  }
-  if (ep_) {
-    // Every data-parallel rank's received rows; rank 0's all-to-all traffic and time split.
-    m.extra["expert_parallel"] = {{"size", ep_->size()},
-                                  {"received_rows", r.ep.received_rows},
-                                  {"received_max_over_mean", r.ep.received_max_over_mean()},
-                                  {"imbalanced", r.ep.received_max_over_mean() > kExpertImbalance},
-                                  {"a2a_bytes", r.ep.a2a_bytes},
-                                  {"a2a_s", r.ep.dispatch_seconds + r.ep.combine_seconds},
-                                  {"dispatch_s", r.ep.dispatch_seconds},
-                                  {"expert_s", r.ep.expert_seconds},
-                                  {"combine_s", r.ep.combine_seconds}};
-  }
-  {
-    // Rank 0's optimizer state (ZeRO's shard), with the step's peaks of what is only held while
-    // in use.
-    const ZeroMemory z = optimizer_->memory();
-    m.extra["zero"] = {{"stage", optimizer_->stage()},
-                       {"shard_elements", optimizer_->shard_numel()},
-                       {"master_bytes", z.master},
-                       {"optimizer_bytes", z.optimizer},
-                       {"grad_shard_bytes", z.grad_shard},
-                       {"gathered_bytes", z.gathered},
-                       {"gathered_peak_bytes", z.gathered_peak},
-                       {"transient_grad_bytes", z.transient_grads},
-                       {"transient_grad_peak_bytes", z.transient_grads_peak},
-                       {"comm_buffer_bytes", z.comm_buffers}};
-  }
-  if (!r.moe.empty()) {
-    m.extra["ce_loss"] = r.ce_loss;
-    m.extra["aux_loss"] = r.aux_loss;
-    m.extra["mtp_loss"] = r.mtp_loss;
-    m.extra["moe_route_s"] = r.moe_route_seconds;
-    m.extra["moe_permute_s"] = r.moe_permute_seconds;
-    json moe = json::object();
-    for (const MoeLayerStats& ms : r.moe) {
-      json& layer = moe[std::to_string(ms.layer)];
-      layer = {{"max_over_mean_load", ms.max_over_mean()},
-               {"dead_experts", ms.dead()},
-               {"aux_loss", ms.aux_loss},
-               {"tokens_per_expert", ms.tokens}};
-      if (config_.model.moe_capacity_factor > 0) layer["dropped_rows"] = ms.dropped;
-      if (!ms.received.empty()) {
-        layer["received_rows"] = ms.received;
-        layer["received_max_over_mean"] = ms.received_max_over_mean();
-      }
-    }
-    m.extra["moe"] = moe;
-  }
-  return m;
 }
 
 Trainer::Outcome Trainer::train() {
@@ -1437,397 +663,6 @@ DataPipeline& Trainer::data_pipeline() {
                                                     grid_.world());
   }
   return *data_pipeline_;
-}
-
-TrainState Trainer::state() {
-  DataPipeline& data = data_pipeline();
-  TrainState st;
-  st.step = step_;
-  st.consumed_samples = consumed_samples_;
-  st.consumed_tokens = consumed_samples_ * config_.data.seq_len;
-  st.optimizer_steps = optimizer_steps();
-  st.scheduler = config_.train.schedule.to_json();
-  st.scheduler["last_batch_iteration"] = step_ - 1 - overflow_steps_;
-  if (overflow_steps_ > 0) st.scheduler["skipped_for_overflow"] = overflow_steps_;
-  st.scheduler["base_lr"] = config_.train.adamw.lr;
-  // dstrain's randomness is counter-based: a seed and a position say everything.
-  st.rng = {{"generator", "philox4x32-10"},
-            {"seed", config_.train.seed},
-            {"parameter_init", "stream FNV-1a(HF parameter name), element index"},
-            {"shuffle", "stream FNV-1a(\"dstrain.shuffle\") + epoch, derived from consumed_samples"},
-            {"generate_seed", config_.generate.seed}};
-  // The position: samples drawn from each training dataset (the blender's state); each
-  // dataset's epoch and order follow from its count and the seed.
-  json sets = json::array();
-  for (size_t i = 0; i < data.train_sets().size(); ++i) {
-    const SampleDataset& d = *data.train_sets()[i];
-    const int64_t drawn = data.drawn()[i];
-    sets.push_back({{"name", data.train_sources()[i].name},
-                    {"describe", d.describe()},
-                    {"samples_drawn", drawn},
-                    {"epoch", drawn / d.samples_per_epoch()},
-                    {"samples_per_epoch", d.samples_per_epoch()},
-                    {"num_tokens", d.num_tokens()}});
-  }
-  st.data = {{"consumed_samples", consumed_samples_},
-             {"seq_len", config_.data.seq_len},
-             {"shuffle", config_.data.shuffle},
-             {"blend", data.blend_state()},
-             {"datasets", sets}};
-  st.config = config_.to_json();
-  st.environment = environment_.record;
-  if (scaler_->enabled()) st.loss_scaler = scaler_->state();
-  st.layout = {{"world_size", grid_.world_size()},
-               {"data", grid_.size(Axis::Data)},
-               {"tensor", grid_.size(Axis::Tensor)},
-               {"pipeline", grid_.size(Axis::Pipeline)},
-               {"expert", grid_.size(Axis::Expert)},
-               {"sequence_parallel", model_->shard().sequence_parallel},
-               {"schedule", pp_ ? json(schedule_->name()) : json()},
-               {"partition", sharded_ckpt_
-                                 ? "the ranks of data coordinate 0 (for a routed expert: of its expert rank) wrote, "
-                                   "tensor rank t of the pipeline stage holding a global tensor rows "
-                                   "[R*t/T, R*(t+1)/T) of its dimension 0"
-                                 : "each rank wrote rows [R*r/N, R*(r+1)/N) of dimension 0 of every tensor"}};
-  return st;
-}
-
-std::string Trainer::unsafe_to_save() {
-  if (skipped_in_a_row_ > 0) {
-    return fmt::format("step {} was skipped ({}, {} in a row)", step_, last_skip_reason_, skipped_in_a_row_);
-  }
-  // An overflow leaves the weights as they were, but a run that keeps overflowing is diverging
-  // (a NaN loss is an overflow in fp16): its state must not rotate the good checkpoints away.
-  if (last_overflowed_) {
-    return fmt::format("step {}'s fp16 gradients overflowed (the step was skipped; loss scale now {})", step_,
-                       scaler_->scale());
-  }
-  // Every rank holds the whole state (with ZeRO: its shard); each looks at it, and all agree.
-  const Buffer& weights = optimizer_->master();
-  const Buffer& m = optimizer_->exp_avg();
-  const Buffer& v = optimizer_->exp_avg_sq();
-  int64_t bad[3] = {ops::read_count_non_finite(weights.tensor()), ops::read_count_non_finite(m.tensor()),
-                    ops::read_count_non_finite(v.tensor())};
-  grid_.world().all_reduce(Tensor(bad, DType::I64, Shape{3}), ReduceOp::Max);
-  if (bad[0]) return fmt::format("the weights after step {} hold non-finite values", step_);
-  if (bad[1] || bad[2]) return fmt::format("AdamW's moments after step {} hold non-finite values", step_);
-  return "";
-}
-
-double Trainer::save_checkpoint() {
-  const std::string unsafe = unsafe_to_save();
-  if (!unsafe.empty()) {
-    save_deferred_ = true;
-    ckpt_->wait();  // a save in flight is the newest one kept: list it
-    const std::vector<std::string> kept = ckpt_->list();
-    log::warn("checkpoint of step {} deferred until a step succeeds: {}; {}", step_, unsafe,
-              kept.empty() ? std::string("no checkpoint exists yet")
-                           : "the newest checkpoint, " + kept.front() + ", stays and is not rotated away");
-    return 0;
-  }
-  save_deferred_ = false;
-  ParamRegistry& reg = model_->params();
-  CheckpointBuffers live;
-  std::optional<HostState> host;  // what `live` points into, until the save has it
-  const bool sharded = optimizer_->stage() >= 1;
-  if (sharded && sharded_ckpt_) {
-    // ZeRO under tensor, pipeline or expert splits: the full local state gathered from the
-    // pieces (transient: three times the local model), then staged as without ZeRO.
-    const ZeroLocalState full(*optimizer_, reg.flat_numel());
-    live = sharded_ckpt_->stage(full.host.values(), full.host.exp_avg(), full.host.exp_avg_sq());
-  } else {
-    host.emplace(optimizer_host_state(*optimizer_));
-    live.values = host->values();
-    live.exp_avg = host->exp_avg();
-    live.exp_avg_sq = host->exp_avg_sq();
-    if (sharded) live = zero_checkpoint_buffers(*optimizer_, *host);
-    // Tensor parallelism: the global tensors' row blocks, staged by the data-0 tensor group.
-    if (sharded_ckpt_) live = sharded_ckpt_->stage(live.values, live.exp_avg, live.exp_avg_sq);
-  }
-  const double stall = ckpt_->save(file_registry(), live, state());
-  if (sharded_ckpt_) sharded_ckpt_->release();  // written, or copied by the asynchronous writer
-  last_saved_step_ = step_;
-  last_save_time_ = clock();
-  return stall;
-}
-
-bool Trainer::checkpoint_due(int64_t step) {
-  const CheckpointConfig& c = config_.checkpoint;
-  bool due = c.interval_steps > 0 && step % c.interval_steps == 0;
-  if (c.interval_minutes > 0) {
-    // Clocks differ between ranks: rank 0 decides for everyone.
-    const double since = std::chrono::duration<double>(clock() - last_save_time_).count();
-    int by_time = since >= c.interval_minutes * 60.0 ? 1 : 0;
-    grid_.world().broadcast(Tensor(&by_time, DType::I32, Shape{1}), 0);
-    due = due || by_time;
-  }
-  return due;
-}
-
-bool Trainer::resume(const std::string& spec) {
-  const bool automatic = spec == "auto";
-  std::vector<std::string> candidates = automatic ? ckpt_->list() : std::vector<std::string>{spec};
-  const std::string latest = automatic ? ckpt_->latest() : "";
-  const std::string& dir = config_.checkpoint.dir;
-  if (automatic) {
-    // Every rank must take the same way: a checkpoint.dir on node-local disks may differ.
-    std::string view = "checkpoint.dir " + dir + " holds";
-    for (const std::string& c : candidates) view += " " + std::filesystem::path(c).filename().string();
-    if (candidates.empty()) view += " no checkpoint" + (latest.empty() ? "" : " (latest: " + latest + ")");
-    const std::vector<std::string> views = all_gather_strings(grid_.world(), view);
-    if (std::any_of(views.begin(), views.end(), [&](const std::string& v) { return v != views[0]; })) {
-      const std::string lines = differing_ranks(views, all_gather_strings(grid_.world(), host_name()));
-      throw Error(fmt::format("--resume auto: ranks see different checkpoints:{}\n  checkpoint.dir must be on a "
-                              "filesystem every rank shares",
-                              lines));
-    }
-  }
-  if (candidates.empty()) {
-    // `latest` moves only after a checkpoint is complete: the run reached that step, and
-    // starting again from scratch would silently throw its training away.
-    DS_CHECK(latest.empty(),
-             "--resume auto: {}/latest says this run completed checkpoint {}, but {} holds no checkpoint (were they "
-             "deleted or moved?); restore the checkpoint files to continue the run, or remove {}/latest to start a "
-             "new run in this directory",
-             dir, latest, dir, dir);
-    log::info("no checkpoint in {}: starting a new run", dir);
-    return false;
-  }
-  if (automatic && !latest.empty() && latest > std::filesystem::path(candidates.front()).filename().string() &&
-      grid_.world_rank() == 0) {
-    log::warn("{}/latest names {}, which is missing: resuming from the newest checkpoint present, {}", dir, latest,
-              candidates.front());
-  }
-  ParamRegistry& reg = model_->params();
-  const bool sharded = optimizer_->stage() >= 1;
-  for (const std::string& path : candidates) {
-    TrainState st;
-    const auto t0 = Clock::now();
-    check_same_file_on_every_rank(grid_.world(), "--resume", path);
-    throw_if_root_failed(grid_.world(),
-                         grid_.world_rank() == 0 ? model_mismatch(path, file_registry(), config_.model) : "");
-    try {
-      if (sharded && sharded_ckpt_) {
-        // ZeRO under tensor, pipeline or expert splits: the full local state from the staging,
-        // the tied copy's from its owner, then this rank's pieces of it.
-        ZeroLocalState full(*optimizer_, reg.flat_numel(), /*gather=*/false);
-        st = read_checkpoint(path, ckpt_->io_comm(), file_registry(), sharded_ckpt_->targets(true));
-        sharded_ckpt_->unstage(full.host.values(), full.host.exp_avg(), full.host.exp_avg_sq());
-        sharded_ckpt_->release();
-        full.host.write_back();
-        if (runner_ && runner_->has_tie()) {
-          const ParamInfo& p = reg.info(runner_->tied_param());
-          runner_->copy_tied({full.values.tensor(p.offset, p.shape), full.exp_avg.tensor(p.offset, p.shape),
-                              full.exp_avg_sq.tensor(p.offset, p.shape)});
-        }
-        optimizer_->scatter_state(full.values.tensor(), full.exp_avg.tensor(), full.exp_avg_sq.tensor());
-      } else {
-        const HostState host = optimizer_host_state(*optimizer_);
-        if (sharded) {
-          st = read_checkpoint(path, ckpt_->io_comm(), reg, zero_checkpoint_targets(*optimizer_, host));
-        } else if (sharded_ckpt_) {
-          st = read_checkpoint(path, ckpt_->io_comm(), file_registry(), sharded_ckpt_->targets(true));
-          sharded_ckpt_->unstage(host.values(), host.exp_avg(), host.exp_avg_sq());
-          sharded_ckpt_->release();
-        } else {
-          CheckpointTargets whole;
-          whole.values = host.values();
-          whole.exp_avg = host.exp_avg();
-          whole.exp_avg_sq = host.exp_avg_sq();
-          st = read_checkpoint(path, ckpt_->io_comm(), reg, whole);
-        }
-        host.write_back();
-      }
-    } catch (const Error& e) {
-      if (spec != "auto") throw;
-      if (grid_.world_rank() == 0) log::warn("skipping invalid checkpoint: {}", e.what());
-      continue;
-    }
-    if (sharded) {
-      // The masters are this rank's pieces only: the check is over every rank's.
-      const int64_t bad =
-          grid_.world().all_reduce_value<int64_t>(ops::read_count_non_finite(optimizer_->master().tensor()));
-      DS_CHECK(bad == 0, "checkpoint '{}': {} weight values are NaN or Inf; resume from an earlier checkpoint", path, bad);
-    } else {
-      check_finite_weights(reg, "checkpoint '" + path + "'");
-    }
-    if (runner_ && runner_->has_tie() && !sharded) {
-      const int id = runner_->tied_param();
-      const ParamInfo& p = reg.info(id);
-      runner_->copy_tied({reg.param(id), optimizer_->exp_avg().tensor(p.offset, p.shape),
-                          optimizer_->exp_avg_sq().tensor(p.offset, p.shape)});
-    }
-    restore_precision_state(st, path);
-    step_ = st.step;
-    overflow_steps_ = st.scheduler.is_object() ? st.scheduler.value("skipped_for_overflow", int64_t(0)) : 0;
-    resumed_ = true;
-    consumed_samples_ = st.consumed_samples;
-    optimizer_->set_steps_taken(st.optimizer_steps);
-    last_saved_step_ = step_;
-    last_save_time_ = Clock::now();
-    DataPipeline& data = data_pipeline();
-    resume_blend_ = st.data.value("blend", json());
-    const json sets = st.data.value("datasets", json::array());
-    bool same = sets.size() == data.train_sets().size() && st.data.value("seq_len", int64_t(-1)) == config_.data.seq_len;
-    for (size_t i = 0; same && i < sets.size(); ++i) {
-      same = sets[i].value("samples_per_epoch", int64_t(-1)) == data.train_sets()[i]->samples_per_epoch();
-    }
-    if (!same && grid_.world_rank() == 0) {
-      log::warn("the training data differs from the checkpoint's (datasets, their sizes or seq_len): the sample "
-                "sequence does not continue exactly");
-    }
-    std::vector<std::string> changed;
-    json_diff(st.config, config_.to_json(), "", changed);
-    if (!changed.empty()) {
-      std::string keys;
-      for (const std::string& k : changed) keys += (keys.empty() ? "" : ", ") + k;
-      log::info("configuration changed since the checkpoint: {}", keys);
-    }
-    const double secs = seconds_since(t0);
-    // The file's tensors (weights and both moments), global whatever this rank holds of them.
-    const double mb = double(file_registry().global_numel()) * 12.0 / 1e6;
-    log::info("resumed from {} at step {} ({} samples consumed; written by {} rank(s), now {}); read and verified "
-              "{:.0f} MB in {:.2f} s ({:.0f} MB/s)",
-              path, step_, consumed_samples_, st.layout.value("world_size", 0), grid_.world_size(), mb, secs,
-              mb / std::max(secs, 1e-9));
-    apply_precision();
-    optimizer_->publish_weights();  // the whole weights (stage 3: the persistent ones) from the shards
-    return true;
-  }
-  throw Error(fmt::format("none of the {} checkpoint(s) in {} is valid (see the warnings above); move them away or "
-                          "start without --resume",
-                          candidates.size(), config_.checkpoint.dir));
-}
-
-void Trainer::restore_precision_state(const TrainState& st, const std::string& path) {
-  // The precision of the run that wrote the checkpoint, from its resolved configuration.
-  const json train = st.config.is_object() ? st.config.value("train", json::object()) : json::object();
-  auto enabled = [&](const char* key) {
-    return train.contains(key) && train[key].is_object() && train[key].value("enabled", false);
-  };
-  const std::string theirs = enabled("bf16") ? "bf16" : enabled("fp16") ? "fp16" : "fp32";
-  const std::string ours = config_.train.precision.name();
-  const bool has_scaler = st.loss_scaler.is_object();
-  if (has_scaler && scaler_->enabled()) scaler_->load_state(st.loss_scaler, "checkpoint '" + path + "'");
-  if (theirs == ours && (has_scaler || !scaler_->enabled())) return;
-  // Checkpoints hold the fp32 masters and moments whatever the precision: switching is exact.
-  std::string note = fmt::format("precision: checkpoint {} was written by a {} run; this run trains in {} from its fp32 "
-                                 "master weights and AdamW moments",
-                                 path, theirs, ours);
-  if (scaler_->enabled() && !has_scaler) note += fmt::format(", the loss scale starting at {}", scaler_->scale());
-  if (has_scaler && !scaler_->enabled()) {
-    note += fmt::format(" (its fp16 loss scale, {}, is not used)", st.loss_scaler.value("scale", 0.0));
-  }
-  log::info("{}", note);
-}
-
-const std::vector<std::shared_ptr<SampleDataset>>& Trainer::eval_datasets() {
-  if (eval_sets_.empty()) {
-    const DataConfig& dc = config_.data;
-    std::vector<DataSource> sources = dc.val;
-    if (sources.empty()) {
-      sources = dc.train;  // with data.split: their validation documents; otherwise the training data itself
-      if (dc.split.empty()) log::info("no data.val configured: evaluating on the first samples of data.train");
-    }
-    eval_sets_ = open_datasets(sources, dc, config_.model.vocab_size, config_.train.seed, /*validation=*/true);
-    for (const DataSource& s : sources) eval_names_.push_back(s.name);
-  }
-  return eval_sets_;
-}
-
-std::vector<LossSums> Trainer::evaluate_each(int64_t batches) {
-  const auto& sets = eval_datasets();
-  const int64_t mb = config_.train.micro_batch, T = config_.data.seq_len;
-  // Per dataset, then over all of them: loss sum, target count, targets ranked first.
-  std::vector<double> sums(3 * sets.size() + 3, 0.0);
-  std::vector<int32_t> sample(static_cast<size_t>(T + 1)), inputs, targets;
-  for (size_t d = 0; d < sets.size(); ++d) {
-    const int64_t n = std::min(batches * mb, sets[d]->samples_per_epoch());
-    // Micro-batch k of each dataset goes to data-parallel rank k % dp.
-    for (int64_t first = dp_.rank() * mb; first < n; first += dp_.size() * mb) {
-      const int64_t rows = std::min(mb, n - first);
-      inputs.resize(size_t(rows * T));
-      targets.resize(size_t(rows * T));
-      for (int64_t i = 0; i < rows; ++i) {
-        sets[d]->read_sample(first + i, sample.data());
-        std::copy_n(sample.begin(), T, inputs.begin() + i * T);
-        std::copy_n(sample.begin() + 1, T, targets.begin() + i * T);
-      }
-      const Tensor x = tokens_tensor(inputs, rows, T), y = tokens_tensor(targets, rows, T);
-      LossSums s = runner_ ? runner_->forward_loss(x, y) : model_->forward_loss(x, y);
-      sums[3 * d] += s.sum;
-      sums[3 * d + 1] += double(s.count);
-      sums[3 * d + 2] += double(s.correct);
-    }
-    for (size_t k = 0; k < 3; ++k) sums[3 * sets.size() + k] += sums[3 * d + k];
-  }
-  dp_.all_reduce(Tensor(sums.data(), DType::F64, Shape{int64_t(sums.size())}));
-  std::vector<LossSums> out;
-  for (size_t d = 0; d <= sets.size(); ++d) {
-    LossSums ls;
-    ls.sum = sums[3 * d];
-    ls.count = int64_t(sums[3 * d + 1]);
-    ls.correct = int64_t(sums[3 * d + 2]);
-    out.push_back(ls);
-  }
-  return out;
-}
-
-std::string Trainer::eval_report(const std::vector<LossSums>& e) const {
-  std::string s = fmt::format("val loss {:.4f}, accuracy {:.2f}% over {} tokens", e.back().mean(),
-                              100 * e.back().accuracy(), e.back().count);
-  if (e.size() > 2) {
-    for (size_t d = 0; d + 1 < e.size(); ++d) {
-      s += fmt::format("{} {} {:.4f} ({:.2f}%)", d ? "," : " |", eval_names_[d], e[d].mean(), 100 * e[d].accuracy());
-    }
-  }
-  return s;
-}
-
-std::string Trainer::sample(const std::string& prompt) {
-  // Documents follow an end-of-document token in the training stream, so a prompt does too.
-  Tokenizer& tok = tokenizer();
-  std::vector<int32_t> ids = tok.encode(prompt);
-  ids.insert(ids.begin(), tok.eos_id());
-  std::vector<int64_t> stops = {tok.eos_id()};
-  // Through the pipeline's stages (the logits reach every rank) or this rank's whole model.
-  const LastLogitsFn last_logits = [&](Tensor t, Tensor logits) {
-    runner_ ? runner_->last_logits(t, logits) : model_->last_logits(t, logits);
-  };
-  std::vector<int32_t> out = generate_tokens(config_.model, last_logits, ids, config_.generate, config_.data.seq_len,
-                                             tok.vocab_size(), stops);
-  return tok.decode(out);
-}
-
-void Trainer::save_hf(const std::string& dir) {
-  const DType dtype = dtype_from_torch_name(config_.output.save_hf_dtype);
-  optimizer_->gather_all();  // stage 3: whole weights for the export, handed back after it
-  // Every global tensor is written by one rank, into files laid out beforehand: under tensor,
-  // pipeline or expert splits the ranks that write it to checkpoints gather it over their
-  // tensor group and their tensor rank 0 writes it; otherwise (replicas) world rank 0 writes
-  // them all. Nobody holds more than one global tensor.
-  ParamRegistry& file = file_registry();
-  const int tp_rank = tp_ ? tp_->rank() : 0;
-  Buffer global;
-  const GlobalTensorFn fetch = [&](int id) -> Tensor {
-    const int local = sharded_ckpt_ ? sharded_ckpt_->local_id(id) : id;
-    const bool writes = sharded_ckpt_ ? sharded_ckpt_->writes(id) : grid_.world_rank() == 0;
-    if (!writes) return Tensor();
-    const ParamInfo& p = model_->params().info(local);
-    if (global.numel() < p.global_shape.numel()) {
-      global = Buffer("save_hf.global", MemCategory::Checkpoint, DType::F32, p.global_shape.numel());
-    }
-    const Tensor g = global.tensor(0, p.global_shape);
-    // Over the host (a run on a device sends a host copy).
-    const ops::HostView piece(model_->params().param(local));
-    gather_global(p, piece.get(), tp_, g);
-    return tp_rank == 0 ? g : Tensor();
-  };
-  save_hf_weights(dir, file, fetch, config_.model.to_hf_json(), config_.output.save_hf_shard_bytes, dtype,
-                  &grid_.world());
-  grid_.world().barrier();
-  optimizer_->release_unused();
-  log::info("saved Hugging Face weights ({}) to {}", config_.output.save_hf_dtype, dir);
 }
 
 }  // namespace dstrain

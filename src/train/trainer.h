@@ -1,7 +1,9 @@
 // The training loop. For each step: for each micro-batch, next batch, forward, backward
-// (gradients accumulate; on the last micro-batch they are all-reduced bucket by bucket over
-// the data-parallel ranks while the backward runs); then finish the reduction, clip,
-// schedule, AdamW; then metrics, evaluation, samples.
+// (gradients accumulate; each parallel axis's hooks reduce them as the backward finishes them:
+// train/parallel_axes.h); then every axis finishes its gradient work, clip, schedule, the
+// distributed optimizer's step; then metrics, evaluation, samples. The member functions live in
+// trainer.cpp (construction and the step), trainer_state.cpp (weights and checkpoints in and
+// out), trainer_metrics.cpp (what a step reports) and trainer_eval.cpp (evaluation, samples).
 #pragma once
 
 #include <algorithm>
@@ -28,96 +30,21 @@
 #include "optim/loss_scaler.h"
 #include "train/checkpointing.h"
 #include "train/gpu_monitor.h"
+#include "train/layout_check.h"
 #include "train/metrics.h"
 #include "train/pipeline.h"
 #include "train/run_config.h"
 #include "train/run_lock.h"
+#include "train/step_record.h"
+#include "train/parallel_axes.h"
 #include "train/timeline.h"
 
 namespace dstrain {
 
-// Routing health of one DeepSeekMoE layer over a step's global batch.
-struct MoeLayerStats {
-  int layer = 0;
-  double aux_loss = 0;
-  std::vector<int64_t> tokens;  // (n_routed_experts) assignments, the router's choice
-  int64_t dropped = 0;          // of those, dropped by moe.capacity_factor
-  double max_over_mean() const { return max_over_mean_of(tokens); }
-  int64_t dead() const { return std::count(tokens.begin(), tokens.end(), 0); }
-  // Expert parallelism: the rows each data-parallel rank's experts computed (index = data
-  // coordinate; empty without expert parallelism), and the busiest rank over the mean.
-  std::vector<int64_t> received;
-  double received_max_over_mean() const { return max_over_mean_of(received); }
-  static double max_over_mean_of(const std::vector<int64_t>& v) {
-    int64_t total = 0, mx = 0;
-    for (int64_t t : v) {
-      total += t;
-      mx = std::max(mx, t);
-    }
-    return total ? double(mx) * double(v.size()) / double(total) : 0.0;
-  }
-};
-
-// Expert parallelism in a step: the rows each data-parallel rank's experts computed over all
-// MoE layers, and rank 0's all-to-all bytes sent and its time in the MoE layers' dispatch
-// (sending rows to the experts' owners and waiting for them, forward and backward), the
-// experts' GEMMs and the combine (the results back to the tokens' ranks).
-// Expert-parallel ranks whose received rows exceed the mean by more than this fraction are
-// imbalanced: a warning, and "imbalanced" in the metrics.
-inline constexpr double kExpertImbalance = 1.10;
-struct ExpertParallelStep {
-  std::vector<int64_t> received_rows;
-  double a2a_bytes = 0, dispatch_seconds = 0, expert_seconds = 0, combine_seconds = 0;
-  double received_max_over_mean() const { return MoeLayerStats::max_over_mean_of(received_rows); }
-};
-
-struct StepRecord {
-  int64_t step = 0;  // 1-based number of the optimizer step
-  double loss = 0;   // the step's loss: ce_loss + aux_loss + mtp_loss
-  double ce_loss = 0, aux_loss = 0, mtp_loss = 0;
-  std::vector<MoeLayerStats> moe;
-  // This rank's time in MoE routing and in token permutation (all layers, forward and
-  // backward, every micro-step); part of forward_seconds + backward_seconds.
-  double moe_route_seconds = 0, moe_permute_seconds = 0;
-  double lr = 0;
-  double grad_norm = 0;  // before clipping
-  double step_seconds = 0;
-  double tokens_per_s = 0;       // global
-  double data_wait_seconds = 0;  // waiting for this step's batches
-  double forward_seconds = 0, backward_seconds = 0, optimizer_seconds = 0, checkpoint_seconds = 0;
-  double comm_seconds = 0;       // gradient all-reduce time (overlapped or not)
-  double exposed_comm_seconds = 0;  // part of the step spent waiting for communication
-  // Tensor parallelism: this rank's time and bytes in the tensor group's collectives (the
-  // layers' all-reduces, gathers and reduce-scatters, and the partial gradients' sums), and the
-  // latter's share of the time; all of it on the critical path (nothing overlaps it).
-  double tp_comm_seconds = 0, tp_comm_bytes = 0, tp_grad_sync_seconds = 0;
-  int64_t tp_comm_ops = 0;
-  // Pipeline parallelism: this rank's point-to-point bytes (sent + received, the tied weights'
-  // sum included), messages, and the time it waited for receives (the bubble it saw).
-  double pp_comm_bytes = 0, pp_recv_wait_seconds = 0;
-  int64_t pp_messages = 0;
-  ExpertParallelStep ep;  // with parallel.expert > 1
-  bool skipped = false;             // no update: non-finite loss or gradients, or a loss spike
-  std::string skip_reason;
-  // fp16: the loss scale the step's backward used, and whether its gradients overflowed (the
-  // step is then skipped on every rank: no update, and not counted as `skipped` above).
-  double loss_scale = 1;
-  bool overflow = false;
-  // Per rank of the world (index = rank): step time and compute time (step minus exposed
-  // communication), for load balance.
-  std::vector<double> rank_step_seconds, rank_compute_seconds, rank_peak_rss_bytes;
-  // Per world rank: weights + gradients + optimizer state + gathered weights held at the end of
-  // the step, and the local parameters (elements) of the dense and expert groups.
-  std::vector<double> rank_model_state_bytes;
-  std::vector<std::pair<int64_t, int64_t>> rank_local_params;
-};
-
-// Bytes per rank of the weights, gradients and AdamW state at the configured precision and
-// ZeRO stage over `dp` data-parallel ranks (the ZeRO paper's (2 + 2 + K)Psi and its sharded
-// forms, with dstrain's fp32 weights and gradients), with the model split over the tensor,
-// pipeline (evenly) and expert axes: what the run checks against the memory budget before it
-// allocates anything, and what `dstrain validate` reports.
-double model_state_bytes_per_rank(const RunConfig& config, int64_t dp);
+// A batch's token ids (B rows of T) as the model takes them.
+inline Tensor tokens_tensor(std::vector<int32_t>& v, int64_t B, int64_t T) {
+  return Tensor(v.data(), DType::I32, Shape{B, T});
+}
 
 class Trainer {
  public:
@@ -240,11 +167,11 @@ class Trainer {
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<LossScaler> scaler_;  // fp16's loss scale (1, unchanging, otherwise)
   bool precision_logged_ = false;
-  std::unique_ptr<TensorParallelGradSync> tp_sync_;  // partial gradients summed over the tensor group
   Communicator* tp_ = nullptr;             // the tensor group (null: one rank)
   std::unique_ptr<ShardedModelCheckpoint> sharded_ckpt_;  // checkpoints of global tensors from the pieces
-  CommStats tp_stats_before_;
   std::unique_ptr<DistributedOptimizer> optimizer_;  // every ZeRO stage, behind the model's hooks
+  // The layout's axes (an axis of one rank left out), in the order their gradient work runs.
+  std::vector<std::unique_ptr<ParallelAxis>> axes_;
   std::unique_ptr<Schedule> schedule_;  // the order of the micro-batches' forwards and backwards
   // Pipeline parallelism (null: one stage): the pipeline group, its schedule, the runner of this
   // rank's chunks, and the hook that hands the reducer each gradient once all micro-batches

@@ -1,0 +1,511 @@
+// The trainer's state in and out: initial weights, checkpoints (save, resume, the state they
+// record), Hugging Face export.
+#include "train/trainer.h"
+
+#include <chrono>
+#include <filesystem>
+#include <optional>
+
+#include "backend/ops.h"
+#include "core/clock.h"
+#include "core/log.h"
+#include "io/checkpoint.h"
+#include "io/hf_weights.h"
+#include "train/startup_checks.h"
+
+namespace dstrain {
+namespace {
+
+// The flat buffers a checkpoint writes or reads (weights and AdamW moments), where the host can
+// reach them: the buffers themselves in a run on the host; host copies in a run on a device,
+// sent back by write_back() after a read. A moment tensor may be undefined (none).
+class HostState {
+ public:
+  HostState(Tensor values, Tensor exp_avg, Tensor exp_avg_sq) {
+    values_.emplace(values);
+    if (exp_avg.defined()) exp_avg_.emplace(exp_avg);
+    if (exp_avg_sq.defined()) exp_avg_sq_.emplace(exp_avg_sq);
+  }
+  float* values() const { return values_->data<float>(); }
+  float* exp_avg() const { return exp_avg_ ? exp_avg_->data<float>() : nullptr; }
+  float* exp_avg_sq() const { return exp_avg_sq_ ? exp_avg_sq_->data<float>() : nullptr; }
+  void write_back() const {
+    values_->write_back();
+    if (exp_avg_) exp_avg_->write_back();
+    if (exp_avg_sq_) exp_avg_sq_->write_back();
+  }
+
+ private:
+  std::optional<ops::HostView> values_, exp_avg_, exp_avg_sq_;
+};
+
+// The optimizer's state where checkpoints write and read it: the whole local weights and moments
+// (stage 0), or every rank its own rows of every tensor (ZeRO).
+HostState optimizer_host_state(DistributedOptimizer& z) {
+  return HostState(z.master().tensor(), z.exp_avg().tensor(), z.exp_avg_sq().tensor());
+}
+
+CheckpointBuffers zero_checkpoint_buffers(DistributedOptimizer& z, const HostState& h) {
+  CheckpointBuffers b;
+  b.values = h.values();
+  b.exp_avg = h.exp_avg();
+  b.exp_avg_sq = h.exp_avg_sq();
+  b.piece_offsets = std::make_shared<const std::vector<int64_t>>(z.shard_offsets());
+  b.numel = z.shard_numel();
+  return b;
+}
+
+CheckpointTargets zero_checkpoint_targets(DistributedOptimizer& z, const HostState& h) {
+  CheckpointTargets t;
+  t.values = h.values();
+  t.exp_avg = h.exp_avg();
+  t.exp_avg_sq = h.exp_avg_sq();
+  t.piece_offsets = std::make_shared<const std::vector<int64_t>>(z.shard_offsets());
+  return t;
+}
+
+// ZeRO's masters and moments in the registry's full local layout (on the masters' device, with
+// host views of them): what the tensor, pipeline and expert checkpoint staging reads and
+// writes. Gathered from every rank's pieces when `gather`.
+struct ZeroLocalState {
+  ZeroLocalState(DistributedOptimizer& z, int64_t numel, bool gather = true)
+      : values("checkpoint.zero_local_values", MemCategory::Checkpoint, DType::F32, numel, z.master().device()),
+        exp_avg("checkpoint.zero_local_exp_avg", MemCategory::Checkpoint, DType::F32, numel, z.master().device()),
+        exp_avg_sq("checkpoint.zero_local_exp_avg_sq", MemCategory::Checkpoint, DType::F32, numel,
+                   z.master().device()),
+        host(prepared(z, gather), exp_avg.tensor(), exp_avg_sq.tensor()) {}
+  Buffer values, exp_avg, exp_avg_sq;
+  HostState host;  // after the buffers: made from them once they are gathered
+
+ private:
+  Tensor prepared(DistributedOptimizer& z, bool gather) {
+    if (gather) z.gather_state(values.tensor(), exp_avg.tensor(), exp_avg_sq.tensor());
+    return values.tensor();
+  }
+};
+
+}  // namespace
+
+void Trainer::claim_output_dirs() {
+  std::string error;
+  if (grid_.world_rank() == 0) {
+    try {
+      namespace fs = std::filesystem;
+      locks_.push_back(std::make_unique<RunLock>(config_.output.dir));
+      // A checkpoint.dir outside output.dir may be shared with another run's output.dir.
+      const fs::path out = fs::weakly_canonical(config_.output.dir), ck = fs::weakly_canonical(config_.checkpoint.dir);
+      if (ck != out) locks_.push_back(std::make_unique<RunLock>(config_.checkpoint.dir));
+      if (!config_.output.save_hf.empty()) check_writable_dir(config_.output.save_hf, "output.save_hf (--save-hf)");
+    } catch (const std::exception& e) {
+      locks_.clear();
+      error = e.what();
+    }
+  }
+  throw_if_root_failed(grid_.world(), error);
+}
+
+void Trainer::init_weights(const std::string& init_from) {
+  const bool checkpoint = !init_from.empty() && std::filesystem::is_regular_file(init_from) && is_hdf5_file(init_from);
+  // A checkpoint is read collectively: no rank may take another way.
+  if (grid_.world().all_reduce_value<int32_t>(checkpoint ? 1 : 0, ReduceOp::Max) > 0) {
+    check_same_file_on_every_rank(grid_.world(), "--init-from", init_from);
+  }
+  load_weights(init_from, checkpoint);
+  ParamRegistry& reg = model_->params();
+  // A stage's copy of the tied embedding takes the owner's values (a checkpoint holds the
+  // owner's only).
+  if (runner_ && runner_->has_tie()) runner_->copy_tied({reg.param(runner_->tied_param())});
+  if (checkpoint) check_finite_weights(reg, "checkpoint '" + init_from + "'");
+  // Over the data-parallel ranks: those hold the same pieces (tensor ranks hold different ones);
+  // with expert parallelism the same routed experts only where the expert coordinate agrees.
+  const std::string source = init_from.empty() ? fmt::format("initialised from train.seed {}", config_.train.seed)
+                                               : "--init-from " + init_from;
+  const std::vector<int64_t> hashes = weight_hashes(reg);
+  check_same_weights(dp_, reg, hashes, source, /*skip_experts=*/ep_ != nullptr);
+  if (ep_) check_same_weights(grid_.expert_data(), reg, hashes, source);
+  apply_precision();
+  optimizer_->adopt_weights();  // each rank keeps its pieces (stage 3: and hands the rest back)
+}
+
+void Trainer::apply_precision() {
+  const PrecisionConfig& pc = config_.train.precision;
+  const DType dt = pc.compute_dtype();
+  if (model_->compute_dtype() != dt) {
+    model_->set_compute_dtype(dt);  // makes the compute copy from the masters as they are now
+  } else if (dt != DType::F32) {
+    model_->params().refresh_compute();
+  }
+  if (precision_logged_) return;
+  precision_logged_ = true;
+  if (dt == DType::F32) {
+    if (pc.communication_dtype() != DType::F32) {
+      log::info("precision: fp32; gradients all-reduced in {}", pc.communication_data_type);
+    }
+    return;
+  }
+  std::string scaling;
+  if (scaler_->enabled()) {
+    const LossScalerConfig& s = pc.fp16_scaler;
+    scaling = s.dynamic() ? fmt::format("; dynamic loss scale from {} (window {}, hysteresis {}, minimum {})",
+                                        scaler_->scale(), s.loss_scale_window, s.hysteresis, s.min_loss_scale)
+                          : fmt::format("; static loss scale {}", s.loss_scale);
+  }
+  log::info("precision: {} compute, fp32 master weights, gradients and AdamW moments; gradients all-reduced in {}{}",
+            pc.name(), pc.communication_data_type, scaling);
+}
+
+void Trainer::load_weights(const std::string& init_from, bool checkpoint) {
+  if (init_from.empty()) {
+    model_->init_weights(config_.train.seed);
+    log::info("initialised {} parameters (seed {})", model_->config().num_parameters(), config_.train.seed);
+    return;
+  }
+  if (checkpoint) {
+    TrainState st;
+    const HostState host(model_->params().values().tensor(), Tensor(), Tensor());
+    if (sharded_ckpt_) {
+      st = read_checkpoint(init_from, ckpt_->io_comm(), file_registry(), sharded_ckpt_->targets(false));
+      sharded_ckpt_->unstage(host.values(), nullptr, nullptr);
+      sharded_ckpt_->release();
+    } else {
+      CheckpointTargets whole;
+      whole.values = host.values();
+      st = read_checkpoint(init_from, ckpt_->io_comm(), model_->params(), whole);
+    }
+    host.write_back();
+    log::info("loaded the model of checkpoint {} (step {}); optimizer state and position start afresh", init_from,
+              st.step);
+    return;
+  }
+  // The directory's architecture, when it states one, must be the configured one.
+  const auto cfg_path = std::filesystem::path(init_from) / "config.json";
+  if (std::filesystem::is_directory(init_from) && std::filesystem::exists(cfg_path)) {
+    const json theirs = load_hf_config(cfg_path.string()).to_hf_json();
+    const json ours = config_.model.to_hf_json();
+    for (const auto& [key, value] : ours.items()) {
+      if (key == "torch_dtype" || key == "eos_token_id" || key == "bos_token_id") continue;
+      DS_CHECK(theirs.contains(key) && theirs.at(key) == value,
+               "--init-from {}: its config.json has {} = {} but the run's model has {}; use the same architecture",
+               init_from, key, theirs.contains(key) ? theirs.at(key).dump() : "nothing", value.dump());
+    }
+  }
+  // Every rank reads the files itself: they are identical, and this needs no broadcast of
+  // the whole model.
+  auto counts = load_hf_weights(init_from, model_->params(), sharded_ckpt_ ? &file_registry() : nullptr, &grid_.world());
+  log::info("loaded {} tensors from {}", counts.loaded, init_from);
+}
+
+TrainState Trainer::state() {
+  DataPipeline& data = data_pipeline();
+  TrainState st;
+  st.step = step_;
+  st.consumed_samples = consumed_samples_;
+  st.consumed_tokens = consumed_samples_ * config_.data.seq_len;
+  st.optimizer_steps = optimizer_steps();
+  st.scheduler = config_.train.schedule.to_json();
+  st.scheduler["last_batch_iteration"] = step_ - 1 - overflow_steps_;
+  if (overflow_steps_ > 0) st.scheduler["skipped_for_overflow"] = overflow_steps_;
+  st.scheduler["base_lr"] = config_.train.adamw.lr;
+  // dstrain's randomness is counter-based: a seed and a position say everything.
+  st.rng = {{"generator", "philox4x32-10"},
+            {"seed", config_.train.seed},
+            {"parameter_init", "stream FNV-1a(HF parameter name), element index"},
+            {"shuffle", "stream FNV-1a(\"dstrain.shuffle\") + epoch, derived from consumed_samples"},
+            {"generate_seed", config_.generate.seed}};
+  // The position: samples drawn from each training dataset (the blender's state); each
+  // dataset's epoch and order follow from its count and the seed.
+  json sets = json::array();
+  for (size_t i = 0; i < data.train_sets().size(); ++i) {
+    const SampleDataset& d = *data.train_sets()[i];
+    const int64_t drawn = data.drawn()[i];
+    sets.push_back({{"name", data.train_sources()[i].name},
+                    {"describe", d.describe()},
+                    {"samples_drawn", drawn},
+                    {"epoch", drawn / d.samples_per_epoch()},
+                    {"samples_per_epoch", d.samples_per_epoch()},
+                    {"num_tokens", d.num_tokens()}});
+  }
+  st.data = {{"consumed_samples", consumed_samples_},
+             {"seq_len", config_.data.seq_len},
+             {"shuffle", config_.data.shuffle},
+             {"blend", data.blend_state()},
+             {"datasets", sets}};
+  st.config = config_.to_json();
+  st.environment = environment_.record;
+  if (scaler_->enabled()) st.loss_scaler = scaler_->state();
+  st.layout = {{"world_size", grid_.world_size()},
+               {"data", grid_.size(Axis::Data)},
+               {"tensor", grid_.size(Axis::Tensor)},
+               {"pipeline", grid_.size(Axis::Pipeline)},
+               {"expert", grid_.size(Axis::Expert)},
+               {"sequence_parallel", model_->shard().sequence_parallel},
+               {"schedule", pp_ ? json(schedule_->name()) : json()},
+               {"partition", sharded_ckpt_
+                                 ? "the ranks of data coordinate 0 (for a routed expert: of its expert rank) wrote, "
+                                   "tensor rank t of the pipeline stage holding a global tensor rows "
+                                   "[R*t/T, R*(t+1)/T) of its dimension 0"
+                                 : "each rank wrote rows [R*r/N, R*(r+1)/N) of dimension 0 of every tensor"}};
+  return st;
+}
+
+std::string Trainer::unsafe_to_save() {
+  if (skipped_in_a_row_ > 0) {
+    return fmt::format("step {} was skipped ({}, {} in a row)", step_, last_skip_reason_, skipped_in_a_row_);
+  }
+  // An overflow leaves the weights as they were, but a run that keeps overflowing is diverging
+  // (a NaN loss is an overflow in fp16): its state must not rotate the good checkpoints away.
+  if (last_overflowed_) {
+    return fmt::format("step {}'s fp16 gradients overflowed (the step was skipped; loss scale now {})", step_,
+                       scaler_->scale());
+  }
+  // Every rank holds the whole state (with ZeRO: its shard); each looks at it, and all agree.
+  const Buffer& weights = optimizer_->master();
+  const Buffer& m = optimizer_->exp_avg();
+  const Buffer& v = optimizer_->exp_avg_sq();
+  int64_t bad[3] = {ops::read_count_non_finite(weights.tensor()), ops::read_count_non_finite(m.tensor()),
+                    ops::read_count_non_finite(v.tensor())};
+  grid_.world().all_reduce(Tensor(bad, DType::I64, Shape{3}), ReduceOp::Max);
+  if (bad[0]) return fmt::format("the weights after step {} hold non-finite values", step_);
+  if (bad[1] || bad[2]) return fmt::format("AdamW's moments after step {} hold non-finite values", step_);
+  return "";
+}
+
+double Trainer::save_checkpoint() {
+  const std::string unsafe = unsafe_to_save();
+  if (!unsafe.empty()) {
+    save_deferred_ = true;
+    ckpt_->wait();  // a save in flight is the newest one kept: list it
+    const std::vector<std::string> kept = ckpt_->list();
+    log::warn("checkpoint of step {} deferred until a step succeeds: {}; {}", step_, unsafe,
+              kept.empty() ? std::string("no checkpoint exists yet")
+                           : "the newest checkpoint, " + kept.front() + ", stays and is not rotated away");
+    return 0;
+  }
+  save_deferred_ = false;
+  ParamRegistry& reg = model_->params();
+  CheckpointBuffers live;
+  std::optional<HostState> host;  // what `live` points into, until the save has it
+  const bool sharded = optimizer_->stage() >= 1;
+  if (sharded && sharded_ckpt_) {
+    // ZeRO under tensor, pipeline or expert splits: the full local state gathered from the
+    // pieces (transient: three times the local model), then staged as without ZeRO.
+    const ZeroLocalState full(*optimizer_, reg.flat_numel());
+    live = sharded_ckpt_->stage(full.host.values(), full.host.exp_avg(), full.host.exp_avg_sq());
+  } else {
+    host.emplace(optimizer_host_state(*optimizer_));
+    live.values = host->values();
+    live.exp_avg = host->exp_avg();
+    live.exp_avg_sq = host->exp_avg_sq();
+    if (sharded) live = zero_checkpoint_buffers(*optimizer_, *host);
+    // Tensor parallelism: the global tensors' row blocks, staged by the data-0 tensor group.
+    if (sharded_ckpt_) live = sharded_ckpt_->stage(live.values, live.exp_avg, live.exp_avg_sq);
+  }
+  const double stall = ckpt_->save(file_registry(), live, state());
+  if (sharded_ckpt_) sharded_ckpt_->release();  // written, or copied by the asynchronous writer
+  last_saved_step_ = step_;
+  last_save_time_ = clock();
+  return stall;
+}
+
+bool Trainer::checkpoint_due(int64_t step) {
+  const CheckpointConfig& c = config_.checkpoint;
+  bool due = c.interval_steps > 0 && step % c.interval_steps == 0;
+  if (c.interval_minutes > 0) {
+    // Clocks differ between ranks: rank 0 decides for everyone.
+    const double since = std::chrono::duration<double>(clock() - last_save_time_).count();
+    int by_time = since >= c.interval_minutes * 60.0 ? 1 : 0;
+    grid_.world().broadcast(Tensor(&by_time, DType::I32, Shape{1}), 0);
+    due = due || by_time;
+  }
+  return due;
+}
+
+bool Trainer::resume(const std::string& spec) {
+  const bool automatic = spec == "auto";
+  std::vector<std::string> candidates = automatic ? ckpt_->list() : std::vector<std::string>{spec};
+  const std::string latest = automatic ? ckpt_->latest() : "";
+  const std::string& dir = config_.checkpoint.dir;
+  if (automatic) {
+    // Every rank must take the same way: a checkpoint.dir on node-local disks may differ.
+    std::string view = "checkpoint.dir " + dir + " holds";
+    for (const std::string& c : candidates) view += " " + std::filesystem::path(c).filename().string();
+    if (candidates.empty()) view += " no checkpoint" + (latest.empty() ? "" : " (latest: " + latest + ")");
+    const std::vector<std::string> views = all_gather_strings(grid_.world(), view);
+    if (std::any_of(views.begin(), views.end(), [&](const std::string& v) { return v != views[0]; })) {
+      const std::string lines = differing_ranks(views, all_gather_strings(grid_.world(), host_name()));
+      throw Error(fmt::format("--resume auto: ranks see different checkpoints:{}\n  checkpoint.dir must be on a "
+                              "filesystem every rank shares",
+                              lines));
+    }
+  }
+  if (candidates.empty()) {
+    // `latest` moves only after a checkpoint is complete: the run reached that step, and
+    // starting again from scratch would silently throw its training away.
+    DS_CHECK(latest.empty(),
+             "--resume auto: {}/latest says this run completed checkpoint {}, but {} holds no checkpoint (were they "
+             "deleted or moved?); restore the checkpoint files to continue the run, or remove {}/latest to start a "
+             "new run in this directory",
+             dir, latest, dir, dir);
+    log::info("no checkpoint in {}: starting a new run", dir);
+    return false;
+  }
+  if (automatic && !latest.empty() && latest > std::filesystem::path(candidates.front()).filename().string() &&
+      grid_.world_rank() == 0) {
+    log::warn("{}/latest names {}, which is missing: resuming from the newest checkpoint present, {}", dir, latest,
+              candidates.front());
+  }
+  ParamRegistry& reg = model_->params();
+  const bool sharded = optimizer_->stage() >= 1;
+  for (const std::string& path : candidates) {
+    TrainState st;
+    const auto t0 = Clock::now();
+    check_same_file_on_every_rank(grid_.world(), "--resume", path);
+    throw_if_root_failed(grid_.world(),
+                         grid_.world_rank() == 0 ? model_mismatch(path, file_registry(), config_.model) : "");
+    try {
+      if (sharded && sharded_ckpt_) {
+        // ZeRO under tensor, pipeline or expert splits: the full local state from the staging,
+        // the tied copy's from its owner, then this rank's pieces of it.
+        ZeroLocalState full(*optimizer_, reg.flat_numel(), /*gather=*/false);
+        st = read_checkpoint(path, ckpt_->io_comm(), file_registry(), sharded_ckpt_->targets(true));
+        sharded_ckpt_->unstage(full.host.values(), full.host.exp_avg(), full.host.exp_avg_sq());
+        sharded_ckpt_->release();
+        full.host.write_back();
+        if (runner_ && runner_->has_tie()) {
+          const ParamInfo& p = reg.info(runner_->tied_param());
+          runner_->copy_tied({full.values.tensor(p.offset, p.shape), full.exp_avg.tensor(p.offset, p.shape),
+                              full.exp_avg_sq.tensor(p.offset, p.shape)});
+        }
+        optimizer_->scatter_state(full.values.tensor(), full.exp_avg.tensor(), full.exp_avg_sq.tensor());
+      } else {
+        const HostState host = optimizer_host_state(*optimizer_);
+        if (sharded) {
+          st = read_checkpoint(path, ckpt_->io_comm(), reg, zero_checkpoint_targets(*optimizer_, host));
+        } else if (sharded_ckpt_) {
+          st = read_checkpoint(path, ckpt_->io_comm(), file_registry(), sharded_ckpt_->targets(true));
+          sharded_ckpt_->unstage(host.values(), host.exp_avg(), host.exp_avg_sq());
+          sharded_ckpt_->release();
+        } else {
+          CheckpointTargets whole;
+          whole.values = host.values();
+          whole.exp_avg = host.exp_avg();
+          whole.exp_avg_sq = host.exp_avg_sq();
+          st = read_checkpoint(path, ckpt_->io_comm(), reg, whole);
+        }
+        host.write_back();
+      }
+    } catch (const Error& e) {
+      if (spec != "auto") throw;
+      if (grid_.world_rank() == 0) log::warn("skipping invalid checkpoint: {}", e.what());
+      continue;
+    }
+    if (sharded) {
+      // The masters are this rank's pieces only: the check is over every rank's.
+      const int64_t bad =
+          grid_.world().all_reduce_value<int64_t>(ops::read_count_non_finite(optimizer_->master().tensor()));
+      DS_CHECK(bad == 0, "checkpoint '{}': {} weight values are NaN or Inf; resume from an earlier checkpoint", path, bad);
+    } else {
+      check_finite_weights(reg, "checkpoint '" + path + "'");
+    }
+    if (runner_ && runner_->has_tie() && !sharded) {
+      const int id = runner_->tied_param();
+      const ParamInfo& p = reg.info(id);
+      runner_->copy_tied({reg.param(id), optimizer_->exp_avg().tensor(p.offset, p.shape),
+                          optimizer_->exp_avg_sq().tensor(p.offset, p.shape)});
+    }
+    restore_precision_state(st, path);
+    step_ = st.step;
+    overflow_steps_ = st.scheduler.is_object() ? st.scheduler.value("skipped_for_overflow", int64_t(0)) : 0;
+    resumed_ = true;
+    consumed_samples_ = st.consumed_samples;
+    optimizer_->set_steps_taken(st.optimizer_steps);
+    last_saved_step_ = step_;
+    last_save_time_ = Clock::now();
+    DataPipeline& data = data_pipeline();
+    resume_blend_ = st.data.value("blend", json());
+    const json sets = st.data.value("datasets", json::array());
+    bool same = sets.size() == data.train_sets().size() && st.data.value("seq_len", int64_t(-1)) == config_.data.seq_len;
+    for (size_t i = 0; same && i < sets.size(); ++i) {
+      same = sets[i].value("samples_per_epoch", int64_t(-1)) == data.train_sets()[i]->samples_per_epoch();
+    }
+    if (!same && grid_.world_rank() == 0) {
+      log::warn("the training data differs from the checkpoint's (datasets, their sizes or seq_len): the sample "
+                "sequence does not continue exactly");
+    }
+    std::vector<std::string> changed;
+    json_diff(st.config, config_.to_json(), "", changed);
+    if (!changed.empty()) {
+      std::string keys;
+      for (const std::string& k : changed) keys += (keys.empty() ? "" : ", ") + k;
+      log::info("configuration changed since the checkpoint: {}", keys);
+    }
+    const double secs = seconds_since(t0);
+    // The file's tensors (weights and both moments), global whatever this rank holds of them.
+    const double mb = double(file_registry().global_numel()) * 12.0 / 1e6;
+    log::info("resumed from {} at step {} ({} samples consumed; written by {} rank(s), now {}); read and verified "
+              "{:.0f} MB in {:.2f} s ({:.0f} MB/s)",
+              path, step_, consumed_samples_, st.layout.value("world_size", 0), grid_.world_size(), mb, secs,
+              mb / std::max(secs, 1e-9));
+    apply_precision();
+    optimizer_->publish_weights();  // the whole weights (stage 3: the persistent ones) from the shards
+    return true;
+  }
+  throw Error(fmt::format("none of the {} checkpoint(s) in {} is valid (see the warnings above); move them away or "
+                          "start without --resume",
+                          candidates.size(), config_.checkpoint.dir));
+}
+
+void Trainer::restore_precision_state(const TrainState& st, const std::string& path) {
+  // The precision of the run that wrote the checkpoint, from its resolved configuration.
+  const json train = st.config.is_object() ? st.config.value("train", json::object()) : json::object();
+  auto enabled = [&](const char* key) {
+    return train.contains(key) && train[key].is_object() && train[key].value("enabled", false);
+  };
+  const std::string theirs = enabled("bf16") ? "bf16" : enabled("fp16") ? "fp16" : "fp32";
+  const std::string ours = config_.train.precision.name();
+  const bool has_scaler = st.loss_scaler.is_object();
+  if (has_scaler && scaler_->enabled()) scaler_->load_state(st.loss_scaler, "checkpoint '" + path + "'");
+  if (theirs == ours && (has_scaler || !scaler_->enabled())) return;
+  // Checkpoints hold the fp32 masters and moments whatever the precision: switching is exact.
+  std::string note = fmt::format("precision: checkpoint {} was written by a {} run; this run trains in {} from its fp32 "
+                                 "master weights and AdamW moments",
+                                 path, theirs, ours);
+  if (scaler_->enabled() && !has_scaler) note += fmt::format(", the loss scale starting at {}", scaler_->scale());
+  if (has_scaler && !scaler_->enabled()) {
+    note += fmt::format(" (its fp16 loss scale, {}, is not used)", st.loss_scaler.value("scale", 0.0));
+  }
+  log::info("{}", note);
+}
+
+void Trainer::save_hf(const std::string& dir) {
+  const DType dtype = dtype_from_torch_name(config_.output.save_hf_dtype);
+  optimizer_->gather_all();  // stage 3: whole weights for the export, handed back after it
+  // Every global tensor is written by one rank, into files laid out beforehand: under tensor,
+  // pipeline or expert splits the ranks that write it to checkpoints gather it over their
+  // tensor group and their tensor rank 0 writes it; otherwise (replicas) world rank 0 writes
+  // them all. Nobody holds more than one global tensor.
+  ParamRegistry& file = file_registry();
+  const int tp_rank = tp_ ? tp_->rank() : 0;
+  Buffer global;
+  const GlobalTensorFn fetch = [&](int id) -> Tensor {
+    const int local = sharded_ckpt_ ? sharded_ckpt_->local_id(id) : id;
+    const bool writes = sharded_ckpt_ ? sharded_ckpt_->writes(id) : grid_.world_rank() == 0;
+    if (!writes) return Tensor();
+    const ParamInfo& p = model_->params().info(local);
+    if (global.numel() < p.global_shape.numel()) {
+      global = Buffer("save_hf.global", MemCategory::Checkpoint, DType::F32, p.global_shape.numel());
+    }
+    const Tensor g = global.tensor(0, p.global_shape);
+    // Over the host (a run on a device sends a host copy).
+    const ops::HostView piece(model_->params().param(local));
+    gather_global(p, piece.get(), tp_, g);
+    return tp_rank == 0 ? g : Tensor();
+  };
+  save_hf_weights(dir, file, fetch, config_.model.to_hf_json(), config_.output.save_hf_shard_bytes, dtype,
+                  &grid_.world());
+  grid_.world().barrier();
+  optimizer_->release_unused();
+  log::info("saved Hugging Face weights ({}) to {}", config_.output.save_hf_dtype, dir);
+}
+
+}  // namespace dstrain
