@@ -226,11 +226,14 @@ void DistributedOptimizer::publish_weights() {
 }
 
 void DistributedOptimizer::gather_whole(bool persistent_only) {
-  // Launched in groups of up to allgather_bucket_size elements, each group waited before the
-  // next starts.
+  // In buckets of up to allgather_bucket_size elements, each waited before the next starts: the
+  // small parameters of a bucket that share a communicator in one collective, the large ones
+  // alone and in place (launch_gathers).
   std::vector<int> group;
   int64_t group_elems = 0;
-  auto wait_group = [&] {
+  auto flush = [&] {
+    if (group.empty()) return;
+    launch_gathers(group);
     for (int id : group) wait_gather(id);
     group.clear();
     group_elems = 0;
@@ -238,22 +241,13 @@ void DistributedOptimizer::gather_whole(bool persistent_only) {
   for (int id = 0; id < params_.size(); ++id) {
     if (persistent_only && !persistent_[size_t(id)]) continue;
     const int64_t numel = params_.info(id).numel();
-    if (!group.empty() && group_elems + numel > config_.allgather_bucket_size) wait_group();
+    if (!group.empty() && group_elems + numel > config_.allgather_bucket_size) flush();
     if (config_.stage == 3 && state_[size_t(id)] != State::Released) continue;  // already whole
-    launch_gather(id);
     group.push_back(id);
     group_elems += numel;
   }
-  wait_group();
+  flush();
   if (config_.stage < 3) params_.refresh_compute();
-}
-
-void DistributedOptimizer::launch_gather(int id) {
-  if (config_.stage == 3) {
-    launch_gathers({id});
-    return;
-  }
-  launch_gather_in_place(id);
 }
 
 void DistributedOptimizer::launch_gather_in_place(int id) {
@@ -340,6 +334,7 @@ void DistributedOptimizer::launch_gathers(const std::vector<int>& ids) {
     g->work = comm.all_gather_v_async(g->packed.tensor(0, {g->total}), g->mine.tensor(0, {per_rank[size_t(me)]}), per_rank);
     for (int id : g->ids) {
       group_of_[size_t(id)] = g;
+      if (config_.stage < 3) continue;  // stages 1 and 2 hold every whole weight anyway
       state_[size_t(id)] = State::InFlight;
       account_gathered(gathered_bytes(id));
       live_elems_ += params_.info(id).numel();
@@ -384,7 +379,7 @@ void DistributedOptimizer::wait_gather(int id) {
     give_back(std::move(g->mine));
     give_back(std::move(g->packed));
     for (int x : g->ids) {
-      params_.refresh_compute(x, x);
+      if (config_.stage == 3) params_.refresh_compute(x, x);  // stages 1 and 2: all at once after
       state_[size_t(x)] = State::Resident;
       group_of_[size_t(x)].reset();
     }

@@ -216,9 +216,9 @@ class DistributedOptimizer final : public ParamHooks {
   };
   Tensor master_piece(int id) const;  // this rank's master piece of parameter id
   std::vector<int64_t> counts(int id) const;
-  // Stage 3: one all-gather of several parameters of one communicator (the uses of a layer, a
-  // prefetch), their pieces packed end to end and the gathered ones unpacked by the first
-  // wait_gather of any of them.
+  // One all-gather of several parameters of one communicator (stage 3: the uses of a layer, a
+  // prefetch; every stage: the whole weights after a step), their pieces packed end to end and
+  // the gathered ones unpacked by the first wait_gather of any of them.
   struct GatherGroup {
     std::vector<int> ids;
     Work work;
@@ -231,8 +231,6 @@ class DistributedOptimizer final : public ParamHooks {
   Buffer take_buffer(const char* label, DType dtype, int64_t numel);
   void give_back(Buffer&& b);
   void unpack(GatherGroup& g);
-  // Stages 1 and 2 in place; stage 3 through launch_gathers.
-  void launch_gather(int id);
   // One parameter gathered into its whole weights (stage 3: and marked in flight).
   void launch_gather_in_place(int id);
   void wait_gather(int id);
