@@ -122,6 +122,14 @@ void sample_resident(HFLoadStats& s) {
   s.mapped_file_peak = std::max(s.mapped_file_peak, now.file);
 }
 
+// Once tensors have been read or compared through the mapping: the memory sample (their
+// buffers and pages still there), then their pages are unmapped, so that the process maps
+// one tensor's pages at a time (two while comparing), not the files'.
+void sample_and_release(const HFWeights& w, HFLoadStats& s, std::initializer_list<std::string> names) {
+  sample_resident(s);
+  for (const std::string& name : names) w.release(name);
+}
+
 // World rank 0 logs what every rank held while loading, the most first: the claim that a rank
 // holds its own pieces and no more is checked on each run, not only in tests.
 void log_load_memory(const HFLoadStats& s, const ParamRegistry& all, Communicator& world) {
@@ -285,10 +293,10 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const P
     } else if (name == kHead && tied && w.has(kEmbed)) {
       check_tied_head(w);
       stats.tied_lm_head_checked = true;
-      sample_resident(stats);
+      sample_and_release(w, stats, {kHead, kEmbed});
     } else if (std::string original; is_shared_copy(w, all, name, &original)) {
       ++stats.shared_copies;
-      sample_resident(stats);
+      sample_and_release(w, stats, {name, original});
     } else {
       unexpected.push_back(name);
     }
@@ -316,7 +324,8 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const P
   }
   // A tensor-parallel piece is read straight from its bytes in the file (rows of a dim-0 piece,
   // a column range of every row of a dim-1 one): no rank reads or holds a whole tensor it
-  // holds a piece of. The files are memory-mapped, so the pages read are the piece's.
+  // holds a piece of. The files are memory-mapped, so the pages read are the piece's, and
+  // they are unmapped once the tensor is read.
   // A NaN or Inf would make every training step non-finite; caught here, it names its file.
   std::vector<std::string> non_finite;
   for (int id = 0; id < reg.size(); ++id) {
@@ -342,7 +351,7 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const P
     if (!reg.param(id).device().is_cpu()) {
       stats.largest_transient_bytes = std::max(stats.largest_transient_bytes, int64_t(t.nbytes()));
     }
-    sample_resident(stats);  // while this tensor's buffers (a device run's host copy) are alive
+    sample_and_release(w, stats, {name});  // while this tensor's buffers (a device run's host copy) are alive
     const int64_t n = ops::read_count_non_finite(t);
     if (n > 0) {
       non_finite.push_back(fmt::format("'{}' in '{}': {} of {} values{} are NaN or Inf", name, w.file_of(name), n,

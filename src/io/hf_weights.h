@@ -40,6 +40,8 @@ class HFWeights {
   std::span<const std::byte> raw(const std::string& name) const;
   // The file that holds `name`.
   const std::string& file_of(const std::string& name) const;
+  // Unmaps `name`'s pages from this process (SafeTensorsFile::release).
+  void release(const std::string& name) const { file(name).release(name); }
   // Every tensor name, sorted.
   std::vector<std::string> names() const;
 
@@ -67,8 +69,9 @@ struct HFLoadStats {
   int64_t piece_bytes = 0, largest_transient_bytes = 0;
   // The process's resident memory (/proc/self/status; 0 where there is none), sampled at the
   // start and after each tensor's read while that tensor's buffers are alive: anonymous memory
-  // (the rank's own) and mapped file pages (the safetensors bytes read through the mapping:
-  // page cache, shared with every process reading the files, which RSS counts all the same).
+  // (the rank's own) and mapped file pages (the safetensors bytes read through the mapping,
+  // each tensor's released once read: page cache, shared with every process reading the
+  // files, which RSS counts all the same).
   int64_t anon_start = 0, anon_peak = 0, mapped_file_start = 0, mapped_file_peak = 0;
   // Parameters whose memory is committed as it is written (ZeRO-3's reserved registry) gain
   // their pieces during the load; others hold them, zero-filled, before it starts.
