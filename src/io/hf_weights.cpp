@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <numeric>
@@ -12,6 +13,7 @@
 
 #include "backend/ops.h"
 #include "comm/comm.h"
+#include "core/log.h"
 #include "io/sharded_model_state.h"
 
 namespace dstrain {
@@ -92,6 +94,77 @@ void check_whole(const ParamInfo& p, const char* what) {
 // A tensor-parallel piece: filled from, or gathered into, its global tensor.
 bool is_tensor_piece(const ParamInfo& p) {
   return p.placement.kind == Placement::Kind::Shard && p.placement.axis == "tensor";
+}
+
+// This process's resident memory from /proc/self/status (zeros where there is none):
+// anonymous pages (the heap, the allocator's buffers) and file-backed ones (mapped files).
+struct Resident {
+  int64_t anon = 0, file = 0;
+};
+
+Resident resident_now() {
+  Resident r;
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (!f) return r;
+  char line[256];
+  long long kb = 0;
+  while (std::fgets(line, sizeof line, f)) {
+    if (std::sscanf(line, "RssAnon: %lld kB", &kb) == 1) r.anon = int64_t(kb) * 1024;
+    if (std::sscanf(line, "RssFile: %lld kB", &kb) == 1) r.file = int64_t(kb) * 1024;
+  }
+  std::fclose(f);
+  return r;
+}
+
+void sample_resident(HFLoadStats& s) {
+  const Resident now = resident_now();
+  s.anon_peak = std::max(s.anon_peak, now.anon);
+  s.mapped_file_peak = std::max(s.mapped_file_peak, now.file);
+}
+
+// Once tensors have been read or compared through the mapping: the memory sample (their
+// buffers and pages still there), then their pages are unmapped, so that the process maps
+// one tensor's pages at a time (two while comparing), not the files'.
+void sample_and_release(const HFWeights& w, HFLoadStats& s, std::initializer_list<std::string> names) {
+  sample_resident(s);
+  for (const std::string& name : names) w.release(name);
+}
+
+// World rank 0 logs what every rank held while loading, the most first: the claim that a rank
+// holds its own pieces and no more is checked on each run, not only in tests.
+void log_load_memory(const HFLoadStats& s, const ParamRegistry& all, Communicator& world) {
+  const std::string mine = fmt::format("{} {} {} {}", s.piece_bytes, s.anon_beyond_pieces(), s.largest_transient_bytes,
+                                       s.mapped_file_peak - s.mapped_file_start);
+  const std::vector<std::string> texts = all_gather_strings(world, mine);
+  if (log::rank() != 0) return;
+  struct Row {
+    int rank = 0;
+    long long pieces = 0, beyond = 0, counted = 0, file = 0;
+  };
+  std::vector<Row> rows(texts.size());
+  for (size_t r = 0; r < texts.size(); ++r) {
+    rows[r].rank = int(r);
+    std::sscanf(texts[r].c_str(), "%lld %lld %lld %lld", &rows[r].pieces, &rows[r].beyond, &rows[r].counted,
+                &rows[r].file);
+  }
+  // The most first; to the 0.1 MB shown, so that equal ranks keep their order.
+  std::stable_sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) {
+    return (a.pieces + a.beyond) / 100'000 > (b.pieces + b.beyond) / 100'000;
+  });
+  int64_t whole = 0;
+  for (const ParamInfo& p : all.all()) whole += p.global_shape.numel() * int64_t(sizeof(float));
+  constexpr double MB = 1e6;
+  std::string lines;
+  for (size_t i = 0; i < rows.size() && i < kMaxListed; ++i) {
+    const Row& r = rows[i];
+    lines += fmt::format("\n  rank {}: {:.1f} + {:.1f} [{:.1f}]; {:.1f}", r.rank, r.pieces / MB, r.beyond / MB,
+                         r.counted / MB, r.file / MB);
+  }
+  if (rows.size() > kMaxListed) lines += fmt::format("\n  and {} more ranks", rows.size() - kMaxListed);
+  log::info("--init-from memory per rank while loading, MB (the whole model: {:.1f} in fp32): its pieces + the "
+            "anonymous memory it added beyond them, measured [buffers it held beside them, counted]; the most "
+            "safetensors pages it had mapped (page cache, shared by the ranks that read them){}",
+            whole / MB, lines);
 }
 
 }  // namespace
@@ -197,8 +270,12 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const P
   const ParamRegistry& all = model ? *model : reg;
   DS_CHECK(reg.flat_numel() == 0 || reg.values().allocated(),
            "load_hf_weights('{}'): allocate the parameter registry before loading into it", path);
-  const HFWeights w(path);
   HFLoadStats stats;
+  const Resident start = resident_now();
+  stats.anon_start = stats.anon_peak = start.anon;
+  stats.mapped_file_start = stats.mapped_file_peak = start.file;
+  stats.pieces_committed_by_load = reg.values_reserved() && reg.device().is_cpu();
+  const HFWeights w(path);
 
   // Names first, so that a config that does not fit the checkpoint shows every mismatch.
   std::vector<std::string> missing, unexpected;
@@ -216,8 +293,10 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const P
     } else if (name == kHead && tied && w.has(kEmbed)) {
       check_tied_head(w);
       stats.tied_lm_head_checked = true;
+      sample_and_release(w, stats, {kHead, kEmbed});
     } else if (std::string original; is_shared_copy(w, all, name, &original)) {
       ++stats.shared_copies;
+      sample_and_release(w, stats, {name, original});
     } else {
       unexpected.push_back(name);
     }
@@ -234,6 +313,7 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const P
     DS_FAIL("{}\n  check that config.json (num_hidden_layers, tie_word_embeddings, architecture) describes this "
             "checkpoint", msg);
   }
+  sample_resident(stats);  // the headers parsed
 
   for (const ParamInfo& p : reg.all()) {
     const Shape file_shape = w.shape(p.name);
@@ -244,7 +324,8 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const P
   }
   // A tensor-parallel piece is read straight from its bytes in the file (rows of a dim-0 piece,
   // a column range of every row of a dim-1 one): no rank reads or holds a whole tensor it
-  // holds a piece of. The files are memory-mapped, so the pages read are the piece's.
+  // holds a piece of. The files are memory-mapped, so the pages read are the piece's, and
+  // they are unmapped once the tensor is read.
   // A NaN or Inf would make every training step non-finite; caught here, it names its file.
   std::vector<std::string> non_finite;
   for (int id = 0; id < reg.size(); ++id) {
@@ -266,6 +347,11 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const P
     }
     local.write_back();
     ++stats.loaded;
+    stats.piece_bytes += int64_t(t.nbytes());
+    if (!reg.param(id).device().is_cpu()) {
+      stats.largest_transient_bytes = std::max(stats.largest_transient_bytes, int64_t(t.nbytes()));
+    }
+    sample_and_release(w, stats, {name});  // while this tensor's buffers (a device run's host copy) are alive
     const int64_t n = ops::read_count_non_finite(t);
     if (n > 0) {
       non_finite.push_back(fmt::format("'{}' in '{}': {} of {} values{} are NaN or Inf", name, w.file_of(name), n,
@@ -292,6 +378,7 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const P
             "them gives NaN losses; use weights saved before the model diverged",
             w.path(), non_finite.size(), list);
   }
+  if (world) log_load_memory(stats, all, *world);
   return stats;
 }
 

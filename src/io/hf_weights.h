@@ -40,6 +40,8 @@ class HFWeights {
   std::span<const std::byte> raw(const std::string& name) const;
   // The file that holds `name`.
   const std::string& file_of(const std::string& name) const;
+  // Unmaps `name`'s pages from this process (SafeTensorsFile::release).
+  void release(const std::string& name) const { file(name).release(name); }
   // Every tensor name, sorted.
   std::vector<std::string> names() const;
 
@@ -59,6 +61,26 @@ struct HFLoadStats {
   int skipped_inv_freq = 0;      // "*rotary_emb.inv_freq" buffers: derived, recomputed by the model
   bool tied_lm_head_checked = false;  // a tied model's file held an lm_head.weight equal to the embedding
   int shared_copies = 0;  // MTP modules' copies of the shared embedding/head, checked equal and skipped
+
+  // Memory while loading, in bytes. piece_bytes: what this rank read into its parameters (fp32
+  // pieces). largest_transient_bytes: the most it held beside them at once, counted: a run on a
+  // device reads each piece into a host copy; on the host pieces go straight into the
+  // parameters, and it is 0.
+  int64_t piece_bytes = 0, largest_transient_bytes = 0;
+  // The process's resident memory (/proc/self/status; 0 where there is none), sampled at the
+  // start and after each tensor's read while that tensor's buffers are alive: anonymous memory
+  // (the rank's own) and mapped file pages (the safetensors bytes read through the mapping,
+  // each tensor's released once read: page cache, shared with every process reading the
+  // files, which RSS counts all the same).
+  int64_t anon_start = 0, anon_peak = 0, mapped_file_start = 0, mapped_file_peak = 0;
+  // Parameters whose memory is committed as it is written (ZeRO-3's reserved registry) gain
+  // their pieces during the load; others hold them, zero-filled, before it starts.
+  bool pieces_committed_by_load = false;
+  // Anonymous memory the load added beyond the pieces: measured, what largest_transient_bytes
+  // counts.
+  int64_t anon_beyond_pieces() const {
+    return anon_peak - anon_start - (pieces_committed_by_load ? piece_bytes : 0);
+  }
 };
 
 // Reads every registry parameter from the Hugging Face weights at `path` (see HFWeights).
@@ -71,7 +93,8 @@ struct HFLoadStats {
 // `model`, when given, lists every tensor of the model (other pipeline stages' and expert
 // ranks' too): the files' tensors are checked against it, and this rank loads the ones `reg`
 // holds. With `world`, the ranks' findings of non-finite values are pooled (collective), so
-// that every rank raises the same error.
+// that every rank raises the same error, and world rank 0 logs every rank's memory figures
+// (HFLoadStats).
 HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const ParamRegistry* model = nullptr,
                             Communicator* world = nullptr);
 

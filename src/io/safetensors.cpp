@@ -249,6 +249,20 @@ std::span<const std::byte> SafeTensorsFile::raw(const std::string& name) const {
   return {data_ + t.begin, size_t(t.nbytes())};
 }
 
+void SafeTensorsFile::release(const std::string& name) const {
+  const SafeTensorInfo& t = info(name);
+  if (t.nbytes() == 0) return;
+  // Reading a page maps its neighbours too, as far as one page table reaches (the kernel's
+  // fault-around: 64 KiB by default, 2 MiB at most), so the span released is the tensor's
+  // rounded out to 2 MiB; a neighbour's pages released with it are mapped again when read.
+  constexpr uintptr_t kSpan = uintptr_t(2) << 20;
+  const auto map_begin = reinterpret_cast<uintptr_t>(map_), map_end = map_begin + map_bytes_;
+  const uintptr_t b = std::max(map_begin, reinterpret_cast<uintptr_t>(data_ + t.begin) / kSpan * kSpan);
+  const uintptr_t e = std::min(map_end, (reinterpret_cast<uintptr_t>(data_ + t.end) + kSpan - 1) / kSpan * kSpan);
+  DS_CHECK(::madvise(reinterpret_cast<void*>(b), size_t(e - b), MADV_DONTNEED) == 0,
+           "releasing the pages of '{}' in '{}' (madvise) failed: {}", name, path_, errno_text(errno));
+}
+
 void SafeTensorsFile::read_f32_range(const std::string& name, int64_t begin, int64_t n, float* dst) const {
   const SafeTensorInfo& t = info(name);
   DS_CHECK(begin >= 0 && n >= 0 && begin + n <= t.shape.numel(),

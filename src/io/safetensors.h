@@ -49,6 +49,11 @@ class SafeTensorsFile {
   void read_f32_range(const std::string& name, int64_t begin, int64_t n, float* dst) const;
   // The stored bytes of tensor `name`, unaligned, valid while this object lives.
   std::span<const std::byte> raw(const std::string& name) const;
+  // Unmaps the pages of tensor `name` from this process: they stay in the page cache, and a
+  // later read maps them again. A reader that releases each tensor once read keeps one
+  // tensor's pages in its resident memory (what RSS, ru_maxrss and batch systems report), not
+  // the file's.
+  void release(const std::string& name) const;
 
  private:
   void parse_header(std::string_view header, int64_t data_bytes);

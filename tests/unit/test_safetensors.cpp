@@ -2,6 +2,7 @@
 // bitwise, hand-built BF16/F16 files against known values, and every validation error.
 #include <gtest/gtest.h>
 
+#include <malloc.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -653,6 +654,82 @@ TEST_F(HFWeightsIO, TiedHeadMustEqualTheEmbedding) {
   EXPECT_TRUE(has(msg, "lm_head.weight"));
   EXPECT_TRUE(has(msg, "tie_word_embeddings"));
   EXPECT_TRUE(has(msg, differs));
+}
+
+// A field of /proc/self/status in bytes ("VmHWM", "VmRSS"); -1 where there is none.
+int64_t status_bytes(const std::string& key) {
+  std::ifstream f("/proc/self/status");
+  for (std::string line; std::getline(f, line);) {
+    if (line.starts_with(key + ":")) return std::stoll(line.substr(key.size() + 1)) * 1024;
+  }
+  return -1;
+}
+
+// Resets the kernel's peak of this process's resident memory (VmHWM) to its current size.
+bool reset_peak_resident() {
+  std::ofstream f("/proc/self/clear_refs");
+  f << "5";
+  f.flush();
+  return f.good();
+}
+
+// Loading holds the rank's pieces and, beside them, at most one tensor's mapped file pages:
+// no whole tensor is read for a piece, and each tensor's pages are unmapped once read, so
+// that resident memory (what batch systems and ru_maxrss report) does not grow with the file.
+TEST_F(HFWeightsIO, LoadingHoldsThePiecesAndOneTensorsPagesAtMost) {
+  constexpr int64_t C = 1024, R = 2048;  // each tensor 8 MiB in fp32
+  const std::vector<std::string> names = {"a", "b", "c", "d", "e", "f"};
+  ParamRegistry whole;
+  for (const std::string& n : names) whole.add("model." + n + ".weight", Shape{R, C}, ParamKind::Linear, 0);
+  whole.allocate(Device::cpu());
+  fill(whole, 7);
+  const std::string file = path("model.safetensors");
+  write_safetensors(file, tensors_of(whole));
+  const int64_t tensor_bytes = R * C * 4, file_bytes = int64_t(fs::file_size(file));
+
+  // Tensor rank 1 of 4: rows of a, c, e; a column range of every row of b, d, f.
+  ParamRegistry pieces;
+  for (size_t i = 0; i < names.size(); ++i) {
+    ParamOptions o;
+    o.placement.kind = Placement::Kind::Shard;
+    o.placement.axis = "tensor";
+    o.placement.dim = int(i % 2);
+    o.placement.index = 1;
+    o.placement.count = 4;
+    o.global_shape = Shape{R, C};
+    pieces.add("model." + names[i] + ".weight", i % 2 == 0 ? Shape{R / 4, C} : Shape{R, C / 4}, ParamKind::Linear, 0,
+               o);
+  }
+  pieces.allocate(Device::cpu());
+
+  for (ParamRegistry* reg : {&whole, &pieces}) {
+    load_hf_weights(file, *reg);  // the code and the file's pages in memory: what follows counts the load alone
+    ::malloc_trim(0);  // and what it freed returned, so that a buffer it takes again shows
+    const bool peak_reset = reset_peak_resident();
+    const int64_t before = status_bytes("VmRSS");
+    const HFLoadStats stats = load_hf_weights(file, *reg);
+    const int64_t peak = status_bytes("VmHWM");
+    int64_t local = 0;
+    for (const ParamInfo& p : reg->all()) local += p.numel() * 4;
+    EXPECT_EQ(stats.piece_bytes, local);
+    EXPECT_EQ(stats.largest_transient_bytes, 0);  // host parameters: read in place
+    if (before < 0) continue;  // no /proc: nothing measured
+    // A page or two of headers and names; a whole tensor read for a piece would be 8 MiB.
+    EXPECT_LT(stats.anon_beyond_pieces(), 256 << 10);
+    // Mapping a page may map its neighbours up to 2 MiB either side (the kernel's fault-around,
+    // large folios in the page cache).
+    constexpr int64_t spill = 4 << 20;
+    EXPECT_LE(stats.mapped_file_peak - stats.mapped_file_start, tensor_bytes + spill)
+        << "of a " << file_bytes << "-byte file";
+    // The kernel's own peak, which no sampling misses: the same bound.
+    if (peak_reset) {
+      EXPECT_LE(peak - before, tensor_bytes + spill + (512 << 10)) << "of a " << file_bytes << "-byte file";
+    }
+  }
+  // The pieces are tensor rank 1's.
+  const int b = pieces.find("model.b.weight"), c = pieces.find("model.c.weight");
+  EXPECT_EQ(pieces.param(b).data<float>()[0], whole.param(whole.find("model.b.weight")).data<float>()[C / 4]);
+  EXPECT_EQ(pieces.param(c).data<float>()[0], whole.param(whole.find("model.c.weight")).data<float>()[R / 4 * C]);
 }
 
 TEST_F(HFWeightsIO, DirectoryAndIndexErrors) {
