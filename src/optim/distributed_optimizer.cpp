@@ -16,6 +16,9 @@ constexpr int64_t kShardAlign = 16;  // elements: each piece starts 64-byte alig
 // collectives are bandwidth-bound, and packing them would only copy them and hold them twice.
 // Smaller ones (a small model's matrices, MoE experts) share one collective per bucket.
 constexpr int64_t kSoloElements = int64_t(1) << 20;
+// A packed collective holds at most this many elements (4 MiB in fp32: past the latency-bound
+// sizes), so that its buffers, kept for reuse, stay small.
+constexpr int64_t kPackElements = int64_t(1) << 20;
 
 int64_t align_up(int64_t n) { return (n + kShardAlign - 1) / kShardAlign * kShardAlign; }
 
@@ -226,27 +229,31 @@ void DistributedOptimizer::publish_weights() {
 }
 
 void DistributedOptimizer::gather_whole(bool persistent_only) {
-  // In buckets of up to allgather_bucket_size elements, each waited before the next starts: the
-  // small parameters of a bucket that share a communicator in one collective, the large ones
-  // alone and in place (launch_gathers).
-  std::vector<int> group;
-  int64_t group_elems = 0;
-  auto flush = [&] {
-    if (group.empty()) return;
-    launch_gathers(group);
-    for (int id : group) wait_gather(id);
-    group.clear();
-    group_elems = 0;
+  // In groups of up to kPackElements (and allgather_bucket_size) elements: the small parameters
+  // of a group that share a communicator in one packed collective, the large ones alone and in
+  // place (launch_gathers). Two groups are in flight at a time: the next is packed and launched
+  // while the one before is transferred, and the packing buffers stay two groups' worth.
+  const int64_t limit = std::min(kPackElements, config_.allgather_bucket_size);
+  std::vector<int> previous, current;
+  int64_t current_elems = 0;
+  auto launch = [&] {
+    if (current.empty()) return;
+    launch_gathers(current);
+    for (int id : previous) wait_gather(id);
+    previous = std::move(current);
+    current.clear();
+    current_elems = 0;
   };
   for (int id = 0; id < params_.size(); ++id) {
     if (persistent_only && !persistent_[size_t(id)]) continue;
-    const int64_t numel = params_.info(id).numel();
-    if (!group.empty() && group_elems + numel > config_.allgather_bucket_size) flush();
     if (config_.stage == 3 && state_[size_t(id)] != State::Released) continue;  // already whole
-    group.push_back(id);
-    group_elems += numel;
+    const int64_t numel = params_.info(id).numel();
+    if (!current.empty() && current_elems + numel > limit) launch();
+    current.push_back(id);
+    current_elems += numel;
   }
-  flush();
+  launch();
+  for (int id : previous) wait_gather(id);
   if (config_.stage < 3) params_.refresh_compute();
 }
 
@@ -299,8 +306,10 @@ void DistributedOptimizer::launch_gathers(const std::vector<int>& ids) {
       continue;
     }
     size_t to = from + 1;
+    int64_t packed = params_.info(ids[from]).numel();
     while (to < ids.size() && &comm_of(ids[to]) == &comm_of(ids[from]) &&
-           params_.info(ids[to]).numel() < kSoloElements) {
+           params_.info(ids[to]).numel() < kSoloElements && packed + params_.info(ids[to]).numel() <= kPackElements) {
+      packed += params_.info(ids[to]).numel();
       ++to;
     }
     if (to == from + 1) {
