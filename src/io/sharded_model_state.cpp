@@ -188,6 +188,10 @@ ShardedModelCheckpoint::ShardedModelCheckpoint(const ParamRegistry& reg, Process
       local_.push_back(int(stage) == me ? reg.find(name) : -1);
     }
   }
+  file_of_.assign(size_t(reg.size()), -1);
+  for (int fid = 0; fid < file_.size(); ++fid) {
+    if (local_[size_t(fid)] >= 0) file_of_[size_t(local_[size_t(fid)])] = fid;
+  }
   auto globals = std::make_shared<std::vector<Shape>>();
   auto offsets = std::make_shared<std::vector<int64_t>>();
   auto owners = std::make_shared<std::vector<int>>(owner_);
@@ -237,39 +241,8 @@ CheckpointBuffers ShardedModelCheckpoint::stage(const float* values, const float
   DS_CHECK((exp_avg == nullptr) == (exp_avg_sq == nullptr),
            "ShardedModelCheckpoint::stage: give both AdamW moments or neither");
   const int groups = exp_avg ? 3 : 1;
-  allocate(groups);
   const float* src[3] = {values, exp_avg, exp_avg_sq};
-  if (io_rank_) {
-    // Row blocks of a dim-0 piece lie inside the piece (count divides tp); whole parameters
-    // are here whole; only dim-1 pieces are gathered, one global tensor at a time.
-    int64_t gathered = 0;
-    for (const ParamInfo& p : reg_.all()) {
-      if (!is_whole(p) && p.placement.dim == 1) gathered = std::max(gathered, p.global_shape.numel());
-    }
-    Buffer global;
-    if (gathered > 0) global = Buffer("checkpoint.tensor_parallel.global", MemCategory::Checkpoint, DType::F32, gathered);
-    for (int g = 0; g < groups; ++g) {
-      float* staged = staged_[g].data<float>();
-      for (int fid = 0; fid < file_.size(); ++fid) {
-        if (!writes(fid)) continue;  // another stage's, or written by other replicas
-        const ParamInfo& p = reg_.info(local_[size_t(fid)]);
-        const RowPiece block = row_piece(p.global_shape, tp_rank_, tp_size_);
-        float* dst = staged + (*offsets_)[size_t(fid)];
-        const float* local = src[g] + p.offset;
-        const float* from = nullptr;
-        if (is_whole(p)) {
-          from = local + block.elem_begin();
-        } else if (p.placement.dim == 0) {
-          from = local + (block.elem_begin() - p.placement.index * p.shape.numel());
-        } else {
-          const Tensor whole = global.tensor(0, p.global_shape);
-          gather_global(p, Tensor(const_cast<float*>(local), DType::F32, p.shape), &tensor_, whole);
-          from = whole.data<float>() + block.elem_begin();
-        }
-        std::memcpy(dst, from, size_t(block.elems()) * sizeof(float));
-      }
-    }
-  }
+  stage_groups(groups, [&](int id, int g) { return src[g] + reg_.info(id).offset; });
   CheckpointBuffers b;
   b.values = staged_[0].data<float>();
   b.exp_avg = groups == 3 ? staged_[1].data<float>() : nullptr;
@@ -278,6 +251,69 @@ CheckpointBuffers ShardedModelCheckpoint::stage(const float* values, const float
   b.numel = numel_;
   b.partition = partition_;
   return b;
+}
+
+namespace {
+
+// One parameter's local piece, the largest of the registry's.
+Buffer piece_buffer(const ParamRegistry& reg) {
+  int64_t largest = 1;
+  for (const ParamInfo& p : reg.all()) largest = std::max(largest, p.shape.numel());
+  return Buffer("checkpoint.local_piece", MemCategory::Checkpoint, DType::F32, largest);
+}
+
+}  // namespace
+
+CheckpointBuffers ShardedModelCheckpoint::stage(LocalPieces& pieces, bool with_moments) {
+  Buffer piece = piece_buffer(reg_);
+  // Every replica gathers each piece of the file's tensors with the others; the writers stage it.
+  stage_groups(with_moments ? 3 : 1, [&](int id, int g) -> const float* {
+    if (file_of_[size_t(id)] < 0) return nullptr;  // a copy of a tensor another stage writes
+    pieces.gather(id, g, piece.data<float>());
+    return piece.data<float>();
+  });
+  CheckpointBuffers b;
+  b.values = staged_[0].data<float>();
+  b.exp_avg = with_moments ? staged_[1].data<float>() : nullptr;
+  b.exp_avg_sq = with_moments ? staged_[2].data<float>() : nullptr;
+  b.piece_offsets = offsets_;
+  b.numel = numel_;
+  b.partition = partition_;
+  return b;
+}
+
+void ShardedModelCheckpoint::stage_groups(int groups, const LocalOf& local_of) {
+  allocate(groups);
+  // Row blocks of a dim-0 piece lie inside the piece (count divides tp); whole parameters are
+  // here whole; only dim-1 pieces are gathered, one global tensor at a time.
+  int64_t gathered = 0;
+  for (const ParamInfo& p : reg_.all()) {
+    if (io_rank_ && !is_whole(p) && p.placement.dim == 1) gathered = std::max(gathered, p.global_shape.numel());
+  }
+  Buffer global;
+  if (gathered > 0) global = Buffer("checkpoint.tensor_parallel.global", MemCategory::Checkpoint, DType::F32, gathered);
+  for (int g = 0; g < groups; ++g) {
+    float* staged = staged_[g].data<float>();
+    for (int id = 0; id < reg_.size(); ++id) {
+      const float* local = local_of(id, g);  // on every rank: it may be collective over the replicas
+      const int fid = file_of_[size_t(id)];
+      if (fid < 0 || !writes(fid)) continue;  // another stage's, or written by other replicas
+      const ParamInfo& p = reg_.info(id);
+      const RowPiece block = row_piece(p.global_shape, tp_rank_, tp_size_);
+      float* dst = staged + (*offsets_)[size_t(fid)];
+      const float* from = nullptr;
+      if (is_whole(p)) {
+        from = local + block.elem_begin();
+      } else if (p.placement.dim == 0) {
+        from = local + (block.elem_begin() - p.placement.index * p.shape.numel());
+      } else {
+        const Tensor whole = global.tensor(0, p.global_shape);
+        gather_global(p, Tensor(const_cast<float*>(local), DType::F32, p.shape), &tensor_, whole);
+        from = whole.data<float>() + block.elem_begin();
+      }
+      std::memcpy(dst, from, size_t(block.elems()) * sizeof(float));
+    }
+  }
 }
 
 CheckpointTargets ShardedModelCheckpoint::targets(bool with_moments) {
@@ -297,44 +333,8 @@ void ShardedModelCheckpoint::unstage(float* values, float* exp_avg, float* exp_a
   DS_CHECK((exp_avg == nullptr) == (exp_avg_sq == nullptr),
            "ShardedModelCheckpoint::unstage: give both AdamW moments or neither");
   const int groups = exp_avg ? 3 : 1;
-  DS_CHECK(read_groups_ >= groups,
-           "ShardedModelCheckpoint::unstage: {} read into targets({}); call targets(true) before reading "
-           "the optimizer state",
-           read_groups_ == 0 ? "nothing was" : "only the model was", read_groups_ == 3);
   float* dst[3] = {values, exp_avg, exp_avg_sq};
-  if (io_rank_) {
-    int64_t gathered = 0;
-    for (const ParamInfo& p : reg_.all()) {
-      if (!is_whole(p) && !block_is_own_piece(p, tp_size_)) gathered = std::max(gathered, p.global_shape.numel());
-    }
-    Buffer global;
-    if (gathered > 0) global = Buffer("checkpoint.tensor_parallel.global", MemCategory::Checkpoint, DType::F32, gathered);
-    std::vector<int64_t> counts(static_cast<size_t>(tp_size_));
-    for (int g = 0; g < groups; ++g) {
-      float* staged = staged_[g].data<float>();
-      for (int fid = 0; fid < file_.size(); ++fid) {
-        if (!writes(fid)) continue;  // another stage's, or read by other replicas
-        const ParamInfo& p = reg_.info(local_[size_t(fid)]);
-        const RowPiece block = row_piece(p.global_shape, tp_rank_, tp_size_);
-        float* blocks = staged + (*offsets_)[size_t(fid)];
-        float* local = dst[g] + p.offset;
-        if (block_is_own_piece(p, tp_size_)) {
-          std::memcpy(local, blocks, size_t(block.elems()) * sizeof(float));
-          continue;
-        }
-        for (int r = 0; r < tp_size_; ++r) counts[size_t(r)] = row_piece(p.global_shape, r, tp_size_).elems();
-        const Tensor mine(blocks, DType::F32, Shape{block.elems()});
-        const int64_t G = p.global_shape.numel();
-        if (is_whole(p)) {
-          tensor_.all_gather_v_async(Tensor(local, DType::F32, Shape{G}), mine, counts).wait();
-          continue;
-        }
-        const Tensor whole = global.tensor(0, p.global_shape);
-        tensor_.all_gather_v_async(whole.view(Shape{G}), mine, counts).wait();
-        extract_local(p, whole, tp_rank_, tp_size_, Tensor(local, DType::F32, p.shape));
-      }
-    }
-  }
+  unstage_groups(groups, [&](int id, int g) { return dst[g] + reg_.info(id).offset; }, nullptr);
   // The data-parallel replicas hold the same pieces: the dense parameters data coordinate 0's,
   // the routed experts those of the expert group 0's owner (rank 0 of expert_data), each
   // broadcast over the ranks holding it, one run of consecutive parameters of a group at a time.
@@ -355,6 +355,60 @@ void ShardedModelCheckpoint::unstage(float* values, float* exp_avg, float* exp_a
       }
     }
     run = end;
+  }
+}
+
+void ShardedModelCheckpoint::unstage(LocalPieces& pieces, bool with_moments) {
+  Buffer piece = piece_buffer(reg_);
+  // The first replica assembles each piece of the file's tensors; every replica takes its part.
+  unstage_groups(
+      with_moments ? 3 : 1, [&](int, int) { return piece.data<float>(); },
+      [&](int id, int g, float* assembled) {
+        if (file_of_[size_t(id)] >= 0) pieces.scatter(id, g, assembled);
+      });
+}
+
+void ShardedModelCheckpoint::unstage_groups(int groups, const std::function<float*(int id, int g)>& local_of,
+                                            const std::function<void(int id, int g, float* piece)>& done) {
+  DS_CHECK(read_groups_ >= groups,
+           "ShardedModelCheckpoint::unstage: {} read into targets({}); call targets(true) before reading "
+           "the optimizer state",
+           read_groups_ == 0 ? "nothing was" : "only the model was", read_groups_ == 3);
+  int64_t gathered = 0;
+  for (const ParamInfo& p : reg_.all()) {
+    if (io_rank_ && !is_whole(p) && !block_is_own_piece(p, tp_size_)) {
+      gathered = std::max(gathered, p.global_shape.numel());
+    }
+  }
+  Buffer global;
+  if (gathered > 0) global = Buffer("checkpoint.tensor_parallel.global", MemCategory::Checkpoint, DType::F32, gathered);
+  std::vector<int64_t> counts(static_cast<size_t>(tp_size_));
+  for (int g = 0; g < groups; ++g) {
+    float* staged = staged_[g].data<float>();
+    for (int id = 0; id < reg_.size(); ++id) {
+      float* local = local_of(id, g);
+      const int fid = file_of_[size_t(id)];
+      if (fid >= 0 && writes(fid)) {  // otherwise another stage's, or read by other replicas
+        const ParamInfo& p = reg_.info(id);
+        const RowPiece block = row_piece(p.global_shape, tp_rank_, tp_size_);
+        float* blocks = staged + (*offsets_)[size_t(fid)];
+        if (block_is_own_piece(p, tp_size_)) {
+          std::memcpy(local, blocks, size_t(block.elems()) * sizeof(float));
+        } else {
+          for (int r = 0; r < tp_size_; ++r) counts[size_t(r)] = row_piece(p.global_shape, r, tp_size_).elems();
+          const Tensor mine(blocks, DType::F32, Shape{block.elems()});
+          const int64_t G = p.global_shape.numel();
+          if (is_whole(p)) {
+            tensor_.all_gather_v_async(Tensor(local, DType::F32, Shape{G}), mine, counts).wait();
+          } else {
+            const Tensor whole = global.tensor(0, p.global_shape);
+            tensor_.all_gather_v_async(whole.view(Shape{G}), mine, counts).wait();
+            extract_local(p, whole, tp_rank_, tp_size_, Tensor(local, DType::F32, p.shape));
+          }
+        }
+      }
+      if (done) done(id, g, local);
+    }
   }
 }
 

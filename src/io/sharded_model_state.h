@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -48,12 +49,28 @@ void extract_local(const ParamInfo& p, Tensor global, Tensor local);
 // the data axis, experts over the ranks holding the same experts).
 //
 // The checkpoint communicator must rank processes as the grid's world does (CheckpointManager's
-// io_comm, a duplicate of the world). Parameters must be Whole, tensor Shards or routed Experts;
-// ZeRO-sharded state is not handled here.
+// io_comm, a duplicate of the world). Parameters must be Whole, tensor Shards or routed Experts.
+// State that is itself sharded over the data-parallel replicas (ZeRO) comes and goes one
+// parameter at a time through LocalPieces, never as the whole local layout.
 //
 //   save:   mgr.save(tpc.file_registry(), tpc.stage(values, m, v), state)        every rank
 //   resume: read_checkpoint(path, comm, tpc.file_registry(), tpc.targets(true));
 //           tpc.unstage(values, m, v)                                            every rank
+//   (or stage(pieces, true) and unstage(pieces, true) for sharded state)
+// A rank's whole local pieces of its parameters' state, one parameter at a time, where the state
+// is sharded over the parameter's data-parallel replicas (ZeRO's ranges of the local pieces).
+// Both calls are collective over those replicas: each of them calls them for the same
+// parameters in the same order. State k: 0 the weights, 1 exp_avg, 2 exp_avg_sq.
+class LocalPieces {
+ public:
+  virtual ~LocalPieces() = default;
+  // The whole local piece of state k of local parameter id (p.shape elements, host memory).
+  virtual void gather(int id, int k, float* out) = 0;
+  // The reverse: `piece`, valid on the replicas' first rank, is what each of them keeps its own
+  // part of (the others' buffers are overwritten).
+  virtual void scatter(int id, int k, float* piece) = 0;
+};
+
 class ShardedModelCheckpoint {
  public:
   ShardedModelCheckpoint(const ParamRegistry& reg, ProcessGrid& grid);
@@ -76,6 +93,10 @@ class ShardedModelCheckpoint {
   // in the registry's layout (local pieces); exp_avg and exp_avg_sq may be null together.
   // The result points into this object: valid until its next stage() or targets().
   CheckpointBuffers stage(const float* values, const float* exp_avg, const float* exp_avg_sq);
+  // The same from state sharded over the replicas: each parameter's local piece gathered from
+  // them in turn (every rank takes part; one parameter of transient memory), the moments too
+  // when with_moments.
+  CheckpointBuffers stage(LocalPieces& pieces, bool with_moments);
 
   // Where read_checkpoint puts this rank's row blocks (the same partition as stage's).
   CheckpointTargets targets(bool with_moments);
@@ -85,6 +106,10 @@ class ShardedModelCheckpoint {
   // keeps its pieces; data coordinate 0 broadcasts them over the data axis). exp_avg and
   // exp_avg_sq are filled when given (and read).
   void unstage(float* values, float* exp_avg, float* exp_avg_sq);
+  // The same into state sharded over the replicas: each parameter's local piece assembled by the
+  // first replica and scattered to the others in turn. Parameters the file does not hold (a
+  // stage's copy of the tied embedding) are left to the caller.
+  void unstage(LocalPieces& pieces, bool with_moments);
 
   // Whether this rank writes and reads rows of any tensor.
   bool io_rank() const { return io_rank_; }
@@ -96,12 +121,19 @@ class ShardedModelCheckpoint {
 
  private:
   void allocate(int groups);
+  // stage() and unstage(): `local(id, g)` gives the local piece of state g of parameter id (null:
+  // this rank does not need it); `done(id, g, piece)` takes an unstaged piece.
+  using LocalOf = std::function<const float*(int id, int g)>;
+  void stage_groups(int groups, const LocalOf& local);
+  void unstage_groups(int groups, const std::function<float*(int id, int g)>& local,
+                      const std::function<void(int id, int g, float* piece)>& done);
 
   const ParamRegistry& reg_;
   ParamRegistry file_;        // every stage's parameters, global shapes
   std::vector<int> owner_;    // file id -> pipeline rank
   std::vector<int> writer_;   // file id -> data coordinate of its writers
   std::vector<int> local_;    // file id -> this rank's id (-1: another stage's or expert rank's)
+  std::vector<int> file_of_;  // this rank's id -> file id (-1: a copy another stage owns)
   Communicator& tensor_;
   Communicator& data_;
   Communicator& expert_data_;

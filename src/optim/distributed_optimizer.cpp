@@ -793,53 +793,29 @@ int64_t DistributedOptimizer::count_non_finite() {
          ops::read_count_non_finite(exp_avg_sq_.tensor());
 }
 
-void DistributedOptimizer::gather_state(Tensor values, Tensor exp_avg, Tensor exp_avg_sq) {
-  const Buffer* shards[3] = {&master(), &exp_avg_, &exp_avg_sq_};
-  const Tensor full[3] = {values, exp_avg, exp_avg_sq};
-  for (int k = 0; k < 3; ++k) {
-    DS_CHECK(full[k].numel() >= params_.flat_numel(), "ZeRO::gather_state: {} elements for a local layout of {}",
-             full[k].numel(), params_.flat_numel());
+void DistributedOptimizer::gather_piece(int id, int k, Tensor out) {
+  DS_CHECK(k >= 0 && k < 3, "gather_piece: state {} (0 weights, 1 exp_avg, 2 exp_avg_sq)", k);
+  const ParamInfo& p = params_.info(id);
+  DS_CHECK(out.numel() == p.numel(), "gather_piece('{}'): {} elements for {}", p.name, out.numel(), p.numel());
+  const Buffer& shard = k == 0 ? master() : k == 1 ? exp_avg_ : exp_avg_sq_;
+  const Tensor mine = shard.tensor(shard_offsets_[size_t(id)], {pieces_[size_t(id)].elems()});
+  if (config_.stage == 0) {
+    ops::copy(out.view(Shape{p.numel()}), mine);  // every rank holds it whole
+    return;
   }
-  // Launched in groups of up to allgather_bucket_size elements, each group waited before the
-  // next starts (as gather_whole).
-  std::vector<Work> group;
-  int64_t group_elems = 0;
-  auto wait_group = [&] {
-    for (Work& w : group) w.wait();
-    group.clear();
-    group_elems = 0;
-  };
-  for (int id = 0; id < params_.size(); ++id) {
-    const ParamInfo& p = params_.info(id);
-    const int64_t n = pieces_[size_t(id)].elems();
-    if (!group.empty() && group_elems + 3 * p.numel() > config_.allgather_bucket_size) wait_group();
-    for (int k = 0; k < 3; ++k) {
-      if (config_.stage == 0) {  // every rank holds the whole local tensors
-        ops::copy(full[k].slice(p.offset, p.offset + p.numel()), shards[k]->tensor(p.offset, {p.numel()}));
-        continue;
-      }
-      group.push_back(comm_of(id).all_gather_v_async(full[k].slice(p.offset, p.offset + p.numel()),
-                                                     shards[k]->tensor(shard_offsets_[size_t(id)], {n}), counts(id)));
-    }
-    group_elems += 3 * p.numel();
-  }
-  wait_group();
+  comm_of(id).all_gather_v_async(out.view(Shape{p.numel()}), mine, counts(id)).wait();
 }
 
-void DistributedOptimizer::scatter_state(Tensor values, Tensor exp_avg, Tensor exp_avg_sq) {
-  Buffer* shards[3] = {&master(), &exp_avg_, &exp_avg_sq_};
-  const Tensor full[3] = {values, exp_avg, exp_avg_sq};
-  for (int k = 0; k < 3; ++k) {
-    if (full[k].numel() == 0) continue;
-    DS_CHECK(full[k].numel() >= params_.flat_numel(), "ZeRO::scatter_state: {} elements for a local layout of {}",
-             full[k].numel(), params_.flat_numel());
-    for (int id = 0; id < params_.size(); ++id) {
-      const RowPiece& pc = pieces_[size_t(id)];
-      if (pc.elems() == 0) continue;
-      const int64_t at = params_.info(id).offset + pc.elem_begin();
-      ops::copy(shards[k]->tensor(shard_offsets_[size_t(id)], {pc.elems()}), full[k].slice(at, at + pc.elems()));
-    }
-  }
+void DistributedOptimizer::scatter_piece(int id, int k, Tensor whole) {
+  DS_CHECK(k >= 0 && k < 3, "scatter_piece: state {} (0 weights, 1 exp_avg, 2 exp_avg_sq)", k);
+  const ParamInfo& p = params_.info(id);
+  DS_CHECK(whole.numel() == p.numel(), "scatter_piece('{}'): {} elements for {}", p.name, whole.numel(), p.numel());
+  const Tensor flat = whole.view(Shape{p.numel()});
+  if (comm_of(id).size() > 1) comm_of(id).broadcast(flat, 0);
+  const RowPiece& pc = pieces_[size_t(id)];
+  if (pc.elems() == 0) return;
+  Buffer& shard = k == 0 ? master() : k == 1 ? exp_avg_ : exp_avg_sq_;
+  ops::copy(shard.tensor(shard_offsets_[size_t(id)], {pc.elems()}), flat.slice(pc.elem_begin(), pc.elem_begin() + pc.elems()));
 }
 
 ZeroMemory DistributedOptimizer::memory() const {

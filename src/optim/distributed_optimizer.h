@@ -12,8 +12,8 @@
 // in id order, end to end: its fp32 master weights, its AdamW moments and (stages 2 and 3) its
 // reduced gradients live there, 1/N of the local model each. The same layout serves every
 // stage. Without other axes the pieces are the row pieces of the global tensors, and a sharded
-// checkpoint is each rank writing its own; with them, checkpoints go through gather_state and
-// scatter_state (the full local layout) and the tensor, pipeline and expert staging.
+// checkpoint is each rank writing its own; with them, checkpoints go through the tensor,
+// pipeline and expert staging one parameter at a time (gather_piece and scatter_piece).
 //
 // Stages (the paper's baseline, P_os, P_os+g, P_os+g+p):
 //   0  nothing is sharded: the pieces are the whole local tensors, the registry's fp32 weights
@@ -193,14 +193,14 @@ class DistributedOptimizer final : public ParamHooks {
   // Non-finite values in this rank's masters and moments (the caller reduces over ranks).
   int64_t count_non_finite();
 
-  // The masters and moments in the registry's full local layout (flat_numel elements each, on
-  // the masters' device), all-gathered from every rank's pieces over each parameter's group:
-  // what the tensor, pipeline and expert checkpoint staging reads. Collective over the groups.
-  void gather_state(Tensor values, Tensor exp_avg, Tensor exp_avg_sq);
-  // The reverse: this rank's pieces taken from the full local layout (a checkpoint read).
-  // exp_avg and exp_avg_sq may be empty (weights only).
-  void scatter_state(Tensor values, Tensor exp_avg, Tensor exp_avg_sq);
-
+  // One parameter's state k (0: the master weights, 1: exp_avg, 2: exp_avg_sq) whole (its local
+  // shape, on the masters' device), all-gathered from the pieces over its group: what a
+  // checkpoint of the tensor, pipeline and expert pieces stages one parameter at a time.
+  // Collective over comm_of(id).
+  void gather_piece(int id, int k, Tensor out);
+  // The reverse: `whole`, valid on the group's rank 0, broadcast over the group (the others'
+  // contents are overwritten) and each rank's piece taken from it. Collective over comm_of(id).
+  void scatter_piece(int id, int k, Tensor whole);
   ZeroMemory memory() const;
   void reset_peaks();
 

@@ -64,24 +64,39 @@ CheckpointTargets zero_checkpoint_targets(DistributedOptimizer& z, const HostSta
   return t;
 }
 
-// ZeRO's masters and moments in the registry's full local layout (on the masters' device, with
-// host views of them): what the tensor, pipeline and expert checkpoint staging reads and
-// writes. Gathered from every rank's pieces when `gather`.
-struct ZeroLocalState {
-  ZeroLocalState(DistributedOptimizer& z, int64_t numel, bool gather = true)
-      : values("checkpoint.zero_local_values", MemCategory::Checkpoint, DType::F32, numel, z.master().device()),
-        exp_avg("checkpoint.zero_local_exp_avg", MemCategory::Checkpoint, DType::F32, numel, z.master().device()),
-        exp_avg_sq("checkpoint.zero_local_exp_avg_sq", MemCategory::Checkpoint, DType::F32, numel,
-                   z.master().device()),
-        host(prepared(z, gather), exp_avg.tensor(), exp_avg_sq.tensor()) {}
-  Buffer values, exp_avg, exp_avg_sq;
-  HostState host;  // after the buffers: made from them once they are gathered
+// The optimizer's sharded state as the checkpoint staging of the tensor, pipeline and expert
+// pieces takes it: one parameter's whole local piece at a time, on the host (a run on a device
+// copies it over), so a checkpoint holds one parameter of transient state, not the local model.
+class OptimizerPieces final : public LocalPieces {
+ public:
+  OptimizerPieces(DistributedOptimizer& opt, const ParamRegistry& reg) : opt_(opt), reg_(reg) {}
+  void gather(int id, int k, float* out) override {
+    const Tensor host(out, DType::F32, Shape{reg_.info(id).numel()});
+    if (on_host()) return opt_.gather_piece(id, k, host);
+    const Tensor dev = device_piece(id);
+    opt_.gather_piece(id, k, dev);
+    ops::copy(host, dev);
+  }
+  void scatter(int id, int k, float* piece) override {
+    const Tensor host(piece, DType::F32, Shape{reg_.info(id).numel()});
+    if (on_host()) return opt_.scatter_piece(id, k, host);
+    const Tensor dev = device_piece(id);
+    ops::copy(dev, host);
+    opt_.scatter_piece(id, k, dev);
+  }
 
  private:
-  Tensor prepared(DistributedOptimizer& z, bool gather) {
-    if (gather) z.gather_state(values.tensor(), exp_avg.tensor(), exp_avg_sq.tensor());
-    return values.tensor();
+  bool on_host() const { return opt_.master().device().is_cpu(); }
+  Tensor device_piece(int id) {
+    const int64_t n = reg_.info(id).numel();
+    if (device_.numel() < n) {
+      device_ = Buffer("checkpoint.local_piece (device)", MemCategory::Checkpoint, DType::F32, n, opt_.master().device());
+    }
+    return device_.tensor(0, {n});
   }
+  DistributedOptimizer& opt_;
+  const ParamRegistry& reg_;
+  Buffer device_;
 };
 
 }  // namespace
@@ -287,10 +302,10 @@ double Trainer::save_checkpoint() {
   std::optional<HostState> host;  // what `live` points into, until the save has it
   const bool sharded = optimizer_->stage() >= 1;
   if (sharded && sharded_ckpt_) {
-    // ZeRO under tensor, pipeline or expert splits: the full local state gathered from the
-    // pieces (transient: three times the local model), then staged as without ZeRO.
-    const ZeroLocalState full(*optimizer_, reg.flat_numel());
-    live = sharded_ckpt_->stage(full.host.values(), full.host.exp_avg(), full.host.exp_avg_sq());
+    // ZeRO under tensor, pipeline or expert splits: each parameter's local piece gathered from
+    // the data-parallel replicas in turn and staged as without ZeRO.
+    OptimizerPieces pieces(*optimizer_, reg);
+    live = sharded_ckpt_->stage(pieces, /*with_moments=*/true);
   } else {
     host.emplace(optimizer_host_state(*optimizer_));
     live.values = host->values();
@@ -364,19 +379,25 @@ bool Trainer::resume(const std::string& spec) {
                          grid_.world_rank() == 0 ? model_mismatch(path, file_registry(), config_.model) : "");
     try {
       if (sharded && sharded_ckpt_) {
-        // ZeRO under tensor, pipeline or expert splits: the full local state from the staging,
-        // the tied copy's from its owner, then this rank's pieces of it.
-        ZeroLocalState full(*optimizer_, reg.flat_numel(), /*gather=*/false);
+        // ZeRO under tensor, pipeline or expert splits: each parameter's local piece from the
+        // staging, scattered over its data-parallel replicas in turn; then the tied copy's from
+        // its owner.
+        OptimizerPieces pieces(*optimizer_, reg);
         st = read_checkpoint(path, ckpt_->io_comm(), file_registry(), sharded_ckpt_->targets(true));
-        sharded_ckpt_->unstage(full.host.values(), full.host.exp_avg(), full.host.exp_avg_sq());
+        sharded_ckpt_->unstage(pieces, /*with_moments=*/true);
         sharded_ckpt_->release();
-        full.host.write_back();
         if (runner_ && runner_->has_tie()) {
-          const ParamInfo& p = reg.info(runner_->tied_param());
-          runner_->copy_tied({full.values.tensor(p.offset, p.shape), full.exp_avg.tensor(p.offset, p.shape),
-                              full.exp_avg_sq.tensor(p.offset, p.shape)});
+          const int id = runner_->tied_param();
+          const ParamInfo& p = reg.info(id);
+          Buffer tied[3];
+          for (int k = 0; k < 3; ++k) {
+            tied[k] = Buffer("checkpoint.tied_piece", MemCategory::Checkpoint, DType::F32, p.numel(),
+                             optimizer_->master().device());
+            optimizer_->gather_piece(id, k, tied[k].tensor());
+          }
+          runner_->copy_tied({tied[0].tensor(0, p.shape), tied[1].tensor(0, p.shape), tied[2].tensor(0, p.shape)});
+          for (int k = 0; k < 3; ++k) optimizer_->scatter_piece(id, k, tied[k].tensor());
         }
-        optimizer_->scatter_state(full.values.tensor(), full.exp_avg.tensor(), full.exp_avg_sq.tensor());
       } else {
         const HostState host = optimizer_host_state(*optimizer_);
         if (sharded) {
