@@ -243,6 +243,10 @@ CheckpointBuffers ShardedModelCheckpoint::stage(const float* values, const float
   const int groups = exp_avg ? 3 : 1;
   const float* src[3] = {values, exp_avg, exp_avg_sq};
   stage_groups(groups, [&](int id, int g) { return src[g] + reg_.info(id).offset; });
+  return staged_buffers(groups);
+}
+
+CheckpointBuffers ShardedModelCheckpoint::staged_buffers(int groups) {
   CheckpointBuffers b;
   b.values = staged_[0].data<float>();
   b.exp_avg = groups == 3 ? staged_[1].data<float>() : nullptr;
@@ -272,14 +276,7 @@ CheckpointBuffers ShardedModelCheckpoint::stage(LocalPieces& pieces, bool with_m
     pieces.gather(id, g, piece.data<float>());
     return piece.data<float>();
   });
-  CheckpointBuffers b;
-  b.values = staged_[0].data<float>();
-  b.exp_avg = with_moments ? staged_[1].data<float>() : nullptr;
-  b.exp_avg_sq = with_moments ? staged_[2].data<float>() : nullptr;
-  b.piece_offsets = offsets_;
-  b.numel = numel_;
-  b.partition = partition_;
-  return b;
+  return staged_buffers(with_moments ? 3 : 1);
 }
 
 void ShardedModelCheckpoint::stage_groups(int groups, const LocalOf& local_of) {

@@ -121,6 +121,7 @@ class ShardedModelCheckpoint {
 
  private:
   void allocate(int groups);
+  CheckpointBuffers staged_buffers(int groups);  // what stage() returns
   // stage() and unstage(): `local(id, g)` gives the local piece of state g of parameter id (null:
   // this rank does not need it); `done(id, g, piece)` takes an unstaged piece.
   using LocalOf = std::function<const float*(int id, int g)>;
