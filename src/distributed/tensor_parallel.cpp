@@ -97,22 +97,4 @@ bool counts_piece(const ParamInfo& p, int tp_rank, int tp_size) {
   return true;
 }
 
-double sharded_grad_sum_squares(const ParamRegistry& params, Communicator* tp, Communicator* ep) {
-  // A pipeline stage's copy of a tied weight is counted by the stage that owns it.
-  const bool copies = std::any_of(params.all().begin(), params.all().end(),
-                                  [](const ParamInfo& p) { return p.pipeline_copy; });
-  const bool experts = ProcessGroups::size_of(ep) > 1;
-  if (ProcessGroups::size_of(tp) <= 1 && !copies && !experts) return ops::read_sum_squares(params.grads().tensor());
-  const int tp_rank = tp ? tp->rank() : 0, tp_size = ProcessGroups::size_of(tp);
-  double mine = 0, mine_experts = 0;
-  for (int id = 0; id < params.size(); ++id) {
-    const ParamInfo& p = params.info(id);
-    if (p.pipeline_copy || !counts_piece(p, tp_rank, tp_size)) continue;
-    (experts && p.placement.kind == Placement::Kind::Expert ? mine_experts : mine) +=
-        ops::read_sum_squares(params.grad(id));
-  }
-  if (experts) mine += ep->all_reduce_value<double>(mine_experts);
-  return tp_size > 1 ? tp->all_reduce_value<double>(mine) : mine;
-}
-
 }  // namespace dstrain

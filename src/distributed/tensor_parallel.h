@@ -65,14 +65,6 @@ class TensorParallelGradSync final : public ParamHooks {
   double seconds_ = 0;
 };
 
-// The squared L2 norm of the gradient of a model whose pieces are spread over the tensor group
-// and whose routed experts are spread over the expert group (a pipeline stage sums its own
-// parameters; the trainer sums the stages): each piece counted once (replicated
-// parameters and pieces by one rank of those holding them), the experts' squares summed over
-// the expert group, everything summed over the tensor group. tp and ep null or of one rank:
-// the sum of squares of the flat gradients.
-double sharded_grad_sum_squares(const ParamRegistry& params, Communicator* tp, Communicator* ep = nullptr);
-
 // Whether this rank is the one that counts a parameter held by several tensor ranks (the
 // lowest tensor rank holding that piece): for norms and for writing it once.
 bool counts_piece(const ParamInfo& p, int tp_rank, int tp_size);

@@ -25,13 +25,17 @@ ops::AdamWStep AdamWConfig::step_params(int64_t step, double lr, double grad_sca
 }
 
 void AdamW::step(double lr, double grad_scale) {
-  ops::AdamWStep s = config_.step_params(++step_, lr, grad_scale);
-  for (const ParamInfo& p : params_.all()) {
+  adamw_update_whole(params_, exp_avg_, exp_avg_sq_, config_.step_params(++step_, lr, grad_scale), config_);
+}
+
+void adamw_update_whole(ParamRegistry& params, Buffer& exp_avg, Buffer& exp_avg_sq, ops::AdamWStep s,
+                        const AdamWConfig& config) {
+  for (const ParamInfo& p : params.all()) {
     if (!p.trainable) continue;  // updated by its own rule (routing biases)
-    s.weight_decay = float(weight_decay_of(p));
-    ops::adamw_update(params_.values().tensor(p.offset, p.shape), params_.grads().tensor(p.offset, p.shape),
-                      exp_avg_.tensor(p.offset, p.shape), exp_avg_sq_.tensor(p.offset, p.shape),
-                      params_.has_compute_copy() ? params_.compute_values().tensor(p.offset, p.shape) : Tensor(), s);
+    s.weight_decay = float(config.weight_decay_of(p));
+    ops::adamw_update(params.values().tensor(p.offset, p.shape), params.grads().tensor(p.offset, p.shape),
+                      exp_avg.tensor(p.offset, p.shape), exp_avg_sq.tensor(p.offset, p.shape),
+                      params.has_compute_copy() ? params.compute_values().tensor(p.offset, p.shape) : Tensor(), s);
   }
 }
 

@@ -48,6 +48,13 @@ class AdamW {
   int64_t step_ = 0;
 };
 
+// One AdamW update of every trainable parameter's whole weights in `params` from its gradients,
+// with moments in the registry's layout, hyper-parameters `s` (step_params) and each
+// parameter's weight decay from `config`; the compute copy, when there is one, is written in
+// the same pass. AdamW::step and the distributed optimizer's stage 0 both run it.
+void adamw_update_whole(ParamRegistry& params, Buffer& exp_avg, Buffer& exp_avg_sq, ops::AdamWStep s,
+                        const AdamWConfig& config);
+
 // Global L2 norm of all gradients (in a fixed summation order).
 double grad_norm(const ParamRegistry& params);
 // torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6) when that is below 1, else 1.

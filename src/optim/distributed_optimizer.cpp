@@ -48,7 +48,6 @@ DistributedOptimizer::DistributedOptimizer(const ZeroConfig& config, const AdamW
   shard_offsets_.resize(size_t(n));
   persistent_.assign(size_t(n), 0);
   comm_of_.resize(size_t(n));
-  int64_t max_piece = 0;
   for (int id = 0; id < n; ++id) {
     const ParamInfo& p = params_.info(id);
     DS_CHECK(p.placement.kind != Placement::Kind::FlatRange,
@@ -59,13 +58,11 @@ DistributedOptimizer::DistributedOptimizer(const ZeroConfig& config, const AdamW
       // The shard of one: the whole local tensor, where the registry keeps it.
       pieces_[size_t(id)] = row_piece(p.shape, 0, 1);
       shard_offsets_[size_t(id)] = p.offset;
-      shard_numel_ = std::max(shard_numel_, p.offset + p.numel());
     } else {
       pieces_[size_t(id)] = row_piece(p.shape, c.rank(), c.size());
       shard_offsets_[size_t(id)] = shard_numel_;
       shard_numel_ += align_up(pieces_[size_t(id)].elems());
     }
-    max_piece = std::max(max_piece, pieces_[size_t(id)].elems());
     persistent_[size_t(id)] =
         config_.stage == 3 && (p.numel() < config_.stage3_param_persistence_threshold || !p.trainable);
   }
@@ -76,19 +73,15 @@ DistributedOptimizer::DistributedOptimizer(const ZeroConfig& config, const AdamW
                                              comm_dtype_);
   }
   if (config_.stage == 0) {
+    // The moments in the registry's layout; the registry's weights are the masters.
     shard_numel_ = params_.values().numel();
     exp_avg_ = Buffer("optimizer.exp_avg", MemCategory::OptimizerState, DType::F32, shard_numel_, device);
     exp_avg_sq_ = Buffer("optimizer.exp_avg_sq", MemCategory::OptimizerState, DType::F32, shard_numel_, device);
-    state_.assign(size_t(n), State::Resident);
-    uses_.assign(size_t(n), 0);
-    gathers_.resize(size_t(n));
-    group_of_.resize(size_t(n));
-    reduced_once_.assign(size_t(n), 0);
-    return;
+  } else {
+    master_ = shard_buffer("zero.master_weights", MemCategory::Parameters, shard_numel_, host, pinned, device);
+    exp_avg_ = shard_buffer("zero.exp_avg", MemCategory::OptimizerState, shard_numel_, host, pinned, device);
+    exp_avg_sq_ = shard_buffer("zero.exp_avg_sq", MemCategory::OptimizerState, shard_numel_, host, pinned, device);
   }
-  master_ = shard_buffer("zero.master_weights", MemCategory::Parameters, shard_numel_, host, pinned, device);
-  exp_avg_ = shard_buffer("zero.exp_avg", MemCategory::OptimizerState, shard_numel_, host, pinned, device);
-  exp_avg_sq_ = shard_buffer("zero.exp_avg_sq", MemCategory::OptimizerState, shard_numel_, host, pinned, device);
   if (host) host_grads_ = shard_buffer("zero.gradient_shard (host)", MemCategory::Gradients, shard_numel_, true, pinned, device);
   if (config_.stage >= 2) {
     grad_shard_ = Buffer("zero.gradient_shard", MemCategory::Gradients, DType::F32, shard_numel_, device);
@@ -737,15 +730,8 @@ double DistributedOptimizer::grad_norm() {
 void DistributedOptimizer::step(double lr, double grad_scale) {
   ops::AdamWStep s = adamw_.step_params(++step_, lr, grad_scale);
   if (config_.stage == 0) {
-    // The whole local weights from the whole reduced gradients, the compute copy (when there is
-    // one) written in the same pass.
-    for (const ParamInfo& p : params_.all()) {
-      if (!p.trainable) continue;  // updated by its own rule (routing biases)
-      s.weight_decay = float(adamw_.weight_decay_of(p));
-      ops::adamw_update(params_.values().tensor(p.offset, p.shape), params_.grads().tensor(p.offset, p.shape),
-                        exp_avg_.tensor(p.offset, p.shape), exp_avg_sq_.tensor(p.offset, p.shape),
-                        params_.has_compute_copy() ? params_.compute_values().tensor(p.offset, p.shape) : Tensor(), s);
-    }
+    // The whole local weights from the whole reduced gradients, as the one-process AdamW.
+    adamw_update_whole(params_, exp_avg_, exp_avg_sq_, s, adamw_);
     return;
   }
   const bool host = config_.offloads_optimizer();
