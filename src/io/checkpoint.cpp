@@ -55,54 +55,27 @@ namespace {
 
 constexpr const char* kGroups[3] = {"model", "optimizer/exp_avg", "optimizer/exp_avg_sq"};
 
-// Rank r of n owns rows [R*r/n, R*(r+1)/n) of a tensor with R rows along dimension 0: a
-// contiguous range of the flattened tensor, in rank order.
-// Each rank writes and reads rows [R*r/N, R*(r+1)/N) of every tensor (state/params.h), the
-// pieces ZeRO shards by.
-using Piece = RowPiece;
-Piece piece_of(const Shape& global, int rank, int n) { return row_piece(global, rank, n); }
-
-// The rows of parameter id that rank `rank` of n writes and reads: the partition's, when the
-// caller gives one (tensor parallelism's staging), or piece_of's.
-Piece piece_for(const ParamRegistry& reg, const CheckpointPartition& partition, int id, int rank, int n) {
-  return partition ? partition(id, rank) : piece_of(reg.info(id).global_shape, rank, n);
+// The pieces that buffers or targets describe: theirs, or whole tensors in the registry's
+// layout on every rank, rank r of n writing rows block r of each.
+std::shared_ptr<const ShardedState> pieces_or_whole(const ParamRegistry& reg,
+                                                    const std::shared_ptr<const ShardedState>& given, int rank, int n) {
+  if (given) return given;
+  return std::make_shared<const ShardedState>(ShardedState::whole(reg, rank, n));
 }
 
-// A partition must tile every tensor's rows in rank order, and comes with piece_offsets. Every
-// rank checks every rank's pieces, so a bad partition fails alike on all.
-void check_partition(const ParamRegistry& reg, const CheckpointPartition& partition,
-                     const std::shared_ptr<const std::vector<int64_t>>& piece_offsets, int n) {
-  if (!partition) return;
-  DS_CHECK(piece_offsets != nullptr,
-           "checkpoint: a partition of the rows needs piece_offsets (where this rank's pieces lie in its buffers)");
-  DS_CHECK(int64_t(piece_offsets->size()) >= int64_t(reg.size()),
-           "checkpoint: piece_offsets has {} entries for {} parameters", piece_offsets->size(), reg.size());
-  for (int id = 0; id < reg.size(); ++id) {
-    const ParamInfo& p = reg.info(id);
-    const Piece whole = piece_of(p.global_shape, 0, 1);
-    int64_t next = 0;
-    for (int r = 0; r < n; ++r) {
-      const Piece pc = partition(id, r);
-      DS_CHECK(pc.rows >= 0 && (pc.rows == 0 || pc.row_elems == whole.row_elems),
-               "checkpoint: the partition gives rank {} {} rows of {} elements of '{}' {}, whose rows have {}", r,
-               pc.rows, pc.row_elems, p.name, p.global_shape.str(), whole.row_elems);
-      if (pc.rows == 0) continue;
-      DS_CHECK(pc.row_begin == next,
-               "checkpoint: the partition gives rank {} rows [{}, {}) of '{}', but the ranks before it end at row {}: "
-               "the pieces must tile the rows in rank order",
-               r, pc.row_begin, pc.row_begin + pc.rows, p.name, next);
-      next += pc.rows;
-    }
-    DS_CHECK(next == whole.rows, "checkpoint: the partition covers {} of the {} rows of '{}' {}", next, whole.rows,
-             p.name, p.global_shape.str());
+// Each file tensor's piece on this rank (-1: none), after the pieces pass their check on every
+// rank (a bad description fails alike on all, before any rank writes or reads).
+std::vector<int> checked_pieces(MPI_Comm comm, const ParamRegistry& reg, const ShardedState& pieces) {
+  std::string error;
+  std::vector<int> of(size_t(reg.size()), -1);
+  try {
+    pieces.check(reg);
+    for (size_t i = 0; i < pieces.pieces.size(); ++i) of[size_t(pieces.pieces[i].tensor)] = int(i);
+  } catch (const Error& e) {
+    error = fmt::format("checkpoint: {}", e.what());
   }
-}
-
-// Where parameter id's piece of this rank lies in a buffer: in the registry's whole layout, or
-// at its offset of a shard.
-int64_t piece_start(const ParamInfo& p, int id, const Piece& pc,
-                    const std::shared_ptr<const std::vector<int64_t>>& piece_offsets) {
-  return piece_offsets ? (*piece_offsets)[size_t(id)] : p.offset + pc.elem_begin();
+  throw_if_any_rank_failed(comm, error);
+  return of;
 }
 
 std::vector<hsize_t> dims_of(const Shape& s) {
@@ -111,21 +84,23 @@ std::vector<hsize_t> dims_of(const Shape& s) {
   return d;
 }
 
-// The file-space selection of a piece (or nothing), and a 1-D memory space for it.
-std::pair<h5::Handle, h5::Handle> selections(hid_t file_space, const Shape& global, const Piece& p) {
+// The file-space selection of rows `rows` of a piece (or nothing), and a 1-D memory space
+// for them.
+std::pair<h5::Handle, h5::Handle> selections(hid_t file_space, const TensorPiece& piece, const RowPiece& rows) {
   h5::Handle fsel(H5Scopy(file_space), "H5Scopy");
   h5::Handle msel;
-  if (p.rows == 0) {
+  if (rows.rows == 0 || rows.elems() == 0) {
     DS_H5_CHECK(H5Sselect_none(fsel));
     const hsize_t one = 1;
     msel = h5::Handle(H5Screate_simple(1, &one, nullptr), "H5Screate_simple");
     DS_H5_CHECK(H5Sselect_none(msel));
   } else {
-    std::vector<hsize_t> start(size_t(global.ndim()), 0), count = dims_of(global);
-    start[0] = hsize_t(p.row_begin);
-    count[0] = hsize_t(p.rows);
+    std::vector<hsize_t> start, count = dims_of(piece.shape);
+    for (int64_t o : piece.offset) start.push_back(hsize_t(o));
+    start[0] += hsize_t(rows.row_begin);
+    count[0] = hsize_t(rows.rows);
     DS_H5_CHECK(H5Sselect_hyperslab(fsel, H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr));
-    const hsize_t n = hsize_t(p.elems());
+    const hsize_t n = hsize_t(rows.elems());
     msel = h5::Handle(H5Screate_simple(1, &n, nullptr), "H5Screate_simple");
   }
   return {std::move(fsel), std::move(msel)};
@@ -187,25 +162,94 @@ std::string utc_now() {
 
 std::vector<const float*> group_buffers(const CheckpointBuffers& b) { return {b.values, b.exp_avg, b.exp_avg_sq}; }
 
-// The combined CRC of every tensor piece over all ranks: rank order is flattened order.
-std::vector<uint32_t> combine_crcs(MPI_Comm comm, const std::vector<uint64_t>& local) {
-  int n = 1;
+// A run of a global tensor's elements that one rank hashed: tensor t (group * tensors + id),
+// its first element and length in the tensor, its CRC-32.
+struct RunCrc {
+  uint64_t tensor = 0, global = 0, elems = 0, crc = 0;
+};
+
+// The CRC-32 of every tensor from the runs of all ranks. Tensor t's runs go to rank t mod n,
+// which checks that they tile the tensor (every element once) and chains them in order; every
+// rank gets every CRC. A description that leaves elements out or covers some twice fails here,
+// alike on every rank, naming the tensor. Collective over comm.
+std::vector<uint32_t> combine_runs(MPI_Comm comm, const std::vector<RunCrc>& mine, const std::vector<int64_t>& numel,
+                                   const std::function<std::string(size_t)>& name_of) {
+  int rank = 0, n = 1;
+  MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &n);
-  std::vector<uint64_t> all(local.size() * size_t(n));
-  DS_CHECK(MPI_Allgather(local.data(), int(local.size()), MPI_UINT64_T, all.data(), int(local.size()), MPI_UINT64_T,
-                         comm) == MPI_SUCCESS,
-           "checkpoint: gathering checksums failed");
-  const size_t T = local.size() / 2;
-  std::vector<uint32_t> out(T);
-  for (size_t t = 0; t < T; ++t) {
-    uint32_t c = uint32_t(all[2 * t]);
-    for (int r = 1; r < n; ++r) {
-      const size_t base = size_t(r) * local.size();
-      c = crc32_concat(c, uint32_t(all[base + 2 * t]), size_t(all[base + 2 * t + 1]));
-    }
-    out[t] = c;
+  const size_t T = numel.size();
+  std::vector<std::vector<uint64_t>> out(static_cast<size_t>(n));
+  for (const RunCrc& r : mine) {
+    auto& o = out[size_t(r.tensor % uint64_t(n))];
+    o.insert(o.end(), {r.tensor, r.global, r.elems, r.crc});
   }
-  return out;
+  const size_t N = static_cast<size_t>(n);
+  std::vector<int> send(N), recv(N), sdispl(N), rdispl(N);
+  std::vector<uint64_t> sbuf;
+  for (int r = 0; r < n; ++r) {
+    sdispl[size_t(r)] = int(sbuf.size());
+    send[size_t(r)] = int(out[size_t(r)].size());
+    sbuf.insert(sbuf.end(), out[size_t(r)].begin(), out[size_t(r)].end());
+  }
+  DS_CHECK(MPI_Alltoall(send.data(), 1, MPI_INT, recv.data(), 1, MPI_INT, comm) == MPI_SUCCESS,
+           "checkpoint: exchanging checksum counts failed");
+  int total = 0;
+  for (int r = 0; r < n; ++r) {
+    rdispl[size_t(r)] = total;
+    total += recv[size_t(r)];
+  }
+  std::vector<uint64_t> rbuf(size_t(std::max(total, 1)));
+  DS_CHECK(MPI_Alltoallv(sbuf.data(), send.data(), sdispl.data(), MPI_UINT64_T, rbuf.data(), recv.data(), rdispl.data(),
+                         MPI_UINT64_T, comm) == MPI_SUCCESS,
+           "checkpoint: exchanging checksums failed");
+  std::vector<std::vector<RunCrc>> runs(T);
+  for (int i = 0; i + 3 < total; i += 4) {
+    const RunCrc r{rbuf[size_t(i)], rbuf[size_t(i) + 1], rbuf[size_t(i) + 2], rbuf[size_t(i) + 3]};
+    runs[size_t(r.tensor)].push_back(r);
+  }
+  std::vector<uint32_t> crcs(T, 0);
+  std::map<uint64_t, uLong> ops;  // zlib's combination operator per run length
+  std::string error;
+  for (size_t t = size_t(rank); t < T && error.empty(); t += size_t(n)) {
+    std::vector<RunCrc>& rs = runs[t];
+    std::sort(rs.begin(), rs.end(), [](const RunCrc& a, const RunCrc& b) { return a.global < b.global; });
+    uint64_t next = 0;
+    uint32_t c = 0;
+    for (const RunCrc& r : rs) {
+      if (r.global != next) {
+        error = r.global > next ? fmt::format("checkpoint: no rank holds elements [{}, {}) of {} to write", next,
+                                              r.global, name_of(t))
+                                : fmt::format("checkpoint: two ranks write element {} of {}", r.global, name_of(t));
+        break;
+      }
+      const uint64_t bytes = r.elems * sizeof(float);
+      auto it = ops.find(bytes);
+      if (it == ops.end()) it = ops.emplace(bytes, crc32_combine_gen64(z_off64_t(bytes))).first;
+      c = next == 0 ? uint32_t(r.crc) : uint32_t(crc32_combine_op(c, uLong(r.crc), it->second));
+      next += r.elems;
+    }
+    if (error.empty() && next != uint64_t(numel[t])) {
+      error = fmt::format("checkpoint: no rank holds elements [{}, {}) of {} to write", next, numel[t], name_of(t));
+    }
+    crcs[t] = c;
+  }
+  throw_if_any_rank_failed(comm, error);
+  DS_CHECK(MPI_Allreduce(MPI_IN_PLACE, crcs.data(), int(T), MPI_UINT32_T, MPI_BOR, comm) == MPI_SUCCESS,
+           "checkpoint: sharing checksums failed");
+  return crcs;
+}
+
+// This rank's runs of rows `rows_of(piece)` of each piece, for the tensors of group g: the
+// byte ranges to hash (from buffer `base`) and what they are.
+void add_runs(const ParamRegistry& reg, const ShardedState& pieces, int g, const float* base,
+              const std::function<RowPiece(const TensorPiece&)>& rows_of,
+              std::vector<std::pair<const void*, size_t>>& ranges, std::vector<RunCrc>& runs) {
+  for (const TensorPiece& t : pieces.pieces) {
+    for (const PieceRun& r : piece_runs(t, reg.info(t.tensor).global_shape, rows_of(t))) {
+      ranges.emplace_back(base + t.at + r.local, size_t(r.elems) * sizeof(float));
+      runs.push_back({uint64_t(g) * uint64_t(reg.size()) + uint64_t(t.tensor), uint64_t(r.global), uint64_t(r.elems), 0});
+    }
+  }
 }
 
 // ---- Metadata checksums ----------------------------------------------------------------
@@ -461,9 +505,8 @@ void throw_if_any_rank_failed(MPI_Comm comm, const std::string& error) {
 int64_t checkpoint_size_bound(const ParamRegistry& reg, const CheckpointBuffers& bufs, const TrainState& state) {
   const int64_t groups = bufs.exp_avg ? 3 : 1;
   const int64_t datasets = groups * int64_t(reg.all().size());
-  // Pieces (ZeRO's shards, tensor parallelism's staging) come with a registry whose local
-  // sizes say nothing of the file: its global shapes do.
-  const int64_t elems = bufs.piece_offsets ? reg.global_numel() : reg.values().numel();
+  // The registry may describe pieces held elsewhere: its global shapes give the file.
+  const int64_t elems = reg.global_numel();
   // Per dataset: its object header, attributes and line in the metadata checksums (under
   // 1 KB measured); then the configuration text and the fixed groups.
   return groups * elems * int64_t(sizeof(float)) + datasets * 2048 +
@@ -477,35 +520,28 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &n);
   const auto buffers = group_buffers(bufs);
-  check_partition(reg, bufs.partition, bufs.piece_offsets, n);
-  // Checksums first: every rank hashes its pieces, the combination is known to all before
-  // any attribute is written (attribute writes are collective and must agree).
+  DS_CHECK((bufs.exp_avg == nullptr) == (bufs.exp_avg_sq == nullptr), "checkpoint: give both AdamW moments or neither");
+  const std::shared_ptr<const ShardedState> pieces = pieces_or_whole(reg, bufs.pieces, rank, n);
+  const std::vector<int> piece_of = checked_pieces(comm, reg, *pieces);
+  // Checksums first: every rank hashes the runs it writes, the combination is known to all
+  // before any attribute is written (attribute writes are collective and must agree).
   std::vector<std::pair<const void*, size_t>> ranges;
-  std::string outside;  // a piece beyond the piece buffers: agreed on before any rank reads it
+  std::vector<RunCrc> runs;
   for (int g = 0; g < 3; ++g) {
-    if (!buffers[size_t(g)]) continue;
-    for (int id = 0; id < reg.size(); ++id) {
-      const ParamInfo& p = reg.info(id);
-      DS_CHECK(bufs.piece_offsets || p.placement.kind == Placement::Kind::Whole,
-               "checkpoint: '{}' is not held whole on this rank", p.name);
-      const Piece pc = piece_for(reg, bufs.partition, id, rank, n);
-      const int64_t start = piece_start(p, id, pc, bufs.piece_offsets);
-      if (bufs.piece_offsets && bufs.numel > 0 && pc.elems() > 0 && start + pc.elems() > bufs.numel &&
-          outside.empty()) {
-        outside = fmt::format("checkpoint: the piece of '{}' at [{}, {}) lies outside the {} elements of this rank's "
-                              "piece buffers", p.name, start, start + pc.elems(), bufs.numel);
-      }
-      ranges.emplace_back(buffers[size_t(g)] + start, size_t(pc.elems()) * sizeof(float));
+    if (buffers[size_t(g)]) {
+      add_runs(reg, *pieces, g, buffers[size_t(g)], [](const TensorPiece& t) { return t.written(); }, ranges, runs);
     }
   }
-  if (bufs.piece_offsets) throw_if_any_rank_failed(comm, outside);
-  std::vector<uint64_t> local;
-  const std::vector<uint32_t> piece_crcs = crc32_many(ranges, threads);
-  for (size_t i = 0; i < ranges.size(); ++i) {
-    local.push_back(piece_crcs[i]);
-    local.push_back(ranges[i].second);
+  const std::vector<uint32_t> run_crcs = crc32_many(ranges, threads);
+  for (size_t i = 0; i < runs.size(); ++i) runs[i].crc = run_crcs[i];
+  std::vector<int64_t> numel;
+  for (int g = 0; g < 3; ++g) {
+    for (const ParamInfo& p : reg.all()) numel.push_back(buffers[size_t(g)] ? p.global_shape.numel() : 0);
   }
-  const std::vector<uint32_t> crcs = combine_crcs(comm, local);
+  const std::vector<uint32_t> crcs = combine_runs(comm, runs, numel, [&](size_t t) {
+    const ParamInfo& p = reg.info(int(t % size_t(reg.size())));
+    return fmt::format("/{}/{} {}", kGroups[t / size_t(reg.size())], p.name, p.global_shape.str());
+  });
   // Attribute values must be the same on every rank: rank 0's clock says when.
   std::string created = utc_now();
   created.resize(20, ' ');
@@ -572,25 +608,34 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
   struct Write {
     h5::Handle dset;
     const float* src;
-    Piece piece;
-    Shape shape;
+    const TensorPiece* piece;
+    RowPiece rows;
   };
   std::vector<Write> writes;
-  size_t t = 0;
   for (int g = 0; g < 3; ++g) {
     const float* base = buffers[size_t(g)];
     if (!base) continue;
     h5::Handle group = h5::open_group(file, kGroups[g]);
     for (int id = 0; id < reg.size(); ++id) {
       const ParamInfo& p = reg.info(id);
-      const Piece pc = piece_for(reg, bufs.partition, id, rank, n);
       const auto dims = dims_of(p.global_shape);
       h5::Handle space(H5Screate_simple(int(dims.size()), dims.data(), nullptr), "H5Screate_simple");
       h5::Handle dset(H5Dcreate2(group, p.name.c_str(), H5T_IEEE_F32LE, space, H5P_DEFAULT, dcpl, H5P_DEFAULT),
                       "H5Dcreate2");
-      h5::write_attr(dset, "crc32", int64_t(crcs[t++]));
+      h5::write_attr(dset, "crc32", int64_t(crcs[size_t(g) * size_t(reg.size()) + size_t(id)]));
       h5::write_attr(dset, "kind", std::string(param_kind_name(p.kind)));
-      writes.push_back({std::move(dset), base + piece_start(p, id, pc, bufs.piece_offsets), pc, p.global_shape});
+      // Every rank keeps every dataset open until the end, in the same order (their closing
+      // takes part in the collective flush); the ones this rank writes rows of carry them.
+      Write w{std::move(dset), nullptr, nullptr, RowPiece{}};
+      if (piece_of[size_t(id)] >= 0) {
+        const TensorPiece& t = pieces->pieces[size_t(piece_of[size_t(id)])];
+        w.rows = t.written();
+        if (w.rows.rows > 0 && w.rows.elems() > 0) {
+          w.piece = &t;
+          w.src = base + t.at + w.rows.elem_begin();
+        }
+      }
+      writes.push_back(std::move(w));
     }
   }
   write_json_group(file, "scheduler", state.scheduler);
@@ -613,9 +658,9 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
   // on its rank until all agree on it below.
   h5::Handle xfer = h5::transfer_plist(/*collective=*/false);
   for (Write& w : writes) {
-    if (w.piece.rows == 0 || !failed.error.empty()) continue;
+    if (!w.piece || !failed.error.empty()) continue;
     h5::Handle space(H5Dget_space(w.dset), "H5Dget_space");
-    auto [fsel, msel] = selections(space, w.shape, w.piece);
+    auto [fsel, msel] = selections(space, *w.piece, w.rows);
     errno = 0;
     record(failed, H5Dwrite(w.dset, H5T_NATIVE_FLOAT, msel, fsel, xfer, w.src), "H5Dwrite(tensor rows)", path);
   }
@@ -678,7 +723,8 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &n);
   const std::vector<float*> buffers = {into.values, into.exp_avg, into.exp_avg_sq};
-  check_partition(reg, into.partition, into.piece_offsets, n);
+  const std::shared_ptr<const ShardedState> pieces = pieces_or_whole(reg, into.pieces, rank, n);
+  const std::vector<int> piece_of = checked_pieces(comm, reg, *pieces);
 
   // Opening is collective and fails alike on every rank (a truncated or foreign file).
   std::string error;
@@ -694,6 +740,7 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
   bool unsealed = false;
   std::string written_by;
   std::vector<std::pair<const void*, size_t>> ranges;
+  std::vector<RunCrc> runs;
   std::vector<uint32_t> stored;
   std::vector<std::string> names;
   // Each rank reads its rows independently, so a failure on one rank cannot leave the
@@ -739,24 +786,19 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
       for (int id = 0; id < reg.size(); ++id) {
         const ParamInfo& p = reg.info(id);
         const std::string where = fmt::format("/{}/{}", kGroups[g], p.name);
-        // Whole buffers are filled with the global tensors: a piece has no room for one.
-        DS_CHECK(into.piece_offsets || p.placement.kind == Placement::Kind::Whole,
-                 "'{}' is not held whole on this rank ({} of the global {}): read a tensor-parallel model through "
-                 "ShardedModelCheckpoint (io/sharded_model_state.h)",
-                 p.name, p.shape.str(), p.global_shape.str());
         DS_CHECK(h5::exists(group, p.name), "'{}' has no tensor {}: was it written for another model?", path, where);
         h5::Handle dset(H5Dopen2(group, p.name.c_str(), H5P_DEFAULT), "H5Dopen2");
         const Shape shape = h5::dataset_shape(dset);
         DS_CHECK(shape == p.global_shape, "'{}': {} has shape {} but the model expects {}; check the model config",
                  path, where, shape.str(), p.global_shape.str());
-        const Piece pc = piece_for(reg, into.partition, id, rank, n);
-        h5::Handle space(H5Dget_space(dset), "H5Dget_space");
-        auto [fsel, msel] = selections(space, p.global_shape, pc);
-        float* dst = base + piece_start(p, id, pc, into.piece_offsets);
-        DS_H5_CHECK(H5Dread(dset, H5T_NATIVE_FLOAT, msel, fsel, xfer, dst));
-        ranges.emplace_back(dst, size_t(pc.elems()) * sizeof(float));
         stored.push_back(uint32_t(h5::read_attr_int(dset, "crc32")));
         names.push_back(where);
+        if (piece_of[size_t(id)] < 0) continue;
+        // The whole block: every replica reads what it holds.
+        const TensorPiece& t = pieces->pieces[size_t(piece_of[size_t(id)])];
+        h5::Handle space(H5Dget_space(dset), "H5Dget_space");
+        auto [fsel, msel] = selections(space, t, row_piece(t.shape, 0, 1));
+        DS_H5_CHECK(H5Dread(dset, H5T_NATIVE_FLOAT, msel, fsel, xfer, base + t.at));
       }
     }
   } catch (const std::exception& e) {  // an Error, or a library's exception on a damaged field
@@ -770,40 +812,35 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
               path, written_by);
   }
 
-  std::vector<uint64_t> local;
-  const std::vector<uint32_t> piece_crcs = crc32_many(ranges);
-  for (size_t i = 0; i < ranges.size(); ++i) {
-    local.push_back(piece_crcs[i]);
-    local.push_back(ranges[i].second);
+  // The checksums over the rows each rank would write: together they cover every tensor once.
+  for (int g = 0; g < 3; ++g) {
+    if (buffers[size_t(g)]) {
+      add_runs(reg, *pieces, g, buffers[size_t(g)], [](const TensorPiece& t) { return t.written(); }, ranges, runs);
+    }
   }
-  const std::vector<uint32_t> crcs = combine_crcs(comm, local);
+  const std::vector<uint32_t> run_crcs = crc32_many(ranges);
+  for (size_t i = 0; i < runs.size(); ++i) runs[i].crc = run_crcs[i];
+  std::vector<int64_t> all_numel;
+  for (int g = 0; g < 3; ++g) {
+    for (const ParamInfo& p : reg.all()) all_numel.push_back(buffers[size_t(g)] ? p.global_shape.numel() : 0);
+  }
+  const std::vector<uint32_t> crcs = combine_runs(comm, runs, all_numel, [&](size_t t) {
+    const ParamInfo& p = reg.info(int(t % size_t(reg.size())));
+    return fmt::format("/{}/{} {}", kGroups[t / size_t(reg.size())], p.name, p.global_shape.str());
+  });
   std::vector<std::string> bad;
-  for (size_t t = 0; t < crcs.size(); ++t) {
-    if (crcs[t] != stored[t]) bad.push_back(names[t]);
+  size_t k = 0;
+  for (int g = 0; g < 3; ++g) {
+    if (!buffers[size_t(g)]) continue;
+    for (int id = 0; id < reg.size(); ++id, ++k) {
+      if (crcs[size_t(g) * size_t(reg.size()) + size_t(id)] != stored[k]) bad.push_back(names[k]);
+    }
   }
   if (!bad.empty()) {
     std::string list;
     for (size_t i = 0; i < std::min<size_t>(bad.size(), 5); ++i) list += "\n    " + bad[i];
     throw Error(fmt::format("checkpoint '{}' is corrupt: {} tensor(s) fail their crc32 checksum:{}{}", path,
                             bad.size(), list, bad.size() > 5 ? fmt::format("\n    and {} more", bad.size() - 5) : ""));
-  }
-
-  // Every rank holds whole tensors: assemble them from the pieces in place (sharded targets
-  // keep their pieces).
-  std::vector<int> counts(static_cast<size_t>(n)), displs(static_cast<size_t>(n));
-  for (int g = 0; g < 3; ++g) {
-    float* base = buffers[size_t(g)];
-    if (!base || n == 1 || into.piece_offsets) continue;
-    for (const ParamInfo& p : reg.all()) {
-      for (int r = 0; r < n; ++r) {
-        const Piece pc = piece_of(p.global_shape, r, n);
-        counts[size_t(r)] = int(pc.elems());
-        displs[size_t(r)] = int(pc.elem_begin());
-      }
-      DS_CHECK(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_FLOAT, base + p.offset, counts.data(), displs.data(), MPI_FLOAT,
-                              comm) == MPI_SUCCESS,
-               "checkpoint: assembling '{}' failed", p.name);
-    }
   }
   return st;
 }

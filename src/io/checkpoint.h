@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/json_reader.h"
+#include "io/sharded_state.h"
 #include "state/params.h"
 
 namespace dstrain {
@@ -35,41 +36,28 @@ struct TrainState {
   json loss_scaler;              // fp16's loss scaler (LossScaler::state; null: not an fp16 run)
 };
 
-// Which rows of parameter id's global tensor rank `rank` of the checkpoint communicator writes
-// and reads. The pieces of all ranks, in rank order, must tile each tensor's rows contiguously
-// (empty pieces may sit anywhere). It is called from a background writer too: it must depend
-// on its arguments and on what it captured by value only.
-using CheckpointPartition = std::function<RowPiece(int id, int rank)>;
-
-// The flat buffers to write (laid out as the registry says); exp_avg/exp_avg_sq may be null
-// when a file holds the model only.
-//
-// Sharded state (ZeRO): each buffer holds only this rank's pieces, the rows of every tensor the
-// checkpoint has this rank write (RowPiece over the checkpoint's communicator); parameter id's
-// piece starts at element (*piece_offsets)[id], and each buffer holds `numel` elements.
-//
-// Staged state (tensor parallelism, io/sharded_model_state.h): `partition` says which rows
-// each rank writes (null: RowPiece over all ranks); piece_offsets is then required and
-// addresses the staging buffers. With piece_offsets the registry gives only names, global
-// shapes and kinds: its placements and local sizes are not used.
+// The flat buffers a checkpoint writes, and what of the file's tensors lies where in them
+// (io/sharded_state.h): every rank writes the rows of its pieces that it is the writing replica
+// of, so that the pieces of all ranks write every element of every tensor once. exp_avg and
+// exp_avg_sq may be null together, when a file holds the model only. `reg` (the file's
+// registry) gives only names, global shapes and kinds. Null pieces: whole tensors in the
+// registry's layout on every rank of the communicator, rank r of N writing rows block r of
+// each (ShardedState::whole(reg, r, N)).
 struct CheckpointBuffers {
   const float* values = nullptr;
   const float* exp_avg = nullptr;
   const float* exp_avg_sq = nullptr;
-  std::shared_ptr<const std::vector<int64_t>> piece_offsets;  // null: whole buffers
-  int64_t numel = 0;                                          // with piece_offsets
-  CheckpointPartition partition;                              // null: RowPiece over all ranks
+  std::shared_ptr<const ShardedState> pieces;
 };
 
-// Where read_checkpoint puts what it reads: whole buffers in the registry's layout (assembled
-// from every rank's rows), or, with piece_offsets, this rank's pieces only (ZeRO's shards;
-// with a partition, the rows it gives this rank, left unassembled).
+// Where read_checkpoint puts what it reads: each rank its whole pieces (every replica reads
+// its block), from the file's global tensors whatever layout wrote them. Null pieces: whole
+// tensors in the registry's layout.
 struct CheckpointTargets {
   float* values = nullptr;
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
-  std::shared_ptr<const std::vector<int64_t>> piece_offsets;
-  CheckpointPartition partition;  // null: RowPiece over all ranks; requires piece_offsets
+  std::shared_ptr<const ShardedState> pieces;
 };
 
 // A write that failed for lack of storage: the disk or quota is full (ENOSPC, EDQUOT), or
@@ -95,7 +83,7 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
                       const TrainState& state, int threads = 0);
 
 // An upper bound of the bytes a checkpoint of these buffers takes on disk, metadata included
-// (from the global shapes when pieces are given, from the registry's flat size otherwise).
+// (from the registry's global shapes).
 int64_t checkpoint_size_bound(const ParamRegistry& reg, const CheckpointBuffers& bufs, const TrainState& state);
 
 // Raises the same Error on every rank of `comm` when any rank's `error` is not empty: the

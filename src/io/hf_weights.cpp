@@ -334,13 +334,11 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const P
     // Read on the host; a run on a device gets the values sent there.
     const ops::HostView local(reg.param(id));
     Tensor t = local.get();
-    if (is_tensor_piece(p) && p.placement.dim == 0) {
-      const int64_t L = p.shape.numel();
-      w.read_f32_range(name, p.placement.index * L, L, t.data<float>());
-    } else if (is_tensor_piece(p)) {
-      const int64_t rows = p.shape[0], width = p.shape[1], stride = p.global_shape[1];
-      for (int64_t r = 0; r < rows; ++r) {
-        w.read_f32_range(name, r * stride + p.placement.index * width, width, t.data<float>() + r * width);
+    if (is_tensor_piece(p)) {
+      // The block's runs (io/sharded_state.h): one for a dim-0 piece, one per row of a dim-1 one.
+      const TensorPiece block = placement_block(p);
+      for (const PieceRun& r : piece_runs(block, p.global_shape, row_piece(block.shape, 0, 1))) {
+        w.read_f32_range(name, r.global, r.elems, t.data<float>() + r.local);
       }
     } else {
       w.read_f32(name, t);
@@ -400,30 +398,14 @@ DType dtype_from_torch_name(const std::string& name) {
 }
 
 void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const json& config_json,
-                     int64_t max_shard_bytes, DType dtype, Communicator* tp) {
-  // With a tensor group, its rank 0 writes and every rank gathers the pieces with it.
-  const bool root = tp == nullptr || tp->rank() == 0;
+                     int64_t max_shard_bytes, DType dtype) {
   DS_CHECK(reg.flat_numel() == 0 || reg.values().allocated(),
            "save_hf_weights('{}'): the parameter registry is not allocated", dir);
-  Buffer host, gathered;
-  const GlobalTensorFn global = [&](int id) -> Tensor {
-    const ParamInfo& p = reg.info(id);
-    if (!(tp && is_tensor_piece(p))) check_whole(p, "save_hf_weights");
-    // Written from the host: a run on a device copies each tensor over first.
-    Tensor local = reg.param(id);
-    if (!local.device().is_cpu()) {
-      if (host.numel() < local.numel()) host = Buffer("save_hf.host", MemCategory::Workspace, DType::F32, local.numel());
-      ops::copy(host.tensor(0, local.shape()), local);
-      local = host.tensor(0, local.shape());
-    }
-    if (!(tp && is_tensor_piece(p))) return root ? local.view(p.global_shape) : Tensor();
-    const int64_t n = p.global_shape.numel();
-    if (gathered.numel() < n) gathered = Buffer("save_hf.gathered", MemCategory::Workspace, DType::F32, n);
-    const Tensor g = gathered.tensor(0, p.global_shape);
-    gather_global(p, local, tp, g);
-    return root ? g : Tensor();
-  };
-  save_hf_weights(dir, reg, global, config_json, max_shard_bytes, dtype, tp);
+  for (const ParamInfo& p : reg.all()) check_whole(p, "save_hf_weights");
+  // Written from the host: a run on a device copies the weights over first.
+  const ops::HostView host(reg.values().tensor());
+  save_hf_weights(dir, reg, ShardedState::whole(reg), host.get().data<float>(), config_json, max_shard_bytes, dtype,
+                  nullptr);
 }
 
 namespace {
@@ -443,8 +425,9 @@ void raise_failures(Communicator* world, const std::string& mine) {
 
 }  // namespace
 
-void save_hf_weights(const std::string& dir, const ParamRegistry& file, const GlobalTensorFn& global,
-                     const json& config_json, int64_t max_shard_bytes, DType dtype, Communicator* world) {
+void save_hf_weights(const std::string& dir, const ParamRegistry& file, const ShardedState& pieces,
+                     const float* values, const json& config_json, int64_t max_shard_bytes, DType dtype,
+                     Communicator* world) {
   const bool root = world == nullptr || world->rank() == 0;
   DS_CHECK(max_shard_bytes > 0, "save_hf_weights('{}'): max_shard_bytes must be positive, got {}", dir,
            max_shard_bytes);
@@ -504,24 +487,29 @@ void save_hf_weights(const std::string& dir, const ParamRegistry& file, const Gl
   }
   raise_failures(world, failure);
 
-  // Each tensor's writer puts its bytes in place; every rank goes through every tensor (the
-  // gathers may be collective), a failed one carrying on without writing.
-  Buffer converted;
-  for (int id = 0; id < file.size(); ++id) {
-    const Tensor g = global(id);
-    if (!g.defined() || !failure.empty()) continue;
+  // Every rank puts the rows it writes of its pieces in place, converted (ops::cast rounds to
+  // nearest even).
+  if (failure.empty()) {
     try {
-      const auto [f, k] = where[size_t(id)];
-      Tensor t = g;
-      if (dtype != DType::F32) {
-        // ops::cast rounds to nearest even.
-        if (converted.numel() < g.numel()) {
-          converted = Buffer("save_hf." + torch_dtype, MemCategory::Workspace, dtype, g.numel(), Device::cpu());
+      pieces.check(file);
+      Buffer converted;
+      for (const TensorPiece& t : pieces.pieces) {
+        const RowPiece rows = t.written();
+        if (rows.rows == 0 || rows.elems() == 0) continue;
+        std::vector<PieceRun> runs = piece_runs(t, file.info(t.tensor).global_shape, rows);
+        for (PieceRun& r : runs) r.local -= rows.elem_begin();
+        const Tensor src(const_cast<float*>(values) + t.at + rows.elem_begin(), DType::F32, Shape{rows.elems()});
+        Tensor data = src;
+        if (dtype != DType::F32) {
+          if (converted.numel() < rows.elems()) {
+            converted = Buffer("save_hf." + torch_dtype, MemCategory::Workspace, dtype, rows.elems(), Device::cpu());
+          }
+          data = converted.tensor(0, {rows.elems()});
+          ops::cast(data, src);
         }
-        t = converted.tensor(0, g.shape());
-        ops::cast(t, g);
+        const auto [f, k] = where[size_t(t.tensor)];
+        layouts[f].write_runs(k, runs, data.raw());
       }
-      layouts[f].write(k, t);
     } catch (const std::exception& e) {
       failure = e.what();
     }

@@ -13,6 +13,7 @@
 
 #include "core/json_reader.h"
 #include "io/safetensors.h"
+#include "io/sharded_state.h"
 #include "state/params.h"
 
 namespace dstrain {
@@ -105,27 +106,21 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const P
 // name, and config.json's torch_dtype says so. Weight files of an earlier save with another
 // sharding are removed.
 //
-// Without `tp` the caller is one process with whole parameters. With `tp`, a tensor-parallel
-// model: every rank of that tensor group calls it (collective; one group, e.g. data
-// coordinate 0's), each sharded tensor is gathered (gather_global) and tp's rank 0 writes the
-// same files as a whole model's; it holds one shard's global tensors at a time, the other
-// ranks one tensor. A failure is raised on every rank of the group.
+// The caller is one process with whole parameters (a run on a device copies them to the host).
 void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const json& config_json,
-                     int64_t max_shard_bytes = int64_t(5) << 30, DType dtype = DType::F32,
-                     Communicator* tp = nullptr);
+                     int64_t max_shard_bytes = int64_t(5) << 30, DType dtype = DType::F32);
 
 // The same, for a model whose tensors are spread over ranks: `file` names every tensor of the
-// model with its global shape (not allocated), and every rank of `world` calls this with the
-// same arguments (null `world`: one process). For each tensor, in id order, every rank calls
-// `global(id)`, which returns the global tensor (host F32, the global shape) on the one rank
-// that writes it and an undefined Tensor elsewhere; it may be collective over a group of ranks
-// (a tensor group gathering its pieces). World rank 0 lays out the files and writes their
-// headers; each tensor's writer puts its bytes in place (so the directory must be on a
-// filesystem every writing rank sees, as checkpoints need) and nobody holds more than one
-// tensor (and its 16-bit copy). A failure on any rank is raised on every rank, naming it.
-using GlobalTensorFn = std::function<Tensor(int id)>;
-void save_hf_weights(const std::string& dir, const ParamRegistry& file, const GlobalTensorFn& global,
-                     const json& config_json, int64_t max_shard_bytes, DType dtype, Communicator* world);
+// model with its global shape (not allocated), `pieces` says what this rank holds of them and
+// where in `values` (host F32: its flat buffer), and every rank of `world` calls this with the
+// same file (null `world`: one process). World rank 0 lays out the files and writes their
+// headers; every rank converts the rows of its pieces it is the writing replica of and puts
+// them in place (so the directory must be on a filesystem every rank sees, as checkpoints
+// need). Nobody assembles a tensor: a rank holds its pieces and one piece's converted rows. A
+// failure on any rank is raised on every rank, naming it.
+void save_hf_weights(const std::string& dir, const ParamRegistry& file, const ShardedState& pieces,
+                     const float* values, const json& config_json, int64_t max_shard_bytes, DType dtype,
+                     Communicator* world);
 
 // Hugging Face's torch_dtype names: "float32", "bfloat16", "float16".
 std::string torch_dtype_name(DType dtype);

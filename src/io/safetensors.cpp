@@ -389,6 +389,33 @@ void SafeTensorsLayout::write(size_t i, const Tensor& t) const {
   DS_CHECK(::close(fd) == 0, "closing '{}' failed: {}", tmp, errno_text(errno));
 }
 
+void SafeTensorsLayout::write_runs(size_t i, const std::vector<PieceRun>& runs, const void* data) const {
+  DS_CHECK(i < tensors_.size(), "writing '{}': tensor {} of {}", path_, i, tensors_.size());
+  const SafeTensorInfo& info = tensors_[i];
+  const int64_t es = dtype_size(info.dtype), n = info.shape.numel();
+  for (const PieceRun& r : runs) {
+    DS_CHECK(r.global >= 0 && r.elems >= 0 && r.global + r.elems <= n,
+             "writing '{}': elements [{}, {}) of tensor '{}', which has {}", path_, r.global, r.global + r.elems,
+             info.name, n);
+  }
+  if (runs.empty()) return;
+  const std::string tmp = path_ + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CLOEXEC);
+  DS_CHECK(fd >= 0, "cannot open '{}' to write tensor '{}': {}; the file must be visible to every writing rank (a "
+           "shared filesystem)", tmp, info.name, errno_text(errno));
+  try {
+    for (const PieceRun& r : runs) {
+      write_all_at(fd, tmp, static_cast<const char*>(data) + r.local * es, size_t(r.elems * es),
+                   int64_t(prefix_.size()) + info.begin + r.global * es);
+    }
+    DS_CHECK(::fdatasync(fd) == 0, "syncing '{}' failed: {}; the disk may be full", tmp, errno_text(errno));
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  DS_CHECK(::close(fd) == 0, "closing '{}' failed: {}", tmp, errno_text(errno));
+}
+
 void SafeTensorsLayout::commit() const {
   const std::string tmp = path_ + ".tmp";
   DS_CHECK(::rename(tmp.c_str(), path_.c_str()) == 0, "renaming '{}' to '{}' failed: {}", tmp, path_,

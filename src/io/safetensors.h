@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "io/sharded_state.h"
 
 namespace dstrain {
 
@@ -88,6 +89,9 @@ class SafeTensorsLayout {
   void create() const;
   // Tensor i's data (host, its dtype and element count).
   void write(size_t i, const Tensor& t) const;
+  // Runs of tensor i's elements (io/sharded_state.h): run r's `elems` elements from element
+  // `local` of `data` (host, the tensor's dtype) go to its element `global`.
+  void write_runs(size_t i, const std::vector<PieceRun>& runs, const void* data) const;
   void commit() const;
 
  private:

@@ -11,9 +11,8 @@
 // distributed optimizer shards the same way). A rank's shard is its pieces of every parameter,
 // in id order, end to end: its fp32 master weights, its AdamW moments and (stages 2 and 3) its
 // reduced gradients live there, 1/N of the local model each. The same layout serves every
-// stage. Without other axes the pieces are the row pieces of the global tensors, and a sharded
-// checkpoint is each rank writing its own; with them, checkpoints go through the tensor,
-// pipeline and expert staging one parameter at a time (gather_piece and scatter_piece).
+// stage. A checkpoint describes each rank's rows of its pieces (piece() and shard_offset())
+// and writes and reads them in place (io/sharded_state.h).
 //
 // Stages (the paper's baseline, P_os, P_os+g, P_os+g+p):
 //   0  nothing is sharded: the pieces are the whole local tensors, the registry's fp32 weights

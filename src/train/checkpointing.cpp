@@ -175,7 +175,7 @@ double CheckpointManager::save(const ParamRegistry& reg, const CheckpointBuffers
     return seconds_since(t0);
   }
   // The snapshot is the only part that holds training up.
-  const int64_t n = live.piece_offsets ? live.numel : reg.values().numel();
+  const int64_t n = live.pieces ? live.pieces->numel : reg.values().numel();
   if (snap_values_.numel() != n) {
     snap_values_ = Buffer("checkpoint.snapshot.values", MemCategory::Checkpoint, DType::F32, n);
     snap_m_ = Buffer("checkpoint.snapshot.exp_avg", MemCategory::Checkpoint, DType::F32, n);
@@ -196,9 +196,7 @@ double CheckpointManager::save(const ParamRegistry& reg, const CheckpointBuffers
   snap.values = snap_values_.data<float>();
   snap.exp_avg = live.exp_avg ? snap_m_.data<float>() : nullptr;
   snap.exp_avg_sq = live.exp_avg_sq ? snap_v_.data<float>() : nullptr;
-  snap.piece_offsets = live.piece_offsets;
-  snap.numel = live.numel;
-  snap.partition = live.partition;  // a copy of what it captured: the writer thread may call it
+  snap.pieces = live.pieces;  // shared, immutable: the writer thread reads it
   writer_error_.clear();
   writer_ = std::thread([this, &reg, snap, state] {
     try {

@@ -52,20 +52,14 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
       ShardSpec::tensor_parallel(config_.model, grid_.coord(Axis::Tensor), tp, grid_.coord(Axis::Expert), ep,
                                  layout.sequence_parallel),
       groups, chunks);
-  // Checkpoints of global tensors from the tensor pieces, pipeline stages and expert owners.
-  if (tp_ || pp_ || ep_) sharded_ckpt_ = std::make_unique<ShardedModelCheckpoint>(model_->params(), grid_);
+  // What each rank holds of the global tensors, for checkpoints and the Hugging Face export.
+  sharded_ckpt_ = std::make_unique<ShardedModelCheckpoint>(model_->params(), grid_);
   const ZeroConfig& zc = config_.train.zero;
   const PrecisionConfig& precision = config_.train.precision;
   scaler_ = std::make_unique<LossScaler>(precision.fp16_scaler, precision.fp16);
   // One optimizer for every stage: each rank reduces and (from stage 1) shards its local pieces
   // per parameter group, dense over the data axis, routed experts over the ranks holding the
-  // same experts. Without other axes a ZeRO checkpoint splits every tensor over the world's
-  // ranks as ZeRO splits it over the data-parallel ones, and each rank writes and reads exactly
-  // its own shard; with them, through the staging of the tensor, pipeline and expert pieces
-  // (sharded_ckpt_).
-  DS_CHECK(zc.stage == 0 || sharded_ckpt_ || (grid_.world_size() == dp_.size() && dp_.rank() == grid_.world_rank()),
-           "zero_optimization.stage {} needs every rank on the data-parallel axis ({} of {} are)", zc.stage,
-           dp_.size(), grid_.world_size());
+  // same experts. Checkpoints describe its buffers piece by piece (optimizer_pieces()).
   optimizer_ = std::make_unique<DistributedOptimizer>(zc, config_.train.adamw, model_->params(),
                                                       ParamGroupComms::from_grid(grid_), precision.communication_dtype());
   // The axes, in the order their gradient work runs: the tensor group's partial sums before the

@@ -151,7 +151,9 @@ class Trainer {
   TrainState state();
   // The tensors a checkpoint file holds: the model's registry, or with tensor or pipeline
   // parallelism every stage's global tensors.
-  ParamRegistry& file_registry() { return sharded_ckpt_ ? sharded_ckpt_->file_registry() : model_->params(); }
+  ParamRegistry& file_registry() { return sharded_ckpt_->file_registry(); }
+  // What this rank holds of the checkpoint's tensors in the optimizer's buffers.
+  std::shared_ptr<const ShardedState> optimizer_pieces() const;
   // Why the current state must not become a checkpoint ("" when it may): saving it would
   // rotate away the good ones written before training went wrong. Collective.
   std::string unsafe_to_save();
@@ -168,7 +170,7 @@ class Trainer {
   std::unique_ptr<LossScaler> scaler_;  // fp16's loss scale (1, unchanging, otherwise)
   bool precision_logged_ = false;
   Communicator* tp_ = nullptr;             // the tensor group (null: one rank)
-  std::unique_ptr<ShardedModelCheckpoint> sharded_ckpt_;  // checkpoints of global tensors from the pieces
+  std::unique_ptr<ShardedModelCheckpoint> sharded_ckpt_;  // what each rank holds of the global tensors
   std::unique_ptr<DistributedOptimizer> optimizer_;  // every ZeRO stage, behind the model's hooks
   // The layout's axes (an axis of one rank left out), in the order their gradient work runs.
   std::vector<std::unique_ptr<ParallelAxis>> axes_;

@@ -40,66 +40,22 @@ class HostState {
 };
 
 // The optimizer's state where checkpoints write and read it: the whole local weights and moments
-// (stage 0), or every rank its own rows of every tensor (ZeRO).
+// (stage 0), or its shards (ZeRO).
 HostState optimizer_host_state(DistributedOptimizer& z) {
   return HostState(z.master().tensor(), z.exp_avg().tensor(), z.exp_avg_sq().tensor());
 }
 
-CheckpointBuffers zero_checkpoint_buffers(DistributedOptimizer& z, const HostState& h) {
-  CheckpointBuffers b;
-  b.values = h.values();
-  b.exp_avg = h.exp_avg();
-  b.exp_avg_sq = h.exp_avg_sq();
-  b.piece_offsets = std::make_shared<const std::vector<int64_t>>(z.shard_offsets());
-  b.numel = z.shard_numel();
-  return b;
-}
-
-CheckpointTargets zero_checkpoint_targets(DistributedOptimizer& z, const HostState& h) {
-  CheckpointTargets t;
-  t.values = h.values();
-  t.exp_avg = h.exp_avg();
-  t.exp_avg_sq = h.exp_avg_sq();
-  t.piece_offsets = std::make_shared<const std::vector<int64_t>>(z.shard_offsets());
-  return t;
-}
-
-// The optimizer's sharded state as the checkpoint staging of the tensor, pipeline and expert
-// pieces takes it: one parameter's whole local piece at a time, on the host (a run on a device
-// copies it over), so a checkpoint holds one parameter of transient state, not the local model.
-class OptimizerPieces final : public LocalPieces {
- public:
-  OptimizerPieces(DistributedOptimizer& opt, const ParamRegistry& reg) : opt_(opt), reg_(reg) {}
-  void gather(int id, int k, float* out) override {
-    const Tensor host(out, DType::F32, Shape{reg_.info(id).numel()});
-    if (on_host()) return opt_.gather_piece(id, k, host);
-    const Tensor dev = device_piece(id);
-    opt_.gather_piece(id, k, dev);
-    ops::copy(host, dev);
-  }
-  void scatter(int id, int k, float* piece) override {
-    const Tensor host(piece, DType::F32, Shape{reg_.info(id).numel()});
-    if (on_host()) return opt_.scatter_piece(id, k, host);
-    const Tensor dev = device_piece(id);
-    ops::copy(dev, host);
-    opt_.scatter_piece(id, k, dev);
-  }
-
- private:
-  bool on_host() const { return opt_.master().device().is_cpu(); }
-  Tensor device_piece(int id) {
-    const int64_t n = reg_.info(id).numel();
-    if (device_.numel() < n) {
-      device_ = Buffer("checkpoint.local_piece (device)", MemCategory::Checkpoint, DType::F32, n, opt_.master().device());
-    }
-    return device_.tensor(0, {n});
-  }
-  DistributedOptimizer& opt_;
-  const ParamRegistry& reg_;
-  Buffer device_;
-};
-
 }  // namespace
+
+std::shared_ptr<const ShardedState> Trainer::optimizer_pieces() const {
+  const DistributedOptimizer& o = *optimizer_;
+  ShardedModelCheckpoint::Shard shard;
+  shard.rows = [&o](int id) { return o.piece(id); };
+  shard.at = [&o](int id) { return o.shard_offset(id); };
+  shard.numel = o.stage() == 0 ? model_->params().flat_numel() : o.shard_numel();
+  shard.replicated_over_data = o.stage() == 0;
+  return sharded_ckpt_->describe(shard);
+}
 
 void Trainer::claim_output_dirs() {
   std::string error;
@@ -178,15 +134,10 @@ void Trainer::load_weights(const std::string& init_from, bool checkpoint) {
   if (checkpoint) {
     TrainState st;
     const HostState host(model_->params().values().tensor(), Tensor(), Tensor());
-    if (sharded_ckpt_) {
-      st = read_checkpoint(init_from, ckpt_->io_comm(), file_registry(), sharded_ckpt_->targets(false));
-      sharded_ckpt_->unstage(host.values(), nullptr, nullptr);
-      sharded_ckpt_->release();
-    } else {
-      CheckpointTargets whole;
-      whole.values = host.values();
-      st = read_checkpoint(init_from, ckpt_->io_comm(), model_->params(), whole);
-    }
+    CheckpointTargets into;
+    into.values = host.values();
+    into.pieces = sharded_ckpt_->describe_registry();  // each rank its whole local pieces
+    st = read_checkpoint(init_from, ckpt_->io_comm(), file_registry(), into);
     host.write_back();
     log::info("loaded the model of checkpoint {} (step {}); optimizer state and position start afresh", init_from,
               st.step);
@@ -206,7 +157,7 @@ void Trainer::load_weights(const std::string& init_from, bool checkpoint) {
   }
   // Every rank reads the files itself: they are identical, and this needs no broadcast of
   // the whole model.
-  auto counts = load_hf_weights(init_from, model_->params(), sharded_ckpt_ ? &file_registry() : nullptr, &grid_.world());
+  auto counts = load_hf_weights(init_from, model_->params(), &file_registry(), &grid_.world());
   log::info("loaded {} tensors from {}", counts.loaded, init_from);
 }
 
@@ -255,11 +206,8 @@ TrainState Trainer::state() {
                {"expert", grid_.size(Axis::Expert)},
                {"sequence_parallel", model_->shard().sequence_parallel},
                {"schedule", pp_ ? json(schedule_->name()) : json()},
-               {"partition", sharded_ckpt_
-                                 ? "the ranks of data coordinate 0 (for a routed expert: of its expert rank) wrote, "
-                                   "tensor rank t of the pipeline stage holding a global tensor rows "
-                                   "[R*t/T, R*(t+1)/T) of its dimension 0"
-                                 : "each rank wrote rows [R*r/N, R*(r+1)/N) of dimension 0 of every tensor"}};
+               {"partition", "every rank held blocks of the global tensors (its tensor, pipeline and expert pieces, "
+                             "cut to its ZeRO rows); a block held alike by R ranks was written by them in R row blocks"}};
   return st;
 }
 
@@ -297,26 +245,15 @@ double Trainer::save_checkpoint() {
     return 0;
   }
   save_deferred_ = false;
-  ParamRegistry& reg = model_->params();
+  // Every rank writes the rows of its pieces it is the writing replica of, from the optimizer's
+  // buffers as they are (on a device: a host copy).
+  const HostState host = optimizer_host_state(*optimizer_);
   CheckpointBuffers live;
-  std::optional<HostState> host;  // what `live` points into, until the save has it
-  const bool sharded = optimizer_->stage() >= 1;
-  if (sharded && sharded_ckpt_) {
-    // ZeRO under tensor, pipeline or expert splits: each parameter's local piece gathered from
-    // the data-parallel replicas in turn and staged as without ZeRO.
-    OptimizerPieces pieces(*optimizer_, reg);
-    live = sharded_ckpt_->stage(pieces, /*with_moments=*/true);
-  } else {
-    host.emplace(optimizer_host_state(*optimizer_));
-    live.values = host->values();
-    live.exp_avg = host->exp_avg();
-    live.exp_avg_sq = host->exp_avg_sq();
-    if (sharded) live = zero_checkpoint_buffers(*optimizer_, *host);
-    // Tensor parallelism: the global tensors' row blocks, staged by the data-0 tensor group.
-    if (sharded_ckpt_) live = sharded_ckpt_->stage(live.values, live.exp_avg, live.exp_avg_sq);
-  }
+  live.values = host.values();
+  live.exp_avg = host.exp_avg();
+  live.exp_avg_sq = host.exp_avg_sq();
+  live.pieces = optimizer_pieces();
   const double stall = ckpt_->save(file_registry(), live, state());
-  if (sharded_ckpt_) sharded_ckpt_->release();  // written, or copied by the asynchronous writer
   last_saved_step_ = step_;
   last_save_time_ = clock();
   return stall;
@@ -378,43 +315,16 @@ bool Trainer::resume(const std::string& spec) {
     throw_if_root_failed(grid_.world(),
                          grid_.world_rank() == 0 ? model_mismatch(path, file_registry(), config_.model) : "");
     try {
-      if (sharded && sharded_ckpt_) {
-        // ZeRO under tensor, pipeline or expert splits: each parameter's local piece from the
-        // staging, scattered over its data-parallel replicas in turn; then the tied copy's from
-        // its owner.
-        OptimizerPieces pieces(*optimizer_, reg);
-        st = read_checkpoint(path, ckpt_->io_comm(), file_registry(), sharded_ckpt_->targets(true));
-        sharded_ckpt_->unstage(pieces, /*with_moments=*/true);
-        sharded_ckpt_->release();
-        if (runner_ && runner_->has_tie()) {
-          const int id = runner_->tied_param();
-          const ParamInfo& p = reg.info(id);
-          Buffer tied[3];
-          for (int k = 0; k < 3; ++k) {
-            tied[k] = Buffer("checkpoint.tied_piece", MemCategory::Checkpoint, DType::F32, p.numel(),
-                             optimizer_->master().device());
-            optimizer_->gather_piece(id, k, tied[k].tensor());
-          }
-          runner_->copy_tied({tied[0].tensor(0, p.shape), tied[1].tensor(0, p.shape), tied[2].tensor(0, p.shape)});
-          for (int k = 0; k < 3; ++k) optimizer_->scatter_piece(id, k, tied[k].tensor());
-        }
-      } else {
-        const HostState host = optimizer_host_state(*optimizer_);
-        if (sharded) {
-          st = read_checkpoint(path, ckpt_->io_comm(), reg, zero_checkpoint_targets(*optimizer_, host));
-        } else if (sharded_ckpt_) {
-          st = read_checkpoint(path, ckpt_->io_comm(), file_registry(), sharded_ckpt_->targets(true));
-          sharded_ckpt_->unstage(host.values(), host.exp_avg(), host.exp_avg_sq());
-          sharded_ckpt_->release();
-        } else {
-          CheckpointTargets whole;
-          whole.values = host.values();
-          whole.exp_avg = host.exp_avg();
-          whole.exp_avg_sq = host.exp_avg_sq();
-          st = read_checkpoint(path, ckpt_->io_comm(), reg, whole);
-        }
-        host.write_back();
-      }
+      // Each rank reads its pieces of the file's global tensors straight into the optimizer's
+      // buffers, whatever layout wrote them.
+      const HostState host = optimizer_host_state(*optimizer_);
+      CheckpointTargets into;
+      into.values = host.values();
+      into.exp_avg = host.exp_avg();
+      into.exp_avg_sq = host.exp_avg_sq();
+      into.pieces = optimizer_pieces();
+      st = read_checkpoint(path, ckpt_->io_comm(), file_registry(), into);
+      host.write_back();
     } catch (const Error& e) {
       if (spec != "auto") throw;
       if (grid_.world_rank() == 0) log::warn("skipping invalid checkpoint: {}", e.what());
@@ -428,11 +338,24 @@ bool Trainer::resume(const std::string& spec) {
     } else {
       check_finite_weights(reg, "checkpoint '" + path + "'");
     }
-    if (runner_ && runner_->has_tie() && !sharded) {
+    // A stage's copy of the tied embedding is not in the file: it takes its owner's weights and
+    // moments (with ZeRO, its local piece gathered from the shards and scattered back).
+    if (runner_ && runner_->has_tie()) {
       const int id = runner_->tied_param();
       const ParamInfo& p = reg.info(id);
-      runner_->copy_tied({reg.param(id), optimizer_->exp_avg().tensor(p.offset, p.shape),
-                          optimizer_->exp_avg_sq().tensor(p.offset, p.shape)});
+      if (sharded) {
+        Buffer tied[3];
+        for (int k = 0; k < 3; ++k) {
+          tied[k] = Buffer("checkpoint.tied_piece", MemCategory::Checkpoint, DType::F32, p.numel(),
+                           optimizer_->master().device());
+          optimizer_->gather_piece(id, k, tied[k].tensor());
+        }
+        runner_->copy_tied({tied[0].tensor(0, p.shape), tied[1].tensor(0, p.shape), tied[2].tensor(0, p.shape)});
+        for (int k = 0; k < 3; ++k) optimizer_->scatter_piece(id, k, tied[k].tensor());
+      } else {
+        runner_->copy_tied({reg.param(id), optimizer_->exp_avg().tensor(p.offset, p.shape),
+                            optimizer_->exp_avg_sq().tensor(p.offset, p.shape)});
+      }
     }
     restore_precision_state(st, path);
     step_ = st.step;
@@ -501,29 +424,11 @@ void Trainer::restore_precision_state(const TrainState& st, const std::string& p
 void Trainer::save_hf(const std::string& dir) {
   const DType dtype = dtype_from_torch_name(config_.output.save_hf_dtype);
   optimizer_->gather_all();  // stage 3: whole weights for the export, handed back after it
-  // Every global tensor is written by one rank, into files laid out beforehand: under tensor,
-  // pipeline or expert splits the ranks that write it to checkpoints gather it over their
-  // tensor group and their tensor rank 0 writes it; otherwise (replicas) world rank 0 writes
-  // them all. Nobody holds more than one global tensor.
-  ParamRegistry& file = file_registry();
-  const int tp_rank = tp_ ? tp_->rank() : 0;
-  Buffer global;
-  const GlobalTensorFn fetch = [&](int id) -> Tensor {
-    const int local = sharded_ckpt_ ? sharded_ckpt_->local_id(id) : id;
-    const bool writes = sharded_ckpt_ ? sharded_ckpt_->writes(id) : grid_.world_rank() == 0;
-    if (!writes) return Tensor();
-    const ParamInfo& p = model_->params().info(local);
-    if (global.numel() < p.global_shape.numel()) {
-      global = Buffer("save_hf.global", MemCategory::Checkpoint, DType::F32, p.global_shape.numel());
-    }
-    const Tensor g = global.tensor(0, p.global_shape);
-    // Over the host (a run on a device sends a host copy).
-    const ops::HostView piece(model_->params().param(local));
-    gather_global(p, piece.get(), tp_, g);
-    return tp_rank == 0 ? g : Tensor();
-  };
-  save_hf_weights(dir, file, fetch, config_.model.to_hf_json(), config_.output.save_hf_shard_bytes, dtype,
-                  &grid_.world());
+  // Every rank writes its rows of its whole local pieces (the replicas of a block share it),
+  // into files laid out beforehand: nobody assembles a tensor.
+  const ops::HostView host(model_->params().values().tensor());
+  save_hf_weights(dir, file_registry(), *sharded_ckpt_->describe_registry(), host.get().data<float>(),
+                  config_.model.to_hf_json(), config_.output.save_hf_shard_bytes, dtype, &grid_.world());
   grid_.world().barrier();
   optimizer_->release_unused();
   log::info("saved Hugging Face weights ({}) to {}", config_.output.save_hf_dtype, dir);

@@ -3,9 +3,11 @@
 // tensors gather from the pieces (whole, dim-0 and dim-1 shards, key/value pieces replicated
 // over more tensor ranks than there are heads); a checkpoint written at one tensor-parallel
 // size reads back at every other (and through the plain whole-model path) with every piece and
-// moment in place, and its file holds global tensors that pass their checksums; async saves
-// carry the partition; save_hf_weights of a tensor-parallel registry writes the same files as
-// the whole registry's, and load_hf_weights fills each rank's pieces.
+// moment in place, with the state replicated over the data ranks or sharded over them by rows
+// (ZeRO), and its file holds global tensors whose checksums are those of the whole tensors;
+// async saves carry the description; a description that does not write every element once is
+// refused; save_hf_weights from the pieces writes the same files as the whole registry's, and
+// load_hf_weights fills each rank's pieces.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -160,13 +162,24 @@ std::vector<int> sizes() {
   return out;
 }
 
-// Whole buffers of the plain path.
-CheckpointBuffers whole_buffers(const float* values, const float* exp_avg = nullptr, const float* exp_avg_sq = nullptr) {
+// Buffers and targets: whole tensors in the registry's layout (null pieces), or the pieces a
+// description gives.
+CheckpointBuffers buffers(const float* values, const float* exp_avg = nullptr, const float* exp_avg_sq = nullptr,
+                          std::shared_ptr<const ShardedState> pieces = nullptr) {
   CheckpointBuffers b;
   b.values = values;
   b.exp_avg = exp_avg;
   b.exp_avg_sq = exp_avg_sq;
+  b.pieces = std::move(pieces);
   return b;
+}
+CheckpointTargets targets(float* values, float* exp_avg, float* exp_avg_sq, std::shared_ptr<const ShardedState> pieces) {
+  CheckpointTargets t;
+  t.values = values;
+  t.exp_avg = exp_avg;
+  t.exp_avg_sq = exp_avg_sq;
+  t.pieces = std::move(pieces);
+  return t;
 }
 
 TrainState state_at(int64_t step) {
@@ -258,46 +271,121 @@ TEST(TensorParallelState, WrongPlacementsAreRefused) {
 
 // ---- checkpoints -----------------------------------------------------------------------
 
-// Written at tensor-parallel size a, read at b, for every pair of sizes the world allows:
-// every rank's pieces and moments come back exactly, and the file holds the global tensors.
-TEST(ShardedModelCheckpoint, RestartsAtEveryTensorParallelSize) {
+// ZeRO's layout of a Layout's state: each data rank holds rows row_piece(local shape, d, dp) of
+// every local piece, end to end in a shard buffer (what DistributedOptimizer does).
+struct ZeroShard {
+  std::vector<int64_t> at;
+  std::vector<RowPiece> rows;
+  int64_t numel = 0;
+  std::vector<float> values, m, v;
+  ZeroShard(const ParamRegistry& reg, int d, int dp) {
+    for (const ParamInfo& p : reg.all()) {
+      rows.push_back(row_piece(p.shape, d, dp));
+      at.push_back(numel);
+      numel += rows.back().elems();
+    }
+    values.assign(size_t(std::max<int64_t>(numel, 1)), 0.0f);
+    m = values;
+    v = values;
+  }
+  ShardedModelCheckpoint::Shard shard() const {
+    ShardedModelCheckpoint::Shard s;
+    s.rows = [this](int id) { return rows[size_t(id)]; };
+    s.at = [this](int id) { return at[size_t(id)]; };
+    s.numel = numel;
+    s.replicated_over_data = false;
+    return s;
+  }
+  // Between the registry's layout (whole local pieces) and the shard.
+  void copy(const ParamRegistry& reg, float* flat[3], bool into_shard) {
+    float* mine[3] = {values.data(), m.data(), v.data()};
+    for (int id = 0; id < reg.size(); ++id) {
+      const ParamInfo& p = reg.info(id);
+      const RowPiece& r = rows[size_t(id)];
+      for (int g = 0; g < 3; ++g) {
+        float* a = flat[g] + p.offset + r.elem_begin();
+        float* b = mine[g] + at[size_t(id)];
+        std::memcpy(into_shard ? b : a, into_shard ? a : b, size_t(r.elems()) * sizeof(float));
+      }
+    }
+  }
+};
+
+// Written at tensor-parallel size a, read at b, for every pair of sizes the world allows, and
+// with the state replicated over the data ranks or sharded over them by rows (ZeRO) on either
+// side: every rank's pieces and moments come back exactly, and the file holds the global tensors.
+TEST(ShardedModelCheckpoint, RestartsAtEveryTensorParallelSizeAndSharding) {
   TempDir dir;
   const std::unique_ptr<ParamRegistry> whole = make_registry(0, 1);
   for (int a : sizes()) {
-    const std::string path = dir.path("tp" + std::to_string(a) + ".h5");
-    {
-      Layout w(a);
-      w.fill_state();
-      ShardedModelCheckpoint tpc(*w.reg, *w.grid);
-      EXPECT_EQ(tpc.io_rank(), w.data0());
-      write_checkpoint(path, w.grid->mpi_world(), *w.reg, tpc.stage(w.values(), w.m.data(), w.v.data()), state_at(3));
+    for (bool zero_a : {false, true}) {
+      const std::string path = dir.path("tp" + std::to_string(a) + (zero_a ? "_zero" : "") + ".h5");
+      {
+        Layout w(a);
+        w.fill_state();
+        ShardedModelCheckpoint smc(*w.reg, *w.grid);
+        EXPECT_EQ(smc.file_registry().size(), whole->size());
+        if (zero_a) {
+          ZeroShard z(*w.reg, w.grid->coord(Axis::Data), w.grid->size(Axis::Data));
+          float* flat[3] = {w.values(), w.m.data(), w.v.data()};
+          z.copy(*w.reg, flat, true);
+          write_checkpoint(path, w.grid->mpi_world(), smc.file_registry(),
+                           buffers(z.values.data(), z.m.data(), z.v.data(), smc.describe(z.shard())), state_at(3));
+        } else {
+          write_checkpoint(path, w.grid->mpi_world(), smc.file_registry(),
+                           buffers(w.values(), w.m.data(), w.v.data(), smc.describe_registry()), state_at(3));
+        }
+      }
+      expect_global_file(path, *whole, true);
+      for (int b : sizes()) {
+        for (bool zero_b : {false, true}) {
+          SCOPED_TRACE(fmt::format("written at tensor {}{}, read at tensor {}{}", a, zero_a ? " (ZeRO)" : "", b,
+                                   zero_b ? " (ZeRO)" : ""));
+          Layout r(b);
+          r.poison();  // every value must come from the file
+          ShardedModelCheckpoint smc(*r.reg, *r.grid);
+          if (zero_b) {
+            ZeroShard z(*r.reg, r.grid->coord(Axis::Data), r.grid->size(Axis::Data));
+            const float nan = std::numeric_limits<float>::quiet_NaN();
+            std::fill(z.values.begin(), z.values.end(), nan);
+            const TrainState st = read_checkpoint(path, r.grid->mpi_world(), smc.file_registry(),
+                                                  targets(z.values.data(), z.m.data(), z.v.data(), smc.describe(z.shard())));
+            EXPECT_EQ(st.step, 3);
+            // Each rank's rows of its pieces; the rest of the registry stays NaN.
+            std::vector<float> got(size_t(r.reg->flat_numel()), 0.0f);
+            for (int id = 0; id < r.reg->size(); ++id) {
+              const ParamInfo& p = r.reg->info(id);
+              for (int64_t i = 0; i < z.rows[size_t(id)].elems(); ++i) {
+                const int64_t local = z.rows[size_t(id)].elem_begin() + i;
+                const float want = expected(p.name, global_index(p, local), 0);
+                ASSERT_EQ(z.values[size_t(z.at[size_t(id)] + i)], want) << p.name << " local " << local;
+                ASSERT_EQ(z.v[size_t(z.at[size_t(id)] + i)], expected(p.name, global_index(p, local), 2)) << p.name;
+              }
+            }
+          } else {
+            const TrainState st = read_checkpoint(path, r.grid->mpi_world(), smc.file_registry(),
+                                                  targets(r.values(), r.m.data(), r.v.data(), smc.describe_registry()));
+            EXPECT_EQ(st.step, 3);
+            EXPECT_EQ(check(*r.reg, r.values(), 0, "weights"), 0);
+            EXPECT_EQ(check(*r.reg, r.m.data(), 1, "exp_avg"), 0);
+            EXPECT_EQ(check(*r.reg, r.v.data(), 2, "exp_avg_sq"), 0);
+          }
+        }
+      }
+      // The plain path reads it as a whole model on every rank.
+      std::vector<float> wm(size_t(whole->flat_numel())), wv(wm.size());
+      std::fill(whole->values().data<float>(), whole->values().data<float>() + whole->flat_numel(), -1.0f);
+      read_checkpoint(path, MPI_COMM_WORLD, *whole, wm.data(), wv.data());
+      EXPECT_EQ(check(*whole, whole->values().data<float>(), 0, "whole weights"), 0);
+      EXPECT_EQ(check(*whole, wm.data(), 1, "whole exp_avg"), 0);
+      EXPECT_EQ(check(*whole, wv.data(), 2, "whole exp_avg_sq"), 0);
     }
-    expect_global_file(path, *whole, true);
-    for (int b : sizes()) {
-      SCOPED_TRACE("written at tensor " + std::to_string(a) + ", read at tensor " + std::to_string(b));
-      Layout r(b);
-      r.poison();  // every value must come from the file: the replicas' by the broadcast
-      ShardedModelCheckpoint tpc(*r.reg, *r.grid);
-      const TrainState st = read_checkpoint(path, r.grid->mpi_world(), *r.reg, tpc.targets(true));
-      EXPECT_EQ(st.step, 3);
-      tpc.unstage(r.values(), r.m.data(), r.v.data());
-      EXPECT_EQ(check(*r.reg, r.values(), 0, "weights"), 0);
-      EXPECT_EQ(check(*r.reg, r.m.data(), 1, "exp_avg"), 0);
-      EXPECT_EQ(check(*r.reg, r.v.data(), 2, "exp_avg_sq"), 0);
-    }
-    // The plain path reads it as a whole model on every rank.
-    std::vector<float> wm(size_t(whole->flat_numel())), wv(wm.size());
-    std::fill(whole->values().data<float>(), whole->values().data<float>() + whole->flat_numel(), -1.0f);
-    read_checkpoint(path, MPI_COMM_WORLD, *whole, wm.data(), wv.data());
-    EXPECT_EQ(check(*whole, whole->values().data<float>(), 0, "whole weights"), 0);
-    EXPECT_EQ(check(*whole, wm.data(), 1, "whole exp_avg"), 0);
-    EXPECT_EQ(check(*whole, wv.data(), 2, "whole exp_avg_sq"), 0);
   }
 }
 
-// A file of the plain whole-model path resumes tensor-parallel, and staging at tensor 1 writes
-// the same tensors as the plain path (the same checksums).
-TEST(ShardedModelCheckpoint, MatchesThePlainPath) {
+// The checksum of a tensor written in pieces (dim-1 pieces: one run per row, from every tensor
+// rank in turn) is the checksum of the tensor written whole by one process.
+TEST(ShardedModelCheckpoint, PiecesGiveTheWholeTensorsChecksums) {
   TempDir dir;
   const std::unique_ptr<ParamRegistry> whole = make_registry(0, 1);
   std::vector<float> wm(size_t(whole->flat_numel())), wv(wm.size());
@@ -305,25 +393,18 @@ TEST(ShardedModelCheckpoint, MatchesThePlainPath) {
   fill(*whole, wm.data(), 1);
   fill(*whole, wv.data(), 2);
   const std::string plain = dir.path("plain.h5");
-  write_checkpoint(plain, MPI_COMM_WORLD, *whole, whole_buffers(whole->values().data<float>(), wm.data(), wv.data()),
-                   state_at(2));
-  const int tp = world_size();
-  Layout r(tp);
-  r.poison();
-  ShardedModelCheckpoint tpc(*r.reg, *r.grid);
-  read_checkpoint(plain, r.grid->mpi_world(), *r.reg, tpc.targets(true));
-  tpc.unstage(r.values(), r.m.data(), r.v.data());
-  EXPECT_EQ(check(*r.reg, r.values(), 0, "weights"), 0);
-  EXPECT_EQ(check(*r.reg, r.m.data(), 1, "exp_avg"), 0);
-
-  Layout one(1);  // tensor 1 x data world
-  one.fill_state();
-  ShardedModelCheckpoint staged(*one.reg, *one.grid);
-  const std::string via_staging = dir.path("staged.h5");
-  write_checkpoint(via_staging, one.grid->mpi_world(), *one.reg, staged.stage(one.values(), one.m.data(), one.v.data()),
-                   state_at(2));
   if (world_rank() == 0) {
-    const CheckpointInfo a = inspect_checkpoint(plain), b = inspect_checkpoint(via_staging);
+    write_checkpoint(plain, MPI_COMM_SELF, *whole, buffers(whole->values().data<float>(), wm.data(), wv.data()),
+                     state_at(2));
+  }
+  Layout w(world_size());
+  w.fill_state();
+  ShardedModelCheckpoint smc(*w.reg, *w.grid);
+  const std::string pieces = dir.path("pieces.h5");
+  write_checkpoint(pieces, w.grid->mpi_world(), smc.file_registry(),
+                   buffers(w.values(), w.m.data(), w.v.data(), smc.describe_registry()), state_at(2));
+  if (world_rank() == 0) {
+    const CheckpointInfo a = inspect_checkpoint(plain), b = inspect_checkpoint(pieces);
     ASSERT_EQ(a.tensors.size(), b.tensors.size());
     for (size_t i = 0; i < a.tensors.size(); ++i) {
       EXPECT_EQ(a.tensors[i].name, b.tensors[i].name);
@@ -331,11 +412,19 @@ TEST(ShardedModelCheckpoint, MatchesThePlainPath) {
       EXPECT_TRUE(b.tensors[i].ok());
     }
   }
+  // A file of the plain path resumes tensor-parallel.
+  Layout r(world_size());
+  r.poison();
+  ShardedModelCheckpoint rs(*r.reg, *r.grid);
+  MPI_Barrier(MPI_COMM_WORLD);
+  read_checkpoint(plain, r.grid->mpi_world(), rs.file_registry(),
+                  targets(r.values(), r.m.data(), r.v.data(), rs.describe_registry()));
+  EXPECT_EQ(check(*r.reg, r.values(), 0, "weights"), 0);
+  EXPECT_EQ(check(*r.reg, r.m.data(), 1, "exp_avg"), 0);
 }
 
 // The model alone (no moments), written through CheckpointManager's async snapshot: the
-// partition travels with the snapshot, and the staging can change while the writer runs. With
-// data-parallel replicas (tensor world/2), the partition differs from RowPiece over all ranks.
+// description travels with the snapshot, and the buffers can change while the writer runs.
 TEST(ShardedModelCheckpoint, AsyncSaveOfTheModelAlone) {
   TempDir dir;
   const int tp = std::max(1, world_size() / 2);
@@ -345,33 +434,33 @@ TEST(ShardedModelCheckpoint, AsyncSaveOfTheModelAlone) {
   cc.dir = dir.path("ckpts");
   cc.async = true;
   CheckpointManager mgr(cc, *w.grid);
-  ShardedModelCheckpoint tpc(*w.reg, *w.grid);
-  const CheckpointBuffers staged = tpc.stage(w.values(), nullptr, nullptr);
+  ShardedModelCheckpoint smc(*w.reg, *w.grid);
+  const CheckpointBuffers live = buffers(w.values(), nullptr, nullptr, smc.describe_registry());
   // Sized by the global tensors, not by this rank's pieces.
-  CheckpointBuffers whole_pieces;
-  whole_pieces.piece_offsets = staged.piece_offsets;
-  EXPECT_EQ(mgr.size_on_disk(*w.reg, staged, state_at(4)),
-            checkpoint_size_bound(*make_registry(0, 1), whole_pieces, state_at(4)));
-  mgr.save(*w.reg, staged, state_at(4));
-  std::fill(w.values(), w.values() + w.reg->flat_numel(), -7.0f);
-  tpc.stage(w.values(), nullptr, nullptr);  // overwrites the staging under the writer
+  EXPECT_EQ(mgr.size_on_disk(smc.file_registry(), live, state_at(4)),
+            checkpoint_size_bound(*make_registry(0, 1), buffers(nullptr), state_at(4)));
+  mgr.save(smc.file_registry(), live, state_at(4));
+  std::fill(w.values(), w.values() + w.reg->flat_numel(), -7.0f);  // under the writer
   mgr.wait();
   const std::string path = mgr.path_for(4);
   expect_global_file(path, *make_registry(0, 1), false);
   for (int b : sizes()) {
     Layout r(b);
     r.poison();
-    ShardedModelCheckpoint rt(*r.reg, *r.grid);
-    read_checkpoint(path, r.grid->mpi_world(), *r.reg, rt.targets(false));
-    rt.unstage(r.values(), nullptr, nullptr);
+    ShardedModelCheckpoint rs(*r.reg, *r.grid);
+    read_checkpoint(path, r.grid->mpi_world(), rs.file_registry(), targets(r.values(), nullptr, nullptr, rs.describe_registry()));
     EXPECT_EQ(check(*r.reg, r.values(), 0, "weights"), 0) << "read at tensor " << b;
-    // The file has no moments to unstage.
-    EXPECT_THROW(rt.unstage(r.values(), r.m.data(), r.v.data()), Error);
+    // The file has no moments.
+    EXPECT_THROW(read_checkpoint(path, r.grid->mpi_world(), rs.file_registry(),
+                                 targets(r.values(), r.m.data(), r.v.data(), rs.describe_registry())),
+                 Error);
   }
 }
 
-// Pieces are never mistaken for whole tensors, and a partition must tile the rows.
-TEST(ShardedModelCheckpoint, PiecesOutsideStagingAreRefused) {
+// Pieces are never mistaken for whole tensors, and a description must write every element of
+// every tensor exactly once: one that leaves some out or has two ranks write them fails alike
+// on every rank, naming the tensor, before anything is written.
+TEST(ShardedModelCheckpoint, DescriptionsThatDoNotTileAreRefused) {
   TempDir dir;
   ParamRegistry reg;
   ParamOptions o;
@@ -383,36 +472,97 @@ TEST(ShardedModelCheckpoint, PiecesOutsideStagingAreRefused) {
   reg.add("w", {2, 4}, ParamKind::Linear, 0, o);
   reg.allocate(Device::cpu());
   try {
-    write_checkpoint(dir.path("refused.h5"), MPI_COMM_WORLD, reg, whole_buffers(reg.values().data<float>()),
-                     state_at(1));
+    write_checkpoint(dir.path("refused.h5"), MPI_COMM_WORLD, reg, buffers(reg.values().data<float>()), state_at(1));
     ADD_FAILURE() << "a piece was written as a whole tensor";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("is not held whole on this rank"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("is held as a piece"), std::string::npos) << e.what();
   }
 
   const std::unique_ptr<ParamRegistry> whole = make_registry(0, 1);
-  CheckpointBuffers bad = whole_buffers(whole->values().data<float>());
-  bad.piece_offsets = std::make_shared<const std::vector<int64_t>>(size_t(whole->size()), 0);
-  bad.numel = whole->flat_numel();
-  bad.partition = [&](int id, int rank) {  // rank 0 starts at row 1
-    RowPiece p = row_piece(whole->info(id).global_shape, rank, world_size());
-    if (rank == 0) p.row_begin += 1, p.rows -= 1;
-    return p;
-  };
+  fill(*whole, whole->values().data<float>(), 0);
+  const int n = world_size(), me = world_rank();
+  // Every rank its row block, but rank 0's starts one row late: row 0 of every tensor is lost.
+  auto gap = std::make_shared<ShardedState>(ShardedState::whole(*whole, me, n));
+  for (TensorPiece& t : gap->pieces) {
+    const RowPiece r = t.written();
+    t.offset[0] = r.row_begin;
+    t.shape[0] = r.rows;
+    t.at += r.elem_begin();
+    t.replica = 0;
+    t.replicas = 1;
+    if (me == 0 && t.shape[0] > 0) t.offset[0] += 1, t.shape[0] -= 1, t.at += r.row_elems;
+  }
   try {
-    write_checkpoint(dir.path("bad.h5"), MPI_COMM_WORLD, *whole, bad, state_at(1));
-    ADD_FAILURE() << "a partition that leaves row 0 out was accepted";
+    write_checkpoint(dir.path("gap.h5"), MPI_COMM_WORLD, *whole,
+                     buffers(whole->values().data<float>(), nullptr, nullptr, gap), state_at(1));
+    ADD_FAILURE() << "a description that leaves row 0 out was accepted";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("the partition"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("no rank holds elements [0, "), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("/model/"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(dir.path("gap.h5")));
+  if (n > 1) {
+    // Whole tensors on every rank, each claiming to be their only writer.
+    auto twice = std::make_shared<ShardedState>(ShardedState::whole(*whole, 0, 1));
+    try {
+      write_checkpoint(dir.path("twice.h5"), MPI_COMM_WORLD, *whole,
+                       buffers(whole->values().data<float>(), nullptr, nullptr, twice), state_at(1));
+      ADD_FAILURE() << "a description where every rank writes every element was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("two ranks write element 0 of"), std::string::npos) << e.what();
+    }
+  }
+  // A piece outside its tensor.
+  auto outside = std::make_shared<ShardedState>(ShardedState::whole(*whole, me, n));
+  if (me == n - 1) outside->pieces[0].offset[1] = 1;
+  try {
+    write_checkpoint(dir.path("outside.h5"), MPI_COMM_WORLD, *whole,
+                     buffers(whole->values().data<float>(), nullptr, nullptr, outside), state_at(1));
+    ADD_FAILURE() << "a piece outside its tensor was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("lies outside its global shape"), std::string::npos) << e.what();
   }
   // Reading into whole buffers refuses pieces too.
   const std::string good = dir.path("good.h5");
-  fill(*whole, whole->values().data<float>(), 0);
-  write_checkpoint(good, MPI_COMM_WORLD, *whole, whole_buffers(whole->values().data<float>()), state_at(1));
+  write_checkpoint(good, MPI_COMM_WORLD, *whole, buffers(whole->values().data<float>()), state_at(1));
   Layout r(world_size());
   if (world_size() > 1) {
     EXPECT_THROW(read_checkpoint(good, MPI_COMM_WORLD, *r.reg, nullptr, nullptr), Error);
   }
+}
+
+// piece_runs: a block split along dimension 1 is one run per row; rows cut from it keep their
+// places; a block of whole rows is one run.
+TEST(ShardedState, RunsOfABlock) {
+  TensorPiece t;
+  t.offset = {2, 3};
+  t.shape = Shape{3, 2};
+  const Shape g{6, 8};
+  const std::vector<PieceRun> all = piece_runs(t, g, row_piece(t.shape, 0, 1));
+  ASSERT_EQ(all.size(), 3u);
+  for (int64_t r = 0; r < 3; ++r) {
+    EXPECT_EQ(all[size_t(r)].global, (2 + r) * 8 + 3);
+    EXPECT_EQ(all[size_t(r)].local, r * 2);
+    EXPECT_EQ(all[size_t(r)].elems, 2);
+  }
+  const std::vector<PieceRun> last = piece_runs(t, g, row_piece(t.shape, 1, 2));  // rows [1, 3)
+  ASSERT_EQ(last.size(), 2u);
+  EXPECT_EQ(last[0].global, 3 * 8 + 3);
+  EXPECT_EQ(last[0].local, 2);
+  t.offset = {2, 0};
+  t.shape = Shape{3, 8};
+  const std::vector<PieceRun> rows = piece_runs(t, g, row_piece(t.shape, 1, 2));
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_EQ(rows[0].global, 3 * 8);
+  EXPECT_EQ(rows[0].local, 8);
+  EXPECT_EQ(rows[0].elems, 16);
+  // Three dimensions, split along the last: one run per (i, j).
+  t.offset = {0, 1, 2};
+  t.shape = Shape{2, 2, 3};
+  const std::vector<PieceRun> cube = piece_runs(t, Shape{2, 4, 5}, row_piece(t.shape, 0, 1));
+  ASSERT_EQ(cube.size(), 4u);
+  EXPECT_EQ(cube[3].global, 1 * 20 + 2 * 5 + 2);
+  EXPECT_EQ(cube[3].local, 9);
 }
 
 // ---- Hugging Face weights --------------------------------------------------------------
@@ -466,8 +616,10 @@ TEST(TensorParallelHF, ExportEqualsTheWholeModelsAndImportFillsThePieces) {
       Layout lay(tp);
       lay.fill_state();
       const std::string out = dir.path("tp" + std::to_string(tp) + "_" + suffix);
-      // The data-0 tensor group exports; the replicas take no part.
-      if (lay.data0()) save_hf_weights(out, *lay.reg, config, shard, dtype, &lay.grid->comm(Axis::Tensor));
+      // Every rank writes its rows of its pieces; nobody assembles a tensor.
+      ShardedModelCheckpoint smc(*lay.reg, *lay.grid);
+      save_hf_weights(out, smc.file_registry(), *smc.describe_registry(), lay.values(), config, shard, dtype,
+                      &lay.grid->world());
       MPI_Barrier(MPI_COMM_WORLD);
       expect_same_hf(ref, out);
     }
