@@ -6,6 +6,7 @@
 #include <omp.h>
 #include <zlib.h>
 
+#include <array>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -239,17 +240,30 @@ std::vector<uint32_t> combine_runs(MPI_Comm comm, const std::vector<RunCrc>& min
   return crcs;
 }
 
-// This rank's runs of rows `rows_of(piece)` of each piece, for the tensors of group g: the
-// byte ranges to hash (from buffer `base`) and what they are.
-void add_runs(const ParamRegistry& reg, const ShardedState& pieces, int g, const float* base,
-              const std::function<RowPiece(const TensorPiece&)>& rows_of,
-              std::vector<std::pair<const void*, size_t>>& ranges, std::vector<RunCrc>& runs) {
-  for (const TensorPiece& t : pieces.pieces) {
-    for (const PieceRun& r : piece_runs(t, reg.info(t.tensor).global_shape, rows_of(t))) {
-      ranges.emplace_back(base + t.at + r.local, size_t(r.elems) * sizeof(float));
-      runs.push_back({uint64_t(g) * uint64_t(reg.size()) + uint64_t(t.tensor), uint64_t(r.global), uint64_t(r.elems), 0});
+// The CRC-32 of every tensor of the groups that have a buffer (index group * tensors + id; 0 for
+// the others) from the rows each rank writes of its pieces, which together cover every tensor
+// once. Collective over comm.
+std::vector<uint32_t> tensor_crcs(MPI_Comm comm, const ParamRegistry& reg, const ShardedState& pieces,
+                                  const std::array<const float*, 3>& buffers, int threads) {
+  std::vector<std::pair<const void*, size_t>> ranges;
+  std::vector<RunCrc> runs;
+  std::vector<int64_t> numel;
+  for (int g = 0; g < 3; ++g) {
+    for (const ParamInfo& p : reg.all()) numel.push_back(buffers[size_t(g)] ? p.global_shape.numel() : 0);
+    if (!buffers[size_t(g)]) continue;
+    for (const TensorPiece& t : pieces.pieces) {
+      for (const PieceRun& r : piece_runs(t, reg.info(t.tensor).global_shape, t.written())) {
+        ranges.emplace_back(buffers[size_t(g)] + t.at + r.local, size_t(r.elems) * sizeof(float));
+        runs.push_back({uint64_t(g) * uint64_t(reg.size()) + uint64_t(t.tensor), uint64_t(r.global), uint64_t(r.elems), 0});
+      }
     }
   }
+  const std::vector<uint32_t> run_crcs = crc32_many(ranges, threads);
+  for (size_t i = 0; i < runs.size(); ++i) runs[i].crc = run_crcs[i];
+  return combine_runs(comm, runs, numel, [&](size_t t) {
+    const ParamInfo& p = reg.info(int(t % size_t(reg.size())));
+    return fmt::format("/{}/{} {}", kGroups[t / size_t(reg.size())], p.name, p.global_shape.str());
+  });
 }
 
 // ---- Metadata checksums ----------------------------------------------------------------
@@ -525,23 +539,8 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
   const std::vector<int> piece_of = checked_pieces(comm, reg, *pieces);
   // Checksums first: every rank hashes the runs it writes, the combination is known to all
   // before any attribute is written (attribute writes are collective and must agree).
-  std::vector<std::pair<const void*, size_t>> ranges;
-  std::vector<RunCrc> runs;
-  for (int g = 0; g < 3; ++g) {
-    if (buffers[size_t(g)]) {
-      add_runs(reg, *pieces, g, buffers[size_t(g)], [](const TensorPiece& t) { return t.written(); }, ranges, runs);
-    }
-  }
-  const std::vector<uint32_t> run_crcs = crc32_many(ranges, threads);
-  for (size_t i = 0; i < runs.size(); ++i) runs[i].crc = run_crcs[i];
-  std::vector<int64_t> numel;
-  for (int g = 0; g < 3; ++g) {
-    for (const ParamInfo& p : reg.all()) numel.push_back(buffers[size_t(g)] ? p.global_shape.numel() : 0);
-  }
-  const std::vector<uint32_t> crcs = combine_runs(comm, runs, numel, [&](size_t t) {
-    const ParamInfo& p = reg.info(int(t % size_t(reg.size())));
-    return fmt::format("/{}/{} {}", kGroups[t / size_t(reg.size())], p.name, p.global_shape.str());
-  });
+  const std::vector<uint32_t> crcs =
+      tensor_crcs(comm, reg, *pieces, {buffers[0], buffers[1], buffers[2]}, threads);
   // Attribute values must be the same on every rank: rank 0's clock says when.
   std::string created = utc_now();
   created.resize(20, ' ');
@@ -739,8 +738,6 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
   TrainState st;
   bool unsealed = false;
   std::string written_by;
-  std::vector<std::pair<const void*, size_t>> ranges;
-  std::vector<RunCrc> runs;
   std::vector<uint32_t> stored;
   std::vector<std::string> names;
   // Each rank reads its rows independently, so a failure on one rank cannot leave the
@@ -812,22 +809,8 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
               path, written_by);
   }
 
-  // The checksums over the rows each rank would write: together they cover every tensor once.
-  for (int g = 0; g < 3; ++g) {
-    if (buffers[size_t(g)]) {
-      add_runs(reg, *pieces, g, buffers[size_t(g)], [](const TensorPiece& t) { return t.written(); }, ranges, runs);
-    }
-  }
-  const std::vector<uint32_t> run_crcs = crc32_many(ranges);
-  for (size_t i = 0; i < runs.size(); ++i) runs[i].crc = run_crcs[i];
-  std::vector<int64_t> all_numel;
-  for (int g = 0; g < 3; ++g) {
-    for (const ParamInfo& p : reg.all()) all_numel.push_back(buffers[size_t(g)] ? p.global_shape.numel() : 0);
-  }
-  const std::vector<uint32_t> crcs = combine_runs(comm, runs, all_numel, [&](size_t t) {
-    const ParamInfo& p = reg.info(int(t % size_t(reg.size())));
-    return fmt::format("/{}/{} {}", kGroups[t / size_t(reg.size())], p.name, p.global_shape.str());
-  });
+  // The checksums over the rows each rank would write.
+  const std::vector<uint32_t> crcs = tensor_crcs(comm, reg, *pieces, {buffers[0], buffers[1], buffers[2]}, 0);
   std::vector<std::string> bad;
   size_t k = 0;
   for (int g = 0; g < 3; ++g) {
