@@ -1,5 +1,7 @@
 #include "model/ctx.h"
 
+#include <algorithm>
+
 #include "backend/ops.h"
 
 namespace dstrain {
@@ -164,6 +166,33 @@ void ActivationStore::release(int mb) {
   if (s == slots_.end()) return;
   for (auto& [key, b] : s->second.buffers) pool_[key].emplace(b.nbytes(), std::move(b));
   slots_.erase(s);
+}
+
+void ActivationStore::release_prefix(int mb, const std::string& prefix, const std::vector<std::string>& keep) {
+  auto s = slots_.find(mb);
+  if (s == slots_.end()) return;
+  Slot& slot = s->second;
+  for (auto it = slot.buffers.begin(); it != slot.buffers.end();) {
+    const std::string& key = it->first;
+    const bool kept = std::any_of(keep.begin(), keep.end(), [&](const std::string& k) { return key.starts_with(k); });
+    if (!key.starts_with(prefix) || kept) {
+      ++it;
+      continue;
+    }
+    slot.views.erase(key);
+    pool_[key].emplace(it->second.nbytes(), std::move(it->second));
+    it = slot.buffers.erase(it);
+  }
+}
+
+void ActivationStore::release_key(int mb, const std::string& key) {
+  auto s = slots_.find(mb);
+  if (s == slots_.end()) return;
+  auto it = s->second.buffers.find(key);
+  if (it == s->second.buffers.end()) return;
+  s->second.views.erase(key);
+  pool_[key].emplace(it->second.nbytes(), std::move(it->second));
+  s->second.buffers.erase(it);
 }
 
 void ActivationStore::clear() {

@@ -120,6 +120,12 @@ class ActivationStore {
   }
   // Returns the micro-batch's buffers to the pool.
   void release(int mb);
+  // Returns the micro-batch's buffers whose keys start with `prefix` to the pool, but those
+  // that also start with one of `keep` (activation recomputation: a layer's activations go, its
+  // routing decisions stay). Host-side values (meta) stay.
+  void release_prefix(int mb, const std::string& prefix, const std::vector<std::string>& keep = {});
+  // The same for the one buffer of `key`.
+  void release_key(int mb, const std::string& key);
   // Frees every buffer, pooled or in use.
   void clear();
 
@@ -273,6 +279,10 @@ struct Ctx {
   // With a tensor group of more than one rank: the activations between blocks hold this rank's
   // rows only (ShardSpec::sequence_parallel).
   bool sequence_parallel = false;
+  // A forward run again before its backward (activation recomputation): the layers make the
+  // same activations with the same ops, and a MoE layer takes the routing decisions of the
+  // first forward instead of routing again, counting no loads and no auxiliary loss twice.
+  bool replay = false;
 
   int tp_size() const { return ProcessGroups::size_of(groups.tp); }
   int tp_rank() const { return groups.tp ? groups.tp->rank() : 0; }

@@ -162,40 +162,54 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   // the top-k choice and the weights.
   auto t = Clock::now();
   const DType cd = ctx.compute_dtype;  // the experts' rows
-  Tensor scores = acts.put(mb, key_ + "gate.scores", {n, E});
-  ops::linear_forward(scores, xm, reg_.param(gate_));
-  ops::moe_scores(scores, scores, scoring_);
-  Tensor ids = acts.put(mb, key_ + "gate.ids", {n, k}, DType::I32);
-  Tensor weights = acts.put(mb, key_ + "gate.weights", {n, k});
-  ops::moe_route(ids, weights, scores, bias_ >= 0 ? reg_.param(bias_) : Tensor(), route_);
+  // A replay (activation recomputation) takes the first forward's routing decisions, dispatch
+  // plan and counts: it neither routes again nor counts loads or the auxiliary loss twice.
+  const bool route = !ctx.replay;
+  DS_CHECK(route || m.pending, "{}: a replay of micro-batch {} without its first forward", key_, mb);
+  Tensor scores, ids, weights, offsets, sorted, position;
+  if (!route) {
+    scores = acts.get(mb, key_ + "gate.scores");
+    weights = acts.get(mb, key_ + "gate.weights");
+    sorted = acts.get(mb, key_ + "plan.sorted");
+    position = acts.get(mb, key_ + "plan.position");
+  } else {
+    scores = acts.put(mb, key_ + "gate.scores", {n, E});
+    ops::linear_forward(scores, xm, reg_.param(gate_));
+    ops::moe_scores(scores, scores, scoring_);
+    ids = acts.put(mb, key_ + "gate.ids", {n, k}, DType::I32);
+    weights = acts.put(mb, key_ + "gate.weights", {n, k});
+    ops::moe_route(ids, weights, scores, bias_ >= 0 ? reg_.param(bias_) : Tensor(), route_);
 
-  Tensor offsets = acts.put(mb, key_ + "plan.offsets", {E + 1}, DType::I64);
-  Tensor sorted = acts.put(mb, key_ + "plan.sorted", {M}, DType::I32);
-  Tensor position = acts.put(mb, key_ + "plan.position", {M}, DType::I32);
-  // With a capacity the router's plan (routed) is cut to at most `capacity` rows per expert
-  // (offsets), here on the token's rank, before any row moves: the loads and the aux loss stay
-  // the router's choice, as Megatron-Core computes them before capacity.
-  const int64_t capacity = capacity_factor_ > 0 ? expert_capacity(M) : -1;
-  Tensor routed = capacity < 0 ? offsets : ctx.scratch->get("moe.routed_offsets", {E + 1}, DType::I64);
-  ops::moe_dispatch_plan(routed, sorted, position, ids);
-  if (capacity >= 0) ops::moe_capacity_plan(offsets, sorted, position, routed, weights, capacity, drop_policy_);
-  // The one synchronisation MoE needs: the per-expert row counts decide the shapes of the
-  // expert GEMMs, so they come to the host once per forward (as in Megatron-Core); with a
-  // capacity the router's counts come along, for the loads.
-  m.plan.assign(size_t(E + 1), 0);
-  ops::copy(Tensor(m.plan.data(), DType::I64, Shape{E + 1}), offsets);
-  std::vector<int64_t> routed_host;
-  if (capacity >= 0) {
-    routed_host.assign(size_t(E + 1), 0);
-    ops::copy(Tensor(routed_host.data(), DType::I64, Shape{E + 1}), routed);
+    offsets = acts.put(mb, key_ + "plan.offsets", {E + 1}, DType::I64);
+    sorted = acts.put(mb, key_ + "plan.sorted", {M}, DType::I32);
+    position = acts.put(mb, key_ + "plan.position", {M}, DType::I32);
+    // With a capacity the router's plan (routed) is cut to at most `capacity` rows per expert
+    // (offsets), here on the token's rank, before any row moves: the loads and the aux loss stay
+    // the router's choice, as Megatron-Core computes them before capacity.
+    const int64_t capacity = capacity_factor_ > 0 ? expert_capacity(M) : -1;
+    Tensor routed = capacity < 0 ? offsets : ctx.scratch->get("moe.routed_offsets", {E + 1}, DType::I64);
+    ops::moe_dispatch_plan(routed, sorted, position, ids);
+    if (capacity >= 0) ops::moe_capacity_plan(offsets, sorted, position, routed, weights, capacity, drop_policy_);
+    // The one synchronisation MoE needs: the per-expert row counts decide the shapes of the
+    // expert GEMMs, so they come to the host once per forward (as in Megatron-Core); with a
+    // capacity the router's counts come along, for the loads.
+    m.plan.assign(size_t(E + 1), 0);
+    ops::copy(Tensor(m.plan.data(), DType::I64, Shape{E + 1}), offsets);
+    std::vector<int64_t> routed_host;
+    if (capacity >= 0) {
+      routed_host.assign(size_t(E + 1), 0);
+      ops::copy(Tensor(routed_host.data(), DType::I64, Shape{E + 1}), routed);
+    }
+    const std::vector<int64_t>& loads = capacity < 0 ? m.plan : routed_host;
+    for (int64_t e = 0; e < E; ++e) stats_.tokens_per_expert[size_t(e)] += loads[size_t(e + 1)] - loads[size_t(e)];
+    stats_.dropped_rows += M - m.plan[size_t(E)];
   }
-  const std::vector<int64_t>& loads = capacity < 0 ? m.plan : routed_host;
-  for (int64_t e = 0; e < E; ++e) stats_.tokens_per_expert[size_t(e)] += loads[size_t(e + 1)] - loads[size_t(e)];
   const int64_t kept = m.plan[size_t(E)];  // grouped rows: M, or fewer after dropping
-  stats_.dropped_rows += M - kept;
   Tensor kept_sorted = sorted.slice(0, kept);
   const int64_t El = n_local_;
-  if (ep_ == 1) {
+  if (!route) {
+    // The counts of the first forward stand.
+  } else if (ep_ == 1) {
     m.offsets = m.plan;
   } else {
     // Expert parallelism: every rank tells every other how many of its rows go to each of that
@@ -221,7 +235,7 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   }
   const int64_t* off = m.offsets.data();
   const int64_t R = off[El];  // rows this rank's experts compute
-  stats_.received_rows += R;
+  if (route) stats_.received_rows += R;
   m.active.clear();
   for (int64_t j = 0; j < El; ++j) {
     if (off[j + 1] > off[j]) m.active.push_back(j);
@@ -229,8 +243,8 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   std::stable_sort(m.active.begin(), m.active.end(),
                    [&](int64_t a, int64_t b) { return off[a + 1] - off[a] > off[b + 1] - off[b]; });
 
-  m.aux_scale = 0;
-  if (aux_alpha_ > 0) {
+  if (route) m.aux_scale = 0;
+  if (route && aux_alpha_ > 0) {
     const int64_t G = seq_aux_ ? B : 1;
     const double scale = aux_alpha_ * (seq_aux_ ? scales_.sequence : scales_.micro_batch);
     if (aux_pending_ == aux_values_.size()) {

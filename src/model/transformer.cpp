@@ -287,6 +287,15 @@ void Transformer::forward_body(int slot, const StageSpec& st, Tensor tokens, Ten
     Tensor next = residual(l + 1);
     layer(l).forward(ctx_, slot, x, next);
     x = next;
+    // The end of a recomputed group: its layers' activations go back to the pool (a MoE layer's
+    // routing decisions stay, for the replay), and so do the residuals inside the group.
+    const auto [g0, g1] = slot == kInferenceMb ? std::pair{l, l} : recompute_group(st, l);
+    if (g1 != l + 1) continue;
+    for (int j = g0; j < g1; ++j) {
+      const std::string key = fmt::format("layers.{}.", j);
+      acts_.release_prefix(slot, key, {key + "mlp.gate.", key + "mlp.plan."});
+      if (j > g0) acts_.release_key(slot, fmt::format("residual.{}", j));
+    }
   }
   if (!st.head) return;
   const int64_t n = rs.numel() / C;
@@ -295,6 +304,39 @@ void Transformer::forward_body(int slot, const StageSpec& st, Tensor tokens, Ten
                        acts_.put(slot, "final_norm.rstd", {n}), x.view({n, C}), reg_.param(final_norm_),
                        float(config_.rms_norm_eps));
   ctx_.after_use(final_norm_, final_norm_);
+}
+
+void Transformer::set_recompute(const RecomputePolicy& policy) {
+  DS_CHECK(!policy.full || policy.num_layers >= 1, "activation recomputation: num_layers must be at least 1, got {}",
+           policy.num_layers);
+  recompute_ = policy;
+}
+
+std::pair<int, int> Transformer::recompute_group(const StageSpec& st, int l) const {
+  if (!recompute_.full) return {l, l};
+  const int i = l - st.first_layer, k = int(recompute_.num_layers);
+  if (recompute_.method == RecomputePolicy::Method::Block) return i < k ? std::pair{l, l + 1} : std::pair{l, l};
+  const int g0 = st.first_layer + i / k * k;
+  return {g0, std::min(g0 + k, st.end_layer)};
+}
+
+void Transformer::replay_layers(int slot, int first, int end) {
+  const Shape bt = acts_.meta<Shape>(slot, kBatchShapeKey);
+  const Shape rs = residual_shape(bt[0], bt[1]);
+  ctx_.replay = true;
+  try {
+    for (int j = first; j < end; ++j) {
+      Tensor x = acts_.get(slot, fmt::format("residual.{}", j));
+      // The group's output is not needed again (its gradient is in hand): it goes to scratch.
+      Tensor out = j + 1 < end ? acts_.put(slot, fmt::format("residual.{}", j + 1), rs)
+                               : scratch_.get("recompute.out", rs);
+      layer(j).forward(ctx_, slot, x, out);
+    }
+  } catch (...) {
+    ctx_.replay = false;
+    throw;
+  }
+  ctx_.replay = false;
 }
 
 int Transformer::head_chunk() const {
@@ -742,7 +784,11 @@ void Transformer::backward_chunk(int mb, int chunk, Tensor dout, Tensor din, Bac
       ops::copy(dx, dout.view(rs));
     }
     for (int l = st.end_layer; l-- > st.first_layer;) {
+      const auto [g0, g1] = recompute_group(st, l);
+      if (g1 == l + 1) replay_layers(sl, g0, g1);
       layer(l).backward(ctx_, sl, dx);
+      // A recomputed layer's activations go back to the pool for the next replay.
+      if (g1 > g0) acts_.release_prefix(sl, fmt::format("layers.{}.", l));
       grad_ready(sl, layer(l).first_param(), layer(l).last_param());
     }
     if (st.embedding) {

@@ -44,6 +44,19 @@ using GradReadyFn = std::function<void(int first, int last)>;
 // the weight gradients of linear maps left for backward_weights (zero-bubble schedules).
 enum class BackwardPart { Full, Input };
 
+// Activation recomputation of whole decoder layers (Megatron-Core's recompute_granularity
+// "full"): a recomputed group of layers keeps only its input residual (and a MoE layer its
+// routing decisions) during the forward, and runs its forward again, in the same order with
+// the same ops, right before its backward. Megatron's methods, per pipeline chunk: "uniform"
+// recomputes every group of num_layers consecutive layers as a unit (only the group's input is
+// kept); "block" recomputes each of the first num_layers layers on its own and keeps the rest.
+struct RecomputePolicy {
+  enum class Method { Uniform, Block };
+  bool full = false;
+  Method method = Method::Uniform;
+  int64_t num_layers = 1;
+};
+
 class Transformer {
  public:
   // The whole model on one rank.
@@ -74,6 +87,9 @@ class Transformer {
   void set_compute_dtype(DType dtype);
   DType compute_dtype() const { return ctx_.compute_dtype; }
   const ActivationStore& activations() const { return acts_; }
+  // Which layers are recomputed in the backward (none by default).
+  void set_recompute(const RecomputePolicy& policy);
+  const RecomputePolicy& recompute() const { return recompute_; }
 
   // Hugging Face's initialisation: normal(0, initializer_range) for linear and embedding
   // weights, ones for norms; each tensor from its own counter-based stream.
@@ -161,6 +177,12 @@ class Transformer {
   // Whether the token rows between the blocks are split over the tensor group (sequence
   // parallelism): in training always, in inference when they divide.
   bool rows_split(int64_t B, int64_t T, bool inference) const;
+  // The recomputed group [first, end) of chunk s holding layer l, or {l, l} when l keeps its
+  // activations.
+  std::pair<int, int> recompute_group(const StageSpec& s, int l) const;
+  // Runs the forward of layers [first, end) of micro-batch `slot` again (Ctx::replay), from
+  // "residual.{first}", remaking the activations their backward reads.
+  void replay_layers(int slot, int first, int end);
   // Errors unless this rank holds the whole model as one chunk (`what` needs it).
   void require_whole_model(const char* what) const;
   // forward_body of the chunk holding the head for inference.
@@ -217,6 +239,7 @@ class Transformer {
   // Parameter ranges whose grad_ready waits for backward_weights, by micro-batch.
   std::map<int, std::vector<std::pair<int, int>>> ready_after_weights_;
   int split_mb_ = -1;  // the micro-batch whose backward is split, while it runs
+  RecomputePolicy recompute_;
 };
 
 }  // namespace dstrain

@@ -115,6 +115,35 @@ PrecisionConfig read_precision(const JsonReader& r) {
   return p;
 }
 
+ActivationCheckpointingConfig read_activation_checkpointing(const JsonReader& r) {
+  ActivationCheckpointingConfig a;
+  a.granularity = r.get<std::string>("granularity", a.granularity);
+  if (a.granularity == "selective") {
+    r.error("granularity", "\"selective\" (recomputing parts of a layer) is not implemented yet; use \"full\" "
+                           "(whole layers) or \"none\"");
+  }
+  if (a.granularity != "none" && a.granularity != "full") {
+    r.error("granularity", fmt::format("is \"{}\"; it must be \"none\" or \"full\"", a.granularity));
+  }
+  a.method = r.get<std::string>("method", a.method);
+  if (a.method != "uniform" && a.method != "block") {
+    r.error("method", fmt::format("is \"{}\"; it must be \"uniform\" (groups of num_layers layers, each recomputed "
+                                  "as a unit) or \"block\" (the first num_layers layers of each pipeline chunk)",
+                                  a.method));
+  }
+  a.num_layers = r.get<int64_t>("num_layers", a.num_layers);
+  if (a.num_layers < 1) r.error("num_layers", fmt::format("is {}; it must be at least 1", a.num_layers));
+  if (r.has("selective")) {
+    r.error("selective", "needs granularity \"selective\", which is not implemented yet");
+  }
+  if (r.has("cpu_checkpointing") && r.get<bool>("cpu_checkpointing", false)) {
+    r.error("cpu_checkpointing", "keeping the layer inputs in host memory is not implemented yet; set it to false");
+  }
+  r.allow({"cpu_checkpointing"});
+  r.done();
+  return a;
+}
+
 ZeroConfig read_zero(const JsonReader& z) {
   ZeroConfig c;
   c.stage = z.get<int64_t>("stage", c.stage);
@@ -240,6 +269,9 @@ TrainConfig read_train(const JsonReader& r) {
             "pipeline stages)");
   }
   if (r.has("zero_optimization")) t.zero = read_zero(r.child("zero_optimization"));
+  if (r.has("activation_checkpointing") && !r.is_null("activation_checkpointing")) {
+    t.activation_checkpointing = read_activation_checkpointing(r.child("activation_checkpointing"));
+  }
   t.precision = read_precision(r);
   t.eval_interval = r.get<int64_t>("eval_interval", t.eval_interval);
   t.eval_batches = r.get<int64_t>("eval_batches", t.eval_batches);
@@ -422,6 +454,8 @@ json RunConfig::to_json() const {
   t["mtp_loss_weight"] = train.mtp_loss_weight;
   t["router_bias_update_rate"] = train.router_bias_update_rate;
   t["micro_batch_schedule"] = train.micro_batch_schedule;
+  const ActivationCheckpointingConfig& ac = train.activation_checkpointing;
+  t["activation_checkpointing"] = {{"granularity", ac.granularity}, {"method", ac.method}, {"num_layers", ac.num_layers}};
   const ZeroConfig& z = train.zero;
   t["zero_optimization"] = {{"stage", z.stage},
                             {"reduce_bucket_size", z.reduce_bucket_size},

@@ -38,6 +38,16 @@ struct PrecisionConfig {
   std::string name() const { return bf16 ? "bf16" : fp16 ? "fp16" : "fp32"; }
 };
 
+// train.activation_checkpointing: DeepSpeed's section name with Megatron-Core's choices.
+// granularity "full" recomputes whole decoder layers (model/transformer.h, RecomputePolicy):
+// method "uniform" in groups of num_layers, "block" the first num_layers of each pipeline chunk.
+struct ActivationCheckpointingConfig {
+  std::string granularity = "none";  // "none" or "full" ("selective" is refused: not yet)
+  std::string method = "uniform";    // "uniform" or "block"
+  int64_t num_layers = 1;
+  bool full() const { return granularity == "full"; }
+};
+
 struct TrainConfig {
   // DeepSpeed: train_batch_size = micro_batch * gradient_accumulation_steps * data-parallel
   // ranks; any two determine the third (resolved once the rank count is known).
@@ -64,6 +74,7 @@ struct TrainConfig {
   std::string micro_batch_schedule = "grad_accumulation";
   // DeepSpeed's zero_optimization block (distributed/zero.h); stage 0 replicates everything.
   ZeroConfig zero;
+  ActivationCheckpointingConfig activation_checkpointing;
   PrecisionConfig precision;
 
   // Fills micro_batch / grad_accum / train_batch_size for `dp` data-parallel ranks.

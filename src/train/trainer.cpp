@@ -52,6 +52,17 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
       ShardSpec::tensor_parallel(config_.model, grid_.coord(Axis::Tensor), tp, grid_.coord(Axis::Expert), ep,
                                  layout.sequence_parallel),
       groups, chunks);
+  const ActivationCheckpointingConfig& ac = config_.train.activation_checkpointing;
+  if (ac.full()) {
+    RecomputePolicy policy;
+    policy.full = true;
+    policy.method = ac.method == "block" ? RecomputePolicy::Method::Block : RecomputePolicy::Method::Uniform;
+    policy.num_layers = ac.num_layers;
+    model_->set_recompute(policy);
+    log::info("activation recomputation: full, {} {} layer(s) of each pipeline chunk; a recomputed layer keeps its "
+              "input (a MoE layer its routing decisions too) and runs its forward again before its backward",
+              ac.method == "block" ? "the first" : "in groups of", ac.num_layers);
+  }
   // What each rank holds of the global tensors, for checkpoints and the Hugging Face export.
   sharded_ckpt_ = std::make_unique<ShardedModelCheckpoint>(model_->params(), grid_);
   const ZeroConfig& zc = config_.train.zero;

@@ -579,6 +579,33 @@ TEST(Config, ZeroMistakesAreErrorsNamingTheKey) {
               HasSubstr("unknown key 'train.zero_optimization.offload_param.nvme_path'"));
 }
 
+// train.activation_checkpointing: DeepSpeed's section name, Megatron's choices; what is not
+// implemented or not a choice is an error naming the key.
+TEST(Config, ActivationCheckpointingKeys) {
+  TempDir d;
+  const std::string path = d.write("ac.json", run_json());
+  EXPECT_FALSE(RunConfig::load(path, {}).train.activation_checkpointing.full());
+  const RunConfig c = RunConfig::load(path, {"train.activation_checkpointing={\"granularity\": \"full\", "
+                                             "\"method\": \"block\", \"num_layers\": 3, \"cpu_checkpointing\": false}"});
+  const ActivationCheckpointingConfig& a = c.train.activation_checkpointing;
+  EXPECT_TRUE(a.full());
+  EXPECT_EQ(a.method, "block");
+  EXPECT_EQ(a.num_layers, 3);
+  EXPECT_EQ(c.to_json()["train"]["activation_checkpointing"]["method"], "block");
+  auto msg = [&](std::vector<std::string> o) { return error_of([&] { RunConfig::load(path, o); }); };
+  EXPECT_THAT(msg({"train.activation_checkpointing.granularity=\"layers\""}),
+              HasSubstr("'train.activation_checkpointing.granularity' is \"layers\""));
+  EXPECT_THAT(msg({"train.activation_checkpointing.granularity=\"selective\""}), HasSubstr("not implemented yet"));
+  EXPECT_THAT(msg({"train.activation_checkpointing.method=\"all\""}),
+              HasSubstr("'train.activation_checkpointing.method' is \"all\""));
+  EXPECT_THAT(msg({"train.activation_checkpointing.num_layers=0"}),
+              HasSubstr("'train.activation_checkpointing.num_layers' is 0"));
+  EXPECT_THAT(msg({"train.activation_checkpointing.cpu_checkpointing=true"}),
+              HasSubstr("train.activation_checkpointing.cpu_checkpointing"));
+  EXPECT_THAT(msg({"train.activation_checkpointing.partition_activations=true"}),
+              HasSubstr("unknown key 'train.activation_checkpointing.partition_activations'"));
+}
+
 // The process grid with Megatron's names; mistakes name the key.
 TEST(Config, TensorAndSequenceParallelKeys) {
   TempDir d;

@@ -269,6 +269,71 @@ TEST_P(Engine, SplitBackwardGivesTheGradientsOfTheWholeBackward) {
   }
 }
 
+// Full activation recomputation (whole layers run again before their backward) gives bitwise
+// the gradients and losses of keeping every activation, for every method, with two
+// micro-batches in flight, holding less in the store after the forwards. A MoE layer's replay
+// takes the first forward's routing: the routing biases are moved between the forwards and the
+// backwards (a replay that routed again would send tokens to other experts and change the
+// gradients), and the loads and auxiliary losses are counted once.
+TEST_P(Engine, FullRecomputationIsBitwiseTheSameAndReplaysTheRouting) {
+  const ModelConfig c = config();
+  const int64_t B = 2, T = 7;
+  Batch d0(B, T, c.vocab_size, 1), d1(B, T, c.vocab_size, 2);
+  struct Case {
+    const char* name;
+    RecomputePolicy::Method method;
+    int64_t num_layers;
+  };
+  const Case cases[] = {{"uniform 1", RecomputePolicy::Method::Uniform, 1},
+                        {"uniform 2", RecomputePolicy::Method::Uniform, 2},
+                        {"block 1", RecomputePolicy::Method::Block, 1}};
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.name);
+    Transformer a(c, Device::cpu()), r(c, Device::cpu());
+    a.init_weights(7);
+    r.init_weights(7);
+    RecomputePolicy policy;
+    policy.full = true;
+    policy.method = k.method;
+    policy.num_layers = k.num_layers;
+    a.set_recompute(policy);
+    const LossScales s = scales_for(a, B, T);
+    const LossSums a0 = a.forward(0, d0.tok(), d0.tgt(), s), a1 = a.forward(1, d1.tok(), d1.tgt(), s);
+    const LossSums r0 = r.forward(0, d0.tok(), d0.tgt(), s), r1 = r.forward(1, d1.tok(), d1.tgt(), s);
+    EXPECT_LT(a.activations().bytes_in_use(), r.activations().bytes_in_use());
+    int moved = 0;
+    for (Transformer* m : {&a, &r}) {
+      for (auto [l, ffn] : m->moe_layers()) {
+        auto* moe = dynamic_cast<MoEBlock*>(ffn);
+        if (!moe || moe->bias_param() < 0) continue;
+        Tensor bias = m->params().param(moe->bias_param());
+        for (int64_t e = 0; e < bias.numel(); ++e) bias.data<float>()[e] = e % 2 ? 10.0f : -10.0f;
+        ++moved;
+      }
+    }
+    if (GetParam()) EXPECT_GT(moved, 0);
+    a.backward(1);
+    a.backward(0);
+    r.backward(1);
+    r.backward(0);
+    expect_same_sums(a0, r0);
+    expect_same_sums(a1, r1);
+    for (int id = 0; id < a.params().size(); ++id) {
+      expect_same(grad_of(a, id), grad_of(r, id), 0.0, a.params().info(id).name);
+    }
+    const auto am = a.moe_layers(), rm = r.moe_layers();
+    ASSERT_EQ(am.size(), rm.size());
+    for (size_t i = 0; i < am.size(); ++i) {
+      const RoutingStats* sa = am[i].second->routing();
+      const RoutingStats* sr = rm[i].second->routing();
+      EXPECT_EQ(sa->tokens_per_expert, sr->tokens_per_expert) << "layer " << am[i].first << ": loads counted again";
+      EXPECT_EQ(sa->aux_loss, sr->aux_loss) << "layer " << am[i].first;
+      EXPECT_EQ(sa->received_rows, sr->received_rows) << "layer " << am[i].first;
+    }
+    EXPECT_TRUE(a.activations().in_flight().empty());
+  }
+}
+
 // With one micro-batch and the whole backward, the GradReadyFn of forward_backward sees the
 // same ranges, in the same order, as a ParamHooks.
 TEST_P(Engine, GradReadyFnAndHooksAgree) {
