@@ -96,7 +96,7 @@ Tensor ActivationStore::put(int mb, const std::string& key, Shape shape, DType d
   auto it = slot.buffers.find(key);
   if (it == slot.buffers.end() || it->second.nbytes() < need) {
     if (it != slot.buffers.end()) {
-      pool_[key].emplace(it->second.nbytes(), std::move(it->second));
+      pool(key, std::move(it->second));
       slot.buffers.erase(it);
     }
     Buffer b = take_pooled(key, need);
@@ -110,6 +110,24 @@ Tensor ActivationStore::put(int mb, const std::string& key, Shape shape, DType d
   const Tensor t(it->second.data(), dtype, shape, device_);
   slot.views[key] = t;
   return t;
+}
+
+std::string ActivationStore::role_of(const std::string& key) {
+  // "layers.{digits}.rest" -> "rest"; other keys have no role.
+  if (!key.starts_with("layers.")) return "";
+  size_t i = 7;
+  while (i < key.size() && key[i] >= '0' && key[i] <= '9') ++i;
+  if (i == 7 || i >= key.size() || key[i] != '.') return "";
+  return key.substr(i + 1);
+}
+
+void ActivationStore::pool(const std::string& key, Buffer b) {
+  auto [it, added] = pool_.try_emplace(key);
+  if (added) {
+    const std::string role = role_of(key);
+    if (!role.empty()) roles_[role].push_back(key);
+  }
+  it->second.emplace(b.nbytes(), std::move(b));
 }
 
 Buffer ActivationStore::take_pooled(const std::string& key, size_t need) {
@@ -126,14 +144,32 @@ Buffer ActivationStore::take_pooled(const std::string& key, size_t need) {
     own->second.erase(std::prev(own->second.end()));
     return Buffer();
   }
-  // A key this store has not pooled yet: the best fit among the others, else a new buffer
-  // that replaces the largest one too small for it.
+  // A key this store has not pooled yet: the best fit among the buffers of the same role in
+  // other layers ("layers.3.attn.qkv" for "layers.5.attn.qkv": recomputed layers hand their
+  // buffers on to the next, shape for shape), then among all others, else a new buffer that
+  // replaces the largest one too small for it.
   std::multimap<size_t, Buffer>* best_pool = nullptr;
   std::multimap<size_t, Buffer>::iterator best, smaller;
   std::multimap<size_t, Buffer>* smaller_pool = nullptr;
+  // A buffer more than twice the size asked for is not handed on: a small tensor kept for
+  // long (a recomputed layer's routing decisions) would pin a large one.
+  auto fits = [&](size_t capacity) { return capacity <= 2 * need + 4096; };
+  const std::string role = role_of(key);
+  if (!role.empty()) {
+    for (const std::string& k : roles_[role]) {
+      auto it = pool_.find(k);
+      if (it == pool_.end()) continue;
+      auto p = it->second.lower_bound(need);
+      if (p != it->second.end() && fits(p->first) && (!best_pool || p->first < best->first)) {
+        best_pool = &it->second;
+        best = p;
+      }
+    }
+    if (best_pool) return take(*best_pool, best);
+  }
   for (auto& [k, pool] : pool_) {
     auto p = pool.lower_bound(need);
-    if (p != pool.end() && (!best_pool || p->first < best->first)) {
+    if (p != pool.end() && fits(p->first) && (!best_pool || p->first < best->first)) {
       best_pool = &pool;
       best = p;
     }
@@ -164,7 +200,7 @@ Tensor ActivationStore::get(int mb, const std::string& key) const {
 void ActivationStore::release(int mb) {
   auto s = slots_.find(mb);
   if (s == slots_.end()) return;
-  for (auto& [key, b] : s->second.buffers) pool_[key].emplace(b.nbytes(), std::move(b));
+  for (auto& [key, b] : s->second.buffers) pool(key, std::move(b));
   slots_.erase(s);
 }
 
@@ -180,7 +216,7 @@ void ActivationStore::release_prefix(int mb, const std::string& prefix, const st
       continue;
     }
     slot.views.erase(key);
-    pool_[key].emplace(it->second.nbytes(), std::move(it->second));
+    pool(key, std::move(it->second));
     it = slot.buffers.erase(it);
   }
 }
@@ -191,13 +227,14 @@ void ActivationStore::release_key(int mb, const std::string& key) {
   auto it = s->second.buffers.find(key);
   if (it == s->second.buffers.end()) return;
   s->second.views.erase(key);
-  pool_[key].emplace(it->second.nbytes(), std::move(it->second));
+  pool(key, std::move(it->second));
   s->second.buffers.erase(it);
 }
 
 void ActivationStore::clear() {
   slots_.clear();
   pool_.clear();
+  roles_.clear();
 }
 
 std::vector<int> ActivationStore::in_flight() const {

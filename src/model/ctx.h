@@ -138,6 +138,9 @@ class ActivationStore {
   // A pooled buffer for `key` of at least `need` bytes, or an empty one to replace by a new
   // allocation (see put).
   Buffer take_pooled(const std::string& key, size_t need);
+  void pool(const std::string& key, Buffer b);
+  // The part of a layer's key after "layers.{l}." (its role in every layer); "" for others.
+  static std::string role_of(const std::string& key);
   struct Slot {
     std::unordered_map<std::string, Buffer> buffers;
     std::unordered_map<std::string, Tensor> views;
@@ -147,6 +150,7 @@ class ActivationStore {
   std::map<int, Slot> slots_;
   // Released buffers by the key they were last used for, then by capacity in bytes.
   std::unordered_map<std::string, std::multimap<size_t, Buffer>> pool_;
+  std::unordered_map<std::string, std::vector<std::string>> roles_;  // role -> pooled keys of that role
 };
 
 // The split backward of zero-bubble schedules: with deferral on, linear() computes the input

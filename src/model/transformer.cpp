@@ -224,28 +224,51 @@ int64_t Transformer::activation_bytes(int64_t B, int64_t T) const {
     const int64_t k = c.num_experts_per_tok, I = c.moe_intermediate_size;
     return {{0, 3 * shard_.shared_ffn.size()}, {2 * c.n_routed_experts + 2 * k, k * (C + 3 * I + C)}};
   };
-  Elems all_rows, my_rows{C /*embedding output*/ + 1, C /*final norm*/};
   int64_t widest_ffn = 0;
+  // Bytes of per-row and all-row elements.
+  auto bytes = [&](const Elems& mine, const Elems& every) {
+    return (mine.f32 * 4 + mine.cd * cs) * n + (every.f32 * 4 + every.cd * cs) * N;
+  };
+  // The layers' activations: those of the layers that keep them (the MTP modules' too), and
+  // what a recomputed layer keeps (its output residual, a MoE layer's routing decisions); one
+  // recomputed group's activations come back at a time, for its backward, after the layers
+  // that keep theirs and the head have handed theirs back (model/transformer.h).
+  int64_t full = 0, kept = 0, replayed = 0, widest_group = 0;
   for (int64_t l = 0; l < c.num_hidden_layers + c.num_nextn_predict_layers; ++l) {
     // The layers this rank holds only (pipeline stages).
     if (l < c.num_hidden_layers ? local_layer_[size_t(l)] < 0 : mtp_.empty()) continue;
     // Norms with their rstd, the residual in the middle and at the end, attention, FFN.
     const Ffn f = ffn(l);
-    my_rows = my_rows + Elems{2 + 2 * C, 2 * C} + f.mine;
-    all_rows = all_rows + attn + f.all;
+    Elems mine = Elems{2 + 2 * C, 2 * C} + f.mine;
+    const Elems every = attn + f.all;
     // MTP: embedding and projection (fp32), norms and [e|h] (compute dtype).
-    if (l >= c.num_hidden_layers) my_rows = my_rows + Elems{2 * C + 3, 4 * C};
-    widest_ffn = std::max(widest_ffn, (f.all.f32 * 4 + f.all.cd * cs) * N + (f.mine.f32 * 4 + f.mine.cd * cs) * n);
+    if (l >= c.num_hidden_layers) mine = mine + Elems{2 * C + 3, 4 * C};
+    widest_ffn = std::max(widest_ffn, bytes(f.mine, f.all));
+    std::pair<int, int> group{int(l), int(l)};
+    for (const StageSpec& st : chunks_) {
+      if (l >= st.first_layer && l < st.end_layer) group = recompute_group(st, int(l));
+    }
+    if (group.second == group.first) {
+      full += bytes(mine, every);
+      continue;
+    }
+    const Elems keeps{C + (c.is_moe_layer(l) ? f.mine.f32 : 0), 0};
+    kept += bytes(keeps, {});
+    if (int(l) == group.first) replayed = 0;
+    replayed += bytes(Elems{mine.f32 - keeps.f32, mine.cd}, every);
+    widest_group = std::max(widest_group, replayed);
   }
   const int64_t chunk = std::min(N, head_chunk_rows());
-  const Elems head = head_chunk() >= 0 ? Elems{chunk * V + 2 * chunk + N /*losses*/, 0} : Elems{};
+  // The embedding's output and the final norm; the head's logits and losses.
+  const int64_t head = bytes(Elems{C + 1, C}, {}) +
+                       (head_chunk() >= 0 ? (chunk * V + 2 * chunk + N /*losses*/) * int64_t(sizeof(float)) : 0);
   // Backward temporaries shared by the layers: the residual's gradient (fp32), the head's and
   // dln (compute dtype), the widest attention and feed-forward gradients. A sharded layer's
   // partial sums are fp32 temporaries of all rows (the input gradient, the row-parallel output).
   const int64_t tp_partials = shard_.tp_size > 1 ? 2 * C * N : 0;
   const Elems scratch = Elems{C, 2 * C} * n + attn_scratch * N + Elems{tp_partials, 0};
-  const Elems all = my_rows * n + all_rows * N + head + scratch;
-  return all.f32 * int64_t(sizeof(float)) + all.cd * cs + widest_ffn;
+  return kept + std::max(full + head, widest_group) + scratch.f32 * int64_t(sizeof(float)) + scratch.cd * cs +
+         widest_ffn;
 }
 
 void Transformer::release_activations() {
@@ -315,9 +338,17 @@ void Transformer::set_recompute(const RecomputePolicy& policy) {
 std::pair<int, int> Transformer::recompute_group(const StageSpec& st, int l) const {
   if (!recompute_.full) return {l, l};
   const int i = l - st.first_layer, k = int(recompute_.num_layers);
-  if (recompute_.method == RecomputePolicy::Method::Block) return i < k ? std::pair{l, l + 1} : std::pair{l, l};
-  const int g0 = st.first_layer + i / k * k;
-  return {g0, std::min(g0 + k, st.end_layer)};
+  std::pair<int, int> g{l, l};
+  if (recompute_.method == RecomputePolicy::Method::Block) {
+    if (i < k) g = {l, l + 1};
+  } else {
+    const int g0 = st.first_layer + i / k * k;
+    g = {g0, std::min(g0 + k, st.end_layer)};
+  }
+  // The last group of the chunk holding the head keeps its activations: its backward follows
+  // the head's at once, so dropping them would free nothing at the peak and cost a replay.
+  if (st.head && g.second == st.end_layer) return {l, l};
+  return g;
 }
 
 void Transformer::replay_layers(int slot, int first, int end) {
@@ -778,6 +809,11 @@ void Transformer::backward_chunk(int mb, int chunk, Tensor dout, Tensor din, Bac
       ctx_.after_use(final_norm_, final_norm_);
       grad_ready(sl, final_norm_, final_norm_);
       if (lm_head_ >= 0) grad_ready(sl, lm_head_, lm_head_);
+      if (recompute_.full) {
+        // The head's and the MTP modules' activations are done with: the replays take them.
+        for (const char* key : {"head.dxf", "final_norm.out", "final_norm.rstd"}) acts_.release_key(sl, key);
+        for (const MtpModule& m : mtp_) acts_.release_prefix(sl, fmt::format("layers.{}.", m.layer_index));
+      }
     } else {
       DS_CHECK(dout.numel() == rs.numel(), "{}: output gradient of {} values for {}", st.str(), dout.numel(),
                rs.str());
@@ -787,8 +823,8 @@ void Transformer::backward_chunk(int mb, int chunk, Tensor dout, Tensor din, Bac
       const auto [g0, g1] = recompute_group(st, l);
       if (g1 == l + 1) replay_layers(sl, g0, g1);
       layer(l).backward(ctx_, sl, dx);
-      // A recomputed layer's activations go back to the pool for the next replay.
-      if (g1 > g0) acts_.release_prefix(sl, fmt::format("layers.{}.", l));
+      // The layer's activations go back to the pool: the next replay takes them.
+      if (recompute_.full) acts_.release_prefix(sl, fmt::format("layers.{}.", l));
       grad_ready(sl, layer(l).first_param(), layer(l).last_param());
     }
     if (st.embedding) {

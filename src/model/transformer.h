@@ -50,6 +50,8 @@ enum class BackwardPart { Full, Input };
 // the same ops, right before its backward. Megatron's methods, per pipeline chunk: "uniform"
 // recomputes every group of num_layers consecutive layers as a unit (only the group's input is
 // kept); "block" recomputes each of the first num_layers layers on its own and keeps the rest.
+// In the chunk that holds the head the last group is not recomputed: its backward comes right
+// after the head's, so its activations would be made again at once, for no lower peak.
 struct RecomputePolicy {
   enum class Method { Uniform, Block };
   bool full = false;
@@ -160,7 +162,9 @@ class Transformer {
   // whole model's registry; the weights its pieces share (tied_params).
   std::vector<StageSpec> stages() const { return split_stages(config_, 1); }
   Range stage_params(const StageSpec& s) const { return stage_param_range(reg_, s, config_); }
-  // Bytes of activations and backward temporaries a micro-batch of (B, T) needs.
+  // Bytes of activations and backward temporaries a micro-batch of (B, T) needs, under the
+  // recompute policy: a recomputed layer counts what it keeps, plus the largest recomputed
+  // group's activations once (one group is replayed at a time).
   int64_t activation_bytes(int64_t B, int64_t T) const;
   // Frees every activation buffer, in flight or pooled, and the backward temporaries (they
   // are reallocated at the next forward's size).

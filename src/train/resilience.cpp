@@ -100,6 +100,7 @@ ResilienceConfig ResilienceConfig::from_json(const JsonReader& r) {
   c.spike_zscore = r.get<double>("spike_zscore", c.spike_zscore);
   c.activation_budget_mb = r.get<double>("activation_budget_mb", c.activation_budget_mb);
   c.oom_fallback = r.get<bool>("oom_fallback", c.oom_fallback);
+  c.oom_recompute = r.get<bool>("oom_recompute", c.oom_recompute);
   if (c.collective_timeout_s <= 0) r.error("collective_timeout_s", "must be positive (seconds)");
   if (c.max_skipped_steps < 1) r.error("max_skipped_steps", "must be >= 1");
   if (c.spike_window < 0 || c.spike_window == 1) r.error("spike_window", "must be 0 (off) or at least 2");
@@ -121,7 +122,8 @@ ResilienceConfig ResilienceConfig::from_json(const JsonReader& r) {
 json ResilienceConfig::to_json() const {
   json j = {{"collective_timeout_s", collective_timeout_s}, {"max_skipped_steps", max_skipped_steps},
             {"spike_window", spike_window},                 {"spike_zscore", spike_zscore},
-            {"activation_budget_mb", activation_budget_mb}, {"oom_fallback", oom_fallback}};
+            {"activation_budget_mb", activation_budget_mb}, {"oom_fallback", oom_fallback},
+            {"oom_recompute", oom_recompute}};
   if (fault.any()) {
     j["fault"] = {{"rank", fault.rank},
                   {"kill_at_step", fault.kill_at_step},

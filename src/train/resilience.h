@@ -32,6 +32,9 @@ struct ResilienceConfig {
   double spike_zscore = 6.0;          // a loss this many standard deviations above the window is skipped
   double activation_budget_mb = 0;    // per rank; 0: no budget
   bool oom_fallback = true;           // halve the micro-batch (doubling accumulation) when it does not fit
+  // Before halving the micro-batch, turn on full activation recomputation (when it is off): the
+  // results stay bitwise the same, at about a third more compute.
+  bool oom_recompute = true;
   FaultInjection fault;
 
   static ResilienceConfig from_json(const JsonReader& r);

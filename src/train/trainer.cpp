@@ -52,17 +52,7 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
       ShardSpec::tensor_parallel(config_.model, grid_.coord(Axis::Tensor), tp, grid_.coord(Axis::Expert), ep,
                                  layout.sequence_parallel),
       groups, chunks);
-  const ActivationCheckpointingConfig& ac = config_.train.activation_checkpointing;
-  if (ac.full()) {
-    RecomputePolicy policy;
-    policy.full = true;
-    policy.method = ac.method == "block" ? RecomputePolicy::Method::Block : RecomputePolicy::Method::Uniform;
-    policy.num_layers = ac.num_layers;
-    model_->set_recompute(policy);
-    log::info("activation recomputation: full, {} {} layer(s) of each pipeline chunk; a recomputed layer keeps its "
-              "input (a MoE layer its routing decisions too) and runs its forward again before its backward",
-              ac.method == "block" ? "the first" : "in groups of", ac.num_layers);
-  }
+  apply_recompute();
   // What each rank holds of the global tensors, for checkpoints and the Hugging Face export.
   sharded_ckpt_ = std::make_unique<ShardedModelCheckpoint>(model_->params(), grid_);
   const ZeroConfig& zc = config_.train.zero;
@@ -455,19 +445,49 @@ bool Trainer::train_step(StepRecord& r) {
   return true;
 }
 
+void Trainer::apply_recompute() {
+  const ActivationCheckpointingConfig& ac = config_.train.activation_checkpointing;
+  RecomputePolicy policy;
+  policy.full = ac.full();
+  policy.method = ac.method == "block" ? RecomputePolicy::Method::Block : RecomputePolicy::Method::Uniform;
+  policy.num_layers = ac.num_layers;
+  model_->set_recompute(policy);
+  if (!ac.full()) return;
+  log::info("activation recomputation: full, {} {} layer(s) of each pipeline chunk; a recomputed layer keeps its "
+            "input (a MoE layer its routing decisions too) and runs its forward again before its backward",
+            ac.method == "block" ? "the first" : "in groups of", ac.num_layers);
+}
+
+bool Trainer::recompute_to_fit() {
+  ActivationCheckpointingConfig& ac = config_.train.activation_checkpointing;
+  if (!config_.resilience.oom_recompute || ac.full()) return false;
+  ac.granularity = "full";
+  ac.method = "uniform";
+  ac.num_layers = 1;
+  apply_recompute();
+  return true;
+}
+
 void Trainer::shrink_micro_batch(const std::string& why, int64_t step, const json& blend_before) {
   TrainConfig& tc = config_.train;
   DS_CHECK(config_.resilience.oom_fallback,
            "step {}: {}; lower train.train_micro_batch_size_per_gpu or enable resilience.oom_fallback", step + 1, why);
-  DS_CHECK(tc.micro_batch % 2 == 0,
-           "step {}: {}; the micro-batch of {} cannot be halved while keeping the global batch: lower "
-           "train.train_micro_batch_size_per_gpu",
-           step + 1, why, tc.micro_batch);
-  tc.micro_batch /= 2;
-  tc.grad_accum *= 2;
-  log::warn("step {}: {}: micro-batch halved to {} with {} accumulation steps (global batch {} unchanged); the step "
-            "runs again",
-            step + 1, why, tc.micro_batch, tc.grad_accum, tc.train_batch_size);
+  if (recompute_to_fit()) {
+    // Every rank takes this branch: the ranks out of memory were counted over all of them.
+    log::warn("step {}: {}: full activation recomputation turned on (the same results, about a third more compute; "
+              "resilience.oom_recompute); the step runs again",
+              step + 1, why);
+  } else {
+    DS_CHECK(tc.micro_batch % 2 == 0,
+             "step {}: {}; the micro-batch of {} cannot be halved while keeping the global batch: lower "
+             "train.train_micro_batch_size_per_gpu",
+             step + 1, why, tc.micro_batch);
+    tc.micro_batch /= 2;
+    tc.grad_accum *= 2;
+    log::warn("step {}: {}: micro-batch halved to {} with {} accumulation steps (global batch {} unchanged); the "
+              "step runs again",
+              step + 1, why, tc.micro_batch, tc.grad_accum, tc.train_batch_size);
+  }
   model_->release_activations();
   model_->params().grads().zero();
   data_pipeline().reconfigure(tc.micro_batch, tc.grad_accum, step, blend_before);
@@ -480,6 +500,13 @@ void Trainer::apply_activation_budget() {
   // The same arithmetic on every rank: no agreement needed.
   while (double(model_->activation_bytes(tc.micro_batch, config_.data.seq_len)) > budget) {
     const double need = double(model_->activation_bytes(tc.micro_batch, config_.data.seq_len)) / 1e6;
+    if (config_.resilience.oom_fallback && recompute_to_fit()) {
+      log::warn("a micro-batch needs {:.0f} MB of activations, over the budget of {:.0f} MB: full activation "
+                "recomputation turned on (the same results, about a third more compute; resilience.oom_recompute); "
+                "now {:.0f} MB",
+                need, budget / 1e6, double(model_->activation_bytes(tc.micro_batch, config_.data.seq_len)) / 1e6);
+      continue;
+    }
     DS_CHECK(config_.resilience.oom_fallback && tc.micro_batch % 2 == 0,
              "a micro-batch of {} x {} tokens needs {:.0f} MB of activations, over the budget of {:.0f} MB; lower "
              "train.train_micro_batch_size_per_gpu or raise resilience.activation_budget_mb",

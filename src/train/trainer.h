@@ -152,6 +152,11 @@ class Trainer {
   // The tensors a checkpoint file holds: the model's registry, or with tensor or pipeline
   // parallelism every stage's global tensors.
   ParamRegistry& file_registry() { return sharded_ckpt_->file_registry(); }
+  // The model's recompute policy from train.activation_checkpointing.
+  void apply_recompute();
+  // Turns on full recomputation when resilience.oom_recompute allows and it is off; whether it
+  // did.
+  bool recompute_to_fit();
   // What this rank holds of the checkpoint's tensors in the optimizer's buffers.
   std::shared_ptr<const ShardedState> optimizer_pieces() const;
   // Why the current state must not become a checkpoint ("" when it may): saving it would

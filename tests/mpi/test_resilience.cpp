@@ -131,7 +131,9 @@ TEST(Resilience, MicroBatchOverTheBudgetIsHalvedLikeARunStartedSmaller) {
   small.train();
   // Micro-batch 2 does not fit a budget between what 1 and 2 need.
   const double need1 = double(small.model().activation_bytes(1, 16)), need2 = double(small.model().activation_bytes(2, 16));
-  Trainer big(files.config({fmt::format("resilience.activation_budget_mb={}", (need1 + need2) / 2 / 1e6)}), grid);
+  Trainer big(files.config({fmt::format("resilience.activation_budget_mb={}", (need1 + need2) / 2 / 1e6),
+                            "resilience.oom_recompute=false"}),
+              grid);
   big.init_weights("");
   big.train();
   EXPECT_EQ(big.config().train.micro_batch, 1);
@@ -148,7 +150,8 @@ TEST(Resilience, AllocationFailureOnOneRankHalvesTheMicroBatchEverywhere) {
   Trainer small(files.config({"train.train_micro_batch_size_per_gpu=1"}), grid);
   small.init_weights("");
   small.train();
-  Trainer t(files.config({fmt::format("resilience.fault={{\"rank\": {}, \"oom_at_step\": 3}}", world_size() - 1)}),
+  Trainer t(files.config({fmt::format("resilience.fault={{\"rank\": {}, \"oom_at_step\": 3}}", world_size() - 1),
+                          "resilience.oom_recompute=false"}),
             grid);
   t.init_weights("");
   t.train();
@@ -158,6 +161,54 @@ TEST(Resilience, AllocationFailureOnOneRankHalvesTheMicroBatchEverywhere) {
     const double want = small.history()[i].loss;
     EXPECT_NEAR(t.history()[i].loss, want, 1e-5 * want) << "step " << i + 1;
   }
+}
+
+// Over the budget without recomputation but not with it: full recomputation is turned on and
+// the micro-batch kept, and the run is bitwise the one that fit from the start.
+TEST(Resilience, ActivationsOverTheBudgetTurnOnRecomputationWithTheSameResults) {
+  RunFiles files(7);
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  const std::vector<std::string> layers = {"model.num_hidden_layers=4"};
+  Trainer plain(files.config(layers), grid);
+  plain.init_weights("");
+  plain.train();
+  std::vector<std::string> full = layers;
+  full.push_back("train.activation_checkpointing={\"granularity\": \"full\"}");
+  const int64_t mb = plain.config().train.micro_batch;
+  const double need = double(plain.model().activation_bytes(mb, 16));
+  const double need_full = double(Trainer(files.config(full), grid).model().activation_bytes(mb, 16));
+  ASSERT_LT(need_full, need);
+  std::vector<std::string> tight = layers;
+  tight.push_back(fmt::format("resilience.activation_budget_mb={}", (need + need_full) / 2 / 1e6));
+  Trainer t(files.config(tight), grid);
+  t.init_weights("");
+  t.train();
+  EXPECT_TRUE(t.config().train.activation_checkpointing.full());
+  EXPECT_EQ(t.config().train.micro_batch, mb);
+  ASSERT_EQ(t.history().size(), plain.history().size());
+  for (size_t i = 0; i < t.history().size(); ++i) EXPECT_EQ(t.history()[i].loss, plain.history()[i].loss);
+  const Buffer& a = t.model().params().values();
+  EXPECT_EQ(0, std::memcmp(a.data(), plain.model().params().values().data(), a.nbytes()));
+}
+
+// A rank that fails to allocate: every rank turns on full recomputation and the step runs
+// again, bitwise as if nothing had failed; a second failure then halves the micro-batch.
+TEST(Resilience, AllocationFailureTurnsOnRecomputationEverywhereWithTheSameResults) {
+  RunFiles files(8);
+  ProcessGrid grid(MPI_COMM_WORLD, {});
+  Trainer plain(files.config({}), grid);
+  plain.init_weights("");
+  plain.train();
+  Trainer t(files.config({fmt::format("resilience.fault={{\"rank\": {}, \"oom_at_step\": 3}}", world_size() - 1)}),
+            grid);
+  t.init_weights("");
+  t.train();
+  EXPECT_TRUE(t.config().train.activation_checkpointing.full());
+  EXPECT_EQ(t.config().train.micro_batch, plain.config().train.micro_batch);
+  ASSERT_EQ(t.history().size(), plain.history().size());
+  for (size_t i = 0; i < t.history().size(); ++i) EXPECT_EQ(t.history()[i].loss, plain.history()[i].loss);
+  const Buffer& a = t.model().params().values();
+  EXPECT_EQ(0, std::memcmp(a.data(), plain.model().params().values().data(), a.nbytes()));
 }
 
 TEST(Resilience, StopSignalOnOneRankStopsAllAtTheSameStepAfterACheckpoint) {

@@ -199,9 +199,28 @@ TEST(Model, ActivationEstimateMatchesWhatATrainingStepAllocates) {
   ModelConfig v3 = load_hf_config(std::string(DSTRAIN_SOURCE_DIR) + "/inputs/models/deepseek-v3-tiny.json");
   ModelConfig dense = tiny_dense(true, false);
   dense.max_position_embeddings = 64;
+  // Layers enough for recomputed groups before the last (which keeps its activations).
+  dense.num_hidden_layers = 6;
+  v3.num_hidden_layers = 6;
+  struct Policy {
+    const char* name;
+    bool full;
+    RecomputePolicy::Method method;
+    int64_t num_layers;
+  };
+  const Policy policies[] = {{"none", false, RecomputePolicy::Method::Uniform, 1},
+                             {"full uniform 1", true, RecomputePolicy::Method::Uniform, 1},
+                             {"full uniform 2", true, RecomputePolicy::Method::Uniform, 2},
+                             {"full block 1", true, RecomputePolicy::Method::Block, 1}};
   for (const ModelConfig& c : {dense, v3}) {
+   for (const Policy& pol : policies) {
     Transformer m(c, Device::cpu());
     m.init_weights(5);
+    RecomputePolicy rp;
+    rp.full = pol.full;
+    rp.method = pol.method;
+    rp.num_layers = pol.num_layers;
+    m.set_recompute(rp);
     const int64_t B = 2, T = 64;
     Data d(B, T, c.vocab_size, 9);
     LossScales scales;
@@ -217,11 +236,12 @@ TEST(Model, ActivationEstimateMatchesWhatATrainingStepAllocates) {
     };
     const double used = double(held(after) - held(before)), estimate = double(m.activation_bytes(B, T));
     EXPECT_GT(used, 0.0);
-    std::printf("[ activations ] %s: estimated %.0f bytes, allocated %.0f (ratio %.3f)\n",
-                c.mla() ? c.model_type.c_str() : "dense", estimate, used, estimate / used);
-    EXPECT_NEAR(estimate / used, 1.0, 0.15) << c.model_type << ": estimated " << estimate << " bytes, allocated "
-                                            << used;
+    std::printf("[ activations ] %s, recompute %s: estimated %.0f bytes, allocated %.0f (ratio %.3f)\n",
+                c.mla() ? c.model_type.c_str() : "dense", pol.name, estimate, used, estimate / used);
+    EXPECT_NEAR(estimate / used, 1.0, 0.15) << c.model_type << ", recompute " << pol.name << ": estimated " << estimate
+                                            << " bytes, allocated " << used;
     m.release_activations();
+   }
   }
 }
 
