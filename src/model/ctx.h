@@ -287,6 +287,11 @@ struct Ctx {
   // same activations with the same ops, and a MoE layer takes the routing decisions of the
   // first forward instead of routing again, counting no loads and no auxiliary loss twice.
   bool replay = false;
+  // Selective recomputation (Megatron-Core's recompute_modules): "layernorm" keeps the norms'
+  // outputs out of the store and forms them again from the residual in the backward;
+  // "moe_act" does the same with the routed experts' SwiGLU output (from their gate|up).
+  bool recompute_layernorm = false;
+  bool recompute_moe_act = false;
 
   int tp_size() const { return ProcessGroups::size_of(groups.tp); }
   int tp_rank() const { return groups.tp ? groups.tp->rank() : 0; }

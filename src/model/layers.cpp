@@ -231,14 +231,20 @@ void DecoderLayer::forward(const Ctx& ctx, int mb, Tensor x_in, Tensor x_out) {
   ctx.acts->meta<Tensor>(mb, key_ + "x_in") = x_in;
   // The residual stream and the norms' rstd in fp32; the norms' outputs, which only feed the
   // projections, in the compute dtype (rmsnorm_forward rounds them as it writes them).
-  Tensor ln1 = ctx.acts->put(mb, key_ + "input_layernorm.out", {n, C}, ctx.compute_dtype);
+  // Selective recomputation of the norms: their outputs live in scratch until the blocks have
+  // read them, and the backward forms them again (norm_out).
+  auto out = [&](const char* name) {
+    return ctx.recompute_layernorm ? ctx.scratch->get("recompute.ln", {n, C}, ctx.compute_dtype)
+                                   : ctx.acts->put(mb, key_ + name, {n, C}, ctx.compute_dtype);
+  };
+  Tensor ln1 = out("input_layernorm.out");
   Tensor rstd1 = ctx.acts->put(mb, key_ + "input_layernorm.rstd", {n});
   Tensor x_mid = ctx.acts->put(mb, key_ + "residual_mid", x_in.shape());
-  Tensor ln2 = ctx.acts->put(mb, key_ + "post_attention_layernorm.out", {n, C}, ctx.compute_dtype);
-  Tensor rstd2 = ctx.acts->put(mb, key_ + "post_attention_layernorm.rstd", {n});
   ops::rmsnorm_forward(ln1, rstd1, x_in.view({n, C}), reg_.param(ln1_), eps_);
   ops::copy(x_mid, x_in);
   attn_->forward(ctx, mb, block_input(ctx, mb, ln1, "layer.input"), x_mid);
+  Tensor ln2 = out("post_attention_layernorm.out");
+  Tensor rstd2 = ctx.acts->put(mb, key_ + "post_attention_layernorm.rstd", {n});
   ops::rmsnorm_forward(ln2, rstd2, x_mid.view({n, C}), reg_.param(ln2_), eps_);
   ops::copy(x_out, x_mid);
   ffn_->forward(ctx, mb, block_input(ctx, mb, ln2, "layer.input"), x_out);
@@ -253,13 +259,20 @@ void DecoderLayer::backward(const Ctx& ctx, int mb, Tensor dx) {
   // The gradient of a norm's output, in its dtype; dx (the residual's) stays fp32.
   Tensor dln = ctx.scratch->get("layer.dln", dx.shape(), ctx.compute_dtype);
   Tensor dxr = dx.view({n, C}), dlnr = dln.view({n, C});
+  // A norm's output: stored, or formed again by the same op (selective recomputation).
+  auto norm_out = [&](const char* name, Tensor x, int w) {
+    if (!ctx.recompute_layernorm) return ctx.acts->get(mb, key_ + name);
+    Tensor ln = ctx.scratch->get("recompute.ln", {n, C}, ctx.compute_dtype);
+    ops::rmsnorm_forward(ln, ctx.scratch->get("recompute.rstd", {n}), x.view({n, C}), reg_.param(w), eps_);
+    return ln;
+  };
   // x_out = x_mid + ffn(rmsnorm(x_mid))
-  Tensor ln2 = ctx.acts->get(mb, key_ + "post_attention_layernorm.out");
+  Tensor ln2 = norm_out("post_attention_layernorm.out", ctx.acts->get(mb, key_ + "residual_mid"), ln2_);
   ffn_->backward(ctx, mb, block_input(ctx, mb, ln2, "layer.input"), dx, dln);
   ops::rmsnorm_backward(dxr, reg_.grad(ln2_), dlnr, ctx.acts->get(mb, key_ + "residual_mid").view({n, C}),
                         reg_.param(ln2_), ctx.acts->get(mb, key_ + "post_attention_layernorm.rstd"));
   // x_mid = x_in + attn(rmsnorm(x_in))
-  Tensor ln1 = ctx.acts->get(mb, key_ + "input_layernorm.out");
+  Tensor ln1 = norm_out("input_layernorm.out", x_in, ln1_);
   attn_->backward(ctx, mb, block_input(ctx, mb, ln1, "layer.input"), dx, dln);
   ops::rmsnorm_backward(dxr, reg_.grad(ln1_), dlnr, x_in.view({n, C}), reg_.param(ln1_),
                         ctx.acts->get(mb, key_ + "input_layernorm.rstd"));

@@ -308,7 +308,10 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
     stats_.permute_seconds += seconds_since(t);
   }
   Tensor gate_up = acts.put(mb, key_ + "experts.gate_up", {R, 2 * I}, cd);
-  Tensor h = acts.put(mb, key_ + "experts.h", {R, I}, cd);
+  // Selective recomputation ("moe_act"): the SwiGLU output lives in scratch; the backward forms
+  // it again from gate|up.
+  Tensor h = ctx.recompute_moe_act ? ctx.scratch->get("moe.experts.h", {R, I}, cd)
+                                   : acts.put(mb, key_ + "experts.h", {R, I}, cd);
   t = Clock::now();
   for_each_expert(m, [&](int64_t e, int64_t r0, int64_t r1) {
     ops::linear_forward(gate_up.slice(r0, r1), xl.slice(r0, r1),
@@ -370,8 +373,14 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
   // forward's dispatch) and the input gradients returned (as its combine).
   Tensor grouped = acts.get(mb, key_ + "experts.grouped");  // the experts' outputs
   Tensor gate_up = acts.get(mb, key_ + "experts.gate_up");
-  Tensor h = acts.get(mb, key_ + "experts.h");
   const int64_t R = m.offsets.back();
+  Tensor h;
+  if (ctx.recompute_moe_act) {
+    h = scratch.get("moe.experts.h", {R, I}, cd);
+    ops::swiglu_forward(h, gate_up);
+  } else {
+    h = acts.get(mb, key_ + "experts.h");
+  }
   Tensor dgrouped = scratch.get("moe.dgrouped", {kept, C}, cd);
   Tensor dweights = scratch.get("moe.dweights", {n, k});
   Tensor dh = scratch.get("mlp.dh", {R, I}, cd);

@@ -239,7 +239,10 @@ int64_t Transformer::activation_bytes(int64_t B, int64_t T) const {
     if (l < c.num_hidden_layers ? local_layer_[size_t(l)] < 0 : mtp_.empty()) continue;
     // Norms with their rstd, the residual in the middle and at the end, attention, FFN.
     const Ffn f = ffn(l);
-    Elems mine = Elems{2 + 2 * C, 2 * C} + f.mine;
+    // Selective recomputation keeps the norms' outputs, or the routed experts' SwiGLU output,
+    // out of the store (one of each in scratch below).
+    Elems mine = Elems{2 + 2 * C, recompute_.layernorm ? 0 : 2 * C} + f.mine;
+    if (recompute_.moe_act && c.is_moe_layer(l)) mine.cd -= c.num_experts_per_tok * c.moe_intermediate_size;
     const Elems every = attn + f.all;
     // MTP: embedding and projection (fp32), norms and [e|h] (compute dtype).
     if (l >= c.num_hidden_layers) mine = mine + Elems{2 * C + 3, 4 * C};
@@ -266,7 +269,11 @@ int64_t Transformer::activation_bytes(int64_t B, int64_t T) const {
   // dln (compute dtype), the widest attention and feed-forward gradients. A sharded layer's
   // partial sums are fp32 temporaries of all rows (the input gradient, the row-parallel output).
   const int64_t tp_partials = shard_.tp_size > 1 ? 2 * C * N : 0;
-  const Elems scratch = Elems{C, 2 * C} * n + attn_scratch * N + Elems{tp_partials, 0};
+  Elems scratch = Elems{C, 2 * C} * n + attn_scratch * N + Elems{tp_partials, 0};
+  if (recompute_.layernorm) scratch = scratch + Elems{1, C} * n;
+  if (recompute_.moe_act && c.n_routed_experts > 0) {
+    scratch = scratch + Elems{0, c.num_experts_per_tok * c.moe_intermediate_size} * n;
+  }
   return kept + std::max(full + head, widest_group) + scratch.f32 * int64_t(sizeof(float)) + scratch.cd * cs +
          widest_ffn;
 }
@@ -333,6 +340,8 @@ void Transformer::set_recompute(const RecomputePolicy& policy) {
   DS_CHECK(!policy.full || policy.num_layers >= 1, "activation recomputation: num_layers must be at least 1, got {}",
            policy.num_layers);
   recompute_ = policy;
+  ctx_.recompute_layernorm = policy.layernorm;
+  ctx_.recompute_moe_act = policy.moe_act;
 }
 
 std::pair<int, int> Transformer::recompute_group(const StageSpec& st, int l) const {

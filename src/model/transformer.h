@@ -52,11 +52,20 @@ enum class BackwardPart { Full, Input };
 // kept); "block" recomputes each of the first num_layers layers on its own and keeps the rest.
 // In the chunk that holds the head the last group is not recomputed: its backward comes right
 // after the head's, so its activations would be made again at once, for no lower peak.
+//
+// Selective recomputation (Megatron-Core's recompute_granularity "selective" with its
+// recompute_modules names) keeps the layers' other activations and forms these again in the
+// backward, with the same op: "layernorm", the two norms' outputs of every decoder layer (from
+// the residual, whose rstd is kept); "moe_act", the routed experts' SwiGLU output (from their
+// gate|up). The attention core ("core_attn") keeps no scores or probabilities in any case: the
+// fused kernel keeps q|k|v, its output and a log-sum-exp per row and forms the rest again.
 struct RecomputePolicy {
   enum class Method { Uniform, Block };
   bool full = false;
   Method method = Method::Uniform;
   int64_t num_layers = 1;
+  bool layernorm = false;
+  bool moe_act = false;
 };
 
 class Transformer {

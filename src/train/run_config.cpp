@@ -118,12 +118,8 @@ PrecisionConfig read_precision(const JsonReader& r) {
 ActivationCheckpointingConfig read_activation_checkpointing(const JsonReader& r) {
   ActivationCheckpointingConfig a;
   a.granularity = r.get<std::string>("granularity", a.granularity);
-  if (a.granularity == "selective") {
-    r.error("granularity", "\"selective\" (recomputing parts of a layer) is not implemented yet; use \"full\" "
-                           "(whole layers) or \"none\"");
-  }
-  if (a.granularity != "none" && a.granularity != "full") {
-    r.error("granularity", fmt::format("is \"{}\"; it must be \"none\" or \"full\"", a.granularity));
+  if (a.granularity != "none" && a.granularity != "full" && a.granularity != "selective") {
+    r.error("granularity", fmt::format("is \"{}\"; it must be \"none\", \"selective\" or \"full\"", a.granularity));
   }
   a.method = r.get<std::string>("method", a.method);
   if (a.method != "uniform" && a.method != "block") {
@@ -134,7 +130,22 @@ ActivationCheckpointingConfig read_activation_checkpointing(const JsonReader& r)
   a.num_layers = r.get<int64_t>("num_layers", a.num_layers);
   if (a.num_layers < 1) r.error("num_layers", fmt::format("is {}; it must be at least 1", a.num_layers));
   if (r.has("selective")) {
-    r.error("selective", "needs granularity \"selective\", which is not implemented yet");
+    if (a.granularity != "selective") {
+      r.error("selective", fmt::format("names the parts of granularity \"selective\", but granularity is \"{}\"",
+                                       a.granularity));
+    }
+    a.selective = r.get<std::vector<std::string>>("selective", a.selective);
+    for (const std::string& part : a.selective) {
+      if (part == "core_attn" || part == "layernorm" || part == "moe_act") continue;
+      if (part == "mla_up_proj" || part == "mlp" || part == "moe" || part == "shared_experts") {
+        r.error("selective", fmt::format("\"{}\" is not implemented yet; the parts are \"core_attn\", "
+                                         "\"layernorm\" and \"moe_act\"",
+                                         part));
+      }
+      r.error("selective", fmt::format("\"{}\" is not a part; the parts are \"core_attn\", \"layernorm\" and "
+                                       "\"moe_act\" (Megatron-Core's recompute_modules names)",
+                                       part));
+    }
   }
   if (r.has("cpu_checkpointing") && r.get<bool>("cpu_checkpointing", false)) {
     r.error("cpu_checkpointing", "keeping the layer inputs in host memory is not implemented yet; set it to false");
@@ -455,7 +466,8 @@ json RunConfig::to_json() const {
   t["router_bias_update_rate"] = train.router_bias_update_rate;
   t["micro_batch_schedule"] = train.micro_batch_schedule;
   const ActivationCheckpointingConfig& ac = train.activation_checkpointing;
-  t["activation_checkpointing"] = {{"granularity", ac.granularity}, {"method", ac.method}, {"num_layers", ac.num_layers}};
+  t["activation_checkpointing"] = {
+      {"granularity", ac.granularity}, {"method", ac.method}, {"num_layers", ac.num_layers}, {"selective", ac.selective}};
   const ZeroConfig& z = train.zero;
   t["zero_optimization"] = {{"stage", z.stage},
                             {"reduce_bucket_size", z.reduce_bucket_size},

@@ -4,6 +4,8 @@
 // Every key is validated; unknown keys are errors; command-line --set overrides any key.
 #pragma once
 
+#include <algorithm>
+
 #include <optional>
 #include <string>
 #include <vector>
@@ -41,11 +43,18 @@ struct PrecisionConfig {
 // train.activation_checkpointing: DeepSpeed's section name with Megatron-Core's choices.
 // granularity "full" recomputes whole decoder layers (model/transformer.h, RecomputePolicy):
 // method "uniform" in groups of num_layers, "block" the first num_layers of each pipeline chunk.
+// granularity "selective" recomputes the parts `selective` names (Megatron-Core's
+// recompute_modules): "core_attn" (kept by no path: the fused attention forms its scores again
+// anyway), "layernorm", "moe_act".
 struct ActivationCheckpointingConfig {
-  std::string granularity = "none";  // "none" or "full" ("selective" is refused: not yet)
+  std::string granularity = "none";  // "none", "selective" or "full"
   std::string method = "uniform";    // "uniform" or "block"
   int64_t num_layers = 1;
+  std::vector<std::string> selective = {"core_attn"};
   bool full() const { return granularity == "full"; }
+  bool selects(const std::string& part) const {
+    return granularity == "selective" && std::find(selective.begin(), selective.end(), part) != selective.end();
+  }
 };
 
 struct TrainConfig {

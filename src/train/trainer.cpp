@@ -451,7 +451,14 @@ void Trainer::apply_recompute() {
   policy.full = ac.full();
   policy.method = ac.method == "block" ? RecomputePolicy::Method::Block : RecomputePolicy::Method::Uniform;
   policy.num_layers = ac.num_layers;
+  policy.layernorm = ac.selects("layernorm");
+  policy.moe_act = ac.selects("moe_act");
   model_->set_recompute(policy);
+  if (ac.granularity == "selective") {
+    std::string parts;
+    for (const std::string& p : ac.selective) parts += (parts.empty() ? "" : ", ") + p;
+    log::info("activation recomputation: selective ({}); the fused attention keeps no scores in any case", parts);
+  }
   if (!ac.full()) return;
   log::info("activation recomputation: full, {} {} layer(s) of each pipeline chunk; a recomputed layer keeps its "
             "input (a MoE layer its routing decisions too) and runs its forward again before its backward",

@@ -595,7 +595,17 @@ TEST(Config, ActivationCheckpointingKeys) {
   auto msg = [&](std::vector<std::string> o) { return error_of([&] { RunConfig::load(path, o); }); };
   EXPECT_THAT(msg({"train.activation_checkpointing.granularity=\"layers\""}),
               HasSubstr("'train.activation_checkpointing.granularity' is \"layers\""));
-  EXPECT_THAT(msg({"train.activation_checkpointing.granularity=\"selective\""}), HasSubstr("not implemented yet"));
+  const RunConfig sel = RunConfig::load(path, {"train.activation_checkpointing={\"granularity\": \"selective\", "
+                                               "\"selective\": [\"layernorm\", \"moe_act\"]}"});
+  EXPECT_TRUE(sel.train.activation_checkpointing.selects("layernorm"));
+  EXPECT_TRUE(sel.train.activation_checkpointing.selects("moe_act"));
+  EXPECT_FALSE(sel.train.activation_checkpointing.selects("core_attn"));
+  EXPECT_THAT(msg({"train.activation_checkpointing={\"granularity\": \"selective\", \"selective\": [\"mla_up_proj\"]}"}),
+              HasSubstr("\"mla_up_proj\" is not implemented yet"));
+  EXPECT_THAT(msg({"train.activation_checkpointing={\"granularity\": \"selective\", \"selective\": [\"norms\"]}"}),
+              HasSubstr("'train.activation_checkpointing.selective' \"norms\" is not a part"));
+  EXPECT_THAT(msg({"train.activation_checkpointing={\"granularity\": \"full\", \"selective\": [\"layernorm\"]}"}),
+              HasSubstr("but granularity is \"full\""));
   EXPECT_THAT(msg({"train.activation_checkpointing.method=\"all\""}),
               HasSubstr("'train.activation_checkpointing.method' is \"all\""));
   EXPECT_THAT(msg({"train.activation_checkpointing.num_layers=0"}),

@@ -269,34 +269,39 @@ TEST_P(Engine, SplitBackwardGivesTheGradientsOfTheWholeBackward) {
   }
 }
 
-// Full activation recomputation (whole layers run again before their backward) gives bitwise
-// the gradients and losses of keeping every activation, for every method, with two
-// micro-batches in flight, holding less in the store after the forwards. A MoE layer's replay
+// Activation recomputation (whole layers run again before their backward, or selected parts
+// formed again in it) gives bitwise the gradients and losses of keeping every activation, for
+// every method, with two micro-batches in flight, holding less in the store after the forwards. A MoE layer's replay
 // takes the first forward's routing: the routing biases are moved between the forwards and the
 // backwards (a replay that routed again would send tokens to other experts and change the
 // gradients), and the loads and auxiliary losses are counted once.
-TEST_P(Engine, FullRecomputationIsBitwiseTheSameAndReplaysTheRouting) {
+TEST_P(Engine, RecomputationIsBitwiseTheSameAndReplaysTheRouting) {
   ModelConfig c = config();
   c.num_hidden_layers = 5;  // groups before the last, which keeps its activations
   const int64_t B = 2, T = 7;
   Batch d0(B, T, c.vocab_size, 1), d1(B, T, c.vocab_size, 2);
   struct Case {
     const char* name;
+    bool full;
     RecomputePolicy::Method method;
     int64_t num_layers;
+    bool selective;
   };
-  const Case cases[] = {{"uniform 1", RecomputePolicy::Method::Uniform, 1},
-                        {"uniform 2", RecomputePolicy::Method::Uniform, 2},
-                        {"block 1", RecomputePolicy::Method::Block, 1}};
+  const Case cases[] = {{"uniform 1", true, RecomputePolicy::Method::Uniform, 1, false},
+                        {"uniform 2", true, RecomputePolicy::Method::Uniform, 2, false},
+                        {"block 1", true, RecomputePolicy::Method::Block, 1, false},
+                        {"selective layernorm, moe_act", false, RecomputePolicy::Method::Uniform, 1, true},
+                        {"uniform 1 and selective", true, RecomputePolicy::Method::Uniform, 1, true}};
   for (const Case& k : cases) {
     SCOPED_TRACE(k.name);
     Transformer a(c, Device::cpu()), r(c, Device::cpu());
     a.init_weights(7);
     r.init_weights(7);
     RecomputePolicy policy;
-    policy.full = true;
+    policy.full = k.full;
     policy.method = k.method;
     policy.num_layers = k.num_layers;
+    policy.layernorm = policy.moe_act = k.selective;
     a.set_recompute(policy);
     const LossScales s = scales_for(a, B, T);
     const LossSums a0 = a.forward(0, d0.tok(), d0.tgt(), s), a1 = a.forward(1, d1.tok(), d1.tgt(), s);

@@ -207,11 +207,13 @@ TEST(Model, ActivationEstimateMatchesWhatATrainingStepAllocates) {
     bool full;
     RecomputePolicy::Method method;
     int64_t num_layers;
+    bool selective = false;
   };
   const Policy policies[] = {{"none", false, RecomputePolicy::Method::Uniform, 1},
                              {"full uniform 1", true, RecomputePolicy::Method::Uniform, 1},
                              {"full uniform 2", true, RecomputePolicy::Method::Uniform, 2},
-                             {"full block 1", true, RecomputePolicy::Method::Block, 1}};
+                             {"full block 1", true, RecomputePolicy::Method::Block, 1},
+                             {"selective layernorm, moe_act", false, RecomputePolicy::Method::Uniform, 1, true}};
   for (const ModelConfig& c : {dense, v3}) {
    for (const Policy& pol : policies) {
     Transformer m(c, Device::cpu());
@@ -220,6 +222,7 @@ TEST(Model, ActivationEstimateMatchesWhatATrainingStepAllocates) {
     rp.full = pol.full;
     rp.method = pol.method;
     rp.num_layers = pol.num_layers;
+    rp.layernorm = rp.moe_act = pol.selective;
     m.set_recompute(rp);
     const int64_t B = 2, T = 64;
     Data d(B, T, c.vocab_size, 9);
