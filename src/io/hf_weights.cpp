@@ -14,7 +14,6 @@
 #include "backend/ops.h"
 #include "comm/comm.h"
 #include "core/log.h"
-#include "io/sharded_model_state.h"
 
 namespace dstrain {
 

@@ -375,18 +375,7 @@ void SafeTensorsLayout::write(size_t i, const Tensor& t) const {
                (t.defined() || t.numel() == 0),
            "writing '{}': tensor '{}' must be {} bytes of {} in host memory, got {} bytes of {} on {}", path_, info.name,
            info.nbytes(), dtype_name(info.dtype), t.nbytes(), dtype_name(t.dtype()), t.device().str());
-  const std::string tmp = path_ + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CLOEXEC);
-  DS_CHECK(fd >= 0, "cannot open '{}' to write tensor '{}': {}; the file must be visible to every writing rank (a "
-           "shared filesystem)", tmp, info.name, errno_text(errno));
-  try {
-    write_all_at(fd, tmp, static_cast<const char*>(t.raw()), t.nbytes(), int64_t(prefix_.size()) + info.begin);
-    DS_CHECK(::fdatasync(fd) == 0, "syncing '{}' failed: {}; the disk may be full", tmp, errno_text(errno));
-  } catch (...) {
-    ::close(fd);
-    throw;
-  }
-  DS_CHECK(::close(fd) == 0, "closing '{}' failed: {}", tmp, errno_text(errno));
+  write_runs(i, {PieceRun{0, 0, t.numel()}}, t.raw());
 }
 
 void SafeTensorsLayout::write_runs(size_t i, const std::vector<PieceRun>& runs, const void* data) const {

@@ -95,10 +95,7 @@ Tensor ActivationStore::put(int mb, const std::string& key, Shape shape, DType d
   const size_t need = size_t(shape.numel()) * dtype_size(dtype);
   auto it = slot.buffers.find(key);
   if (it == slot.buffers.end() || it->second.nbytes() < need) {
-    if (it != slot.buffers.end()) {
-      pool(key, std::move(it->second));
-      slot.buffers.erase(it);
-    }
+    if (it != slot.buffers.end()) hand_back(slot, it);
     Buffer b = take_pooled(key, need);
     if (!b.allocated()) {
       // Bytes, so one buffer serves any dtype when it comes back from the pool.
@@ -211,13 +208,7 @@ void ActivationStore::release_prefix(int mb, const std::string& prefix, const st
   for (auto it = slot.buffers.begin(); it != slot.buffers.end();) {
     const std::string& key = it->first;
     const bool kept = std::any_of(keep.begin(), keep.end(), [&](const std::string& k) { return key.starts_with(k); });
-    if (!key.starts_with(prefix) || kept) {
-      ++it;
-      continue;
-    }
-    slot.views.erase(key);
-    pool(key, std::move(it->second));
-    it = slot.buffers.erase(it);
+    it = key.starts_with(prefix) && !kept ? hand_back(slot, it) : std::next(it);
   }
 }
 
@@ -225,10 +216,14 @@ void ActivationStore::release_key(int mb, const std::string& key) {
   auto s = slots_.find(mb);
   if (s == slots_.end()) return;
   auto it = s->second.buffers.find(key);
-  if (it == s->second.buffers.end()) return;
-  s->second.views.erase(key);
-  pool(key, std::move(it->second));
-  s->second.buffers.erase(it);
+  if (it != s->second.buffers.end()) hand_back(s->second, it);
+}
+
+std::unordered_map<std::string, Buffer>::iterator ActivationStore::hand_back(
+    Slot& slot, std::unordered_map<std::string, Buffer>::iterator it) {
+  slot.views.erase(it->first);
+  pool(it->first, std::move(it->second));
+  return slot.buffers.erase(it);
 }
 
 void ActivationStore::clear() {

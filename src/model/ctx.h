@@ -146,6 +146,9 @@ class ActivationStore {
     std::unordered_map<std::string, Tensor> views;
     std::unordered_map<std::string, std::any> meta;
   };
+  // Moves a slot's buffer (and drops its view) to the pool; the iterator after it.
+  std::unordered_map<std::string, Buffer>::iterator hand_back(Slot& slot,
+                                                              std::unordered_map<std::string, Buffer>::iterator it);
   Device device_;
   std::map<int, Slot> slots_;
   // Released buffers by the key they were last used for, then by capacity in bytes.

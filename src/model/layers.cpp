@@ -251,6 +251,10 @@ void DecoderLayer::forward(const Ctx& ctx, int mb, Tensor x_in, Tensor x_out) {
   ctx.after_use(first_param_, last_param_);
 }
 
+void DecoderLayer::release_activations(ActivationStore& acts, int mb, bool for_replay) const {
+  acts.release_prefix(mb, key_, for_replay ? ffn_->kept_for_replay() : std::vector<std::string>{});
+}
+
 void DecoderLayer::backward(const Ctx& ctx, int mb, Tensor dx) {
   const int64_t C = dx.size(-1), n = dx.numel() / C;
   ctx.before_use(first_param_, last_param_);

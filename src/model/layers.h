@@ -92,6 +92,9 @@ class FeedForwardBlock {
   virtual void backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx) = 0;
   // Scales of the auxiliary terms for the next forwards (MoE only).
   virtual void set_loss_scales(const LossScales&) {}
+  // Key prefixes of what the block's replay (Ctx::replay) reads from its first forward, kept
+  // when a recomputed layer's activations are handed back (a MoE layer's routing decisions).
+  virtual std::vector<std::string> kept_for_replay() const { return {}; }
   // Routing statistics, or null for a dense block.
   virtual RoutingStats* routing() { return nullptr; }
   // The auxiliary-loss-free balancing of DeepSeek-V3: each routing bias moves by gamma
@@ -185,6 +188,9 @@ class DecoderLayer {
   // dx: gradient w.r.t. x_out on entry, w.r.t. x_in on return.
   void backward(const Ctx& ctx, int mb, Tensor dx);
   FeedForwardBlock& ffn() { return *ffn_; }
+  // Hands micro-batch mb's activations of this layer back to the store's pool: all of them, or
+  // with `for_replay` all but what its replay reads from the first forward.
+  void release_activations(ActivationStore& acts, int mb, bool for_replay) const;
   // Parameter ids [first, last] of this layer, for the parameter hooks.
   void set_param_range(int first, int last) {
     first_param_ = first;

@@ -87,6 +87,8 @@ class MoEBlock : public FeedForwardBlock {
   void set_loss_scales(const LossScales& s) override { scales_ = s; }
   // The statistics with the auxiliary losses of the forwards so far read from the device.
   RoutingStats* routing() override;
+  // The router's scores, ids and weights and the dispatch plan.
+  std::vector<std::string> kept_for_replay() const override { return {key_ + "gate.", key_ + "plan."}; }
   // noaux_tc: bias[e] += gamma when expert e had fewer tokens than the mean, -= gamma when
   // more; unchanged otherwise and for the other routing methods.
   void update_routing_bias(const std::vector<int64_t>& global_tokens_per_expert, double gamma) override;

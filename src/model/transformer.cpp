@@ -322,8 +322,7 @@ void Transformer::forward_body(int slot, const StageSpec& st, Tensor tokens, Ten
     const auto [g0, g1] = slot == kInferenceMb ? std::pair{l, l} : recompute_group(st, l);
     if (g1 != l + 1) continue;
     for (int j = g0; j < g1; ++j) {
-      const std::string key = fmt::format("layers.{}.", j);
-      acts_.release_prefix(slot, key, {key + "mlp.gate.", key + "mlp.plan."});
+      layer(j).release_activations(acts_, slot, /*for_replay=*/true);
       if (j > g0) acts_.release_key(slot, fmt::format("residual.{}", j));
     }
   }
@@ -833,7 +832,7 @@ void Transformer::backward_chunk(int mb, int chunk, Tensor dout, Tensor din, Bac
       if (g1 == l + 1) replay_layers(sl, g0, g1);
       layer(l).backward(ctx_, sl, dx);
       // The layer's activations go back to the pool: the next replay takes them.
-      if (recompute_.full) acts_.release_prefix(sl, fmt::format("layers.{}.", l));
+      if (recompute_.full) layer(l).release_activations(acts_, sl, /*for_replay=*/false);
       grad_ready(sl, layer(l).first_param(), layer(l).last_param());
     }
     if (st.embedding) {

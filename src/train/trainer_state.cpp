@@ -29,6 +29,13 @@ class HostState {
   float* values() const { return values_->data<float>(); }
   float* exp_avg() const { return exp_avg_ ? exp_avg_->data<float>() : nullptr; }
   float* exp_avg_sq() const { return exp_avg_sq_ ? exp_avg_sq_->data<float>() : nullptr; }
+  // What a checkpoint writes from these buffers, or reads into them, as `pieces` lay them out.
+  CheckpointBuffers buffers(std::shared_ptr<const ShardedState> pieces) const {
+    return {values(), exp_avg(), exp_avg_sq(), std::move(pieces)};
+  }
+  CheckpointTargets targets(std::shared_ptr<const ShardedState> pieces) const {
+    return {values(), exp_avg(), exp_avg_sq(), std::move(pieces)};
+  }
   void write_back() const {
     values_->write_back();
     if (exp_avg_) exp_avg_->write_back();
@@ -133,11 +140,9 @@ void Trainer::load_weights(const std::string& init_from, bool checkpoint) {
   }
   if (checkpoint) {
     TrainState st;
+    // Each rank its whole local pieces.
     const HostState host(model_->params().values().tensor(), Tensor(), Tensor());
-    CheckpointTargets into;
-    into.values = host.values();
-    into.pieces = sharded_ckpt_->describe_registry();  // each rank its whole local pieces
-    st = read_checkpoint(init_from, ckpt_->io_comm(), file_registry(), into);
+    st = read_checkpoint(init_from, ckpt_->io_comm(), file_registry(), host.targets(sharded_ckpt_->describe_registry()));
     host.write_back();
     log::info("loaded the model of checkpoint {} (step {}); optimizer state and position start afresh", init_from,
               st.step);
@@ -248,12 +253,7 @@ double Trainer::save_checkpoint() {
   // Every rank writes the rows of its pieces it is the writing replica of, from the optimizer's
   // buffers as they are (on a device: a host copy).
   const HostState host = optimizer_host_state(*optimizer_);
-  CheckpointBuffers live;
-  live.values = host.values();
-  live.exp_avg = host.exp_avg();
-  live.exp_avg_sq = host.exp_avg_sq();
-  live.pieces = optimizer_pieces();
-  const double stall = ckpt_->save(file_registry(), live, state());
+  const double stall = ckpt_->save(file_registry(), host.buffers(optimizer_pieces()), state());
   last_saved_step_ = step_;
   last_save_time_ = clock();
   return stall;
@@ -318,12 +318,7 @@ bool Trainer::resume(const std::string& spec) {
       // Each rank reads its pieces of the file's global tensors straight into the optimizer's
       // buffers, whatever layout wrote them.
       const HostState host = optimizer_host_state(*optimizer_);
-      CheckpointTargets into;
-      into.values = host.values();
-      into.exp_avg = host.exp_avg();
-      into.exp_avg_sq = host.exp_avg_sq();
-      into.pieces = optimizer_pieces();
-      st = read_checkpoint(path, ckpt_->io_comm(), file_registry(), into);
+      st = read_checkpoint(path, ckpt_->io_comm(), file_registry(), host.targets(optimizer_pieces()));
       host.write_back();
     } catch (const Error& e) {
       if (spec != "auto") throw;
