@@ -23,6 +23,8 @@
 #include "io/hf_weights.h"
 #include "train/device_setup.h"
 #include "train/layout_check.h"
+#include "train/memory_model.h"
+#include "train/metrics.h"
 #include "train/resilience.h"
 #include "train/trainer.h"
 
@@ -61,6 +63,7 @@ struct Options {
   int64_t top_k = -1;
   int64_t seed = -1;
   int64_t ranks = 0;
+  bool dry_run = false;
 };
 
 dstrain::RunConfig load_config(const Options& o) {
@@ -181,6 +184,45 @@ int cmd_validate(const Options& o) {
   return 0;
 }
 
+// `dstrain train --dry-run`: the memory model's per-rank estimate (train/memory_model.h) for a
+// job of --ranks ranks (default: the ranks it runs on), checked against the memory budget,
+// without allocating the model or reading data. One process does it all.
+int cmd_dry_run(const Options& o) {
+  using namespace dstrain;
+  RunConfig c = load_config(o);
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  const int ranks = o.ranks > 0 ? int(o.ranks) : world;
+  if (log::rank() != 0) return 0;
+  MemoryEstimate e;
+  try {
+    e = estimate_memory(c, ranks);
+  } catch (const Error& err) {
+    std::fprintf(stderr, "error: %s: not a valid layout for %d ranks: %s\n", o.config.c_str(), ranks, err.what());
+    return 1;
+  }
+  const double budget = c.metrics.memory_budget_gb > 0 ? c.metrics.memory_budget_gb * 1e9 : node_memory_bytes();
+  const ActivationCheckpointingConfig& ac = c.train.activation_checkpointing;
+  std::printf("%s: memory per rank for %d ranks, %s, ZeRO stage %lld, activation recomputation %s, micro-batch %lld "
+              "x %lld tokens, %lld accumulation steps (one step of each pipeline stage's rank run on the meta device)\n",
+              o.config.c_str(), ranks, c.train.precision.name().c_str(), static_cast<long long>(c.train.zero.stage),
+              ac.granularity.c_str(), static_cast<long long>(c.train.micro_batch),
+              static_cast<long long>(c.data.seq_len), static_cast<long long>(c.train.grad_accum));
+  for (const std::string& line : describe_memory(e)) std::printf("  %s\n", line.c_str());
+  const RankMemory& top = e.largest();
+  std::printf("  this process itself (code, libraries, MPI) holds %.1f MB resident beside that\n",
+              current_rss_bytes() / 1e6);
+  const bool fits = double(top.peak_total) < budget;
+  std::printf("  peak %.1f MB on rank %d (pipeline stage %d) against %.1f MB %s: %s\n", double(top.peak_total) / 1e6,
+              top.ranks.front(), top.pipeline, budget / 1e6,
+              c.metrics.memory_budget_gb > 0 ? "of metrics.memory_budget_gb" : "of this node's memory",
+              fits ? "fits"
+                   : ac.full() ? "does not fit; raise ZeRO's stage, add data-parallel ranks or lower the micro-batch"
+                               : "does not fit; try train.activation_checkpointing.granularity \"full\" (about a "
+                                 "third more compute), a higher ZeRO stage or a smaller micro-batch");
+  return fits ? 0 : 1;
+}
+
 int run(int argc, char** argv) {
   CLI::App app{"dstrain: train DeepSeek-family language models on CPUs and GPUs with MPI"};
   app.require_subcommand(1);
@@ -201,6 +243,10 @@ int run(int argc, char** argv) {
       ->check(cli::integer_in(0));
   train->add_option("--status-file", o.status_file,
                     "rank 0 writes 'completed STEP' or 'stopped STEP' here when training ends (for batch scripts)");
+  train->add_flag("--dry-run", o.dry_run,
+                  "print each rank's memory by category (the memory model) and whether it fits, without training");
+  train->add_option("--ranks", o.ranks, "with --dry-run: ranks of the job (default: the ranks it runs on)")
+      ->check(cli::integer_in(1));
   train->add_option("--resume", o.resume,
                     "continue from a checkpoint: 'auto' (the newest valid one in checkpoint.dir) or a file");
   CLI::App* eval = app.add_subcommand("eval", "mean loss over the first windows of the evaluation data");
@@ -240,7 +286,7 @@ int run(int argc, char** argv) {
         "dstrain", fmt::format("unknown command '{}'; the commands are train, eval, generate and validate", argv[1]), "dstrain",
         quiet);
   }
-  if (train->parsed()) return cmd_train(o);
+  if (train->parsed()) return o.dry_run ? cmd_dry_run(o) : cmd_train(o);
   if (eval->parsed()) return cmd_eval(o);
   if (validate->parsed()) return cmd_validate(o);
   return cmd_generate(o);

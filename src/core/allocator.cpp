@@ -88,6 +88,7 @@ std::string missing_backend_hint(DeviceType type) {
   switch (type) {
     case DeviceType::CUDA: return "this build has no CUDA backend";
     case DeviceType::Emulated: return "the emulated device exists only in tests that register its backend";
+    case DeviceType::Meta: return "the meta device is registered by the memory model (backend/meta.h)";
     case DeviceType::CPU: break;
   }
   return "this build has no backend for it";

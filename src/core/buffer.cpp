@@ -1,5 +1,6 @@
 #include "core/buffer.h"
 
+#include <algorithm>
 #include <mutex>
 
 namespace dstrain {
@@ -12,6 +13,7 @@ void add(MemoryStats& s, MemCategory c, int64_t delta) {
   auto i = size_t(c);
   s.bytes[i] += delta;
   if (s.bytes[i] > s.peak[i]) s.peak[i] = s.bytes[i];
+  if (delta > 0) s.peak_total = std::max(s.peak_total, s.total());
 }
 
 void account(DeviceType d, MemCategory c, int64_t delta) {
@@ -51,6 +53,13 @@ MemoryStats memory_stats() {
 MemoryStats memory_stats(DeviceType device) {
   std::lock_guard lock(g_stats_mutex);
   return g_device_stats[size_t(device)];
+}
+
+void reset_memory_peaks(DeviceType device) {
+  std::lock_guard lock(g_stats_mutex);
+  MemoryStats& s = g_device_stats[size_t(device)];
+  s.peak = s.bytes;
+  s.peak_total = s.total();
 }
 
 Buffer::Buffer(std::string label, MemCategory category, DType dtype, int64_t numel, Device device)

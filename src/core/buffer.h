@@ -32,11 +32,14 @@ std::string_view mem_category_name(MemCategory c);
 // together, or on one type of device (pinned host memory counts as CPU).
 struct MemoryStats {
   std::array<int64_t, size_t(MemCategory::kCount)> bytes{};
-  std::array<int64_t, size_t(MemCategory::kCount)> peak{};
+  std::array<int64_t, size_t(MemCategory::kCount)> peak{};  // each category's own peak
+  int64_t peak_total = 0;  // the peak of all categories together (not the sum of their peaks)
   int64_t total() const;
 };
 MemoryStats memory_stats();
 MemoryStats memory_stats(DeviceType device);
+// Starts the peaks of one device type again from what it holds now.
+void reset_memory_peaks(DeviceType device);
 // Accounts memory that Buffers cannot see for themselves: the pages of a reserved buffer that
 // are in use (its owner knows which). delta may be negative.
 void memory_account(DeviceType device, MemCategory category, int64_t delta);

@@ -33,6 +33,18 @@ ops::MoEScoring scoring_func(const std::string& s) {
   return ops::MoEScoring::Sigmoid;
 }
 
+// Offsets (E + 1) of M routed rows spread evenly over E experts, each cut to `capacity` rows
+// when there is one (>= 0).
+std::vector<int64_t> balanced_plan(int64_t M, int64_t E, int64_t capacity) {
+  std::vector<int64_t> plan(size_t(E + 1), 0);
+  for (int64_t e = 0; e < E; ++e) {
+    int64_t rows = M * (e + 1) / E - M * e / E;
+    if (capacity >= 0) rows = std::min(rows, capacity);
+    plan[size_t(e + 1)] = plan[size_t(e)] + rows;
+  }
+  return plan;
+}
+
 }  // namespace
 
 // Runs fn(e, first_row, last_row) for every expert with rows. With many experts (at least
@@ -195,6 +207,9 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
     // capacity the router's counts come along, for the loads.
     m.plan.assign(size_t(E + 1), 0);
     ops::copy(Tensor(m.plan.data(), DType::I64, Shape{E + 1}), offsets);
+    // The meta device (memory model) routes nothing: it takes balanced loads, each expert
+    // an equal share of the M rows (up to the capacity).
+    if (ctx.device.type == DeviceType::Meta) m.plan = balanced_plan(M, E, capacity);
     std::vector<int64_t> routed_host;
     if (capacity >= 0) {
       routed_host.assign(size_t(E + 1), 0);

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "backend/meta.h"
+#include "comm/shape_only_comm.h"
 #include "model/init.h"
 #include "model/mla.h"
 #include "model/moe.h"
@@ -186,96 +188,44 @@ int64_t Transformer::head_chunk_rows() const {
 }
 
 int64_t Transformer::activation_bytes(int64_t B, int64_t T) const {
-  const ModelConfig& c = config_;
-  // This rank's piece: its heads, FFN columns and vocabulary rows; with sequence parallelism
-  // its share n of the N token rows between the blocks.
-  const int64_t C = c.hidden_size, H = shard_.heads.size(), N = B * T, V = shard_.vocab.size();
-  const int64_t n = shard_.sequence_parallel && shard_.tp_size > 1 ? N / shard_.tp_size : N;
-  const int64_t cs = int64_t(dtype_size(ctx_.compute_dtype));
-  // Sizes per token, as {fp32 elements (or int32), compute-dtype elements}: the residual
-  // stream, rstd, lse, logits and the router's tensors are fp32, the rest is in the compute
-  // dtype (backend/ops.def: "Mixed precision"); gradients have the dtype of their activation.
-  struct Elems {
-    int64_t f32 = 0, cd = 0;
-    Elems operator+(const Elems& o) const { return {f32 + o.f32, cd + o.cd}; }
-    Elems operator*(int64_t k) const { return {f32 * k, cd * k}; }
-  };
-  // Attention, kept per token of all N rows: GQA keeps q|k|v, its output and a log-sum-exp per
-  // head; MLA also its latents with their norms (see model/mla.h).
-  Elems attn, attn_scratch;
-  if (c.mla()) {
-    const int64_t Dqk = c.qk_head_dim(), Dv = c.v_head_dim, W = H * (2 * Dqk + Dv);
-    attn = {1 + (c.q_lora_rank ? 1 : 0) + H, 2 * c.kv_lora_rank + (c.q_lora_rank ? 2 * c.q_lora_rank : 0) + W + H * Dv};
-    attn_scratch = {0, W + std::max({H * Dv, H * Dqk, H * (c.qk_nope_head_dim + Dv)}) +
-                           2 * std::max(c.q_lora_rank, c.kv_lora_rank) + c.qk_rope_head_dim};
-  } else {
-    const int64_t D = c.head_dim(), W = (H + 2 * shard_.kv_heads.size()) * D;
-    attn = {H, W + H * D};
-    attn_scratch = {0, W + H * D};
-  }
-  // Feed-forward: SwiGLU's gate|up and output (all rows); a MoE layer's scores, routes and, per
-  // routed copy of the token, its input row, gate|up, output and expert output (the rank's
-  // rows), plus the shared experts (all rows).
-  struct Ffn {
-    Elems all, mine;
-  };
-  auto ffn = [&](int64_t l) -> Ffn {
-    if (!c.is_moe_layer(l)) return {{0, 3 * shard_.ffn.size()}, {}};
-    const int64_t k = c.num_experts_per_tok, I = c.moe_intermediate_size;
-    return {{0, 3 * shard_.shared_ffn.size()}, {2 * c.n_routed_experts + 2 * k, k * (C + 3 * I + C)}};
-  };
-  int64_t widest_ffn = 0;
-  // Bytes of per-row and all-row elements.
-  auto bytes = [&](const Elems& mine, const Elems& every) {
-    return (mine.f32 * 4 + mine.cd * cs) * n + (every.f32 * 4 + every.cd * cs) * N;
-  };
-  // The layers' activations: those of the layers that keep them (the MTP modules' too), and
-  // what a recomputed layer keeps (its output residual, a MoE layer's routing decisions); one
-  // recomputed group's activations come back at a time, for its backward, after the layers
-  // that keep theirs and the head have handed theirs back (model/transformer.h).
-  int64_t full = 0, kept = 0, replayed = 0, widest_group = 0;
-  for (int64_t l = 0; l < c.num_hidden_layers + c.num_nextn_predict_layers; ++l) {
-    // The layers this rank holds only (pipeline stages).
-    if (l < c.num_hidden_layers ? local_layer_[size_t(l)] < 0 : mtp_.empty()) continue;
-    // Norms with their rstd, the residual in the middle and at the end, attention, FFN.
-    const Ffn f = ffn(l);
-    // Selective recomputation keeps the norms' outputs, or the routed experts' SwiGLU output,
-    // out of the store (one of each in scratch below).
-    Elems mine = Elems{2 + 2 * C, recompute_.layernorm ? 0 : 2 * C} + f.mine;
-    if (recompute_.moe_act && c.is_moe_layer(l)) mine.cd -= c.num_experts_per_tok * c.moe_intermediate_size;
-    const Elems every = attn + f.all;
-    // MTP: embedding and projection (fp32), norms and [e|h] (compute dtype).
-    if (l >= c.num_hidden_layers) mine = mine + Elems{2 * C + 3, 4 * C};
-    widest_ffn = std::max(widest_ffn, bytes(f.mine, f.all));
-    std::pair<int, int> group{int(l), int(l)};
-    for (const StageSpec& st : chunks_) {
-      if (l >= st.first_layer && l < st.end_layer) group = recompute_group(st, int(l));
+  // A twin of this rank's piece on the meta device (backend/meta.h) runs one micro-batch's
+  // forward and backward under the same compute dtype and recompute policy: what it allocates
+  // is what the layers save, by construction.
+  meta::ensure_registered();
+  ShapeOnlyCommunicator tp("tensor", shard_.tp_rank, shard_.tp_size), ep("expert", shard_.ep_rank, shard_.ep_size);
+  ProcessGroups groups;
+  groups.tp = ctx_.groups.tp ? &tp : nullptr;
+  groups.ep = ctx_.groups.ep ? &ep : nullptr;
+  reset_memory_peaks(DeviceType::Meta);
+  {
+    Transformer twin(config_, Device::meta(), shard_, groups, chunks_);
+    if (ctx_.compute_dtype != DType::F32) twin.set_compute_dtype(ctx_.compute_dtype);
+    twin.set_recompute(recompute_);
+    std::vector<int32_t> tokens(size_t(B * T), 0);
+    const Tensor tok(tokens.data(), DType::I32, Shape{B, T});
+    LossScales scales;
+    scales.token = 1.0f;
+    scales.sequence = scales.micro_batch = 1.0;
+    scales.mtp_token.assign(size_t(config_.num_nextn_predict_layers), 1.0f);
+    if (num_chunks() == 1 && chunks_[0].embedding && chunks_[0].head) {
+      twin.forward(0, tok, tok, scales);
+      twin.backward(0);
+    } else {
+      // The chunk boundaries' messages are the pipeline runner's (communication buffers).
+      const Shape shape = twin.boundary_shape(B, T);
+      Buffer in("pipeline.message", MemCategory::CommBuffers, DType::F32, shape.numel(), Device::meta());
+      Buffer grad("pipeline.message", MemCategory::CommBuffers, DType::F32, shape.numel(), Device::meta());
+      for (int c = 0; c < num_chunks(); ++c) {
+        twin.forward_chunk(0, c, tok, tok, scales, chunks_[size_t(c)].embedding ? Tensor() : in.tensor(0, shape));
+      }
+      for (int c = num_chunks() - 1; c >= 0; --c) {
+        const StageSpec& s = chunks_[size_t(c)];
+        twin.backward_chunk(0, c, s.head ? Tensor() : grad.tensor(0, shape), s.embedding ? Tensor() : in.tensor(0, shape));
+      }
     }
-    if (group.second == group.first) {
-      full += bytes(mine, every);
-      continue;
-    }
-    const Elems keeps{C + (c.is_moe_layer(l) ? f.mine.f32 : 0), 0};
-    kept += bytes(keeps, {});
-    if (int(l) == group.first) replayed = 0;
-    replayed += bytes(Elems{mine.f32 - keeps.f32, mine.cd}, every);
-    widest_group = std::max(widest_group, replayed);
   }
-  const int64_t chunk = std::min(N, head_chunk_rows());
-  // The embedding's output and the final norm; the head's logits and losses.
-  const int64_t head = bytes(Elems{C + 1, C}, {}) +
-                       (head_chunk() >= 0 ? (chunk * V + 2 * chunk + N /*losses*/) * int64_t(sizeof(float)) : 0);
-  // Backward temporaries shared by the layers: the residual's gradient (fp32), the head's and
-  // dln (compute dtype), the widest attention and feed-forward gradients. A sharded layer's
-  // partial sums are fp32 temporaries of all rows (the input gradient, the row-parallel output).
-  const int64_t tp_partials = shard_.tp_size > 1 ? 2 * C * N : 0;
-  Elems scratch = Elems{C, 2 * C} * n + attn_scratch * N + Elems{tp_partials, 0};
-  if (recompute_.layernorm) scratch = scratch + Elems{1, C} * n;
-  if (recompute_.moe_act && c.n_routed_experts > 0) {
-    scratch = scratch + Elems{0, c.num_experts_per_tok * c.moe_intermediate_size} * n;
-  }
-  return kept + std::max(full + head, widest_group) + scratch.f32 * int64_t(sizeof(float)) + scratch.cd * cs +
-         widest_ffn;
+  const MemoryStats m = memory_stats(DeviceType::Meta);
+  return m.peak[size_t(MemCategory::Activations)] + m.peak[size_t(MemCategory::Workspace)];
 }
 
 void Transformer::release_activations() {

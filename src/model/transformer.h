@@ -171,9 +171,11 @@ class Transformer {
   // whole model's registry; the weights its pieces share (tied_params).
   std::vector<StageSpec> stages() const { return split_stages(config_, 1); }
   Range stage_params(const StageSpec& s) const { return stage_param_range(reg_, s, config_); }
-  // Bytes of activations and backward temporaries a micro-batch of (B, T) needs, under the
-  // recompute policy: a recomputed layer counts what it keeps, plus the largest recomputed
-  // group's activations once (one group is replayed at a time).
+  // Bytes of activations and backward temporaries one micro-batch of (B, T) needs under the
+  // compute dtype and recompute policy, at their peaks: from a twin of this rank's piece that
+  // runs the micro-batch's forward and backward on the meta device (no memory, no compute).
+  // The whole step of a rank, with its schedule, its optimizer and every other category, is
+  // the memory model's (train/memory_model.h).
   int64_t activation_bytes(int64_t B, int64_t T) const;
   // Frees every activation buffer, in flight or pooled, and the backward temporaries (they
   // are reallocated at the next forward's size).

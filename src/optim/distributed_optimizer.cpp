@@ -25,7 +25,8 @@ int64_t align_up(int64_t n) { return (n + kShardAlign - 1) / kShardAlign * kShar
 // On the device, or offloaded to the host: page-locked (pin_memory, DeepSpeed's key: faster
 // copies to and from a GPU, memory the OS cannot page out) or ordinary host memory.
 Buffer shard_buffer(const std::string& label, MemCategory category, int64_t n, bool host, bool pinned, Device device) {
-  if (!host) return Buffer(label, category, DType::F32, n, device);
+  // (The memory model's meta device counts offloaded state with the rest: no host memory.)
+  if (!host || device.type == DeviceType::Meta) return Buffer(label, category, DType::F32, n, device);
   return pinned ? Buffer::pinned_host(label, category, DType::F32, n)
                 : Buffer(label, category, DType::F32, n, Device::cpu());
 }

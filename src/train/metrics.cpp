@@ -124,6 +124,17 @@ double node_memory_bytes() {
   return 0;
 }
 
+double current_rss_bytes() {
+  std::ifstream in("/proc/self/status");
+  std::string key;
+  double kb = 0;
+  while (in >> key) {
+    if (key == "VmRSS:" && in >> kb) return kb * 1024.0;
+    in.ignore(4096, '\n');
+  }
+  return 0;
+}
+
 namespace {
 
 double peak_rss_bytes() {

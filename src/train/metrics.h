@@ -79,6 +79,8 @@ Peak measure_peak_flops(int trials = 5, double trial_seconds = 0.05, DType compu
 using PeakMeasure = std::function<Peak()>;
 // Physical memory of this node (MemTotal of /proc/meminfo); 0 when unknown.
 double node_memory_bytes();
+// This process's resident memory now (VmRSS of /proc/self/status); 0 when unknown.
+double current_rss_bytes();
 
 class Metrics {
  public:

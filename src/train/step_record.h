@@ -4,10 +4,13 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "core/buffer.h"
 
 namespace dstrain {
 
@@ -84,6 +87,10 @@ struct StepRecord {
   // Per world rank: weights + gradients + optimizer state + gathered weights held at the end of
   // the step, and the local parameters (elements) of the dense and expert groups.
   std::vector<double> rank_model_state_bytes;
+  // Each rank's peak of the allocator's accounting on the model's device: all categories
+  // together, and each category at its own peak (since the start of the run).
+  std::vector<double> rank_memory_peak_bytes;
+  std::vector<std::array<double, size_t(MemCategory::kCount)>> rank_category_peak_bytes;
   std::vector<std::pair<int64_t, int64_t>> rank_local_params;
 };
 

@@ -12,6 +12,7 @@
 #include "core/log.h"
 #include "distributed/routed_comm.h"
 #include "train/layout_check.h"
+#include "train/memory_model.h"
 #include "train/startup_checks.h"
 
 namespace dstrain {
@@ -198,10 +199,6 @@ std::string Trainer::forward_backward(StepData& data, const LossScales& scales, 
     std::vector<PipelineRunner::MicroBatch> micro;
     for (Batch& b : data.micro) micro.push_back({tokens_tensor(b.inputs, mb, T), tokens_tensor(b.targets, mb, T)});
     try {
-      if (fault_at_this_step(&FaultInjection::oom_at_step) && !oom_fault_fired_) {
-        oom_fault_fired_ = true;
-        throw OutOfMemory(fmt::format("fault injection: allocation failure at step {}", step_ + 1));
-      }
       for (const LossSums& s : runner_->run_step(micro, scales, timeline_.get(), step_ + 1)) {
         sums[0] += s.sum;
         sums[1] += double(s.count);
@@ -209,7 +206,8 @@ std::string Trainer::forward_backward(StepData& data, const LossScales& scales, 
       }
     } catch (const OutOfMemory& e) {
       throw Error(fmt::format("{}; a pipeline stage cannot retry the step with a smaller micro-batch while the other "
-                              "stages wait for it: lower train.train_micro_batch_size_per_gpu",
+                              "stages wait for it half-way: lower train.train_micro_batch_size_per_gpu, or set "
+                              "metrics.memory_budget_gb so that the memory model fits the step before it starts",
                               e.what()));
     }
     return "";
@@ -259,7 +257,8 @@ std::string Trainer::forward_backward(StepData& data, const LossScales& scales, 
       // The other ranks go on reducing every micro-step's gradients: this rank cannot match
       // them with a smaller micro-batch, so the run ends (on every rank, through the error).
       throw Error(fmt::format("{}; ZeRO stage {} reduces gradients every micro-step and cannot retry the step with a "
-                              "smaller micro-batch: lower train.train_micro_batch_size_per_gpu",
+                              "smaller micro-batch half-way: lower train.train_micro_batch_size_per_gpu, or set "
+                              "metrics.memory_budget_gb so that the memory model fits the step before it starts",
                               e.what(), optimizer_->stage()));
     }
     model_->release_activations();
@@ -340,6 +339,11 @@ bool Trainer::train_step(StepRecord& r) {
   const TrainConfig& tc = config_.train;
   inject_process_faults();
   collective_wait_seconds_ = 0;
+  // Where a step cannot be abandoned half-way, a rank that cannot allocate says so before the
+  // step's first collective (only allocation faults are injected there).
+  if ((runner_ || optimizer_->reduces_into_shard()) && config_.resilience.fault.oom_at_step > 0) {
+    agree_on_step_memory(step_);
+  }
   // The whole step's micro-batches come at once (read ahead by the pipeline): the loss is the
   // mean over every target token of the global batch, so each backward needs the global
   // token count.
@@ -447,13 +451,7 @@ bool Trainer::train_step(StepRecord& r) {
 
 void Trainer::apply_recompute() {
   const ActivationCheckpointingConfig& ac = config_.train.activation_checkpointing;
-  RecomputePolicy policy;
-  policy.full = ac.full();
-  policy.method = ac.method == "block" ? RecomputePolicy::Method::Block : RecomputePolicy::Method::Uniform;
-  policy.num_layers = ac.num_layers;
-  policy.layernorm = ac.selects("layernorm");
-  policy.moe_act = ac.selects("moe_act");
-  model_->set_recompute(policy);
+  model_->set_recompute(recompute_policy(ac));
   if (ac.granularity == "selective") {
     std::string parts;
     for (const std::string& p : ac.selective) parts += (parts.empty() ? "" : ", ") + p;
@@ -500,35 +498,73 @@ void Trainer::shrink_micro_batch(const std::string& why, int64_t step, const jso
   data_pipeline().reconfigure(tc.micro_batch, tc.grad_accum, step, blend_before);
 }
 
-void Trainer::apply_activation_budget() {
-  const double budget = config_.resilience.activation_budget_mb * 1e6;
-  if (budget <= 0) return;
+void Trainer::fit_memory_budget() {
+  const double act_budget = config_.resilience.activation_budget_mb * 1e6;
+  const double budget = config_.metrics.memory_budget_gb * 1e9;
+  if (act_budget <= 0 && budget <= 0) return;
   TrainConfig& tc = config_.train;
-  // The same arithmetic on every rank: no agreement needed.
-  while (double(model_->activation_bytes(tc.micro_batch, config_.data.seq_len)) > budget) {
-    const double need = double(model_->activation_bytes(tc.micro_batch, config_.data.seq_len)) / 1e6;
-    if (config_.resilience.oom_fallback && recompute_to_fit()) {
-      log::warn("a micro-batch needs {:.0f} MB of activations, over the budget of {:.0f} MB: full activation "
-                "recomputation turned on (the same results, about a third more compute; resilience.oom_recompute); "
-                "now {:.0f} MB",
-                need, budget / 1e6, double(model_->activation_bytes(tc.micro_batch, config_.data.seq_len)) / 1e6);
-      continue;
+  const int world = grid_.world_size();
+  // What goes over which budget under `c` ("" when every rank fits).
+  auto over = [&](const RunConfig& c) -> std::string {
+    const MemoryEstimate e = estimate_memory(c, world);
+    std::string why;
+    for (const RankMemory& r : e.stages) {
+      const double act = double(r.peak[size_t(MemCategory::Activations)]);
+      if (act_budget > 0 && act > act_budget && why.empty()) {
+        why = fmt::format("rank {} needs {:.0f} MB of activations, over resilience.activation_budget_mb ({:.0f} MB)",
+                          r.ranks.front(), act / 1e6, act_budget / 1e6);
+      }
+      if (budget > 0 && double(r.peak_total) > budget && why.empty()) {
+        why = fmt::format("rank {} needs {:.0f} MB at its peak, over metrics.memory_budget_gb ({:.0f} MB)",
+                          r.ranks.front(), double(r.peak_total) / 1e6, budget / 1e6);
+      }
     }
-    DS_CHECK(config_.resilience.oom_fallback && tc.micro_batch % 2 == 0,
-             "a micro-batch of {} x {} tokens needs {:.0f} MB of activations, over the budget of {:.0f} MB; lower "
-             "train.train_micro_batch_size_per_gpu or raise resilience.activation_budget_mb",
-             tc.micro_batch, config_.data.seq_len, need, budget / 1e6);
+    return why;
+  };
+  const ResilienceConfig& rc = config_.resilience;
+  for (std::string why = over(config_); !why.empty(); why = over(config_)) {
+    const std::string split = fmt::format("micro-batch {} x {} tokens, {}", tc.micro_batch, config_.data.seq_len,
+                                          tc.activation_checkpointing.full() ? "full recomputation"
+                                                                              : "no full recomputation");
+    if (rc.oom_fallback && rc.oom_recompute && !tc.activation_checkpointing.full()) {
+      RunConfig full = config_;
+      full.train.activation_checkpointing.granularity = "full";
+      full.train.activation_checkpointing.method = "uniform";
+      full.train.activation_checkpointing.num_layers = 1;
+      if (over(full).empty() || tc.micro_batch % 2 != 0) {
+        recompute_to_fit();
+        log::warn("memory model: {} ({}): full activation recomputation turned on (the same results, about a third "
+                  "more compute; resilience.oom_recompute)",
+                  why, split);
+        continue;
+      }
+    }
+    DS_CHECK(rc.oom_fallback && tc.micro_batch % 2 == 0,
+             "memory model: {} ({}); lower train.train_micro_batch_size_per_gpu, turn on "
+             "train.activation_checkpointing, raise the ZeRO stage or add ranks (dstrain train --dry-run prints each "
+             "rank's memory)",
+             why, split);
     tc.micro_batch /= 2;
     tc.grad_accum *= 2;
-    log::warn("a micro-batch needs {:.0f} MB of activations, over the budget of {:.0f} MB: micro-batch halved to {} "
-              "with {} accumulation steps (global batch {} unchanged)",
-              need, budget / 1e6, tc.micro_batch, tc.grad_accum, tc.train_batch_size);
+    log::warn("memory model: {} ({}): micro-batch halved to {} with {} accumulation steps (global batch {} unchanged)",
+              why, split, tc.micro_batch, tc.grad_accum, tc.train_batch_size);
   }
+}
+
+void Trainer::agree_on_step_memory(int64_t step) {
+  const bool mine = fault_at_this_step(&FaultInjection::oom_at_step) && !oom_fault_fired_;
+  if (mine) oom_fault_fired_ = true;  // once: the step then gets through
+  int32_t failed = mine ? 1 : 0;
+  timed_collective([&] { failed = grid_.world().all_reduce_value<int32_t>(failed, ReduceOp::Sum); });
+  if (failed == 0) return;
+  const std::string why = fmt::format("{} rank(s) failed to allocate the step's buffers{}", failed,
+                                      mine ? " (this one: fault injection)" : "");
+  shrink_micro_batch(why, step, data_pipeline().blend_state());
 }
 
 Trainer::Outcome Trainer::train() {
   if (model_->compute_dtype() != config_.train.precision.compute_dtype()) apply_precision();
-  apply_activation_budget();
+  fit_memory_budget();
   if (config_.resilience.spike_window > 0 && !spikes_) {
     spikes_ = std::make_unique<SpikeDetector>(config_.resilience.spike_window, config_.resilience.spike_zscore);
   }

@@ -141,7 +141,17 @@ class Trainer {
   }
   void load_weights(const std::string& init_from, bool checkpoint);
   void shrink_micro_batch(const std::string& why, int64_t step, const json& blend_before);
-  void apply_activation_budget();
+  // Before the first step, when metrics.memory_budget_gb or resilience.activation_budget_mb is
+  // set: the memory model's estimate of every rank (train/memory_model.h) against them; over
+  // a budget, with resilience.oom_fallback, full recomputation when the model says it then
+  // fits, else the micro-batch halved (the global batch kept), until every rank fits. The
+  // same arithmetic on every rank: no agreement needed.
+  void fit_memory_budget();
+  // Out of memory on a rank where a step cannot be abandoned half-way (ZeRO stages 2 and 3
+  // reduce every micro-step, pipeline stages wait on each other's messages): whether any rank
+  // fails to allocate this step's first buffers, agreed over every rank before the step's
+  // first collective; then every rank changes alike and the step runs with the new split.
+  void agree_on_step_memory(int64_t step);
   // train.epochs: max_steps from the training data's size (at construction).
   void resolve_epochs();
   StepMetrics step_metrics(const StepRecord& r, double elapsed, int64_t steps_this_run);

@@ -106,14 +106,16 @@ void Trainer::gather_rank_timings(StepRecord& r) {
   const MemoryStats mem = memory_stats(model_->params().device().type);
   auto held = [&](MemCategory c) { return double(mem.bytes[size_t(c)]); };
   const ParamRegistry& reg = model_->params();
-  constexpr int kPer = 6;
+  constexpr int kCats = int(MemCategory::kCount), kPer = 7 + kCats;
   double mine[kPer] = {r.step_seconds,
                        r.step_seconds - r.exposed_comm_seconds,
                        double(usage.ru_maxrss) * 1024.0,
                        held(MemCategory::Parameters) + held(MemCategory::Gradients) +
                            held(MemCategory::OptimizerState) + held(MemCategory::GatheredParameters),
                        double(reg.group_numel(ParamGroup::Dense)),
-                       double(reg.group_numel(ParamGroup::Expert))};
+                       double(reg.group_numel(ParamGroup::Expert)),
+                       double(mem.peak_total)};
+  for (int c = 0; c < kCats; ++c) mine[7 + c] = double(mem.peak[size_t(c)]);
   std::vector<double> all(static_cast<size_t>(kPer * W));
   grid_.world().all_gather(Tensor(all.data(), DType::F64, Shape{kPer * W}), Tensor(mine, DType::F64, Shape{kPer}));
   for (int k = 0; k < W; ++k) {
@@ -123,6 +125,10 @@ void Trainer::gather_rank_timings(StepRecord& r) {
     r.rank_peak_rss_bytes.push_back(x[2]);
     r.rank_model_state_bytes.push_back(x[3]);
     r.rank_local_params.push_back({int64_t(x[4]), int64_t(x[5])});
+    r.rank_memory_peak_bytes.push_back(x[6]);
+    std::array<double, size_t(MemCategory::kCount)> peaks{};
+    for (int c = 0; c < kCats; ++c) peaks[size_t(c)] = x[7 + c];
+    r.rank_category_peak_bytes.push_back(peaks);
   }
 }
 
@@ -162,7 +168,16 @@ StepMetrics Trainer::step_metrics(const StepRecord& r, double elapsed, int64_t s
       dense.push_back(d);
       expert.push_back(e);
     }
+    json by_category = json::object();
+    for (int c = 0; c < int(MemCategory::kCount); ++c) {
+      json v = json::array();
+      for (const auto& peaks : r.rank_category_peak_bytes) v.push_back(peaks[size_t(c)]);
+      by_category[std::string(mem_category_name(MemCategory(c)))] = v;
+    }
     m.extra["ranks"] = {{"model_state_bytes", r.rank_model_state_bytes},
+                        {"memory_peak_bytes", r.rank_memory_peak_bytes},
+                        {"peak_rss_bytes", r.rank_peak_rss_bytes},
+                        {"memory_peak_bytes_by_category", by_category},
                         {"local_dense_params", dense},
                         {"local_expert_params", expert}};
   }
