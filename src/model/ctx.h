@@ -292,9 +292,11 @@ struct Ctx {
   bool replay = false;
   // Selective recomputation (Megatron-Core's recompute_modules): "layernorm" keeps the norms'
   // outputs out of the store and forms them again from the residual in the backward;
-  // "moe_act" does the same with the routed experts' SwiGLU output (from their gate|up).
+  // "moe_act" does the same with the routed experts' SwiGLU output (from their gate|up);
+  // "mla_up_proj" with MLA's per-head q|k|v (from the normed latents and k_pe).
   bool recompute_layernorm = false;
   bool recompute_moe_act = false;
+  bool recompute_mla_up_proj = false;
 
   int tp_size() const { return ProcessGroups::size_of(groups.tp); }
   int tp_rank() const { return groups.tp ? groups.tp->rank() : 0; }

@@ -208,6 +208,11 @@ int64_t Transformer::activation_bytes(int64_t B, int64_t T) const {
     attn = {1 + (c.q_lora_rank ? 1 : 0) + H, 2 * c.kv_lora_rank + (c.q_lora_rank ? 2 * c.q_lora_rank : 0) + W + H * Dv};
     attn_scratch = {0, W + std::max({H * Dv, H * Dqk, H * (c.qk_nope_head_dim + Dv)}) +
                            2 * std::max(c.q_lora_rank, c.kv_lora_rank) + c.qk_rope_head_dim};
+    // Selective "mla_up_proj": q|k|v in scratch, k_pe kept before the rope instead.
+    if (recompute_.mla_up_proj) {
+      attn.cd += c.qk_rope_head_dim - W;
+      attn_scratch.cd += W;
+    }
   } else {
     const int64_t D = c.head_dim(), W = (H + 2 * shard_.kv_heads.size()) * D;
     attn = {H, W + H * D};
@@ -338,9 +343,13 @@ void Transformer::forward_body(int slot, const StageSpec& st, Tensor tokens, Ten
 void Transformer::set_recompute(const RecomputePolicy& policy) {
   DS_CHECK(!policy.full || policy.num_layers >= 1, "activation recomputation: num_layers must be at least 1, got {}",
            policy.num_layers);
+  DS_CHECK(!policy.mla_up_proj || config_.mla(),
+           "selective recomputation \"mla_up_proj\" forms MLA's heads again, but model_type '{}' has no MLA",
+           config_.model_type);
   recompute_ = policy;
   ctx_.recompute_layernorm = policy.layernorm;
   ctx_.recompute_moe_act = policy.moe_act;
+  ctx_.recompute_mla_up_proj = policy.mla_up_proj;
 }
 
 std::pair<int, int> Transformer::recompute_group(const StageSpec& st, int l) const {

@@ -57,8 +57,11 @@ enum class BackwardPart { Full, Input };
 // recompute_modules names) keeps the layers' other activations and forms these again in the
 // backward, with the same op: "layernorm", the two norms' outputs of every decoder layer (from
 // the residual, whose rstd is kept); "moe_act", the routed experts' SwiGLU output (from their
-// gate|up). The attention core ("core_attn") keeps no scores or probabilities in any case: the
-// fused kernel keeps q|k|v, its output and a log-sum-exp per row and forms the rest again.
+// gate|up); "mla_up_proj", MLA's per-head q|k|v (q_b_proj or q_proj, kv_b_proj, the copies of
+// k_pe and the rope, from the normed latents, which are kept, and k_pe, kept before the rope:
+// model/mla.h), an error on a model without MLA. The attention core ("core_attn") keeps no
+// scores or probabilities in any case: the fused kernel keeps q|k|v, its output and a
+// log-sum-exp per row and forms the rest again.
 struct RecomputePolicy {
   enum class Method { Uniform, Block };
   bool full = false;
@@ -66,6 +69,7 @@ struct RecomputePolicy {
   int64_t num_layers = 1;
   bool layernorm = false;
   bool moe_act = false;
+  bool mla_up_proj = false;
 };
 
 class Transformer {

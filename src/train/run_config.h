@@ -45,7 +45,7 @@ struct PrecisionConfig {
 // method "uniform" in groups of num_layers, "block" the first num_layers of each pipeline chunk.
 // granularity "selective" recomputes the parts `selective` names (Megatron-Core's
 // recompute_modules): "core_attn" (kept by no path: the fused attention forms its scores again
-// anyway), "layernorm", "moe_act".
+// anyway), "layernorm", "moe_act", "mla_up_proj" (MLA models only: an error otherwise).
 struct ActivationCheckpointingConfig {
   std::string granularity = "none";  // "none", "selective" or "full"
   std::string method = "uniform";    // "uniform" or "block"

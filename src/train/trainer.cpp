@@ -453,6 +453,7 @@ void Trainer::apply_recompute() {
   policy.num_layers = ac.num_layers;
   policy.layernorm = ac.selects("layernorm");
   policy.moe_act = ac.selects("moe_act");
+  policy.mla_up_proj = ac.selects("mla_up_proj");
   model_->set_recompute(policy);
   if (ac.granularity == "selective") {
     std::string parts;

@@ -286,14 +286,19 @@ TEST_P(Engine, RecomputationIsBitwiseTheSameAndReplaysTheRouting) {
     RecomputePolicy::Method method;
     int64_t num_layers;
     bool selective;
+    bool mla_up_proj = false;  // MLA models only
   };
   const Case cases[] = {{"uniform 1", true, RecomputePolicy::Method::Uniform, 1, false},
                         {"uniform 2", true, RecomputePolicy::Method::Uniform, 2, false},
                         {"block 1", true, RecomputePolicy::Method::Block, 1, false},
                         {"selective layernorm, moe_act", false, RecomputePolicy::Method::Uniform, 1, true},
-                        {"uniform 1 and selective", true, RecomputePolicy::Method::Uniform, 1, true}};
+                        {"selective mla_up_proj", false, RecomputePolicy::Method::Uniform, 1, false, true},
+                        {"selective layernorm, moe_act, mla_up_proj", false, RecomputePolicy::Method::Uniform, 1, true,
+                         true},
+                        {"uniform 1 and selective", true, RecomputePolicy::Method::Uniform, 1, true, true}};
   for (const Case& k : cases) {
     SCOPED_TRACE(k.name);
+    if (k.mla_up_proj && !k.selective && !c.mla()) continue;
     Transformer a(c, Device::cpu()), r(c, Device::cpu());
     a.init_weights(7);
     r.init_weights(7);
@@ -302,6 +307,7 @@ TEST_P(Engine, RecomputationIsBitwiseTheSameAndReplaysTheRouting) {
     policy.method = k.method;
     policy.num_layers = k.num_layers;
     policy.layernorm = policy.moe_act = k.selective;
+    policy.mla_up_proj = k.mla_up_proj && c.mla();
     a.set_recompute(policy);
     const LossScales s = scales_for(a, B, T);
     const LossSums a0 = a.forward(0, d0.tok(), d0.tgt(), s), a1 = a.forward(1, d1.tok(), d1.tgt(), s);
