@@ -98,6 +98,11 @@ struct Stream {
 class ActivationStore {
  public:
   explicit ActivationStore(Device device = Device::cpu()) : device_(device) {}
+  // Buffers of `category` in page-locked host memory instead of the device's: what a forward
+  // keeps off the device until its backward copies it back (cpu_checkpointing). Its tensors
+  // are on the host.
+  ActivationStore(MemCategory category, bool pinned_host)
+      : device_(Device::cpu()), category_(category), pinned_host_(pinned_host) {}
   ActivationStore(const ActivationStore&) = delete;
   ActivationStore& operator=(const ActivationStore&) = delete;
 
@@ -150,6 +155,8 @@ class ActivationStore {
   std::unordered_map<std::string, Buffer>::iterator hand_back(Slot& slot,
                                                               std::unordered_map<std::string, Buffer>::iterator it);
   Device device_;
+  MemCategory category_ = MemCategory::Activations;
+  bool pinned_host_ = false;
   std::map<int, Slot> slots_;
   // Released buffers by the key they were last used for, then by capacity in bytes.
   std::unordered_map<std::string, std::multimap<size_t, Buffer>> pool_;

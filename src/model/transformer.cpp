@@ -239,6 +239,7 @@ int64_t Transformer::activation_bytes(int64_t B, int64_t T) const {
   // recomputed group's activations come back at a time, for its backward, after the layers
   // that keep theirs and the head have handed theirs back (model/transformer.h).
   int64_t full = 0, kept = 0, replayed = 0, widest_group = 0;
+  bool offloaded = false;
   for (int64_t l = 0; l < c.num_hidden_layers + c.num_nextn_predict_layers; ++l) {
     // The layers this rank holds only (pipeline stages).
     if (l < c.num_hidden_layers ? local_layer_[size_t(l)] < 0 : mtp_.empty()) continue;
@@ -264,8 +265,17 @@ int64_t Transformer::activation_bytes(int64_t B, int64_t T) const {
     kept += bytes(keeps, {});
     if (int(l) == group.first) replayed = 0;
     replayed += bytes(Elems{mine.f32 - keeps.f32, mine.cd}, every);
+    // cpu_checkpointing: a group's input waits in host memory.
+    if (recompute_.cpu_checkpointing && int(l) == group.first) {
+      kept -= bytes(Elems{C, 0}, {});
+      offloaded = true;
+    }
     widest_group = std::max(widest_group, replayed);
   }
+  // One input's worth stays on the device: in the forward the pool keeps the buffer the last
+  // input left (the next group's output takes the one before), in the backward an input is
+  // back for its replay.
+  if (offloaded) kept += bytes(Elems{C, 0}, {});
   const int64_t chunk = std::min(N, head_chunk_rows());
   // The embedding's output and the final norm; the head's logits and losses.
   const int64_t head = bytes(Elems{C + 1, C}, {}) +
@@ -285,6 +295,7 @@ int64_t Transformer::activation_bytes(int64_t B, int64_t T) const {
 
 void Transformer::release_activations() {
   acts_.clear();
+  offloaded_.clear();
   scratch_.release();
   wgrad_.clear();
   ready_after_weights_.clear();
@@ -330,6 +341,8 @@ void Transformer::forward_body(int slot, const StageSpec& st, Tensor tokens, Ten
       layer(j).release_activations(acts_, slot, /*for_replay=*/true);
       if (j > g0) acts_.release_key(slot, fmt::format("residual.{}", j));
     }
+    // The group's input waits for the replay in host memory.
+    if (recompute_.cpu_checkpointing) offload(slot, fmt::format("residual.{}", g0));
   }
   if (!st.head) return;
   const int64_t n = rs.numel() / C;
@@ -346,6 +359,9 @@ void Transformer::set_recompute(const RecomputePolicy& policy) {
   DS_CHECK(!policy.mla_up_proj || config_.mla(),
            "selective recomputation \"mla_up_proj\" forms MLA's heads again, but model_type '{}' has no MLA",
            config_.model_type);
+  DS_CHECK(!policy.cpu_checkpointing || policy.full,
+           "activation recomputation: cpu_checkpointing keeps the inputs of recomputed layers in host memory, so it "
+           "needs full recomputation");
   recompute_ = policy;
   ctx_.recompute_layernorm = policy.layernorm;
   ctx_.recompute_moe_act = policy.moe_act;
@@ -368,9 +384,23 @@ std::pair<int, int> Transformer::recompute_group(const StageSpec& st, int l) con
   return g;
 }
 
+void Transformer::offload(int slot, const std::string& key) {
+  Tensor x = acts_.get(slot, key);
+  ops::copy(offloaded_.put(slot, key, x.shape(), x.dtype()), x);
+  acts_.release_key(slot, key);
+}
+
+void Transformer::bring_back(int slot, const std::string& key) {
+  Tensor held = offloaded_.get(slot, key);
+  ops::copy(acts_.put(slot, key, held.shape(), held.dtype()), held);
+  offloaded_.release_key(slot, key);
+}
+
 void Transformer::replay_layers(int slot, int first, int end) {
   const Shape bt = acts_.meta<Shape>(slot, kBatchShapeKey);
   const Shape rs = residual_shape(bt[0], bt[1]);
+  const std::string input = fmt::format("residual.{}", first);
+  if (offloaded_.has(slot, input)) bring_back(slot, input);
   ctx_.replay = true;
   try {
     for (int j = first; j < end; ++j) {
@@ -741,6 +771,7 @@ LossSums Transformer::forward_backward(Tensor tokens, Tensor targets, const Loss
     // A failed step (out of memory) is retried: micro-batch 0 is no longer in flight.
     ctx_.hooks = saved;
     acts_.release(0);
+    offloaded_.release(0);
     throw;
   }
 }
@@ -861,6 +892,7 @@ void Transformer::backward_chunk(int mb, int chunk, Tensor dout, Tensor din, Bac
   wgrad_.end_deferral();
   split_mb_ = -1;
   acts_.release(sl);
+  offloaded_.release(sl);
 }
 
 void Transformer::backward_weights(int mb) { backward_weights_chunk(mb, 0); }

@@ -52,6 +52,9 @@ enum class BackwardPart { Full, Input };
 // kept); "block" recomputes each of the first num_layers layers on its own and keeps the rest.
 // In the chunk that holds the head the last group is not recomputed: its backward comes right
 // after the head's, so its activations would be made again at once, for no lower peak.
+// cpu_checkpointing (DeepSpeed's name) keeps each recomputed group's input residual in
+// page-locked host memory (MemCategory::OffloadedActivations) from the end of the group's
+// forward until its replay, copied there and back with the same transfer op on any device.
 //
 // Selective recomputation (Megatron-Core's recompute_granularity "selective" with its
 // recompute_modules names) keeps the layers' other activations and forms these again in the
@@ -70,6 +73,7 @@ struct RecomputePolicy {
   bool layernorm = false;
   bool moe_act = false;
   bool mla_up_proj = false;
+  bool cpu_checkpointing = false;  // with `full` only
 };
 
 class Transformer {
@@ -102,6 +106,8 @@ class Transformer {
   void set_compute_dtype(DType dtype);
   DType compute_dtype() const { return ctx_.compute_dtype; }
   const ActivationStore& activations() const { return acts_; }
+  // The recomputed groups' inputs held in host memory (RecomputePolicy::cpu_checkpointing).
+  const ActivationStore& offloaded_activations() const { return offloaded_; }
   // Which layers are recomputed in the backward (none by default).
   void set_recompute(const RecomputePolicy& policy);
   const RecomputePolicy& recompute() const { return recompute_; }
@@ -200,6 +206,10 @@ class Transformer {
   // Runs the forward of layers [first, end) of micro-batch `slot` again (Ctx::replay), from
   // "residual.{first}", remaking the activations their backward reads.
   void replay_layers(int slot, int first, int end);
+  // cpu_checkpointing: the stored tensor `key` of micro-batch `slot` moves to host memory
+  // (offloaded_), and back into the activation store.
+  void offload(int slot, const std::string& key);
+  void bring_back(int slot, const std::string& key);
   // Errors unless this rank holds the whole model as one chunk (`what` needs it).
   void require_whole_model(const char* what) const;
   // forward_body of the chunk holding the head for inference.
@@ -249,6 +259,7 @@ class Transformer {
   std::vector<MtpModule> mtp_;
   RopeCache rope_;
   ActivationStore acts_;
+  ActivationStore offloaded_{MemCategory::OffloadedActivations, /*pinned_host=*/true};
   WeightGradStore wgrad_;
   Scratch scratch_;
   PhaseTimer phases_;  // ctx_.phases: marks forward and backward; the trainer adds the optimizer

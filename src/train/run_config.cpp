@@ -147,10 +147,12 @@ ActivationCheckpointingConfig read_activation_checkpointing(const JsonReader& r)
                                        part));
     }
   }
-  if (r.has("cpu_checkpointing") && r.get<bool>("cpu_checkpointing", false)) {
-    r.error("cpu_checkpointing", "keeping the layer inputs in host memory is not implemented yet; set it to false");
+  a.cpu_checkpointing = r.get<bool>("cpu_checkpointing", a.cpu_checkpointing);
+  if (a.cpu_checkpointing && !a.full()) {
+    r.error("cpu_checkpointing", fmt::format("keeps the inputs of recomputed layers in host memory, so it needs "
+                                             "granularity \"full\", but granularity is \"{}\"",
+                                             a.granularity));
   }
-  r.allow({"cpu_checkpointing"});
   r.done();
   return a;
 }
@@ -475,7 +477,8 @@ json RunConfig::to_json() const {
   t["micro_batch_schedule"] = train.micro_batch_schedule;
   const ActivationCheckpointingConfig& ac = train.activation_checkpointing;
   t["activation_checkpointing"] = {
-      {"granularity", ac.granularity}, {"method", ac.method}, {"num_layers", ac.num_layers}, {"selective", ac.selective}};
+      {"granularity", ac.granularity}, {"method", ac.method},       {"num_layers", ac.num_layers},
+      {"selective", ac.selective},     {"cpu_checkpointing", ac.cpu_checkpointing}};
   const ZeroConfig& z = train.zero;
   t["zero_optimization"] = {{"stage", z.stage},
                             {"reduce_bucket_size", z.reduce_bucket_size},

@@ -454,6 +454,7 @@ void Trainer::apply_recompute() {
   policy.layernorm = ac.selects("layernorm");
   policy.moe_act = ac.selects("moe_act");
   policy.mla_up_proj = ac.selects("mla_up_proj");
+  policy.cpu_checkpointing = ac.cpu_checkpointing;
   model_->set_recompute(policy);
   if (ac.granularity == "selective") {
     std::string parts;
@@ -462,8 +463,9 @@ void Trainer::apply_recompute() {
   }
   if (!ac.full()) return;
   log::info("activation recomputation: full, {} {} layer(s) of each pipeline chunk; a recomputed layer keeps its "
-            "input (a MoE layer its routing decisions too) and runs its forward again before its backward",
-            ac.method == "block" ? "the first" : "in groups of", ac.num_layers);
+            "input{} (a MoE layer its routing decisions too) and runs its forward again before its backward",
+            ac.method == "block" ? "the first" : "in groups of", ac.num_layers,
+            ac.cpu_checkpointing ? " in host memory (cpu_checkpointing)" : "");
 }
 
 bool Trainer::recompute_to_fit() {

@@ -185,14 +185,16 @@ TEST(TensorParallel, CheckpointsResumeAtOtherTensorSizes) {
 
 // Activation recomputation split by heads over the tensor group with sequence parallelism:
 // MLA's heads formed again from the latents ("mla_up_proj", with and without a query LoRA),
-// with the norms and the experts' SwiGLU, give every step's loss and gradient norm and every
-// weight bit for bit, with fewer activation bytes held.
-TEST(TensorParallel, RecomputationOfMlaIsBitwiseTheSame) {
+// with the norms and the experts' SwiGLU, or whole layers replayed from inputs kept in host
+// memory (cpu_checkpointing), give every step's loss and gradient norm and every weight bit for
+// bit, with fewer activation bytes held.
+TEST(TensorParallel, RecomputationIsBitwiseTheSame) {
   const int W = world_size();
   DSTRAIN_REQUIRE_RANKS(W >= 2, "2 or 4");
   const std::vector<std::pair<std::string, std::string>> policies = {
       {"selective layernorm, moe_act, mla_up_proj",
-       R"(train.activation_checkpointing={"granularity": "selective", "selective": ["layernorm", "moe_act", "mla_up_proj"]})"}};
+       R"(train.activation_checkpointing={"granularity": "selective", "selective": ["layernorm", "moe_act", "mla_up_proj"]})"},
+      {"full, cpu_checkpointing", R"(train.activation_checkpointing={"granularity": "full", "cpu_checkpointing": true})"}};
   for (const std::string model : {"v2", "v3"}) {
     RunFiles files(kSteps, model_of(model));
     const RunConfig cfg = files.config(layout(W, true, {"model.num_hidden_layers=3"}));

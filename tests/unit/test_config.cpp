@@ -626,8 +626,16 @@ TEST(Config, ActivationCheckpointingKeys) {
               HasSubstr("'train.activation_checkpointing.method' is \"all\""));
   EXPECT_THAT(msg({"train.activation_checkpointing.num_layers=0"}),
               HasSubstr("'train.activation_checkpointing.num_layers' is 0"));
+  EXPECT_FALSE(a.cpu_checkpointing);
+  const RunConfig cpu = RunConfig::load(path, {"train.activation_checkpointing={\"granularity\": \"full\", "
+                                               "\"cpu_checkpointing\": true}"});
+  EXPECT_TRUE(cpu.train.activation_checkpointing.cpu_checkpointing);
+  EXPECT_EQ(cpu.to_json()["train"]["activation_checkpointing"]["cpu_checkpointing"], true);
   EXPECT_THAT(msg({"train.activation_checkpointing.cpu_checkpointing=true"}),
-              HasSubstr("train.activation_checkpointing.cpu_checkpointing"));
+              HasSubstr("key 'train.activation_checkpointing.cpu_checkpointing' keeps the inputs of recomputed layers "
+                        "in host memory, so it needs granularity \"full\", but granularity is \"none\""));
+  EXPECT_THAT(msg({"train.activation_checkpointing={\"granularity\": \"selective\", \"cpu_checkpointing\": true}"}),
+              HasSubstr("granularity is \"selective\""));
   EXPECT_THAT(msg({"train.activation_checkpointing.partition_activations=true"}),
               HasSubstr("unknown key 'train.activation_checkpointing.partition_activations'"));
 }

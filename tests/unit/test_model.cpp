@@ -224,6 +224,7 @@ TEST(Model, ActivationEstimateMatchesWhatATrainingStepAllocates) {
     int64_t num_layers;
     bool selective = false;
     bool mla_up_proj = false;  // MLA models only
+    bool cpu_checkpointing = false;
   };
   const Policy policies[] = {{"none", false, RecomputePolicy::Method::Uniform, 1},
                              {"full uniform 1", true, RecomputePolicy::Method::Uniform, 1},
@@ -231,7 +232,9 @@ TEST(Model, ActivationEstimateMatchesWhatATrainingStepAllocates) {
                              {"full block 1", true, RecomputePolicy::Method::Block, 1},
                              {"selective layernorm, moe_act", false, RecomputePolicy::Method::Uniform, 1, true},
                              {"selective mla_up_proj", false, RecomputePolicy::Method::Uniform, 1, false, true},
-                             {"full uniform 1 and selective", true, RecomputePolicy::Method::Uniform, 1, true, true}};
+                             {"full uniform 1 and selective", true, RecomputePolicy::Method::Uniform, 1, true, true},
+                             {"full uniform 1, cpu_checkpointing", true, RecomputePolicy::Method::Uniform, 1, false,
+                              false, true}};
   for (const ModelConfig& c : {dense, v3}) {
    for (const Policy& pol : policies) {
     if (pol.mla_up_proj && !c.mla()) continue;
@@ -243,6 +246,7 @@ TEST(Model, ActivationEstimateMatchesWhatATrainingStepAllocates) {
     rp.num_layers = pol.num_layers;
     rp.layernorm = rp.moe_act = pol.selective;
     rp.mla_up_proj = pol.mla_up_proj;
+    rp.cpu_checkpointing = pol.cpu_checkpointing;
     m.set_recompute(rp);
     const int64_t B = 2, T = 64;
     Data d(B, T, c.vocab_size, 9);
