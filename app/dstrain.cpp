@@ -196,6 +196,7 @@ int cmd_dry_run(const Options& o) {
   if (log::rank() != 0) return 0;
   MemoryEstimate e;
   try {
+    check_layout(c, ranks);  // resolves the batch for the header below
     e = estimate_memory(c, ranks);
   } catch (const Error& err) {
     std::fprintf(stderr, "error: %s: not a valid layout for %d ranks: %s\n", o.config.c_str(), ranks, err.what());

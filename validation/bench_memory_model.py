@@ -75,12 +75,12 @@ def predict(build, args):
     peaks, ranks = {}, {}
     base = 0.0
     for line in p.stdout.splitlines():
-        m = re.match(r"\s+(\d+)(?:-(\d+))?\s+([\d.]+(?:\s+[\d.]+){8})\s", line)
+        m = re.match(r"\s+(\d+)(?:-(\d+))?\s+([\d.]+(?:\s+[\d.]+){9})\s", line)
         if m:
             lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
             vals = [float(v) for v in m.group(3).split()]
             for r in range(lo, hi + 1):
-                peaks[r] = vals[7] * 1e6
+                peaks[r] = vals[8] * 1e6  # the columns: 8 categories, peak, held
                 ranks[r] = vals
         m = re.search(r"holds ([\d.]+) MB resident", line)
         if m:

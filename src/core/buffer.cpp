@@ -34,6 +34,7 @@ std::string_view mem_category_name(MemCategory c) {
     case MemCategory::Workspace: return "workspace";
     case MemCategory::Data: return "data";
     case MemCategory::Checkpoint: return "checkpoint";
+    case MemCategory::OffloadedActivations: return "offloaded_activations";
     case MemCategory::kCount: break;
   }
   return "?";

@@ -13,7 +13,8 @@
 namespace dstrain {
 
 // GatheredParameters: ZeRO-3's whole weights while a layer uses them; CommBuffers: memory that
-// only carries data between ranks.
+// only carries data between ranks; OffloadedActivations: activations kept in host memory
+// instead of the device's (cpu_checkpointing: the inputs of recomputed layers).
 enum class MemCategory {
   Parameters,
   Gradients,
@@ -24,6 +25,7 @@ enum class MemCategory {
   Workspace,
   Data,
   Checkpoint,
+  OffloadedActivations,
   kCount
 };
 std::string_view mem_category_name(MemCategory c);

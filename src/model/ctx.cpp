@@ -99,8 +99,10 @@ Tensor ActivationStore::put(int mb, const std::string& key, Shape shape, DType d
     Buffer b = take_pooled(key, need);
     if (!b.allocated()) {
       // Bytes, so one buffer serves any dtype when it comes back from the pool.
-      b = Buffer("activations." + key, MemCategory::Activations, DType::U8, int64_t(std::max<size_t>(need, 1)),
-                 device_);
+      const std::string label = std::string(mem_category_name(category_)) + "." + key;
+      const int64_t bytes = int64_t(std::max<size_t>(need, 1));
+      b = pinned_host_ ? Buffer::pinned_host(label, category_, DType::U8, bytes)
+                       : Buffer(label, category_, DType::U8, bytes, device_);
     }
     it = slot.buffers.emplace(key, std::move(b)).first;
   }

@@ -98,6 +98,14 @@ struct Stream {
 class ActivationStore {
  public:
   explicit ActivationStore(Device device = Device::cpu()) : device_(device) {}
+  // Buffers of `category` in page-locked host memory instead of the device's: what a forward
+  // keeps off the device until its backward copies it back (cpu_checkpointing). Its tensors
+  // are on the host, or for a model on the meta device (backend/meta.h) on the meta device,
+  // where they are counted and hold nothing.
+  ActivationStore(MemCategory category, bool pinned_host, Device model_device = Device::cpu())
+      : device_(model_device.type == DeviceType::Meta ? model_device : Device::cpu()),
+        category_(category),
+        pinned_host_(pinned_host && model_device.type != DeviceType::Meta) {}
   ActivationStore(const ActivationStore&) = delete;
   ActivationStore& operator=(const ActivationStore&) = delete;
 
@@ -150,6 +158,8 @@ class ActivationStore {
   std::unordered_map<std::string, Buffer>::iterator hand_back(Slot& slot,
                                                               std::unordered_map<std::string, Buffer>::iterator it);
   Device device_;
+  MemCategory category_ = MemCategory::Activations;
+  bool pinned_host_ = false;
   std::map<int, Slot> slots_;
   // Released buffers by the key they were last used for, then by capacity in bytes.
   std::unordered_map<std::string, std::multimap<size_t, Buffer>> pool_;
@@ -292,9 +302,11 @@ struct Ctx {
   bool replay = false;
   // Selective recomputation (Megatron-Core's recompute_modules): "layernorm" keeps the norms'
   // outputs out of the store and forms them again from the residual in the backward;
-  // "moe_act" does the same with the routed experts' SwiGLU output (from their gate|up).
+  // "moe_act" does the same with the routed experts' SwiGLU output (from their gate|up);
+  // "mla_up_proj" with MLA's per-head q|k|v (from the normed latents and k_pe).
   bool recompute_layernorm = false;
   bool recompute_moe_act = false;
+  bool recompute_mla_up_proj = false;
 
   int tp_size() const { return ProcessGroups::size_of(groups.tp); }
   int tp_rank() const { return groups.tp ? groups.tp->rank() : 0; }

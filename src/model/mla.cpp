@@ -83,32 +83,61 @@ void MLAttention::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
            rope.dim, rope.T, Dr_, T);
   const DType cd = ctx.compute_dtype;  // every projection and latent; rstd and lse in fp32
   Tensor xs = rows_of(x);             // (N, C)
-  Tensor qkv = ctx.acts->put(mb, key_ + "qkv", {B, T, W}, cd);  // (B, T, [q (H,Dqk) | k (H,Dqk) | v (H,Dv)])
-  // The attention output's buffer stages the projections until the attention writes it; it
-  // holds at least one row of the widest projection, for a lone token.
-  const int64_t widest = std::max({H_ * (Dn_ + Dv_), H_ * Dqk, Dr_});
-  Tensor stage = ctx.acts->put(mb, key_ + "out", {std::max(N * H_ * Dv_, widest)}, cd);
+  // Selective recomputation ("mla_up_proj"): the heads live in scratch until the attention has
+  // read them, and the backward forms them again (form_heads) from what is kept below.
+  Tensor qkv = ctx.recompute_mla_up_proj
+                   ? ctx.scratch->get("mla.qkv", {B, T, W}, cd)
+                   : ctx.acts->put(mb, key_ + "qkv", {B, T, W}, cd);  // (B, T, [q (H,Dqk) | k (H,Dqk) | v (H,Dv)])
+  // The attention output's buffer stages the projections until the attention writes it.
+  Tensor stage = ctx.acts->put(mb, key_ + "out", {stage_numel(N)}, cd);
   Tensor att = stage.slice(0, N * H_ * Dv_).view({B, T, H_ * Dv_});  // the front of the same buffer
   Tensor rows = qkv.view({N, W});
 
-  // Keys and values: the latent c and k_pe from one weight, kv_b_proj from the normed latent.
+  // The latents: c and k_pe from one weight, the query latent (with a query LoRA); their norms'
+  // outputs in the compute dtype, as DeepseekV3RMSNorm gives them (it normalises in fp32 and
+  // casts back to its input's dtype).
   Tensor w_kv_a = reg_.compute(kv_a_);  // (kv_rank + Dr, C): rows [c | k_pe]
-  // The latents and their norms' outputs in the compute dtype, as DeepseekV3RMSNorm gives
-  // them (it normalises in fp32 and casts back to its input's dtype).
   Tensor lat = ctx.acts->put(mb, key_ + "kv_latent", {N, kv_rank_}, cd);
   Tensor lat_norm = ctx.acts->put(mb, key_ + "kv_latent_norm", {N, kv_rank_}, cd);
   ops::linear_forward(lat, xs, w_kv_a.slice(0, kv_rank_));
   ops::rmsnorm_forward(lat_norm, ctx.acts->put(mb, key_ + "kv_latent_rstd", {N}), lat, reg_.param(kv_norm_), eps_);
-  staged_linear(lat_norm, reg_.compute(kv_b_), stage, [&](int64_t r0, Tensor kv) {  // kv (n, H*(Dn+Dv))
-    Tensor dst = rows.slice(r0, r0 + kv.size(0));
-    ops::copy_blocks(dst, layout_.k_offset, Dqk, kv, 0, Dn_ + Dv_, H_, Dn_, false);
-    ops::copy_blocks(dst, layout_.v_offset, Dv_, kv, Dn_, Dn_ + Dv_, H_, Dv_, false);
-  });
+  // k_pe (pre-rope) is kept only for the backward to form the heads again.
+  Tensor k_pe_kept = ctx.recompute_mla_up_proj ? ctx.acts->put(mb, key_ + "k_pe", {N, Dr_}, cd) : Tensor();
   staged_linear(xs, w_kv_a.slice(kv_rank_, kv_rank_ + Dr_), stage, [&](int64_t r0, Tensor k_pe) {  // (n, Dr)
     // The one k_pe of a token into every head's key.
     ops::copy_blocks(rows.slice(r0, r0 + k_pe.size(0)), layout_.k_offset + Dn_, Dqk, k_pe, 0, 0, H_, Dr_, false);
+    if (k_pe_kept.defined()) ops::copy(k_pe_kept.slice(r0, r0 + k_pe.size(0)), k_pe);
   });
+  if (q_rank_ > 0) {
+    Tensor qlat = ctx.acts->put(mb, key_ + "q_latent", {N, q_rank_}, cd);
+    Tensor qlat_norm = ctx.acts->put(mb, key_ + "q_latent_norm", {N, q_rank_}, cd);
+    ops::linear_forward(qlat, xs, reg_.compute(q_a_));
+    ops::rmsnorm_forward(qlat_norm, ctx.acts->put(mb, key_ + "q_latent_rstd", {N}), qlat, reg_.param(q_norm_), eps_);
+  }
+  up_project(ctx, mb, xs, rows, stage);
+  // The rope parts of the q heads and of the k heads share one column pattern (offset Dn,
+  // stride Dqk) over 2H heads; rotating each head's copy of k_pe costs little next to the
+  // attention and keeps the backward a plain transpose.
+  ops::rope_forward_interleaved(qkv, Dn_, int(2 * H_), Dqk, int(Dr_), rope.cos_table(), rope.sin_table());
+  ops::attention_forward(att, ctx.acts->put(mb, key_ + "lse", {B, H_, T}), qkv, layout_, scale_);
+  row_parallel_forward(ctx, sharded_, rows_of(out), rows_of(att), reg_.compute(o_), "attn.partial");
+}
 
+int64_t MLAttention::stage_numel(int64_t N) const {
+  // At least one row of the widest projection, for a lone token.
+  const int64_t Dqk = Dn_ + Dr_;
+  return std::max({N * H_ * Dv_, H_ * (Dn_ + Dv_), H_ * Dqk, Dr_});
+}
+
+void MLAttention::up_project(const Ctx& ctx, int mb, Tensor xs, Tensor rows, Tensor stage) const {
+  const int64_t Dqk = Dn_ + Dr_;
+  // Keys and values: kv_b_proj of the normed latent.
+  staged_linear(ctx.acts->get(mb, key_ + "kv_latent_norm"), reg_.compute(kv_b_), stage,
+                [&](int64_t r0, Tensor kv) {  // kv (n, H*(Dn+Dv))
+                  Tensor dst = rows.slice(r0, r0 + kv.size(0));
+                  ops::copy_blocks(dst, layout_.k_offset, Dqk, kv, 0, Dn_ + Dv_, H_, Dn_, false);
+                  ops::copy_blocks(dst, layout_.v_offset, Dv_, kv, Dn_, Dn_ + Dv_, H_, Dv_, false);
+                });
   // Queries, directly or through the normed query latent.
   auto scatter_q = [&](int64_t r0, Tensor q) {  // (n, H*Dqk)
     ops::copy_blocks(rows.slice(r0, r0 + q.size(0)), layout_.q_offset, 0, q, 0, 0, 1, H_ * Dqk, false);
@@ -116,19 +145,23 @@ void MLAttention::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   if (q_rank_ == 0) {
     staged_linear(xs, reg_.compute(q_), stage, scatter_q);
   } else {
-    Tensor qlat = ctx.acts->put(mb, key_ + "q_latent", {N, q_rank_}, cd);
-    Tensor qlat_norm = ctx.acts->put(mb, key_ + "q_latent_norm", {N, q_rank_}, cd);
-    ops::linear_forward(qlat, xs, reg_.compute(q_a_));
-    ops::rmsnorm_forward(qlat_norm, ctx.acts->put(mb, key_ + "q_latent_rstd", {N}), qlat, reg_.param(q_norm_), eps_);
-    staged_linear(qlat_norm, reg_.compute(q_b_), stage, scatter_q);
+    staged_linear(ctx.acts->get(mb, key_ + "q_latent_norm"), reg_.compute(q_b_), stage, scatter_q);
   }
+}
 
-  // The rope parts of the q heads and of the k heads share one column pattern (offset Dn,
-  // stride Dqk) over 2H heads; rotating each head's copy of k_pe costs little next to the
-  // attention and keeps the backward a plain transpose.
+Tensor MLAttention::form_heads(const Ctx& ctx, int mb, Tensor x) const {
+  const int64_t B = x.size(0), T = x.size(1), N = B * T;
+  const int64_t Dqk = Dn_ + Dr_, W = layout_.row_stride;
+  const RopeCache& rope = *ctx.rope;
+  const DType cd = ctx.compute_dtype;
+  if (!ctx.recompute_mla_up_proj) return ctx.acts->get(mb, key_ + "qkv");
+  Tensor qkv = ctx.scratch->get("mla.qkv", {B, T, W}, cd);
+  Tensor rows = qkv.view({N, W});
+  // The forward's staging in a buffer of the same size, so every GEMM runs on the same rows.
+  up_project(ctx, mb, rows_of(x), rows, ctx.scratch->get("mla.dheads", {stage_numel(N)}, cd));
+  ops::copy_blocks(rows, layout_.k_offset + Dn_, Dqk, ctx.acts->get(mb, key_ + "k_pe"), 0, 0, H_, Dr_, false);
   ops::rope_forward_interleaved(qkv, Dn_, int(2 * H_), Dqk, int(Dr_), rope.cos_table(), rope.sin_table());
-  ops::attention_forward(att, ctx.acts->put(mb, key_ + "lse", {B, H_, T}), qkv, layout_, scale_);
-  row_parallel_forward(ctx, sharded_, rows_of(out), rows_of(att), reg_.compute(o_), "attn.partial");
+  return qkv;
 }
 
 void MLAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx) {
@@ -143,7 +176,8 @@ void MLAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor
   // summed over the tensor group at the end.
   Tensor dxp = column_parallel_grad(ctx, sharded_, dx, x, "tp.dx");
   Tensor dxs = rows_of(dxp);
-  Tensor qkv = ctx.acts->get(mb, key_ + "qkv");
+  // The heads first: forming them again (selective recomputation) stages through "mla.dheads".
+  Tensor qkv = form_heads(ctx, mb, x);
   Tensor att = ctx.acts->get(mb, key_ + "out").slice(0, N * H_ * Dv_).view({B, T, H_ * Dv_});
 
   // "mla.dheads" holds one per-head gradient at a time: d(attention output), then dq, then

@@ -35,6 +35,19 @@ class MLAttention final : public AttentionBlock {
   void backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx) override;
 
  private:
+  // Elements of the buffer that stages the projections: the attention output's (B*T rows), or
+  // at least one row of the widest projection, for a lone token.
+  int64_t stage_numel(int64_t N) const;
+  // The up-projections into the fused rows (N, W): [k_nope | v] of every head from kv_b_proj of
+  // the kept normed kv latent, q from q_b_proj of the kept normed query latent (or q_proj of
+  // xs (N, C)), each staged through `stage` (stage_numel(N) values) a chunk of rows at a time.
+  // k_pe and the rope are left to the caller.
+  void up_project(const Ctx& ctx, int mb, Tensor xs, Tensor rows, Tensor stage) const;
+  // The forward's post-rope q|k|v (B,T,W) of micro-batch mb: the stored one, or with
+  // Ctx::recompute_mla_up_proj formed again in scratch by the forward's ops in its order (the
+  // same chunks of rows), from the kept latents, k_pe and x, so the values are the same bits.
+  Tensor form_heads(const Ctx& ctx, int mb, Tensor x) const;
+
   ParamRegistry& reg_;
   std::string key_;  // "layers.{layer}.attn."
   int64_t H_, Dn_, Dr_, Dv_, q_rank_, kv_rank_;
@@ -47,7 +60,9 @@ class MLAttention final : public AttentionBlock {
   // the compute dtype but for the rstd and lse (fp32):
   //   q_latent, q_latent_norm, q_latent_rstd   (N,q_lora_rank) x2, (N); only with a query LoRA
   //   kv_latent, kv_latent_norm, kv_latent_rstd  (N,kv_lora_rank) x2, (N)
-  //   qkv                                     (B,T,H*(2*(Dn+Dr)+Dv)) post-rope
+  //   qkv                                     (B,T,H*(2*(Dn+Dr)+Dv)) post-rope; with selective
+  //                                           recomputation "mla_up_proj" in scratch instead,
+  //   k_pe                                    and kept (N,Dr) pre-rope, to form it again
   //   out, lse                                (B,T,H*Dv) (at least one row of the widest
   //                                           projection: it stages them), (B,H,T)
 };

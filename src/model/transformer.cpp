@@ -40,6 +40,7 @@ Transformer::Transformer(const ModelConfig& config, Device device, const ShardSp
       shard_(shard),
       chunks_(chunks.empty() ? split_stages(config, 1) : std::move(chunks)),
       acts_(device),
+      offloaded_(MemCategory::OffloadedActivations, /*pinned_host=*/true, device),
       wgrad_(device),
       scratch_(device),
       phases_(device) {
@@ -230,6 +231,7 @@ int64_t Transformer::activation_bytes(int64_t B, int64_t T) const {
 
 void Transformer::release_activations() {
   acts_.clear();
+  offloaded_.clear();
   scratch_.release();
   wgrad_.clear();
   ready_after_weights_.clear();
@@ -275,6 +277,8 @@ void Transformer::forward_body(int slot, const StageSpec& st, Tensor tokens, Ten
       layer(j).release_activations(acts_, slot, /*for_replay=*/true);
       if (j > g0) acts_.release_key(slot, fmt::format("residual.{}", j));
     }
+    // The group's input waits for the replay in host memory.
+    if (recompute_.cpu_checkpointing) offload(slot, fmt::format("residual.{}", g0));
   }
   if (!st.head) return;
   const int64_t n = rs.numel() / C;
@@ -288,9 +292,16 @@ void Transformer::forward_body(int slot, const StageSpec& st, Tensor tokens, Ten
 void Transformer::set_recompute(const RecomputePolicy& policy) {
   DS_CHECK(!policy.full || policy.num_layers >= 1, "activation recomputation: num_layers must be at least 1, got {}",
            policy.num_layers);
+  DS_CHECK(!policy.mla_up_proj || config_.mla(),
+           "selective recomputation \"mla_up_proj\" forms MLA's heads again, but model_type '{}' has no MLA",
+           config_.model_type);
+  DS_CHECK(!policy.cpu_checkpointing || policy.full,
+           "activation recomputation: cpu_checkpointing keeps the inputs of recomputed layers in host memory, so it "
+           "needs full recomputation");
   recompute_ = policy;
   ctx_.recompute_layernorm = policy.layernorm;
   ctx_.recompute_moe_act = policy.moe_act;
+  ctx_.recompute_mla_up_proj = policy.mla_up_proj;
 }
 
 std::pair<int, int> Transformer::recompute_group(const StageSpec& st, int l) const {
@@ -309,9 +320,23 @@ std::pair<int, int> Transformer::recompute_group(const StageSpec& st, int l) con
   return g;
 }
 
+void Transformer::offload(int slot, const std::string& key) {
+  Tensor x = acts_.get(slot, key);
+  ops::copy(offloaded_.put(slot, key, x.shape(), x.dtype()), x);
+  acts_.release_key(slot, key);
+}
+
+void Transformer::bring_back(int slot, const std::string& key) {
+  Tensor held = offloaded_.get(slot, key);
+  ops::copy(acts_.put(slot, key, held.shape(), held.dtype()), held);
+  offloaded_.release_key(slot, key);
+}
+
 void Transformer::replay_layers(int slot, int first, int end) {
   const Shape bt = acts_.meta<Shape>(slot, kBatchShapeKey);
   const Shape rs = residual_shape(bt[0], bt[1]);
+  const std::string input = fmt::format("residual.{}", first);
+  if (offloaded_.has(slot, input)) bring_back(slot, input);
   ctx_.replay = true;
   try {
     for (int j = first; j < end; ++j) {
@@ -682,6 +707,7 @@ LossSums Transformer::forward_backward(Tensor tokens, Tensor targets, const Loss
     // A failed step (out of memory) is retried: micro-batch 0 is no longer in flight.
     ctx_.hooks = saved;
     acts_.release(0);
+    offloaded_.release(0);
     throw;
   }
 }
@@ -802,6 +828,7 @@ void Transformer::backward_chunk(int mb, int chunk, Tensor dout, Tensor din, Bac
   wgrad_.end_deferral();
   split_mb_ = -1;
   acts_.release(sl);
+  offloaded_.release(sl);
 }
 
 void Transformer::backward_weights(int mb) { backward_weights_chunk(mb, 0); }

@@ -52,13 +52,19 @@ enum class BackwardPart { Full, Input };
 // kept); "block" recomputes each of the first num_layers layers on its own and keeps the rest.
 // In the chunk that holds the head the last group is not recomputed: its backward comes right
 // after the head's, so its activations would be made again at once, for no lower peak.
+// cpu_checkpointing (DeepSpeed's name) keeps each recomputed group's input residual in
+// page-locked host memory (MemCategory::OffloadedActivations) from the end of the group's
+// forward until its replay, copied there and back with the same transfer op on any device.
 //
 // Selective recomputation (Megatron-Core's recompute_granularity "selective" with its
 // recompute_modules names) keeps the layers' other activations and forms these again in the
 // backward, with the same op: "layernorm", the two norms' outputs of every decoder layer (from
 // the residual, whose rstd is kept); "moe_act", the routed experts' SwiGLU output (from their
-// gate|up). The attention core ("core_attn") keeps no scores or probabilities in any case: the
-// fused kernel keeps q|k|v, its output and a log-sum-exp per row and forms the rest again.
+// gate|up); "mla_up_proj", MLA's per-head q|k|v (q_b_proj or q_proj, kv_b_proj, the copies of
+// k_pe and the rope, from the normed latents, which are kept, and k_pe, kept before the rope:
+// model/mla.h), an error on a model without MLA. The attention core ("core_attn") keeps no
+// scores or probabilities in any case: the fused kernel keeps q|k|v, its output and a
+// log-sum-exp per row and forms the rest again.
 struct RecomputePolicy {
   enum class Method { Uniform, Block };
   bool full = false;
@@ -66,6 +72,8 @@ struct RecomputePolicy {
   int64_t num_layers = 1;
   bool layernorm = false;
   bool moe_act = false;
+  bool mla_up_proj = false;
+  bool cpu_checkpointing = false;  // with `full` only
 };
 
 class Transformer {
@@ -98,6 +106,8 @@ class Transformer {
   void set_compute_dtype(DType dtype);
   DType compute_dtype() const { return ctx_.compute_dtype; }
   const ActivationStore& activations() const { return acts_; }
+  // The recomputed groups' inputs held in host memory (RecomputePolicy::cpu_checkpointing).
+  const ActivationStore& offloaded_activations() const { return offloaded_; }
   // Which layers are recomputed in the backward (none by default).
   void set_recompute(const RecomputePolicy& policy);
   const RecomputePolicy& recompute() const { return recompute_; }
@@ -198,6 +208,10 @@ class Transformer {
   // Runs the forward of layers [first, end) of micro-batch `slot` again (Ctx::replay), from
   // "residual.{first}", remaking the activations their backward reads.
   void replay_layers(int slot, int first, int end);
+  // cpu_checkpointing: the stored tensor `key` of micro-batch `slot` moves to host memory
+  // (offloaded_), and back into the activation store.
+  void offload(int slot, const std::string& key);
+  void bring_back(int slot, const std::string& key);
   // Errors unless this rank holds the whole model as one chunk (`what` needs it).
   void require_whole_model(const char* what) const;
   // forward_body of the chunk holding the head for inference.
@@ -247,6 +261,7 @@ class Transformer {
   std::vector<MtpModule> mtp_;
   RopeCache rope_;
   ActivationStore acts_;
+  ActivationStore offloaded_;  // cpu_checkpointing: page-locked host memory
   WeightGradStore wgrad_;
   Scratch scratch_;
   PhaseTimer phases_;  // ctx_.phases: marks forward and backward; the trainer adds the optimizer

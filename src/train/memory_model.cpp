@@ -166,6 +166,8 @@ RecomputePolicy recompute_policy(const ActivationCheckpointingConfig& ac) {
   policy.num_layers = ac.num_layers;
   policy.layernorm = ac.selects("layernorm");
   policy.moe_act = ac.selects("moe_act");
+  policy.mla_up_proj = ac.selects("mla_up_proj");
+  policy.cpu_checkpointing = ac.cpu_checkpointing;
   return policy;
 }
 
@@ -206,7 +208,7 @@ std::vector<std::string> describe_memory(const MemoryEstimate& e) {
   std::vector<std::string> out;
   constexpr MemCategory kShown[] = {MemCategory::Parameters,     MemCategory::Gradients,   MemCategory::OptimizerState,
                                     MemCategory::GatheredParameters, MemCategory::Activations, MemCategory::CommBuffers,
-                                    MemCategory::Workspace};
+                                    MemCategory::Workspace, MemCategory::OffloadedActivations};
   std::string head = fmt::format("{:<14}", "ranks");
   for (MemCategory c : kShown) head += fmt::format(" {:>12}", mem_category_name(c).substr(0, 12));
   head += fmt::format(" {:>10} {:>10}", "peak", "held");

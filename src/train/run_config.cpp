@@ -136,21 +136,23 @@ ActivationCheckpointingConfig read_activation_checkpointing(const JsonReader& r)
     }
     a.selective = r.get<std::vector<std::string>>("selective", a.selective);
     for (const std::string& part : a.selective) {
-      if (part == "core_attn" || part == "layernorm" || part == "moe_act") continue;
-      if (part == "mla_up_proj" || part == "mlp" || part == "moe" || part == "shared_experts") {
+      if (part == "core_attn" || part == "layernorm" || part == "moe_act" || part == "mla_up_proj") continue;
+      if (part == "mlp" || part == "moe" || part == "shared_experts") {
         r.error("selective", fmt::format("\"{}\" is not implemented yet; the parts are \"core_attn\", "
-                                         "\"layernorm\" and \"moe_act\"",
+                                         "\"layernorm\", \"moe_act\" and \"mla_up_proj\"",
                                          part));
       }
-      r.error("selective", fmt::format("\"{}\" is not a part; the parts are \"core_attn\", \"layernorm\" and "
-                                       "\"moe_act\" (Megatron-Core's recompute_modules names)",
+      r.error("selective", fmt::format("\"{}\" is not a part; the parts are \"core_attn\", \"layernorm\", "
+                                       "\"moe_act\" and \"mla_up_proj\" (Megatron-Core's recompute_modules names)",
                                        part));
     }
   }
-  if (r.has("cpu_checkpointing") && r.get<bool>("cpu_checkpointing", false)) {
-    r.error("cpu_checkpointing", "keeping the layer inputs in host memory is not implemented yet; set it to false");
+  a.cpu_checkpointing = r.get<bool>("cpu_checkpointing", a.cpu_checkpointing);
+  if (a.cpu_checkpointing && !a.full()) {
+    r.error("cpu_checkpointing", fmt::format("keeps the inputs of recomputed layers in host memory, so it needs "
+                                             "granularity \"full\", but granularity is \"{}\"",
+                                             a.granularity));
   }
-  r.allow({"cpu_checkpointing"});
   r.done();
   return a;
 }
@@ -418,6 +420,14 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
   if (top.has("parallel")) c.parallel = ParallelConfig::from_json(top.child("parallel"));
   if (top.has("moe") && !top.is_null("moe")) read_moe(top.child("moe"), c.model);
   c.train = read_train(top.child("train"));
+  // A part that has nothing to recompute in this model is refused, as Megatron-Core does: the
+  // user asked for memory it cannot save.
+  if (c.train.activation_checkpointing.selects("mla_up_proj") && !c.model.mla()) {
+    top.child("train").child("activation_checkpointing").error(
+        "selective", fmt::format("\"mla_up_proj\" forms Multi-head Latent Attention's heads again, but model_type "
+                                 "\"{}\" has no MLA (deepseek_v2 and deepseek_v3 have it)",
+                                 c.model.model_type));
+  }
   c.data = DataConfig::from_json(top.child("data"));
   c.output.save_hf_dtype = hf_dtype_of(c.train.precision);
   if (top.has("output")) c.output = read_output(top.child("output"), c.train.precision);
@@ -467,7 +477,8 @@ json RunConfig::to_json() const {
   t["micro_batch_schedule"] = train.micro_batch_schedule;
   const ActivationCheckpointingConfig& ac = train.activation_checkpointing;
   t["activation_checkpointing"] = {
-      {"granularity", ac.granularity}, {"method", ac.method}, {"num_layers", ac.num_layers}, {"selective", ac.selective}};
+      {"granularity", ac.granularity}, {"method", ac.method},       {"num_layers", ac.num_layers},
+      {"selective", ac.selective},     {"cpu_checkpointing", ac.cpu_checkpointing}};
   const ZeroConfig& z = train.zero;
   t["zero_optimization"] = {{"stage", z.stage},
                             {"reduce_bucket_size", z.reduce_bucket_size},

@@ -45,12 +45,15 @@ struct PrecisionConfig {
 // method "uniform" in groups of num_layers, "block" the first num_layers of each pipeline chunk.
 // granularity "selective" recomputes the parts `selective` names (Megatron-Core's
 // recompute_modules): "core_attn" (kept by no path: the fused attention forms its scores again
-// anyway), "layernorm", "moe_act".
+// anyway), "layernorm", "moe_act", "mla_up_proj" (MLA models only: an error otherwise).
+// cpu_checkpointing (DeepSpeed's key; granularity "full" only) keeps the recomputed layers'
+// inputs in host memory until their replay.
 struct ActivationCheckpointingConfig {
   std::string granularity = "none";  // "none", "selective" or "full"
   std::string method = "uniform";    // "uniform" or "block"
   int64_t num_layers = 1;
   std::vector<std::string> selective = {"core_attn"};
+  bool cpu_checkpointing = false;
   bool full() const { return granularity == "full"; }
   bool selects(const std::string& part) const {
     return granularity == "selective" && std::find(selective.begin(), selective.end(), part) != selective.end();

@@ -459,8 +459,9 @@ void Trainer::apply_recompute() {
   }
   if (!ac.full()) return;
   log::info("activation recomputation: full, {} {} layer(s) of each pipeline chunk; a recomputed layer keeps its "
-            "input (a MoE layer its routing decisions too) and runs its forward again before its backward",
-            ac.method == "block" ? "the first" : "in groups of", ac.num_layers);
+            "input{} (a MoE layer its routing decisions too) and runs its forward again before its backward",
+            ac.method == "block" ? "the first" : "in groups of", ac.num_layers,
+            ac.cpu_checkpointing ? " in host memory (cpu_checkpointing)" : "");
 }
 
 bool Trainer::recompute_to_fit() {

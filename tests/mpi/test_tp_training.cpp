@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 
 #include "io/sharded_model_state.h"
@@ -178,6 +179,42 @@ TEST(TensorParallel, CheckpointsResumeAtOtherTensorSizes) {
       Communicator* tp = grid.size(Axis::Tensor) > 1 ? &grid.comm(Axis::Tensor) : nullptr;
       const auto wf = global_weights(full, nullptr), wb = global_weights(b, tp);
       for (const auto& [name, w] : wf) EXPECT_LE(rel_error(wb.at(name), w), 1e-5) << model << ": " << name;
+    }
+  }
+}
+
+// Activation recomputation split by heads over the tensor group with sequence parallelism:
+// MLA's heads formed again from the latents ("mla_up_proj", with and without a query LoRA),
+// with the norms and the experts' SwiGLU, or whole layers replayed from inputs kept in host
+// memory (cpu_checkpointing), give every step's loss and gradient norm and every weight bit for
+// bit, with fewer activation bytes held.
+TEST(TensorParallel, RecomputationIsBitwiseTheSame) {
+  const int W = world_size();
+  DSTRAIN_REQUIRE_RANKS(W >= 2, "2 or 4");
+  const std::vector<std::pair<std::string, std::string>> policies = {
+      {"selective layernorm, moe_act, mla_up_proj",
+       R"(train.activation_checkpointing={"granularity": "selective", "selective": ["layernorm", "moe_act", "mla_up_proj"]})"},
+      {"full, cpu_checkpointing", R"(train.activation_checkpointing={"granularity": "full", "cpu_checkpointing": true})"}};
+  for (const std::string model : {"v2", "v3"}) {
+    RunFiles files(kSteps, model_of(model));
+    const RunConfig cfg = files.config(layout(W, true, {"model.num_hidden_layers=3"}));
+    ProcessGrid grid(MPI_COMM_WORLD, cfg.parallel);
+    Trainer plain(cfg, grid);
+    plain.init_weights("");
+    plain.train();
+    for (const auto& [name, set] : policies) {
+      SCOPED_TRACE(model + ", " + name);
+      Trainer t(files.config(layout(W, true, {"model.num_hidden_layers=3", set})), grid);
+      t.init_weights("");
+      t.train();
+      ASSERT_EQ(t.history().size(), plain.history().size());
+      for (size_t i = 0; i < t.history().size(); ++i) {
+        EXPECT_EQ(t.history()[i].loss, plain.history()[i].loss) << "step " << i + 1;
+        EXPECT_EQ(t.history()[i].grad_norm, plain.history()[i].grad_norm) << "step " << i + 1;
+      }
+      const Buffer& a = t.model().params().values();
+      EXPECT_EQ(0, std::memcmp(a.data(), plain.model().params().values().data(), a.nbytes()));
+      EXPECT_LT(t.model().activation_bytes(2, 16), plain.model().activation_bytes(2, 16));
     }
   }
 }

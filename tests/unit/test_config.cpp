@@ -600,8 +600,24 @@ TEST(Config, ActivationCheckpointingKeys) {
   EXPECT_TRUE(sel.train.activation_checkpointing.selects("layernorm"));
   EXPECT_TRUE(sel.train.activation_checkpointing.selects("moe_act"));
   EXPECT_FALSE(sel.train.activation_checkpointing.selects("core_attn"));
-  EXPECT_THAT(msg({"train.activation_checkpointing={\"granularity\": \"selective\", \"selective\": [\"mla_up_proj\"]}"}),
-              HasSubstr("\"mla_up_proj\" is not implemented yet"));
+  // "mla_up_proj" on a model with MLA; on one without (this llama model) it would save nothing.
+  const std::string mla_up_proj = "train.activation_checkpointing={\"granularity\": \"selective\", \"selective\": "
+                                  "[\"layernorm\", \"mla_up_proj\"]}";
+  std::string v3_text = run_json();
+  v3_text.replace(v3_text.find(kModel), std::strlen(kModel),
+                  std::string("\"") + DSTRAIN_SOURCE_DIR + "/inputs/models/deepseek-v3-tiny.json\"");
+  const RunConfig v3 = RunConfig::load(d.write("ac_v3.json", v3_text), {mla_up_proj});
+  EXPECT_TRUE(v3.train.activation_checkpointing.selects("mla_up_proj"));
+  EXPECT_EQ(v3.to_json()["train"]["activation_checkpointing"]["selective"], json({"layernorm", "mla_up_proj"}));
+  EXPECT_THAT(msg({mla_up_proj}), HasSubstr("key 'train.activation_checkpointing.selective' \"mla_up_proj\" forms "
+                                            "Multi-head Latent Attention's heads again, but model_type \"llama\" has "
+                                            "no MLA"));
+  for (const char* part : {"mlp", "moe", "shared_experts"}) {
+    EXPECT_THAT(msg({fmt::format("train.activation_checkpointing={{\"granularity\": \"selective\", \"selective\": "
+                                 "[\"{}\"]}}",
+                                 part)}),
+                HasSubstr(fmt::format("'train.activation_checkpointing.selective' \"{}\" is not implemented yet", part)));
+  }
   EXPECT_THAT(msg({"train.activation_checkpointing={\"granularity\": \"selective\", \"selective\": [\"norms\"]}"}),
               HasSubstr("'train.activation_checkpointing.selective' \"norms\" is not a part"));
   EXPECT_THAT(msg({"train.activation_checkpointing={\"granularity\": \"full\", \"selective\": [\"layernorm\"]}"}),
@@ -610,8 +626,16 @@ TEST(Config, ActivationCheckpointingKeys) {
               HasSubstr("'train.activation_checkpointing.method' is \"all\""));
   EXPECT_THAT(msg({"train.activation_checkpointing.num_layers=0"}),
               HasSubstr("'train.activation_checkpointing.num_layers' is 0"));
+  EXPECT_FALSE(a.cpu_checkpointing);
+  const RunConfig cpu = RunConfig::load(path, {"train.activation_checkpointing={\"granularity\": \"full\", "
+                                               "\"cpu_checkpointing\": true}"});
+  EXPECT_TRUE(cpu.train.activation_checkpointing.cpu_checkpointing);
+  EXPECT_EQ(cpu.to_json()["train"]["activation_checkpointing"]["cpu_checkpointing"], true);
   EXPECT_THAT(msg({"train.activation_checkpointing.cpu_checkpointing=true"}),
-              HasSubstr("train.activation_checkpointing.cpu_checkpointing"));
+              HasSubstr("key 'train.activation_checkpointing.cpu_checkpointing' keeps the inputs of recomputed layers "
+                        "in host memory, so it needs granularity \"full\", but granularity is \"none\""));
+  EXPECT_THAT(msg({"train.activation_checkpointing={\"granularity\": \"selective\", \"cpu_checkpointing\": true}"}),
+              HasSubstr("granularity is \"selective\""));
   EXPECT_THAT(msg({"train.activation_checkpointing.partition_activations=true"}),
               HasSubstr("unknown key 'train.activation_checkpointing.partition_activations'"));
 }

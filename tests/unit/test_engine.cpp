@@ -14,6 +14,7 @@
 #include "model/mla.h"
 #include "model/moe.h"
 #include "model/transformer.h"
+#include "fake_backend.h"
 #include "tiny_models.h"
 
 namespace dstrain {
@@ -286,14 +287,19 @@ TEST_P(Engine, RecomputationIsBitwiseTheSameAndReplaysTheRouting) {
     RecomputePolicy::Method method;
     int64_t num_layers;
     bool selective;
+    bool mla_up_proj = false;  // MLA models only
   };
   const Case cases[] = {{"uniform 1", true, RecomputePolicy::Method::Uniform, 1, false},
                         {"uniform 2", true, RecomputePolicy::Method::Uniform, 2, false},
                         {"block 1", true, RecomputePolicy::Method::Block, 1, false},
                         {"selective layernorm, moe_act", false, RecomputePolicy::Method::Uniform, 1, true},
-                        {"uniform 1 and selective", true, RecomputePolicy::Method::Uniform, 1, true}};
+                        {"selective mla_up_proj", false, RecomputePolicy::Method::Uniform, 1, false, true},
+                        {"selective layernorm, moe_act, mla_up_proj", false, RecomputePolicy::Method::Uniform, 1, true,
+                         true},
+                        {"uniform 1 and selective", true, RecomputePolicy::Method::Uniform, 1, true, true}};
   for (const Case& k : cases) {
     SCOPED_TRACE(k.name);
+    if (k.mla_up_proj && !k.selective && !c.mla()) continue;
     Transformer a(c, Device::cpu()), r(c, Device::cpu());
     a.init_weights(7);
     r.init_weights(7);
@@ -302,6 +308,7 @@ TEST_P(Engine, RecomputationIsBitwiseTheSameAndReplaysTheRouting) {
     policy.method = k.method;
     policy.num_layers = k.num_layers;
     policy.layernorm = policy.moe_act = k.selective;
+    policy.mla_up_proj = k.mla_up_proj && c.mla();
     a.set_recompute(policy);
     const LossScales s = scales_for(a, B, T);
     const LossSums a0 = a.forward(0, d0.tok(), d0.tgt(), s), a1 = a.forward(1, d1.tok(), d1.tgt(), s);
@@ -337,6 +344,65 @@ TEST_P(Engine, RecomputationIsBitwiseTheSameAndReplaysTheRouting) {
       EXPECT_EQ(sa->received_rows, sr->received_rows) << "layer " << am[i].first;
     }
     EXPECT_TRUE(a.activations().in_flight().empty());
+  }
+}
+
+// cpu_checkpointing: each recomputed group's input waits for its replay in page-locked host
+// memory of its own category, copied there and back by the transfer op, so the code is the one
+// a GPU runs. On the host and on the emulated device (the fake backend: device memory host code
+// may not read), with two micro-batches in flight, the activation store and the device's
+// activations category hold less, the host store and category exactly the inputs (none on the
+// device), and the losses and gradients are the bits of keeping the inputs in the activation
+// store.
+TEST_P(Engine, CpuCheckpointingKeepsTheGroupInputsInHostMemoryBitwise) {
+  ModelConfig c = config();
+  c.num_hidden_layers = 5;  // 4 recomputed groups before the last, which keeps its activations
+  const int64_t B = 2, T = 7;
+  Batch d0(B, T, c.vocab_size, 1), d1(B, T, c.vocab_size, 2);
+  constexpr auto kOffloaded = size_t(MemCategory::OffloadedActivations), kActs = size_t(MemCategory::Activations);
+  for (const Device dev : {Device::cpu(), fake::use_fake_backend()}) {
+    SCOPED_TRACE(dev.str());
+    Transformer a(c, dev), r(c, dev);
+    a.init_weights(7);
+    r.init_weights(7);
+    RecomputePolicy policy;
+    policy.full = true;
+    r.set_recompute(policy);
+    policy.cpu_checkpointing = true;
+    a.set_recompute(policy);
+    const LossScales s = scales_for(a, B, T);
+    const MemoryStats host0 = memory_stats(DeviceType::CPU), dev0 = memory_stats(dev.type);
+    const LossSums a0 = a.forward(0, d0.tok(), d0.tgt(), s), a1 = a.forward(1, d1.tok(), d1.tgt(), s);
+    const MemoryStats host1 = memory_stats(DeviceType::CPU), dev1 = memory_stats(dev.type);
+    const LossSums r0 = r.forward(0, d0.tok(), d0.tgt(), s), r1 = r.forward(1, d1.tok(), d1.tgt(), s);
+    const MemoryStats dev2 = memory_stats(dev.type);
+    const int64_t inputs = 2 * 4 * B * T * c.hidden_size * int64_t(sizeof(float));
+    EXPECT_EQ(a.offloaded_activations().bytes_in_use(), inputs);
+    // The store's pool hands the inputs' device buffers on to later tensors (of any size that
+    // fits): fewer bytes, not exactly the inputs' fewer.
+    EXPECT_LT(a.activations().bytes_in_use(), r.activations().bytes_in_use());
+    EXPECT_EQ(host1.bytes[kOffloaded] - host0.bytes[kOffloaded], inputs);
+    if (!dev.is_cpu()) EXPECT_EQ(dev1.bytes[kOffloaded], dev0.bytes[kOffloaded]) << "offloaded onto the device";
+    EXPECT_LT(dev1.bytes[kActs] - dev0.bytes[kActs], dev2.bytes[kActs] - dev1.bytes[kActs]);
+    std::printf("[ cpu_checkpointing ] %s: device activations %ld -> %ld bytes, %ld offloaded\n", dev.str().c_str(),
+                long(dev2.bytes[kActs] - dev1.bytes[kActs]), long(dev1.bytes[kActs] - dev0.bytes[kActs]), long(inputs));
+    EXPECT_EQ(r.offloaded_activations().bytes_allocated(), 0);
+    a.backward(1);
+    a.backward(0);
+    r.backward(1);
+    r.backward(0);
+    expect_same_sums(a0, r0);
+    expect_same_sums(a1, r1);
+    auto grads = [](Transformer& m) {
+      const Buffer& g = m.params().grads();
+      std::vector<float> host(size_t(g.numel()));
+      ops::copy(Tensor(host.data(), DType::F32, Shape{g.numel()}), g.tensor());
+      return host;
+    };
+    expect_same(grads(a), grads(r), 0.0, "gradients");
+    EXPECT_TRUE(a.offloaded_activations().in_flight().empty());
+    a.release_activations();
+    EXPECT_EQ(a.offloaded_activations().bytes_allocated(), 0);
   }
 }
 

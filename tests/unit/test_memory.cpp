@@ -97,6 +97,14 @@ TEST(Memory, ReservedBuffersHoldMemoryOnlyWhereWrittenAndHandItBack) {
 TEST(Memory, PinnedHostBuffersAreHostMemoryUnderTheirOwnAllocator) {
   const MemoryStats cpu0 = memory_stats(DeviceType::CPU);
   Buffer b = Buffer::pinned_host("test.pinned", MemCategory::Workspace, DType::I32, 10);
+  // Activations kept off the device have a category of their own, named in the metrics.
+  EXPECT_EQ(mem_category_name(MemCategory::OffloadedActivations), "offloaded_activations");
+  const int64_t before = memory_stats(DeviceType::CPU).bytes[size_t(MemCategory::OffloadedActivations)];
+  {
+    Buffer held = Buffer::pinned_host("test.offloaded", MemCategory::OffloadedActivations, DType::F32, 6);
+    EXPECT_EQ(memory_stats(DeviceType::CPU).bytes[size_t(MemCategory::OffloadedActivations)] - before, 24);
+  }
+  EXPECT_EQ(memory_stats(DeviceType::CPU).bytes[size_t(MemCategory::OffloadedActivations)], before);
   EXPECT_EQ(b.allocator()->name(), "pinned_host");
   EXPECT_EQ(b.allocator()->name(), pinned_host_allocator().name());
   EXPECT_TRUE(b.device().is_cpu());

@@ -484,6 +484,52 @@ TEST_P(MLAGradients, MatchFiniteDifferences) {
 
 INSTANTIATE_TEST_SUITE_P(Variants, MLAGradients, kMlaCases, case_name);
 
+class MLAUpProjRecompute : public ::testing::TestWithParam<MlaCase> {};
+
+// Selective recomputation "mla_up_proj": the backward forms q|k|v again from the kept normed
+// latents and k_pe, with the forward's ops on the same chunks of rows, so the output, the input
+// gradient and every parameter gradient are the same bits as with q|k|v kept; the store holds
+// k_pe (N, Dr) instead of q|k|v (N, W). The forward's q|k|v in scratch is overwritten between
+// the forward and the backward (as the next layer's forward would), so only heads formed again
+// give these gradients. T = 70 stages the up-projections in two chunks, T = 1 in the smallest
+// buffer.
+TEST_P(MLAUpProjRecompute, IsBitwiseTheSameAndKeepsKPeInsteadOfTheHeads) {
+  const MlaCase k = GetParam();
+  for (const auto& [B, T] : {std::pair<int64_t, int64_t>{2, 9}, {1, 70}, {1, 1}}) {
+    SCOPED_TRACE(fmt::format("B {} T {}", B, T));
+    Block kept(mla_config(k.q_lora, k.yarn), 1, 13), formed(mla_config(k.q_lora, k.yarn), 1, 13);
+    formed.ctx.recompute_mla_up_proj = true;
+    const int64_t C = kept.c.hidden_size, N = B * T;
+    std::mt19937 rng(static_cast<unsigned>(T));
+    Host x({B, T, C}, rng), r({B, T, C}, rng);
+    Host out_kept({B, T, C}), out_formed({B, T, C}), dx_kept({B, T, C}), dx_formed({B, T, C});
+    for (Block* b : {&kept, &formed}) {
+      b->rope.ensure(T, b->c);
+      b->reg.grads().zero();
+    }
+    kept.attn->forward(kept.ctx, 0, x.t(), out_kept.t());
+    formed.attn->forward(formed.ctx, 0, x.t(), out_formed.t());
+    // H = 2: W = 2 * (2 * 12 + 6) = 60 per row, k_pe 8.
+    const int64_t W = 60, Dr = 8;
+    EXPECT_TRUE(kept.acts.has(0, "layers.1.attn.qkv"));
+    EXPECT_FALSE(formed.acts.has(0, "layers.1.attn.qkv"));
+    EXPECT_EQ(kept.acts.bytes_in_use() - formed.acts.bytes_in_use(), N * (W - Dr) * int64_t(sizeof(float)));
+    ops::fill(formed.scratch.get("mla.qkv", {B, T, W}), 1e3f);
+    kept.attn->backward(kept.ctx, 0, x.t(), r.t(), dx_kept.t());
+    formed.attn->backward(formed.ctx, 0, x.t(), r.t(), dx_formed.t());
+    EXPECT_EQ(out_formed.v, out_kept.v);
+    EXPECT_EQ(dx_formed.v, dx_kept.v);
+    for (int id = 0; id < kept.reg.size(); ++id) {
+      const float* a = formed.reg.grad(id).data<float>();
+      const float* b = kept.reg.grad(id).data<float>();
+      EXPECT_EQ(std::vector<float>(a, a + kept.reg.info(id).numel()), std::vector<float>(b, b + kept.reg.info(id).numel()))
+          << kept.reg.info(id).name;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, MLAUpProjRecompute, kMlaCases, case_name);
+
 TEST(MLAttention, RegistersHuggingFaceNamesAndShapes) {
   for (const bool q_lora : {false, true}) {
     const ModelConfig c = mla_config(q_lora, true);

@@ -193,6 +193,21 @@ TEST(Model, FusedProjectionsAreContiguousInTheRegistry) {
   EXPECT_EQ(t.params().find("lm_head.weight"), -1);
 }
 
+// "mla_up_proj" on a model without MLA is refused, naming the part and the model type.
+TEST(Model, MlaUpProjRecomputationNeedsMla) {
+  Transformer m(tiny_dense(true, false), Device::cpu());
+  RecomputePolicy rp;
+  rp.mla_up_proj = true;
+  try {
+    m.set_recompute(rp);
+    FAIL() << "mla_up_proj was accepted for a model without MLA";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("\"mla_up_proj\" forms MLA's heads again, but model_type"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(m.recompute().mla_up_proj);
+}
+
 // The activation estimate the OOM fallback and the memory budget rely on matches what a
 // forward and backward really allocate: dense, GQA, and DeepSeek-V3 with MLA, MoE and MTP.
 TEST(Model, ActivationEstimateMatchesWhatATrainingStepAllocates) {
@@ -208,14 +223,21 @@ TEST(Model, ActivationEstimateMatchesWhatATrainingStepAllocates) {
     RecomputePolicy::Method method;
     int64_t num_layers;
     bool selective = false;
+    bool mla_up_proj = false;  // MLA models only
+    bool cpu_checkpointing = false;
   };
   const Policy policies[] = {{"none", false, RecomputePolicy::Method::Uniform, 1},
                              {"full uniform 1", true, RecomputePolicy::Method::Uniform, 1},
                              {"full uniform 2", true, RecomputePolicy::Method::Uniform, 2},
                              {"full block 1", true, RecomputePolicy::Method::Block, 1},
-                             {"selective layernorm, moe_act", false, RecomputePolicy::Method::Uniform, 1, true}};
+                             {"selective layernorm, moe_act", false, RecomputePolicy::Method::Uniform, 1, true},
+                             {"selective mla_up_proj", false, RecomputePolicy::Method::Uniform, 1, false, true},
+                             {"full uniform 1 and selective", true, RecomputePolicy::Method::Uniform, 1, true, true},
+                             {"full uniform 1, cpu_checkpointing", true, RecomputePolicy::Method::Uniform, 1, false,
+                              false, true}};
   for (const ModelConfig& c : {dense, v3}) {
    for (const Policy& pol : policies) {
+    if (pol.mla_up_proj && !c.mla()) continue;
     Transformer m(c, Device::cpu());
     m.init_weights(5);
     RecomputePolicy rp;
@@ -223,6 +245,8 @@ TEST(Model, ActivationEstimateMatchesWhatATrainingStepAllocates) {
     rp.method = pol.method;
     rp.num_layers = pol.num_layers;
     rp.layernorm = rp.moe_act = pol.selective;
+    rp.mla_up_proj = pol.mla_up_proj;
+    rp.cpu_checkpointing = pol.cpu_checkpointing;
     m.set_recompute(rp);
     const int64_t B = 2, T = 64;
     Data d(B, T, c.vocab_size, 9);
