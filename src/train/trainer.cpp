@@ -510,9 +510,12 @@ void Trainer::fit_memory_budget() {
     const MemoryEstimate e = estimate_memory(c, world);
     std::string why;
     for (const RankMemory& r : e.stages) {
-      const double act = double(r.peak[size_t(MemCategory::Activations)]);
+      // Activations and the backward's temporaries, as Transformer::activation_bytes counts them.
+      const double act =
+          double(r.peak[size_t(MemCategory::Activations)] + r.peak[size_t(MemCategory::Workspace)]);
       if (act_budget > 0 && act > act_budget && why.empty()) {
-        why = fmt::format("rank {} needs {:.0f} MB of activations, over resilience.activation_budget_mb ({:.0f} MB)",
+        why = fmt::format("rank {} needs {:.0f} MB of activations and temporaries, over "
+                          "resilience.activation_budget_mb ({:.0f} MB)",
                           r.ranks.front(), act / 1e6, act_budget / 1e6);
       }
       if (budget > 0 && double(r.peak_total) > budget && why.empty()) {

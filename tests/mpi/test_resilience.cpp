@@ -211,6 +211,57 @@ TEST(Resilience, AllocationFailureTurnsOnRecomputationEverywhereWithTheSameResul
   EXPECT_EQ(0, std::memcmp(a.data(), plain.model().params().values().data(), a.nbytes()));
 }
 
+// Where a step cannot be abandoned half-way (ZeRO stage 3 reduces and gathers every
+// micro-step; pipeline stages wait on each other), a rank that cannot allocate says so before
+// the step's first collective: every rank turns on full recomputation and the run is bitwise
+// the one that had it from the start; without recomputation the micro-batch is halved
+// everywhere, as a run started smaller.
+TEST(Resilience, AllocationFailureAtZeroThreeAndUnderPipelineChangesEveryRankBeforeTheStep) {
+  RunFiles files(5);
+  std::vector<std::vector<std::string>> layouts = {{"train.zero_optimization.stage=3"}};
+  if (world_size() >= 2) {
+    layouts.push_back({"parallel.pipeline=2", "model.num_hidden_layers=4"});
+    layouts.push_back({"parallel.pipeline=2", "model.num_hidden_layers=4", "parallel.schedule=\"dualpipev\"",
+                       "train.zero_optimization.stage=2", "train.train_batch_size=16"});
+  }
+  const std::string fault =
+      fmt::format("resilience.fault={{\"rank\": {}, \"oom_at_step\": 3}}", world_size() - 1);
+  for (const auto& layout : layouts) {
+    SCOPED_TRACE(layout.front());
+    ProcessGrid grid(MPI_COMM_WORLD, files.config(layout).parallel);
+    std::vector<std::string> full = layout;
+    full.push_back("train.activation_checkpointing={\"granularity\": \"full\"}");
+    Trainer reference(files.config(full), grid);
+    reference.init_weights("");
+    reference.train();
+    std::vector<std::string> failing = layout;
+    failing.push_back(fault);
+    Trainer t(files.config(failing), grid);
+    t.init_weights("");
+    t.train();
+    EXPECT_TRUE(t.config().train.activation_checkpointing.full());
+    ASSERT_EQ(t.history().size(), reference.history().size());
+    for (size_t i = 0; i < t.history().size(); ++i) EXPECT_EQ(t.history()[i].loss, reference.history()[i].loss);
+
+    std::vector<std::string> smaller = layout;
+    smaller.push_back("train.train_micro_batch_size_per_gpu=1");
+    Trainer small(files.config(smaller), grid);
+    small.init_weights("");
+    small.train();
+    failing.push_back("resilience.oom_recompute=false");
+    Trainer halved(files.config(failing), grid);
+    halved.init_weights("");
+    halved.train();
+    EXPECT_EQ(halved.config().train.micro_batch, 1);
+    EXPECT_FALSE(halved.config().train.activation_checkpointing.full());
+    ASSERT_EQ(halved.history().size(), small.history().size());
+    for (size_t i = 0; i < halved.history().size(); ++i) {
+      const double want = small.history()[i].loss;
+      EXPECT_NEAR(halved.history()[i].loss, want, 1e-5 * want) << "step " << i + 1;
+    }
+  }
+}
+
 TEST(Resilience, StopSignalOnOneRankStopsAllAtTheSameStepAfterACheckpoint) {
   RunFiles files(6);
   ProcessGrid grid(MPI_COMM_WORLD, {});
