@@ -8,6 +8,7 @@
 // (its receive is posted ahead, train/pipeline.h).
 #pragma once
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -17,26 +18,36 @@
 
 namespace dstrain {
 
+// Bytes of the collectives in flight, now and at their peak: the payloads the communication
+// library holds temporaries for (MPI's reductions allocate one of the message's size; NCCL has
+// buffers of its own), outside dstrain's allocator.
+struct InFlightBytes {
+  int64_t now = 0, peak = 0;
+};
+
 class ShapeOnlyCommunicator final : public Communicator {
  public:
-  ShapeOnlyCommunicator(std::string name, int rank, int size) : name_(std::move(name)), rank_(rank), size_(size) {}
+  ShapeOnlyCommunicator(std::string name, int rank, int size, InFlightBytes* in_flight = nullptr)
+      : name_(std::move(name)), rank_(rank), size_(size), in_flight_(in_flight) {}
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::string name() const override { return name_; }
-  Work all_reduce_async(Tensor, ReduceOp) override { return pending(); }
-  Work all_gather_async(Tensor, Tensor) override { return pending(); }
-  Work reduce_scatter_async(Tensor, Tensor, ReduceOp) override { return pending(); }
-  Work all_gather_v_async(Tensor, Tensor, const std::vector<int64_t>&) override { return pending(); }
-  Work reduce_scatter_v_async(Tensor, Tensor, const std::vector<int64_t>&, ReduceOp) override { return pending(); }
-  Work broadcast_async(Tensor, int) override { return pending(); }
+  Work all_reduce_async(Tensor t, ReduceOp) override { return pending(t.nbytes()); }
+  Work all_gather_async(Tensor out, Tensor) override { return pending(out.nbytes()); }
+  Work reduce_scatter_async(Tensor, Tensor in, ReduceOp) override { return pending(in.nbytes()); }
+  Work all_gather_v_async(Tensor out, Tensor, const std::vector<int64_t>&) override { return pending(out.nbytes()); }
+  Work reduce_scatter_v_async(Tensor, Tensor in, const std::vector<int64_t>&, ReduceOp) override {
+    return pending(in.nbytes());
+  }
+  Work broadcast_async(Tensor t, int) override { return pending(t.nbytes()); }
   Work all_to_all_async(Tensor out, Tensor in) override {
     if (out.device().is_cpu() && in.device().is_cpu() && out.nbytes() == in.nbytes()) {
       std::memcpy(out.raw(), in.raw(), in.nbytes());
     }
     return Work();
   }
-  Work all_to_all_v_async(Tensor, const std::vector<int64_t>&, Tensor, const std::vector<int64_t>&) override {
-    return pending();
+  Work all_to_all_v_async(Tensor out, const std::vector<int64_t>&, Tensor in, const std::vector<int64_t>&) override {
+    return pending(std::max(out.nbytes(), in.nbytes()));
   }
   Work send_async(Tensor, int, int) override { return Work(); }
   Work recv_async(Tensor, int, int) override { return Work(); }
@@ -44,15 +55,26 @@ class ShapeOnlyCommunicator final : public Communicator {
   CommStats stats() const override { return {}; }
 
  private:
-  static Work pending() {
+  Work pending(size_t bytes) {
     auto state = std::make_shared<WorkState>();
     auto waited = std::make_shared<bool>(false);
-    state->wait_fn = [waited] { *waited = true; };
+    InFlightBytes* f = in_flight_;
+    const auto n = int64_t(bytes);
+    if (f && size_ > 1) {
+      f->now += n;
+      f->peak = std::max(f->peak, f->now);
+    }
+    const bool counted = f && size_ > 1;
+    state->wait_fn = [waited, f, n, counted] {
+      if (!*waited && counted) f->now -= n;
+      *waited = true;
+    };
     state->test_fn = [waited] { return *waited; };
     return Work(state);
   }
   std::string name_;
   int rank_, size_;
+  InFlightBytes* in_flight_;
 };
 
 }  // namespace dstrain

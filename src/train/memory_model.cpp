@@ -49,8 +49,10 @@ RankMemory run_rank(const RunConfig& config, const CheckedLayout& layout, int pp
   const AxisSizes& a = layout.sizes;
   const ModelConfig& mc = config.model;
   const TrainConfig& tc = config.train;
-  ShapeOnlyCommunicator tp("tensor", 0, a.tensor), ep("expert", 0, a.expert), pp("pipeline", pp_rank, a.pipeline),
-      dp("data", 0, a.data), expert_dp("expert_data", 0, a.data / a.expert);
+  InFlightBytes library;
+  ShapeOnlyCommunicator tp("tensor", 0, a.tensor, &library), ep("expert", 0, a.expert, &library),
+      pp("pipeline", pp_rank, a.pipeline, &library), dp("data", 0, a.data, &library),
+      expert_dp("expert_data", 0, a.data / a.expert, &library);
   ProcessGroups groups;
   groups.tp = a.tensor > 1 ? &tp : nullptr;
   groups.ep = a.expert > 1 ? &ep : nullptr;
@@ -151,6 +153,7 @@ RankMemory run_rank(const RunConfig& config, const CheckedLayout& layout, int pp
     r.peak = m.peak;
     r.peak_total = m.peak_total;
     r.held_after_step = m.total();
+    r.library_peak = library.peak;
   }
   return r;
 }
@@ -211,14 +214,14 @@ std::vector<std::string> describe_memory(const MemoryEstimate& e) {
                                     MemCategory::Workspace, MemCategory::OffloadedActivations};
   std::string head = fmt::format("{:<14}", "ranks");
   for (MemCategory c : kShown) head += fmt::format(" {:>12}", mem_category_name(c).substr(0, 12));
-  head += fmt::format(" {:>10} {:>10}", "peak", "held");
+  head += fmt::format(" {:>10} {:>10} {:>10}", "peak", "held", "library");
   out.push_back(head + "   (MB per rank; each category at its own peak)");
   for (const RankMemory& s : e.stages) {
     const std::string ranks = s.ranks.size() == 1 ? std::to_string(s.ranks.front())
                                                   : fmt::format("{}-{}", s.ranks.front(), s.ranks.back());
     std::string line = fmt::format("{:<14}", ranks);
     for (MemCategory c : kShown) line += fmt::format(" {:>12}", mb(s.peak[size_t(c)]));
-    line += fmt::format(" {:>10} {:>10}", mb(s.peak_total), mb(s.held_after_step));
+    line += fmt::format(" {:>10} {:>10} {:>10}", mb(s.peak_total), mb(s.held_after_step), mb(s.library_peak));
     out.push_back(line + fmt::format("   {} micro-batch(es) in flight; {}", s.micro_batches_in_flight, s.chunks));
   }
   return out;

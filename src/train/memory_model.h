@@ -43,6 +43,10 @@ struct RankMemory {
   int64_t peak_total = 0;
   // Bytes held between steps (weights, gradients, optimizer state, pooled buffers).
   int64_t held_after_step = 0;
+  // Outside dstrain's allocator: the most bytes of collectives in flight at once, for which the
+  // communication library holds temporaries (an MPI reduction allocates one of the message's
+  // size); what a host's RSS adds to peak_total, beside the process itself.
+  int64_t library_peak = 0;
 };
 
 struct MemoryEstimate {
