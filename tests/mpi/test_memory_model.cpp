@@ -76,12 +76,12 @@ TEST(MemoryModel, PredictsEveryRanksPeakOfTheAllocatorsAccounting) {
       measured = double(m.peak_total);
       const RankMemory e = estimate_memory(t.config(), n).of_rank(me);
       predicted = double(e.peak_total);
-      auto at = [](const auto& peaks, MemCategory c) { return peaks[size_t(c)]; };
+      auto at = [](const auto& peaks, MemCategory k) { return peaks[size_t(k)]; };
       act_predicted = double(at(e.peak, MemCategory::Activations));
       act_measured = double(at(m.peak, MemCategory::Activations));
-      for (MemCategory c : {MemCategory::Parameters, MemCategory::Gradients, MemCategory::OptimizerState}) {
-        state_predicted += at(e.peak, c);
-        state_measured += at(m.peak, c);
+      for (MemCategory k : {MemCategory::Parameters, MemCategory::Gradients, MemCategory::OptimizerState}) {
+        state_predicted += at(e.peak, k);
+        state_measured += at(m.peak, k);
       }
       for (int k = 0; k < int(MemCategory::kCount); ++k) {
         categories += fmt::format("\n  {}: {} / {}", mem_category_name(MemCategory(k)), e.peak[size_t(k)], m.peak[size_t(k)]);

@@ -13,6 +13,7 @@
 
 #include "resume_check.h"
 #include "run_files.h"
+#include "train/memory_model.h"
 #include "train/trainer.h"
 
 namespace dstrain {
@@ -427,10 +428,25 @@ TEST(Zero, MemoryBudgetRefusesStageZeroAndAdmitsStage3) {
   std::vector<std::string> split3 = zero_overrides(3);
   split3.insert(split3.end(), {"parallel.tensor=2", "parallel.pipeline=2"});
   EXPECT_DOUBLE_EQ(model_state_bytes_per_rank(files.config(split3), 2), 16 * params / 4 / 2);
-  // A budget between the two: 60% of stage 0's need.
-  const std::string budget = fmt::format("metrics.memory_budget_gb={:.9f}", 16 * params * 0.6 / 1e9);
+  // A budget between the two: 60% of stage 0's need. Stage 0 is refused before anything is
+  // allocated; stage 3's shards fit it. The whole step at stage 3 (the gathered layers, the
+  // activations, and the whole weights made before the optimizer shards them) is the memory
+  // model's to fit (tests/mpi/test_memory_model.cpp): the run that admits stage 3 gets a budget
+  // above the model's peak.
+  const std::vector<std::string> wide = {"model.hidden_size=256", "model.intermediate_size=512"};
+  const double wide_params = double(files.config(wide).model.num_parameters());
+  const double refused_bytes = 16 * wide_params * 0.6;
+  EXPECT_LT(model_state_bytes_per_rank(files.config(zero_overrides(3, wide)), std::max(n, 2)), refused_bytes);
+  double admitted_bytes = refused_bytes;
+  if (n >= 2) {
+    RunConfig wide3 = files.config(zero_overrides(3, wide));
+    check_layout(wide3, n);
+    admitted_bytes = std::max(refused_bytes, 1.05 * double(estimate_memory(wide3, n).peak_total()));
+  }
+  std::vector<std::string> wide_budget = wide;
+  wide_budget.push_back(fmt::format("metrics.memory_budget_gb={:.9f}", refused_bytes / 1e9));
   try {
-    Trainer t(files.config({budget}), grid);
+    Trainer t(files.config(wide_budget), grid);
     FAIL() << "stage 0 fitted a budget below its need";
   } catch (const Error& e) {
     const std::string msg = e.what();
@@ -438,13 +454,15 @@ TEST(Zero, MemoryBudgetRefusesStageZeroAndAdmitsStage3) {
     EXPECT_NE(msg.find("zero_optimization.stage"), std::string::npos) << msg;
   }
   if (n >= 2) {
-    Trainer t(files.config(zero_overrides(3, {budget})), grid);
+    std::vector<std::string> admitted = wide;
+    admitted.push_back(fmt::format("metrics.memory_budget_gb={:.9f}", admitted_bytes / 1e9));
+    Trainer t(files.config(zero_overrides(3, admitted)), grid);
     t.init_weights("");
     t.train();
     EXPECT_EQ(t.history().size(), 1u);
     EXPECT_TRUE(std::isfinite(t.history().back().loss));
   } else {
-    EXPECT_THROW(Trainer(files.config(zero_overrides(3, {budget})), grid), Error) << "one rank shards nothing";
+    EXPECT_THROW(Trainer(files.config(zero_overrides(3, wide_budget)), grid), Error) << "one rank shards nothing";
   }
 }
 
