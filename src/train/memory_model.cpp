@@ -111,44 +111,43 @@ RankMemory run_rank(const RunConfig& config, const CheckedLayout& layout, int pp
     const Tensor tok(tokens.data(), DType::I32, Shape{B, T});
     const std::vector<ScheduleAction> plan = schedule->actions(a.pipeline > 1 ? pp_rank : 0, a.pipeline, n_micro);
     r.micro_batches_in_flight = in_flight(plan);
-    // Two steps: the second starts with what the first left pooled (message and bucket buffers,
-    // the activation store's pool), as every step of a run but the first does.
-    for (int step = 0; step < 2; ++step) {
-    for (auto& axis : axes) axis->begin_step();
-    if (runner) {
-      final_hooks->begin_step(n_micro);
-      for (auto& axis : axes) axis->begin_micro_step(true);
-      std::vector<PipelineRunner::MicroBatch> micro(size_t(n_micro), {tok, tok});
-      runner->run_step(micro, scales, nullptr, 1);
-    } else {
-      size_t last_backward = 0;
-      for (size_t i = 0; i < plan.size(); ++i) {
-        if (plan[i].kind != ScheduleAction::Kind::Forward) last_backward = i;
-      }
-      for (size_t i = 0; i < plan.size(); ++i) {
-        const ScheduleAction& act = plan[i];
-        switch (act.kind) {
-          case ScheduleAction::Kind::Forward:
+    // One step as the trainer runs it (Trainer::train_step, forward_backward).
+    auto step = [&] {
+      for (auto& axis : axes) axis->begin_step();
+      if (runner) {
+        final_hooks->begin_step(n_micro);
+        for (auto& axis : axes) axis->begin_micro_step(true);
+        std::vector<PipelineRunner::MicroBatch> micro(size_t(n_micro), {tok, tok});
+        runner->run_step(micro, scales, nullptr, 1);
+      } else {
+        size_t last_backward = 0;
+        for (size_t i = 0; i < plan.size(); ++i) {
+          if (plan[i].kind != ScheduleAction::Kind::Forward) last_backward = i;
+        }
+        for (size_t i = 0; i < plan.size(); ++i) {
+          const ScheduleAction& act = plan[i];
+          if (act.kind == ScheduleAction::Kind::Forward) {
             for (auto& axis : axes) axis->begin_forward();
             model.forward(act.micro_batch, tok, tok, scales);
-            break;
-          case ScheduleAction::Kind::Backward:
-          case ScheduleAction::Kind::BackwardInput:
-            for (auto& axis : axes) axis->begin_micro_step(i == last_backward);
+            continue;
+          }
+          for (auto& axis : axes) axis->begin_micro_step(i == last_backward);
+          if (act.kind == ScheduleAction::Kind::BackwardWeight) {
+            model.backward_weights(act.micro_batch);
+          } else {
             model.backward(act.micro_batch,
                            act.kind == ScheduleAction::Kind::Backward ? BackwardPart::Full : BackwardPart::Input);
-            break;
-          case ScheduleAction::Kind::BackwardWeight:
-            for (auto& axis : axes) axis->begin_micro_step(i == last_backward);
-            model.backward_weights(act.micro_batch);
-            break;
+          }
         }
       }
-    }
-    ReduceTimings rt;
-    for (auto& axis : axes) axis->finish_gradients(rt);
-    optimizer.step(tc.adamw.lr, 1.0);
-    }
+      ReduceTimings rt;
+      for (auto& axis : axes) axis->finish_gradients(rt);
+      optimizer.step(tc.adamw.lr, 1.0);
+    };
+    // Two steps: the second starts with what the first left pooled (message and bucket buffers,
+    // the activation store's pool), as every step of a run but the first does.
+    step();
+    step();
     const MemoryStats m = memory_stats(DeviceType::Meta);
     r.peak = m.peak;
     r.peak_total = m.peak_total;
