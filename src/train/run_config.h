@@ -55,6 +55,12 @@ struct ActivationCheckpointingConfig {
   std::vector<std::string> selective = {"core_attn"};
   bool cpu_checkpointing = false;
   bool full() const { return granularity == "full"; }
+  // Full recomputation of every layer on its own (what the out-of-memory fallback turns on).
+  void set_full() {
+    granularity = "full";
+    method = "uniform";
+    num_layers = 1;
+  }
   bool selects(const std::string& part) const {
     return granularity == "selective" && std::find(selective.begin(), selective.end(), part) != selective.end();
   }

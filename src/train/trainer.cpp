@@ -467,9 +467,7 @@ void Trainer::apply_recompute() {
 bool Trainer::recompute_to_fit() {
   ActivationCheckpointingConfig& ac = config_.train.activation_checkpointing;
   if (!config_.resilience.oom_recompute || ac.full()) return false;
-  ac.granularity = "full";
-  ac.method = "uniform";
-  ac.num_layers = 1;
+  ac.set_full();
   apply_recompute();
   return true;
 }
@@ -526,20 +524,21 @@ void Trainer::fit_memory_budget() {
     return why;
   };
   const ResilienceConfig& rc = config_.resilience;
-  for (std::string why = over(config_); !why.empty(); why = over(config_)) {
+  std::string why = over(config_);
+  while (!why.empty()) {
     const std::string split = fmt::format("micro-batch {} x {} tokens, {}", tc.micro_batch, config_.data.seq_len,
                                           tc.activation_checkpointing.full() ? "full recomputation"
                                                                               : "no full recomputation");
     if (rc.oom_fallback && rc.oom_recompute && !tc.activation_checkpointing.full()) {
       RunConfig full = config_;
-      full.train.activation_checkpointing.granularity = "full";
-      full.train.activation_checkpointing.method = "uniform";
-      full.train.activation_checkpointing.num_layers = 1;
-      if (over(full).empty() || tc.micro_batch % 2 != 0) {
+      full.train.activation_checkpointing.set_full();
+      std::string with_full = over(full);
+      if (with_full.empty() || tc.micro_batch % 2 != 0) {
         recompute_to_fit();
         log::warn("memory model: {} ({}): full activation recomputation turned on (the same results, about a third "
                   "more compute; resilience.oom_recompute)",
                   why, split);
+        why = std::move(with_full);  // the estimate of the configuration now in force
         continue;
       }
     }
@@ -552,6 +551,7 @@ void Trainer::fit_memory_budget() {
     tc.grad_accum *= 2;
     log::warn("memory model: {} ({}): micro-batch halved to {} with {} accumulation steps (global batch {} unchanged)",
               why, split, tc.micro_batch, tc.grad_accum, tc.train_batch_size);
+    why = over(config_);
   }
 }
 
