@@ -2,10 +2,11 @@
 // device (backend/meta.h): its tensors have no values to move, but the code around a
 // collective (its buffers, its waits) runs as it would. The one exchange of host values
 // dstrain makes whose result shapes the rest, the MoE layers' counts of rows per expert, comes
-// back as sent: what balanced loads give every rank. A collective completes only when it is
-// waited for, so the buffers that overlapped reductions hold stay held as long as they would
-// when the network is slower than the compute; a point-to-point message completes at once
-// (its receive is posted ahead, train/pipeline.h).
+// back as sent: what balanced loads give every rank. A collective or a send completes only
+// when it is waited for, so the buffers that overlapped reductions and messages in flight hold
+// stay held as long as they would when the network is slower than the compute (an upper
+// bound); a receive completes at once (it is waited for where its message is used,
+// train/pipeline.h).
 #pragma once
 
 #include <algorithm>
@@ -49,7 +50,7 @@ class ShapeOnlyCommunicator final : public Communicator {
   Work all_to_all_v_async(Tensor out, const std::vector<int64_t>&, Tensor in, const std::vector<int64_t>&) override {
     return pending(std::max(out.nbytes(), in.nbytes()));
   }
-  Work send_async(Tensor, int, int) override { return Work(); }
+  Work send_async(Tensor, int, int) override { return pending(0); }
   Work recv_async(Tensor, int, int) override { return Work(); }
   Work barrier_async() override { return Work(); }
   CommStats stats() const override { return {}; }
