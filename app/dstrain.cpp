@@ -211,9 +211,15 @@ int cmd_dry_run(const Options& o) {
               static_cast<long long>(c.data.seq_len), static_cast<long long>(c.train.grad_accum));
   for (const std::string& line : describe_memory(e)) std::printf("  %s\n", line.c_str());
   const RankMemory& top = e.largest();
+  if (c.parallel.expert > 1) {
+    std::printf("  expert parallelism %lld: the rank run receives %.2f x a balanced share of the routed rows in every "
+                "MoE layer (metrics.expert_imbalance; a run reports what each layer meets as "
+                "moe.<layer>.received_max_over_mean)\n",
+                static_cast<long long>(c.parallel.expert), c.metrics.expert_imbalance);
+  }
   std::printf("  beside the peak: up to %.1f MB of collectives in flight (the communication library's temporaries, "
-              "\"library\"), and this process itself (code, libraries, MPI) holds %.1f MB resident\n",
-              double(top.library_peak) / 1e6, current_rss_bytes() / 1e6);
+              "\"library\"), and this process itself (code, libraries, MPI, the GEMM library's buffers after one GEMM of the model's widths) holds %.1f MB resident\n",
+              double(top.library_peak) / 1e6, double(process_resident_bytes(c)) / 1e6);
   const bool fits = double(top.peak_total) < budget;
   std::printf("  peak %.1f MB on rank %d (pipeline stage %d) against %.1f MB %s: %s\n", double(top.peak_total) / 1e6,
               top.ranks.front(), top.pipeline, budget / 1e6,

@@ -12,9 +12,11 @@ data 2; the V3 model with expert parallelism 2 too), it runs
 and prints predicted / measured per case (the rank with the largest measured peak), for the
 allocator's peak and for RSS (the model's peak, plus the collectives in flight for which the
 communication library holds temporaries, plus what the dry-run process holds itself: code,
-libraries, MPI).
+libraries, MPI). With expert parallelism the model is told the load imbalance the run met
+(metrics.expert_imbalance = the largest moe.<layer>.received_max_over_mean of the run's steps):
+the model's rank is the hot one, in every MoE layer.
 
-  python3 validation/bench_memory_model.py [--build build] [--quick] [--markdown]
+  python3 validation/bench_memory_model.py [--build build] [--quick] [--markdown] [--models dense,v3]
 
 --quick runs a 12-case cover of the matrix (every value of every axis at least once).
 """
@@ -98,13 +100,16 @@ def measure(build, args, out):
                        env=env(), capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(p.stdout[-3000:] + p.stderr[-3000:])
-    last = None
+    last, imbalance = None, 1.0
     with open(os.path.join(out, "metrics.jsonl")) as f:
         for line in f:
             r = json.loads(line)
             if r.get("type") == "train":
                 last = r
-    return last["ranks"]["memory_peak_bytes"], last["ranks"]["peak_rss_bytes"]
+                # The most-loaded layer's figure: the model gives every MoE layer the imbalance.
+                for layer in r.get("moe", {}).values():
+                    imbalance = max(imbalance, layer.get("received_max_over_mean", 1.0))
+    return last["ranks"]["memory_peak_bytes"], last["ranks"]["peak_rss_bytes"], imbalance
 
 
 def main():
@@ -112,37 +117,42 @@ def main():
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
     a = ap.parse_args()
-    cases = list(itertools.product(MODELS, RECOMPUTE, SCHEDULES, range(4)))
+    models = [m for m in a.models.split(",") if m]
+    if any(m not in MODELS for m in models):
+        ap.error(f"--models: expected a subset of {', '.join(MODELS)}")
+    cases = list(itertools.product(models, RECOMPUTE, SCHEDULES, range(4)))
     if a.quick:
         # Every recompute x schedule pair once per model, ZeRO stages cycling.
         cases = [(m, r, s, (i + j + (m == "v3")) % 4) for m in MODELS for i, r in enumerate(RECOMPUTE)
-                 for j, s in enumerate(SCHEDULES)][:12]
+                 for j, s in enumerate(SCHEDULES) if m in models][:12]
     tmp = tempfile.mkdtemp(prefix="dstrain-memmodel-")
     rows, worst_alloc, worst_rss = [], 0.0, 0.0
-    print(f"{'model':6} {'recompute':9} {'schedule':11} zero | {'alloc pred':>10} {'alloc meas':>10} {'ratio':>6} | "
+    print(f"{'model':6} {'recompute':9} {'schedule':11} zero {'imbal':>5} | {'alloc pred':>10} {'alloc meas':>10} {'ratio':>6} | "
           f"{'RSS pred':>9} {'RSS meas':>9} {'ratio':>6}   (MB, the rank with the largest measured peak)")
     for model, rec, sched, zero in cases:
         out = os.path.join(tmp, "run")
         args = sets(model, rec, sched, zero, out)
-        pred, library, base = predict(a.build, args)
-        alloc, rss = measure(a.build, args, out)
+        # The run first: the model is told the expert load imbalance the run met.
+        alloc, rss, imbalance = measure(a.build, args, out)
+        pred, library, base = predict(a.build, args + ["--set", f"metrics.expert_imbalance={imbalance:.4f}"])
         r = max(range(4), key=lambda k: alloc[k])
         ra = pred[r] / alloc[r]
         pred_rss = pred[r] + library[r] + base
         rr = pred_rss / rss[r]
         worst_alloc = max(worst_alloc, abs(ra - 1))
         worst_rss = max(worst_rss, abs(rr - 1))
-        rows.append((model, rec, sched, zero, pred[r], alloc[r], ra, pred_rss, rss[r], rr))
-        print(f"{model:6} {rec:9} {sched:11} {zero:4} | {pred[r]/1e6:10.1f} {alloc[r]/1e6:10.1f} {ra:6.3f} | "
-              f"{pred_rss/1e6:9.1f} {rss[r]/1e6:9.1f} {rr:6.3f}", flush=True)
+        rows.append((model, rec, sched, zero, imbalance, pred[r], alloc[r], ra, pred_rss, rss[r], rr))
+        print(f"{model:6} {rec:9} {sched:11} {zero:4} {imbalance:5.3f} | {pred[r]/1e6:10.1f} {alloc[r]/1e6:10.1f} "
+              f"{ra:6.3f} | {pred_rss/1e6:9.1f} {rss[r]/1e6:9.1f} {rr:6.3f}", flush=True)
     print(f"{len(rows)} cases: largest deviation {worst_alloc*100:.1f}% (allocator), {worst_rss*100:.1f}% (RSS)")
     if a.markdown:
-        print("\n| model | recompute | schedule | ZeRO | predicted MB | allocator MB | ratio | predicted + process MB "
-              "| RSS MB | ratio |\n|---|---|---|---|---|---|---|---|---|---|")
-        for m, rec, s, z, p, al, ra, pr, rs, rr in rows:
-            print(f"| {m} | {rec} | {s} | {z} | {p/1e6:.1f} | {al/1e6:.1f} | {ra:.3f} | {pr/1e6:.1f} | {rs/1e6:.1f} | "
-                  f"{rr:.3f} |")
+        print("\n| model | recompute | schedule | ZeRO | expert imbalance | predicted MB | allocator MB | ratio | "
+              "predicted + process MB | RSS MB | ratio |\n|---|---|---|---|---|---|---|---|---|---|---|")
+        for m, rec, s, z, imb, p, al, ra, pr, rs, rr in rows:
+            print(f"| {m} | {rec} | {s} | {z} | {imb:.3f} | {p/1e6:.1f} | {al/1e6:.1f} | {ra:.3f} | {pr/1e6:.1f} | "
+                  f"{rs/1e6:.1f} | {rr:.3f} |")
     shutil.rmtree(tmp, ignore_errors=True)
     return 0 if worst_alloc <= 0.10 and worst_rss <= 0.10 else 1
 

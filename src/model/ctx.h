@@ -307,6 +307,9 @@ struct Ctx {
   bool recompute_layernorm = false;
   bool recompute_moe_act = false;
   bool recompute_mla_up_proj = false;
+  // The meta device only (the memory model): the rows this rank's experts receive under expert
+  // parallelism, over a balanced share (metrics.expert_imbalance; 1: balanced).
+  double expert_imbalance = 1;
 
   int tp_size() const { return ProcessGroups::size_of(groups.tp); }
   int tp_rank() const { return groups.tp ? groups.tp->rank() : 0; }

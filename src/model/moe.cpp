@@ -235,6 +235,16 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
     ctx.groups.ep->all_to_all(Tensor(recv_counts.data(), DType::I64, Shape{E}),
                               Tensor(send_counts.data(), DType::I64, Shape{E}));
     stats_.dispatch_seconds += seconds_since(c0);
+    if (ctx.device.type == DeviceType::Meta && ctx.expert_imbalance != 1) {
+      // The memory model's rank is the hot one: every source sends its experts
+      // expert_imbalance x a balanced share (up to the capacity each source keeps per expert).
+      const int64_t capacity = capacity_factor_ > 0 ? expert_capacity(M) : -1;
+      for (int64_t e = 0; e < E; ++e) {
+        int64_t rows = std::llround(double(recv_counts[size_t(e)]) * ctx.expert_imbalance);
+        if (capacity >= 0) rows = std::min(rows, capacity);
+        recv_counts[size_t(e)] = rows;
+      }
+    }
     m.recv_counts = recv_counts;
     m.send_rows.assign(size_t(ep_), 0);
     m.recv_rows.assign(size_t(ep_), 0);

@@ -202,6 +202,7 @@ int64_t Transformer::activation_bytes(int64_t B, int64_t T) const {
     Transformer twin(config_, Device::meta(), shard_, groups, chunks_);
     if (ctx_.compute_dtype != DType::F32) twin.set_compute_dtype(ctx_.compute_dtype);
     twin.set_recompute(recompute_);
+    twin.set_expert_imbalance(ctx_.expert_imbalance);
     std::vector<int32_t> tokens(size_t(B * T), 0);
     const Tensor tok(tokens.data(), DType::I32, Shape{B, T});
     LossScales scales;

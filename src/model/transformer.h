@@ -110,6 +110,9 @@ class Transformer {
   const ActivationStore& offloaded_activations() const { return offloaded_; }
   // Which layers are recomputed in the backward (none by default).
   void set_recompute(const RecomputePolicy& policy);
+  // On the meta device: this rank's experts receive `ratio` x a balanced share of the rows
+  // (Ctx::expert_imbalance).
+  void set_expert_imbalance(double ratio) { ctx_.expert_imbalance = ratio; }
   const RecomputePolicy& recompute() const { return recompute_; }
 
   // Hugging Face's initialisation: normal(0, initializer_range) for linear and embedding

@@ -123,6 +123,10 @@ DistributedOptimizer::~DistributedOptimizer() {
     } catch (...) {
     }
   }
+  // The whole weights and transient gradients still counted go with the optimizer's buffers: the
+  // device's accounting must not keep them (a later model on the device would start above zero).
+  if (gathered_bytes_ != 0) memory_account(params_.device().type, MemCategory::GatheredParameters, -gathered_bytes_);
+  if (transient_bytes_ != 0) memory_account(params_.device().type, MemCategory::Gradients, -transient_bytes_);
 }
 
 std::string DistributedOptimizer::describe() const {

@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "backend/meta.h"
+#include "backend/ops.h"
 #include "comm/shape_only_comm.h"
 #include "core/error.h"
 #include "distributed/param_groups.h"
@@ -13,6 +14,7 @@
 #include "distributed/schedule.h"
 #include "optim/distributed_optimizer.h"
 #include "train/layout_check.h"
+#include "train/metrics.h"
 #include "train/parallel_axes.h"
 #include "train/pipeline.h"
 
@@ -76,6 +78,7 @@ RankMemory run_rank(const RunConfig& config, const CheckedLayout& layout, int pp
     const DType compute = tc.precision.compute_dtype();
     if (compute != DType::F32) model.set_compute_dtype(compute);
     model.set_recompute(recompute_policy(tc.activation_checkpointing));
+    if (a.expert > 1) model.set_expert_imbalance(config.metrics.expert_imbalance);
     DistributedOptimizer optimizer(tc.zero, tc.adamw, model.params(),
                                    a.expert > 1 ? ParamGroupComms(dp, expert_dp) : ParamGroupComms(dp),
                                    tc.precision.communication_dtype());
@@ -188,6 +191,18 @@ const RankMemory& MemoryEstimate::of_rank(int r) const {
   DS_FAIL("rank {} is not in the memory estimate of {} ranks", r, world);
 }
 
+namespace {
+// The world ranks of pipeline stage p: world rank = (pipeline * data + data) * tensor + tensor
+// (comm/grid.h).
+std::vector<int> stage_ranks(const AxisSizes& a, int world, int p) {
+  std::vector<int> ranks;
+  for (int w = 0; w < world; ++w) {
+    if (w / (a.data * a.tensor) == p) ranks.push_back(w);
+  }
+  return ranks;
+}
+}  // namespace
+
 MemoryEstimate estimate_memory(const RunConfig& config, int world) {
   meta::ensure_registered();
   RunConfig c = config;
@@ -197,13 +212,41 @@ MemoryEstimate estimate_memory(const RunConfig& config, int world) {
   e.world = world;
   for (int p = 0; p < a.pipeline; ++p) {
     RankMemory r = run_rank(c, layout, p);
-    // World rank = (pipeline * data + data) * tensor + tensor (comm/grid.h).
-    for (int w = 0; w < world; ++w) {
-      if (w / (a.data * a.tensor) == p) r.ranks.push_back(w);
-    }
+    r.ranks = stage_ranks(a, world, p);
     e.stages.push_back(std::move(r));
   }
   return e;
+}
+
+RankMemory estimate_rank_memory(const RunConfig& config, int world, int rank) {
+  meta::ensure_registered();
+  RunConfig c = config;
+  const CheckedLayout layout = check_layout(c, world);
+  const AxisSizes& a = layout.sizes;
+  DS_CHECK(rank >= 0 && rank < world, "rank {} is not in a job of {} ranks", rank, world);
+  const int p = rank / int(a.data * a.tensor);
+  RankMemory r = run_rank(c, layout, p);
+  r.ranks = stage_ranks(a, world, p);
+  return r;
+}
+
+int64_t process_resident_bytes(const RunConfig& config) {
+  // The largest layer GEMMs' shapes (capped: the packing buffers stop growing long before),
+  // forward and backward, on the host through the same library as the run's.
+  const ModelConfig& mc = config.model;
+  const int64_t K = std::min<int64_t>(mc.hidden_size, 8192);
+  const int64_t N = std::min<int64_t>(std::max({mc.intermediate_size, mc.moe_intermediate_size, mc.vocab_size}), 8192);
+  const int64_t M = std::min<int64_t>(config.train.micro_batch * config.data.seq_len, 1024);
+  {
+    std::vector<float> x(size_t(M * K), 0.5f), w(size_t(N * K), 0.25f), y(size_t(M * N)), dx(size_t(M * K)),
+        dw(size_t(N * K));
+    const Tensor tx(x.data(), DType::F32, Shape{M, K}), tw(w.data(), DType::F32, Shape{N, K}),
+        ty(y.data(), DType::F32, Shape{M, N});
+    ops::linear_forward(ty, tx, tw);
+    ops::linear_backward(Tensor(dx.data(), DType::F32, Shape{M, K}), Tensor(dw.data(), DType::F32, Shape{N, K}), ty,
+                         tx, tw);
+  }
+  return int64_t(current_rss_bytes());
 }
 
 std::vector<std::string> describe_memory(const MemoryEstimate& e) {

@@ -11,8 +11,11 @@
 // accounting; the model reads that accounting. Activations therefore come from the layers'
 // own saves, and the micro-batches in flight from the schedule itself.
 //
-// The collectives run over communicators of the right sizes that move nothing; the MoE layers
-// assume balanced loads (every expert gets its share of the routed rows). Ranks that differ
+// The collectives run over communicators of the right sizes that move nothing. The MoE layers
+// route nothing: every token rank sends each expert its share of the routed rows, and under
+// expert parallelism the rank run is the hot one, whose experts receive
+// metrics.expert_imbalance x that share in every MoE layer (1: balanced; a run reports what
+// each layer met as moe.<layer>.received_max_over_mean). Ranks that differ
 // only by their tensor, expert or data coordinate hold the same shapes (up to a row of a ZeRO
 // shard), so one rank per pipeline stage is run and stands for the others.
 #pragma once
@@ -62,6 +65,14 @@ struct MemoryEstimate {
 // The model's estimate for `config` (its batch and layout resolved by check_layout) on a job of
 // `world` ranks. Throws what the layout check throws.
 MemoryEstimate estimate_memory(const RunConfig& config, int world);
+// The same for the stage of world rank `rank` only (what one rank of a running job needs).
+RankMemory estimate_rank_memory(const RunConfig& config, int world, int rank);
+
+// What this process holds resident outside dstrain's allocator once the compute library has
+// worked (code, libraries, MPI, the GEMM library's packing buffers, warmed by one host GEMM of
+// the model's widths): the part of a training process's RSS the estimate leaves out, beside
+// RankMemory::library_peak. Measured, so only meaningful in a process like the run's.
+int64_t process_resident_bytes(const RunConfig& config);
 
 // The table `dstrain train --dry-run` prints: per stage, each category's peak, the peak in all,
 // what is held between steps, in MB.

@@ -41,12 +41,18 @@ MetricsConfig MetricsConfig::from_json(const JsonReader& r) {
     r.raw("peak_tflops");
   }
   c.memory_budget_gb = r.get<double>("memory_budget_gb", c.memory_budget_gb);
+  c.expert_imbalance = r.get<double>("expert_imbalance", c.expert_imbalance);
   c.timeline_steps = TimelineSteps::from_json(r, "timeline_steps");
   if (c.progress != "auto" && c.progress != "bar" && c.progress != "lines") {
     r.error("progress", "must be \"auto\", \"bar\" or \"lines\"");
   }
   if (c.prometheus_port < 0 || c.prometheus_port > 65535) r.error("prometheus_port", "must be 0 (off) or a TCP port");
   if (c.memory_budget_gb < 0) r.error("memory_budget_gb", "must be >= 0 (0: the node's memory over its ranks)");
+  if (!(c.expert_imbalance >= 1) || !std::isfinite(c.expert_imbalance)) {
+    r.error("expert_imbalance", fmt::format("must be a ratio >= 1 (the most rows an expert rank receives over the "
+                                            "mean; 1: balanced), got {}",
+                                            c.expert_imbalance));
+  }
   r.done();
   return c;
 }
@@ -54,7 +60,7 @@ MetricsConfig MetricsConfig::from_json(const JsonReader& r) {
 json MetricsConfig::to_json() const {
   return {{"progress", progress},       {"prometheus_port", prometheus_port}, {"prometheus_bind", prometheus_bind},
           {"peak_tflops", peak_tflops > 0 ? json(peak_tflops) : json(nullptr)}, {"memory_budget_gb", memory_budget_gb},
-          {"timeline_steps", timeline_steps.to_json()}};
+          {"expert_imbalance", expert_imbalance}, {"timeline_steps", timeline_steps.to_json()}};
 }
 
 Utilisation utilisation(double global_tokens_per_s, double flops_per_token, int world_size, double peak_flops) {

@@ -24,6 +24,11 @@ struct MetricsConfig {
   std::string prometheus_bind = "127.0.0.1";  // the address it listens on (0.0.0.0: every interface)
   double peak_tflops = 0;          // per rank; 0 (key absent): measured at start with sgemm
   double memory_budget_gb = 0;     // per rank; 0: the node's memory over its ranks
+  // What the memory model assumes of expert parallelism's loads: the most rows one expert rank
+  // receives over the mean, in any MoE layer (a run reports it per layer as
+  // moe.<layer>.received_max_over_mean). 1: balanced; the rank the model runs takes the hot share
+  // in every MoE layer.
+  double expert_imbalance = 1;
   TimelineSteps timeline_steps;    // the steps whose schedule is recorded (train/timeline.h); off
   static MetricsConfig from_json(const JsonReader& r);
   json to_json() const;

@@ -389,6 +389,26 @@ TEST(Metrics, PeakTflopsKeyIsValidatedStrictly) {
   EXPECT_EQ(parse(measured.to_json()).peak_tflops, 1.25);
 }
 
+TEST(Metrics, ExpertImbalanceKeyIsARatioOfAtLeastOne) {
+  auto parse = [](const json& j) { return MetricsConfig::from_json(JsonReader(j, "metrics", "run.json")); };
+  auto error_of = [&](const json& j) {
+    try {
+      parse(j);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(parse(json::object()).expert_imbalance, 1.0) << "absent: balanced";
+  EXPECT_EQ(parse({{"expert_imbalance", 1.4}}).expert_imbalance, 1.4);
+  EXPECT_THAT(error_of({{"expert_imbalance", 0.8}}), HasSubstr("metrics.expert_imbalance"));
+  EXPECT_THAT(error_of({{"expert_imbalance", 0.8}}), HasSubstr("must be a ratio >= 1"));
+  EXPECT_THAT(error_of({{"expert_imbalance", "high"}}), HasSubstr("metrics.expert_imbalance"));
+  MetricsConfig c;
+  c.expert_imbalance = 1.25;
+  EXPECT_EQ(parse(c.to_json()).expert_imbalance, 1.25) << "the resolved configuration reads back";
+}
+
 }  // namespace
 }  // namespace dstrain
 
