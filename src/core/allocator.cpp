@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <mutex>
 #include <vector>
 
@@ -63,6 +64,17 @@ class HostAllocator final : public Allocator {
   }
   void unreserve(Device, void* p, size_t bytes) override {
     if (p) ::munmap(p, bytes);
+  }
+  int64_t available_bytes(Device) const override {
+    std::ifstream meminfo("/proc/meminfo");
+    std::string key;
+    int64_t kib = 0;
+    std::string unit;
+    while (meminfo >> key >> kib) {
+      std::getline(meminfo, unit);
+      if (key == "MemAvailable:") return kib * 1024;
+    }
+    return -1;
   }
   void release_pages(Device, void* p, size_t bytes) override {
     static const size_t page = size_t(::sysconf(_SC_PAGESIZE));

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -39,6 +40,11 @@ class Allocator {
   virtual void unreserve(Device device, void* p, size_t bytes) { free(device, p, bytes); }
   // Zeroes [p, p + bytes) of reserved memory and returns the whole pages inside it.
   virtual void release_pages(Device device, void* p, size_t bytes) { zero(device, p, bytes); }
+
+  // Bytes the device could still hand out now, to every process that shares it (the host: the
+  // kernel's MemAvailable; a GPU: its free memory and what the allocator's pool holds unused);
+  // -1 where unknown.
+  virtual int64_t available_bytes(Device) const { return -1; }
 };
 
 // The allocator for memory on `device`. A device type with none registered is an error that

@@ -339,11 +339,9 @@ bool Trainer::train_step(StepRecord& r) {
   const TrainConfig& tc = config_.train;
   inject_process_faults();
   collective_wait_seconds_ = 0;
-  // Where a step cannot be abandoned half-way, a rank that cannot allocate says so before the
-  // step's first collective (only allocation faults are injected there).
-  if ((runner_ || optimizer_->reduces_into_shard()) && config_.resilience.fault.oom_at_step > 0) {
-    agree_on_step_memory(step_);
-  }
+  // Where a step cannot be abandoned half-way, every rank checks that its step fits before the
+  // step's first collective, and all change alike when one does not.
+  if (runner_ || optimizer_->reduces_into_shard()) agree_on_step_memory(step_);
   // The whole step's micro-batches come at once (read ahead by the pipeline): the loss is the
   // mean over every target token of the global batch, so each backward needs the global
   // token count.
@@ -492,6 +490,7 @@ void Trainer::shrink_micro_batch(const std::string& why, int64_t step, const jso
               "step runs again",
               step + 1, why, tc.micro_batch, tc.grad_accum, tc.train_batch_size);
   }
+  step_need_bytes_ = -1;  // estimated again for the new split or policy
   model_->release_activations();
   model_->params().grads().zero();
   data_pipeline().reconfigure(tc.micro_batch, tc.grad_accum, step, blend_before);
@@ -556,14 +555,49 @@ void Trainer::fit_memory_budget() {
 }
 
 void Trainer::agree_on_step_memory(int64_t step) {
-  const bool mine = fault_at_this_step(&FaultInjection::oom_at_step) && !oom_fault_fired_;
-  if (mine) oom_fault_fired_ = true;  // once: the step then gets through
-  int32_t failed = mine ? 1 : 0;
-  timed_collective([&] { failed = grid_.world().all_reduce_value<int32_t>(failed, ReduceOp::Sum); });
-  if (failed == 0) return;
-  const std::string why = fmt::format("{} rank(s) failed to allocate the step's buffers{}", failed,
-                                      mine ? " (this one: fault injection)" : "");
-  shrink_micro_batch(why, step, data_pipeline().blend_state());
+  for (;;) {
+    std::string mine;  // why this rank cannot fit the step ("": it can)
+    if (fault_at_this_step(&FaultInjection::oom_at_step) && !oom_fault_fired_) {
+      oom_fault_fired_ = true;  // once: the step then gets through
+      mine = "fault injection";
+    } else if (const int64_t need = step_memory_need(); need > 0) {
+      const int64_t have = memory_available ? memory_available() : default_memory_available();
+      if (have >= 0 && need > have) {
+        mine = fmt::format("the memory model puts its step's peak at {:.1f} MB and it can have {:.1f} MB", need / 1e6,
+                           have / 1e6);
+      }
+    }
+    int32_t failed = mine.empty() ? 0 : 1;
+    timed_collective([&] { failed = grid_.world().all_reduce_value<int32_t>(failed, ReduceOp::Sum); });
+    if (failed == 0) return;
+    const std::string why = fmt::format("{} rank(s) cannot fit the step{}", failed,
+                                        mine.empty() ? "" : fmt::format(" (rank {}: {})", grid_.world_rank(), mine));
+    shrink_micro_batch(why, step, data_pipeline().blend_state());
+  }
+}
+
+int64_t Trainer::step_memory_need() {
+  if (step_need_bytes_ >= 0) return step_need_bytes_;
+  try {
+    step_need_bytes_ = estimate_rank_memory(config_, grid_.world_size(), grid_.world_rank()).peak_total;
+  } catch (const Error& e) {
+    step_need_bytes_ = 0;
+    log::warn("memory model: no estimate for this rank's step ({}): steps start without checking that they fit",
+              e.what());
+  }
+  return step_need_bytes_;
+}
+
+int64_t Trainer::default_memory_available() const {
+  const Device device = model_->ctx().device;
+  const int64_t free = allocator_for(device).available_bytes(device);
+  if (free < 0) return -1;
+  // The host's memory is shared by the node's ranks, a GPU's by no other rank.
+  const int64_t share = device.is_cpu() ? free / std::max(grid_.local_size(), 1) : free;
+  int64_t have = memory_stats(device.type).total() + share;
+  const double budget = config_.metrics.memory_budget_gb * 1e9;
+  if (budget > 0) have = std::min(have, int64_t(budget));
+  return have;
 }
 
 Trainer::Outcome Trainer::train() {
@@ -703,6 +737,18 @@ Trainer::Outcome Trainer::train() {
                   "mean rows (above {:.2f}); the step waits for it. Its experts are over-chosen: balance the routing "
                   "(aux_loss_alpha, or noaux_tc's train.router_bias_update_rate) or set moe.capacity_factor",
                   r.step, busiest, mom, kExpertImbalance);
+      }
+      // The budget was fitted by the memory model with the loads it was told to assume.
+      double layer_mom = 0;
+      for (const MoeLayerStats& l : r.moe) layer_mom = std::max(layer_mom, l.received_max_over_mean());
+      if (config_.metrics.memory_budget_gb > 0 && layer_mom > config_.metrics.expert_imbalance * 1.02 &&
+          !imbalance_over_model_warned_) {
+        imbalance_over_model_warned_ = true;
+        log::warn("step {}: an expert rank received {:.2f} x the mean rows in one MoE layer, more than the {:.2f} x "
+                  "the memory model assumed when it fitted metrics.memory_budget_gb: the busiest rank holds more "
+                  "than it predicted; set metrics.expert_imbalance to at least {:.2f} (dstrain train --dry-run shows "
+                  "its effect)",
+                  r.step, layer_mom, config_.metrics.expert_imbalance, layer_mom);
       }
     }
     if (tc.eval_interval > 0 && (!config_.data.val.empty() || !config_.data.split.empty()) &&

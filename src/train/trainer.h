@@ -103,6 +103,10 @@ class Trainer {
   // The clock of checkpoint.interval_minutes. Clocks of different nodes disagree; tests give
   // each rank its own to check that rank 0's alone decides.
   std::function<Clock::time_point()> clock = [] { return Clock::now(); };
+  // The bytes this rank may hold in all when a step starts, or -1 when unknown: by default what
+  // it holds now plus its share of what the device has free (the host's MemAvailable over the
+  // node's ranks; a GPU's free memory), capped by metrics.memory_budget_gb. Tests replace it.
+  std::function<int64_t()> memory_available;
   // Whether a checkpoint is due after `step` (by steps, or by rank 0's clock); the same on
   // every rank. Collective over the world.
   bool checkpoint_due(int64_t step);
@@ -149,9 +153,15 @@ class Trainer {
   void fit_memory_budget();
   // Out of memory on a rank where a step cannot be abandoned half-way (ZeRO stages 2 and 3
   // reduce every micro-step, pipeline stages wait on each other's messages): whether any rank
-  // fails to allocate this step's first buffers, agreed over every rank before the step's
-  // first collective; then every rank changes alike and the step runs with the new split.
+  // cannot fit this step (the memory model's peak for its stage above memory_available(), or
+  // an injected allocation fault), agreed over every rank before the step's first collective;
+  // then every rank changes alike (full recomputation, else half the micro-batch) until every
+  // rank fits, and the step runs with the new split.
   void agree_on_step_memory(int64_t step);
+  // The memory model's peak for this rank's step under the configuration in force (estimated
+  // once per configuration); 0 where the model cannot estimate it.
+  int64_t step_memory_need();
+  int64_t default_memory_available() const;
   // train.epochs: max_steps from the training data's size (at construction).
   void resolve_epochs();
   StepMetrics step_metrics(const StepRecord& r, double elapsed, int64_t steps_this_run);
@@ -196,6 +206,7 @@ class Trainer {
   Communicator* pp_ = nullptr;
   Communicator* ep_ = nullptr;  // the expert group (null: every rank holds every expert)
   int64_t ep_warned_step_ = -1000000;  // the last step that warned of expert-parallel imbalance
+  bool imbalance_over_model_warned_ = false;  // metrics.expert_imbalance below what the run met, said once
   std::unique_ptr<PipelineRunner> runner_;
   std::unique_ptr<FinalGradHooks> final_hooks_;
   ParamHookChain param_hooks_;  // the model's ParamHooks: the reducer's grad_ready (later ZeRO-3's gathers)
@@ -211,6 +222,7 @@ class Trainer {
   int64_t step_ = 0;              // optimizer steps taken (skipped ones included)
   bool resumed_ = false;          // injected faults fire only in runs that started from scratch
   bool oom_fault_fired_ = false;
+  int64_t step_need_bytes_ = -1;  // step_memory_need(); -1: not estimated for the configuration in force
   int64_t skipped_in_a_row_ = 0, skipped_total_ = 0;
   // Steps skipped for an fp16 overflow, over the run (whatever precision later parts of it
   // used): the learning-rate schedule stands still at them.

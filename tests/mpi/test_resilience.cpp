@@ -262,6 +262,83 @@ TEST(Resilience, AllocationFailureAtZeroThreeAndUnderPipelineChangesEveryRankBef
   }
 }
 
+// The same agreement from a real comparison: before each step every rank compares the memory
+// model's peak for its stage with what it may hold (Trainer::memory_available; here the last
+// rank says, at step 3, that it may hold less than its stage needs). Every rank changes alike
+// before the step: full recomputation, bitwise the run that had it from the start; without
+// it, half the micro-batch; without the fallback, an error on every rank before the step.
+TEST(Resilience, AStepTheMemoryModelSaysDoesNotFitChangesEveryRankBeforeItStarts) {
+  RunFiles files(5);
+  std::vector<std::vector<std::string>> layouts = {{"train.zero_optimization.stage=3"}};
+  if (world_size() >= 2) layouts.push_back({"parallel.pipeline=2", "model.num_hidden_layers=4"});
+  const bool short_rank = world_rank() == world_size() - 1;
+  for (const auto& layout : layouts) {
+    SCOPED_TRACE(layout.front());
+    ProcessGrid grid(MPI_COMM_WORLD, files.config(layout).parallel);
+    std::vector<std::string> full = layout;
+    full.push_back("train.activation_checkpointing={\"granularity\": \"full\"}");
+    Trainer reference(files.config(full), grid);
+    reference.init_weights("");
+    reference.train();
+
+    Trainer t(files.config(layout), grid);
+    int64_t asked = 0;
+    // What the short rank may hold at step 3 before anything changed: 1 byte; otherwise unknown
+    // (no check), and every other rank is unknown too.
+    t.memory_available = [&]() -> int64_t {
+      ++asked;
+      const bool before = !t.config().train.activation_checkpointing.full() && t.config().train.micro_batch == 2;
+      return short_rank && t.step() == 2 && before ? 1 : -1;
+    };
+    t.init_weights("");
+    t.train();
+    EXPECT_GE(asked, 5) << "asked before every step";
+    EXPECT_TRUE(t.config().train.activation_checkpointing.full());
+    EXPECT_EQ(t.config().train.micro_batch, 2);
+    ASSERT_EQ(t.history().size(), reference.history().size());
+    for (size_t i = 0; i < t.history().size(); ++i) EXPECT_EQ(t.history()[i].loss, reference.history()[i].loss);
+
+    std::vector<std::string> smaller = layout;
+    smaller.push_back("train.train_micro_batch_size_per_gpu=1");
+    Trainer small(files.config(smaller), grid);
+    small.init_weights("");
+    small.train();
+    std::vector<std::string> no_recompute = layout;
+    no_recompute.push_back("resilience.oom_recompute=false");
+    Trainer halved(files.config(no_recompute), grid);
+    halved.memory_available = [&]() -> int64_t {
+      return short_rank && halved.step() == 2 && halved.config().train.micro_batch == 2 ? 1 : -1;
+    };
+    halved.init_weights("");
+    halved.train();
+    EXPECT_EQ(halved.config().train.micro_batch, 1);
+    EXPECT_EQ(halved.config().train.grad_accum, small.config().train.grad_accum);
+    ASSERT_EQ(halved.history().size(), small.history().size());
+    for (size_t i = 0; i < halved.history().size(); ++i) {
+      const double want = small.history()[i].loss;
+      EXPECT_NEAR(halved.history()[i].loss, want, 1e-5 * want) << "step " << i + 1;
+    }
+
+    std::vector<std::string> refused = layout;
+    refused.push_back("resilience.oom_fallback=false");
+    Trainer r(files.config(refused), grid);
+    r.memory_available = [&]() -> int64_t { return short_rank && r.step() == 2 ? 1 : -1; };
+    r.init_weights("");
+    try {
+      r.train();
+      ADD_FAILURE() << "a step that does not fit started without the fallback";
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("step 3"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("1 rank(s) cannot fit the step"), std::string::npos) << msg;
+      if (short_rank) {
+        EXPECT_NE(msg.find("the memory model puts its step's peak at"), std::string::npos) << msg;
+      }
+    }
+    EXPECT_EQ(r.step(), 2) << "the step did not start";
+  }
+}
+
 TEST(Resilience, StopSignalOnOneRankStopsAllAtTheSameStepAfterACheckpoint) {
   RunFiles files(6);
   ProcessGrid grid(MPI_COMM_WORLD, {});

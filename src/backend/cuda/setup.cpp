@@ -47,6 +47,17 @@ class DeviceAllocator final : public Allocator {
   void zero(Device, void* p, size_t bytes) override {
     if (p && bytes) DS_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream()));
   }
+  // The device's free memory and what cudaMallocAsync's pool holds without handing it out.
+  int64_t available_bytes(Device device) const override {
+    size_t free_b = 0, total_b = 0;
+    DS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    cudaMemPool_t pool = nullptr;
+    DS_CUDA_CHECK(cudaDeviceGetMemPool(&pool, device.index));
+    uint64_t reserved = 0, used = 0;  // the attributes are cuuint64_t, a 64-bit unsigned integer
+    DS_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved));
+    DS_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
+    return int64_t(free_b) + int64_t(reserved > used ? reserved - used : 0);
+  }
 };
 
 // Page-locked host memory: transfers to and from the GPU run at full speed and asynchronously.
