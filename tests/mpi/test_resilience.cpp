@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <limits>
 
 #include "run_files.h"
@@ -212,115 +213,96 @@ TEST(Resilience, AllocationFailureTurnsOnRecomputationEverywhereWithTheSameResul
 }
 
 // Where a step cannot be abandoned half-way (ZeRO stage 3 reduces and gathers every
-// micro-step; pipeline stages wait on each other), a rank that cannot allocate says so before
-// the step's first collective: every rank turns on full recomputation and the run is bitwise
+// micro-step; pipeline stages wait on each other), the last rank finds at step 3 that the step
+// does not fit, set up by `extra` (configuration keys) and `arm` (on the trainer). Every rank
+// changes alike before the step's first collective: full recomputation, and the run is bitwise
 // the one that had it from the start; without recomputation the micro-batch is halved
 // everywhere, as a run started smaller.
-TEST(Resilience, AllocationFailureAtZeroThreeAndUnderPipelineChangesEveryRankBeforeTheStep) {
-  RunFiles files(5);
+std::vector<std::vector<std::string>> unabandonable_layouts(bool dualpipev) {
   std::vector<std::vector<std::string>> layouts = {{"train.zero_optimization.stage=3"}};
   if (world_size() >= 2) {
     layouts.push_back({"parallel.pipeline=2", "model.num_hidden_layers=4"});
-    layouts.push_back({"parallel.pipeline=2", "model.num_hidden_layers=4", "parallel.schedule=\"dualpipev\"",
-                       "train.zero_optimization.stage=2", "train.train_batch_size=16"});
-  }
-  const std::string fault =
-      fmt::format("resilience.fault={{\"rank\": {}, \"oom_at_step\": 3}}", world_size() - 1);
-  for (const auto& layout : layouts) {
-    SCOPED_TRACE(layout.front());
-    ProcessGrid grid(MPI_COMM_WORLD, files.config(layout).parallel);
-    std::vector<std::string> full = layout;
-    full.push_back("train.activation_checkpointing={\"granularity\": \"full\"}");
-    Trainer reference(files.config(full), grid);
-    reference.init_weights("");
-    reference.train();
-    std::vector<std::string> failing = layout;
-    failing.push_back(fault);
-    Trainer t(files.config(failing), grid);
-    t.init_weights("");
-    t.train();
-    EXPECT_TRUE(t.config().train.activation_checkpointing.full());
-    ASSERT_EQ(t.history().size(), reference.history().size());
-    for (size_t i = 0; i < t.history().size(); ++i) EXPECT_EQ(t.history()[i].loss, reference.history()[i].loss);
-
-    std::vector<std::string> smaller = layout;
-    smaller.push_back("train.train_micro_batch_size_per_gpu=1");
-    Trainer small(files.config(smaller), grid);
-    small.init_weights("");
-    small.train();
-    failing.push_back("resilience.oom_recompute=false");
-    Trainer halved(files.config(failing), grid);
-    halved.init_weights("");
-    halved.train();
-    EXPECT_EQ(halved.config().train.micro_batch, 1);
-    EXPECT_FALSE(halved.config().train.activation_checkpointing.full());
-    ASSERT_EQ(halved.history().size(), small.history().size());
-    for (size_t i = 0; i < halved.history().size(); ++i) {
-      const double want = small.history()[i].loss;
-      EXPECT_NEAR(halved.history()[i].loss, want, 1e-5 * want) << "step " << i + 1;
+    if (dualpipev) {
+      layouts.push_back({"parallel.pipeline=2", "model.num_hidden_layers=4", "parallel.schedule=\"dualpipev\"",
+                         "train.zero_optimization.stage=2", "train.train_batch_size=16"});
     }
+  }
+  return layouts;
+}
+
+void expect_every_rank_changes_before_step_3(RunFiles& files, const std::vector<std::string>& layout,
+                                             const std::vector<std::string>& extra,
+                                             const std::function<void(Trainer&)>& arm) {
+  SCOPED_TRACE(layout.front());
+  ProcessGrid grid(MPI_COMM_WORLD, files.config(layout).parallel);
+  std::vector<std::string> full = layout;
+  full.push_back("train.activation_checkpointing={\"granularity\": \"full\"}");
+  Trainer reference(files.config(full), grid);
+  reference.init_weights("");
+  reference.train();
+  std::vector<std::string> failing = layout;
+  failing.insert(failing.end(), extra.begin(), extra.end());
+  Trainer t(files.config(failing), grid);
+  arm(t);
+  t.init_weights("");
+  t.train();
+  EXPECT_TRUE(t.config().train.activation_checkpointing.full());
+  EXPECT_EQ(t.config().train.micro_batch, reference.config().train.micro_batch);
+  ASSERT_EQ(t.history().size(), reference.history().size());
+  for (size_t i = 0; i < t.history().size(); ++i) EXPECT_EQ(t.history()[i].loss, reference.history()[i].loss);
+
+  std::vector<std::string> smaller = layout;
+  smaller.push_back("train.train_micro_batch_size_per_gpu=1");
+  Trainer small(files.config(smaller), grid);
+  small.init_weights("");
+  small.train();
+  failing.push_back("resilience.oom_recompute=false");
+  Trainer halved(files.config(failing), grid);
+  arm(halved);
+  halved.init_weights("");
+  halved.train();
+  EXPECT_EQ(halved.config().train.micro_batch, 1);
+  EXPECT_EQ(halved.config().train.grad_accum, small.config().train.grad_accum);
+  EXPECT_FALSE(halved.config().train.activation_checkpointing.full());
+  ASSERT_EQ(halved.history().size(), small.history().size());
+  for (size_t i = 0; i < halved.history().size(); ++i) {
+    const double want = small.history()[i].loss;
+    EXPECT_NEAR(halved.history()[i].loss, want, 1e-5 * want) << "step " << i + 1;
   }
 }
 
-// The same agreement from a real comparison: before each step every rank compares the memory
-// model's peak for its stage with what it may hold (Trainer::memory_available; here the last
-// rank says, at step 3, that it may hold less than its stage needs). Every rank changes alike
-// before the step: full recomputation, bitwise the run that had it from the start; without
-// it, half the micro-batch; without the fallback, an error on every rank before the step.
+// An injected allocation failure.
+TEST(Resilience, AllocationFailureAtZeroThreeAndUnderPipelineChangesEveryRankBeforeTheStep) {
+  RunFiles files(5);
+  const std::string fault = fmt::format("resilience.fault={{\"rank\": {}, \"oom_at_step\": 3}}", world_size() - 1);
+  for (const auto& layout : unabandonable_layouts(true)) {
+    expect_every_rank_changes_before_step_3(files, layout, {fault}, [](Trainer&) {});
+  }
+}
+
+// A real comparison: before each step every rank compares the memory model's peak for its stage
+// with what it may hold (Trainer::memory_available; here the last rank says, at step 3 and until
+// something changed, that it may hold 1 byte; otherwise, and on every other rank, it does not
+// know, and nothing is checked). Without the fallback every rank stops before the step with an
+// error naming it.
 TEST(Resilience, AStepTheMemoryModelSaysDoesNotFitChangesEveryRankBeforeItStarts) {
   RunFiles files(5);
-  std::vector<std::vector<std::string>> layouts = {{"train.zero_optimization.stage=3"}};
-  if (world_size() >= 2) layouts.push_back({"parallel.pipeline=2", "model.num_hidden_layers=4"});
   const bool short_rank = world_rank() == world_size() - 1;
-  for (const auto& layout : layouts) {
-    SCOPED_TRACE(layout.front());
-    ProcessGrid grid(MPI_COMM_WORLD, files.config(layout).parallel);
-    std::vector<std::string> full = layout;
-    full.push_back("train.activation_checkpointing={\"granularity\": \"full\"}");
-    Trainer reference(files.config(full), grid);
-    reference.init_weights("");
-    reference.train();
-
-    Trainer t(files.config(layout), grid);
+  for (const auto& layout : unabandonable_layouts(false)) {
     int64_t asked = 0;
-    // What the short rank may hold at step 3 before anything changed: 1 byte; otherwise unknown
-    // (no check), and every other rank is unknown too.
-    t.memory_available = [&]() -> int64_t {
-      ++asked;
-      const bool before = !t.config().train.activation_checkpointing.full() && t.config().train.micro_batch == 2;
-      return short_rank && t.step() == 2 && before ? 1 : -1;
-    };
-    t.init_weights("");
-    t.train();
-    EXPECT_GE(asked, 5) << "asked before every step";
-    EXPECT_TRUE(t.config().train.activation_checkpointing.full());
-    EXPECT_EQ(t.config().train.micro_batch, 2);
-    ASSERT_EQ(t.history().size(), reference.history().size());
-    for (size_t i = 0; i < t.history().size(); ++i) EXPECT_EQ(t.history()[i].loss, reference.history()[i].loss);
-
-    std::vector<std::string> smaller = layout;
-    smaller.push_back("train.train_micro_batch_size_per_gpu=1");
-    Trainer small(files.config(smaller), grid);
-    small.init_weights("");
-    small.train();
-    std::vector<std::string> no_recompute = layout;
-    no_recompute.push_back("resilience.oom_recompute=false");
-    Trainer halved(files.config(no_recompute), grid);
-    halved.memory_available = [&]() -> int64_t {
-      return short_rank && halved.step() == 2 && halved.config().train.micro_batch == 2 ? 1 : -1;
-    };
-    halved.init_weights("");
-    halved.train();
-    EXPECT_EQ(halved.config().train.micro_batch, 1);
-    EXPECT_EQ(halved.config().train.grad_accum, small.config().train.grad_accum);
-    ASSERT_EQ(halved.history().size(), small.history().size());
-    for (size_t i = 0; i < halved.history().size(); ++i) {
-      const double want = small.history()[i].loss;
-      EXPECT_NEAR(halved.history()[i].loss, want, 1e-5 * want) << "step " << i + 1;
-    }
+    expect_every_rank_changes_before_step_3(files, layout, {}, [&](Trainer& t) {
+      t.memory_available = [&asked, &t, short_rank]() -> int64_t {
+        ++asked;
+        const TrainConfig& tc = t.config().train;
+        const bool unchanged = !tc.activation_checkpointing.full() && tc.micro_batch == 2;
+        return short_rank && t.step() == 2 && unchanged ? 1 : -1;
+      };
+    });
+    EXPECT_GE(asked, 10) << "asked before every step of both runs";
 
     std::vector<std::string> refused = layout;
     refused.push_back("resilience.oom_fallback=false");
+    ProcessGrid grid(MPI_COMM_WORLD, files.config(layout).parallel);
     Trainer r(files.config(refused), grid);
     r.memory_available = [&]() -> int64_t { return short_rank && r.step() == 2 ? 1 : -1; };
     r.init_weights("");

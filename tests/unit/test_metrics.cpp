@@ -364,16 +364,18 @@ TEST(Metrics, AConfiguredPeakIsUsedAndATooLowOneIsAWarning) {
   EXPECT_THAT(mfu_row(m.summary_table()), HasSubstr("CHECK: 1 step(s) above 100%"));
 }
 
+MetricsConfig parse(const json& j) { return MetricsConfig::from_json(JsonReader(j, "metrics", "run.json")); }
+// The error a metrics section gives ("no error" when it reads).
+std::string error_of(const json& j) {
+  try {
+    parse(j);
+  } catch (const Error& e) {
+    return std::string(e.what());
+  }
+  return std::string("no error");
+}
+
 TEST(Metrics, PeakTflopsKeyIsValidatedStrictly) {
-  auto parse = [](const json& j) { return MetricsConfig::from_json(JsonReader(j, "metrics", "run.json")); };
-  auto error_of = [&](const json& j) {
-    try {
-      parse(j);
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
   EXPECT_DOUBLE_EQ(parse({{"peak_tflops", 2.5}}).peak_tflops, 2.5);
   EXPECT_DOUBLE_EQ(parse({{"peak_tflops", 3}}).peak_tflops, 3.0);
   EXPECT_EQ(parse(json::object()).peak_tflops, 0) << "absent: measured";
@@ -390,15 +392,6 @@ TEST(Metrics, PeakTflopsKeyIsValidatedStrictly) {
 }
 
 TEST(Metrics, ExpertImbalanceKeyIsARatioOfAtLeastOne) {
-  auto parse = [](const json& j) { return MetricsConfig::from_json(JsonReader(j, "metrics", "run.json")); };
-  auto error_of = [&](const json& j) {
-    try {
-      parse(j);
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
   EXPECT_EQ(parse(json::object()).expert_imbalance, 1.0) << "absent: balanced";
   EXPECT_EQ(parse({{"expert_imbalance", 1.4}}).expert_imbalance, 1.4);
   EXPECT_THAT(error_of({{"expert_imbalance", 0.8}}), HasSubstr("metrics.expert_imbalance"));
