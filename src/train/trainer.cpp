@@ -341,11 +341,12 @@ void Trainer::begin_micro_step(bool communicates) {
 bool Trainer::train_step(StepRecord& r) {
   const auto t0 = Clock::now();
   const TrainConfig& tc = config_.train;
-  inject_process_faults();
   collective_wait_seconds_ = 0;
   // Where a step cannot be abandoned half-way, every rank checks that its step fits before the
   // step's first collective, and all change alike when one does not.
   if (runner_ || optimizer_->reduces_into_shard()) agree_on_step_memory(step_);
+  // A killed or hung rank stands for one lost inside the step, after that agreement.
+  inject_process_faults();
   // The whole step's micro-batches come at once (read ahead by the pipeline): the loss is the
   // mean over every target token of the global batch, so each backward needs the global
   // token count.
@@ -570,7 +571,7 @@ void Trainer::agree_on_step_memory(int64_t step) {
     std::string mine;  // why this rank cannot fit the step ("": it can)
     if (fault_at_this_step(&FaultInjection::oom_at_step) && !oom_fault_fired_) {
       oom_fault_fired_ = true;  // once: the step then gets through
-      mine = "fault injection";
+      mine = "an allocation failed (fault injection)";
     } else if (const int64_t need = step_memory_need(); need > 0) {
       const int64_t have = memory_available ? memory_available() : default_memory_available();
       if (have >= 0 && need > have) {
@@ -581,7 +582,7 @@ void Trainer::agree_on_step_memory(int64_t step) {
     int32_t failed = mine.empty() ? 0 : 1;
     timed_collective([&] { failed = grid_.world().all_reduce_value<int32_t>(failed, ReduceOp::Sum); });
     if (failed == 0) return;
-    const std::string why = fmt::format("{} rank(s) cannot fit the step{}", failed,
+    const std::string why = fmt::format("{} rank(s) would run out of memory in the step{}", failed,
                                         mine.empty() ? "" : fmt::format(" (rank {}: {})", grid_.world_rank(), mine));
     shrink_micro_batch(why, step, data_pipeline().blend_state());
   }

@@ -312,7 +312,7 @@ TEST(Resilience, AStepTheMemoryModelSaysDoesNotFitChangesEveryRankBeforeItStarts
     } catch (const Error& e) {
       const std::string msg = e.what();
       EXPECT_NE(msg.find("step 3"), std::string::npos) << msg;
-      EXPECT_NE(msg.find("1 rank(s) cannot fit the step"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("1 rank(s) would run out of memory in the step"), std::string::npos) << msg;
       if (short_rank) {
         EXPECT_NE(msg.find("the memory model puts its step's peak at"), std::string::npos) << msg;
       }

@@ -11,8 +11,9 @@ that a write is often in flight when the run stops) and ends it one way:
     checkpoint must finish (status 0);
   - an error on every rank (a NaN step with resilience.max_skipped_steps 1), unwinding through
     the trainer's destructors with a checkpoint in flight: status 1 with the error;
-  - an error on one rank (an allocation failure with oom_fallback off): that rank's error, then
-    MPI_Abort ends the others.
+  - an error on one rank (an injected allocation failure with oom_fallback off, under a
+    pipeline): the ranks agree before the step that it does not fit, and every rank stops with
+    the error.
 at ZeRO stages 0-3 (stage 3 with offload too) and under pipeline parallelism (1F1B, DualPipeV).
 A scenario fails on any sanitizer report (AddressSanitizer, ThreadSanitizer), a crash, another
 exit status or a missing message. This is how a SIGUSR1 that corrupted the heap (a handler
