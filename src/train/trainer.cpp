@@ -514,9 +514,13 @@ void Trainer::fit_memory_budget() {
   if (act_budget <= 0 && budget <= 0) return;
   TrainConfig& tc = config_.train;
   const int world = grid_.world_size();
-  // What goes over which budget under `c` ("" when every rank fits).
+  // What goes over which budget under `c` ("" when every rank fits). The last estimate made is
+  // always of the configuration in force when the loop below ends: the first step's check
+  // (step_memory_need) takes this rank's peak from it instead of estimating again.
+  int64_t last_need = -1;
   auto over = [&](const RunConfig& c) -> std::string {
     const MemoryEstimate e = estimate_memory(c, world);
+    last_need = e.of_rank(grid_.world_rank()).peak_total;
     std::string why;
     for (const RankMemory& r : e.stages) {
       // Activations and the backward's temporaries, as Transformer::activation_bytes counts them.
@@ -564,6 +568,7 @@ void Trainer::fit_memory_budget() {
               why, split, tc.micro_batch, tc.grad_accum, tc.train_batch_size);
     why = over(config_);
   }
+  step_need_bytes_ = last_need;
 }
 
 void Trainer::agree_on_step_memory(int64_t step) {

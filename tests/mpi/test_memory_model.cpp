@@ -135,9 +135,9 @@ TEST(MemoryModel, AnEstimateLeavesNothingCountedBehind) {
 // Expert parallelism: the model's rank is the hot one, whose experts receive
 // metrics.expert_imbalance x a balanced share of the rows. Told the imbalance a run met (its most
 // loaded layer's), it is at or above every rank's peak; told balanced loads, it is lower.
-TEST(MemoryModel, ExpertParallelRanksAreSizedByTheStatedLoadImbalance) {
+TEST(MemoryModelMultiRank, ExpertParallelRanksAreSizedByTheStatedLoadImbalance) {
   const int n = world_size();
-  if (n < 2) GTEST_SKIP() << "expert parallelism over 2 ranks";
+  DSTRAIN_REQUIRE_RANKS(n >= 2, "at least 2 (expert parallelism over 2)");
   json extra = v3_model();
   extra["model"]["num_hidden_layers"] = 3;  // two MoE layers after the dense first one
   RunFiles files(2, extra);
