@@ -4,6 +4,10 @@
 //   dstrain eval     --config F --init-from HF_DIR [--batches N]
 //   dstrain generate --config F --init-from HF_DIR --prompt TEXT
 //   dstrain validate --config F --ranks N [--set key=value]...
+//   dstrain plan     --config F --ranks N --cluster PROFILE [--explain] [--json]
+//                    | --model CONFIG.json --ranks N --cluster PROFILE --global-batch B --seq T [--top K]
+//                    | --check F --ranks N [--cluster PROFILE]
+//   dstrain calibrate --config F --out PROFILE.json   (under mpirun: collectives over its ranks)
 // Exit status: 0 done, 1 error, 2 bad command line, 75 stopped on SIGUSR1/SIGTERM after a
 // checkpoint (requeue the job), 76 a collective passed its deadline (the watchdog ended the job).
 #include <CLI/CLI.hpp>
@@ -17,6 +21,7 @@
 #include <sstream>
 
 #include "cli.h"
+#include "plan_cmd.h"
 #include "comm/watchdog.h"
 #include "core/log.h"
 #include "core/version.h"
@@ -278,25 +283,32 @@ int run(int argc, char** argv) {
       ->take_all()
       ->check(set_assignment());
 
+  cli::PlanOptions plan_options;
+  CLI::App* plan = cli::add_plan_command(app, plan_options);
+  cli::CalibrateOptions calibrate_options;
+  CLI::App* calibrate = cli::add_calibrate_command(app, calibrate_options);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     // Usage messages once per job, not once per rank; every rank ends with the same status.
     const bool quiet = dstrain::log::rank() != 0;
-    for (const CLI::App* sub : {train, eval, gen, validate}) {
+    for (const CLI::App* sub : {train, eval, gen, validate, plan, calibrate}) {
       if (sub->parsed()) return cli::report(app, e, "dstrain", "dstrain " + sub->get_name(), quiet);
     }
     if (argc < 2) {
-      return cli::report("dstrain", "no command given; the commands are train, eval, generate and validate", "dstrain", quiet);
+      return cli::report("dstrain", "no command given; the commands are train, eval, generate, validate, plan and calibrate", "dstrain", quiet);
     }
     if (argv[1][0] == '-' || e.get_exit_code() == 0) return cli::report(app, e, "dstrain", "dstrain", quiet);
     return cli::report(
-        "dstrain", fmt::format("unknown command '{}'; the commands are train, eval, generate and validate", argv[1]), "dstrain",
+        "dstrain", fmt::format("unknown command '{}'; the commands are train, eval, generate, validate, plan and calibrate", argv[1]), "dstrain",
         quiet);
   }
   if (train->parsed()) return o.dry_run ? cmd_dry_run(o) : cmd_train(o);
   if (eval->parsed()) return cmd_eval(o);
   if (validate->parsed()) return cmd_validate(o);
+  if (plan->parsed()) return cli::cmd_plan(plan_options);
+  if (calibrate->parsed()) return cli::cmd_calibrate(calibrate_options);
   return cmd_generate(o);
 }
 

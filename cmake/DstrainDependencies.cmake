@@ -4,6 +4,8 @@
 find_package(MPI REQUIRED COMPONENTS C CXX)
 find_package(OpenMP REQUIRED COMPONENTS CXX)
 find_package(nlohmann_json 3 REQUIRED)
+# Eigen: the performance model's least-squares fits (src/plan). Debian: libeigen3-dev.
+find_package(Eigen3 3.3 REQUIRED NO_MODULE)
 find_package(CLI11 REQUIRED)
 find_package(fmt REQUIRED)
 find_package(ZLIB REQUIRED)

@@ -6,7 +6,8 @@
 // when it is waited for, so the buffers that overlapped reductions and messages in flight hold
 // stay held as long as they would when the network is slower than the compute (an upper
 // bound); a receive completes at once (it is waited for where its message is used,
-// train/pipeline.h).
+// train/pipeline.h). With an execution trace installed (core/exec_trace.h), each collective and
+// send is recorded where it is issued and where it is waited for.
 #pragma once
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "comm/comm.h"
+#include "core/exec_trace.h"
 
 namespace dstrain {
 
@@ -33,30 +35,55 @@ class ShapeOnlyCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::string name() const override { return name_; }
-  Work all_reduce_async(Tensor t, ReduceOp) override { return pending(t.nbytes()); }
-  Work all_gather_async(Tensor out, Tensor) override { return pending(out.nbytes()); }
-  Work reduce_scatter_async(Tensor, Tensor in, ReduceOp) override { return pending(in.nbytes()); }
-  Work all_gather_v_async(Tensor out, Tensor, const std::vector<int64_t>&) override { return pending(out.nbytes()); }
-  Work reduce_scatter_v_async(Tensor, Tensor in, const std::vector<int64_t>&, ReduceOp) override {
-    return pending(in.nbytes());
+  Work all_reduce_async(Tensor t, ReduceOp) override { return pending("all_reduce", t.nbytes()); }
+  Work all_gather_async(Tensor out, Tensor) override { return pending("all_gather", out.nbytes()); }
+  Work reduce_scatter_async(Tensor, Tensor in, ReduceOp) override { return pending("reduce_scatter", in.nbytes()); }
+  Work all_gather_v_async(Tensor out, Tensor, const std::vector<int64_t>&) override {
+    return pending("all_gather", out.nbytes());
   }
-  Work broadcast_async(Tensor t, int) override { return pending(t.nbytes()); }
+  Work reduce_scatter_v_async(Tensor, Tensor in, const std::vector<int64_t>&, ReduceOp) override {
+    return pending("reduce_scatter", in.nbytes());
+  }
+  Work broadcast_async(Tensor t, int) override { return pending("broadcast", t.nbytes()); }
   Work all_to_all_async(Tensor out, Tensor in) override {
     if (out.device().is_cpu() && in.device().is_cpu() && out.nbytes() == in.nbytes()) {
       std::memcpy(out.raw(), in.raw(), in.nbytes());
     }
+    if (ExecTrace* trace = current_trace(); trace && size_ > 1) {
+      const int id = issue(*trace, "all_to_all", in.nbytes());
+      waited(*trace, id);
+    }
     return Work();
   }
   Work all_to_all_v_async(Tensor out, const std::vector<int64_t>&, Tensor in, const std::vector<int64_t>&) override {
-    return pending(std::max(out.nbytes(), in.nbytes()));
+    return pending("all_to_all", std::max(out.nbytes(), in.nbytes()));
   }
-  Work send_async(Tensor, int, int) override { return pending(0); }
+  Work send_async(Tensor t, int, int) override { return pending("send", 0, t.nbytes()); }
   Work recv_async(Tensor, int, int) override { return Work(); }
   Work barrier_async() override { return Work(); }
   CommStats stats() const override { return {}; }
 
  private:
-  Work pending(size_t bytes) {
+  int issue(ExecTrace& trace, const char* kind, size_t bytes) {
+    TraceEvent e;
+    e.kind = TraceEvent::Kind::Issue;
+    e.name = kind;
+    e.bytes = double(bytes);
+    e.group = name_;
+    e.group_size = size_;
+    e.id = trace.next_id++;
+    trace.events.push_back(e);
+    return e.id;
+  }
+  static void waited(ExecTrace& trace, int id) {
+    TraceEvent e;
+    e.kind = TraceEvent::Kind::Wait;
+    e.id = id;
+    trace.events.push_back(e);
+  }
+  // `bytes` held by the communication library while in flight; `traced` bytes the trace
+  // records as the payload (a send's message, which holds no library buffer here).
+  Work pending(const char* kind, size_t bytes, size_t traced = 0) {
     auto state = std::make_shared<WorkState>();
     auto waited = std::make_shared<bool>(false);
     InFlightBytes* f = in_flight_;
@@ -66,8 +93,11 @@ class ShapeOnlyCommunicator final : public Communicator {
       f->peak = std::max(f->peak, f->now);
     }
     const bool counted = f && size_ > 1;
-    state->wait_fn = [waited, f, n, counted] {
+    ExecTrace* trace = size_ > 1 ? current_trace() : nullptr;
+    const int id = trace ? issue(*trace, kind, traced ? traced : bytes) : -1;
+    state->wait_fn = [waited, f, n, counted, trace, id] {
       if (!*waited && counted) f->now -= n;
+      if (!*waited && trace && current_trace() == trace) ShapeOnlyCommunicator::waited(*trace, id);
       *waited = true;
     };
     state->test_fn = [waited] { return *waited; };

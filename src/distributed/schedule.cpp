@@ -1,6 +1,7 @@
 #include "distributed/schedule.h"
 
 #include <algorithm>
+#include <functional>
 #include <set>
 
 #include <fmt/format.h>
@@ -210,10 +211,15 @@ struct Simulation {
 };
 
 Simulation simulate(const std::vector<std::vector<ScheduleAction>>& per_rank, int n_micro,
-                    const std::vector<std::vector<int>>& stage_of, const ActionCosts& costs) {
+                    const std::vector<std::vector<int>>& stage_of, const std::function<double(int, size_t)>& cost_of,
+                    double transfer, std::vector<double>* finish = nullptr) {
   const int R = int(per_rank.size());
   int S = 0;
   for (const auto& chunks : stage_of) S += int(chunks.size());
+  std::vector<int> rank_of(size_t(S), 0);
+  for (int r = 0; r < R; ++r)
+    for (int k : stage_of[size_t(r)])
+      if (k >= 0 && k < S) rank_of[size_t(k)] = r;
   // Finish times of each (model stage, micro-batch)'s forward and input gradient; < 0: not yet.
   std::vector<double> fwd_done(size_t(S) * size_t(n_micro), -1), bin_done(size_t(S) * size_t(n_micro), -1);
   auto slot = [&](int stage, int mb) { return size_t(stage) * size_t(n_micro) + size_t(mb); };
@@ -229,16 +235,15 @@ Simulation simulate(const std::vector<std::vector<ScheduleAction>>& per_rank, in
       while (pc[size_t(r)] < list.size()) {
         const ScheduleAction& a = list[pc[size_t(r)]];
         const int k = stage_of[size_t(r)][size_t(a.chunk)];
-        double ready = 0, cost = 0;
+        double ready = 0;
         if (a.kind == Kind::Forward) {
           if (k > 0 && (ready = fwd_done[slot(k - 1, a.micro_batch)]) < 0) break;
-          cost = costs.forward;
+          if (k > 0 && rank_of[size_t(k - 1)] != r) ready += transfer;
         } else if (is_backward_input(a.kind)) {
           if (k + 1 < S && (ready = bin_done[slot(k + 1, a.micro_batch)]) < 0) break;
-          cost = a.kind == Kind::Backward ? costs.backward : costs.backward_input;
-        } else {
-          cost = costs.backward_weight;
+          if (k + 1 < S && rank_of[size_t(k + 1)] != r) ready += transfer;
         }
+        const double cost = cost_of(r, pc[size_t(r)]);
         const double end = std::max(clock[size_t(r)], ready) + cost;
         clock[size_t(r)] = end;
         sim.busy[size_t(r)] += cost;
@@ -258,7 +263,22 @@ Simulation simulate(const std::vector<std::vector<ScheduleAction>>& per_rank, in
     }
     sim.makespan = std::max(sim.makespan, clock[size_t(r)]);
   }
+  if (finish) *finish = clock;
   return sim;
+}
+
+Simulation simulate(const std::vector<std::vector<ScheduleAction>>& per_rank, int n_micro,
+                    const std::vector<std::vector<int>>& stage_of, const ActionCosts& costs) {
+  auto cost_of = [&](int r, size_t i) {
+    switch (per_rank[size_t(r)][i].kind) {
+      case Kind::Forward: return costs.forward;
+      case Kind::Backward: return costs.backward;
+      case Kind::BackwardInput: return costs.backward_input;
+      case Kind::BackwardWeight: return costs.backward_weight;
+    }
+    return 0.0;
+  };
+  return simulate(per_rank, n_micro, stage_of, cost_of, 0.0);
 }
 
 // The stage map is a permutation of 0 .. S-1 with one row per rank.
@@ -335,6 +355,18 @@ double bubble_fraction(const std::vector<std::vector<ScheduleAction>>& per_rank,
   double idle = 0;
   for (double b : sim.busy) idle += sim.makespan - b;
   return idle / (double(per_rank.size()) * sim.makespan);
+}
+
+std::vector<double> simulate_step(const std::vector<std::vector<ScheduleAction>>& per_rank,
+                                  const std::vector<std::vector<int>>& stage_of,
+                                  const std::function<double(int rank, size_t index)>& seconds, double transfer) {
+  int n_micro = 0;
+  for (const auto& list : per_rank)
+    for (const ScheduleAction& a : list) n_micro = std::max(n_micro, a.micro_batch + 1);
+  std::vector<double> finish;
+  const Simulation sim = simulate(per_rank, n_micro, stage_of, seconds, transfer, &finish);
+  DS_CHECK(sim.error.empty(), "simulate_step: the schedule is not valid: {}", sim.error);
+  return finish;
 }
 
 }  // namespace dstrain

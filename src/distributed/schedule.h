@@ -6,6 +6,7 @@
 // schedules and DualPipe do.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -133,6 +134,14 @@ struct ActionCosts {
 // over n_ranks * makespan. 1F1B with F=1, B=2 gives (P-1)/(m+P-1). The schedule must be valid.
 double bubble_fraction(const std::vector<std::vector<ScheduleAction>>& per_rank,
                        const std::vector<std::vector<int>>& stage_of, const ActionCosts& costs = {});
+
+// Simulates the step with each action's own seconds (seconds(rank, index in its list)) and
+// `transfer` seconds between an action and the one it waits for on another rank (the
+// point-to-point message), and returns when each rank finishes its list. The performance
+// model's pipeline (plan/perf_model.h).
+std::vector<double> simulate_step(const std::vector<std::vector<ScheduleAction>>& per_rank,
+                                  const std::vector<std::vector<int>>& stage_of,
+                                  const std::function<double(int rank, size_t index)>& seconds, double transfer);
 
 // Most (chunk, micro-batch) pairs whose forward ran and whose backward (input part) has not,
 // over the list.

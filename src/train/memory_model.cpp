@@ -9,6 +9,7 @@
 #include "backend/ops.h"
 #include "comm/shape_only_comm.h"
 #include "core/error.h"
+#include "core/exec_trace.h"
 #include "distributed/param_groups.h"
 #include "distributed/param_hooks.h"
 #include "distributed/schedule.h"
@@ -47,7 +48,7 @@ int in_flight(const std::vector<ScheduleAction>& plan) {
 }
 
 // One step of the rank at pipeline coordinate `pp_rank` (tensor, expert and data coordinate 0).
-RankMemory run_rank(const RunConfig& config, const CheckedLayout& layout, int pp_rank) {
+RankMemory run_rank(const RunConfig& config, const CheckedLayout& layout, int pp_rank, ExecTrace* trace = nullptr) {
   const AxisSizes& a = layout.sizes;
   const ModelConfig& mc = config.model;
   const TrainConfig& tc = config.train;
@@ -129,6 +130,7 @@ RankMemory run_rank(const RunConfig& config, const CheckedLayout& layout, int pp
         }
         for (size_t i = 0; i < plan.size(); ++i) {
           const ScheduleAction& act = plan[i];
+          trace_action(int(act.kind), act.micro_batch, act.chunk);
           if (act.kind == ScheduleAction::Kind::Forward) {
             for (auto& axis : axes) axis->begin_forward();
             model.forward(act.micro_batch, tok, tok, scales);
@@ -143,6 +145,7 @@ RankMemory run_rank(const RunConfig& config, const CheckedLayout& layout, int pp
           }
         }
       }
+      trace_tail();
       ReduceTimings rt;
       for (auto& axis : axes) axis->finish_gradients(rt);
       optimizer.step(tc.adamw.lr, 1.0);
@@ -150,7 +153,11 @@ RankMemory run_rank(const RunConfig& config, const CheckedLayout& layout, int pp
     // Two steps: the second starts with what the first left pooled (message and bucket buffers,
     // the activation store's pool), as every step of a run but the first does.
     step();
-    step();
+    {
+      // The second step is the steady state every step of a run but the first is: the one traced.
+      TraceScope scope(trace);
+      step();
+    }
     const MemoryStats m = memory_stats(DeviceType::Meta);
     r.peak = m.peak;
     r.peak_total = m.peak_total;
@@ -228,6 +235,20 @@ RankMemory estimate_rank_memory(const RunConfig& config, int world, int rank) {
   RankMemory r = run_rank(c, layout, p);
   r.ranks = stage_ranks(a, world, p);
   return r;
+}
+
+std::vector<StageTrace> trace_step(const RunConfig& config, int world) {
+  meta::ensure_registered();
+  RunConfig c = config;
+  const CheckedLayout layout = check_layout(c, world);
+  const AxisSizes& a = layout.sizes;
+  std::vector<StageTrace> out(size_t(a.pipeline));
+  for (int p = 0; p < a.pipeline; ++p) {
+    StageTrace& st = out[size_t(p)];
+    st.memory = run_rank(c, layout, p, &st.trace);
+    st.memory.ranks = stage_ranks(a, world, p);
+  }
+  return out;
 }
 
 int64_t process_resident_bytes(const RunConfig& config) {

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "core/buffer.h"
+#include "core/exec_trace.h"
 #include "model/transformer.h"
 #include "train/run_config.h"
 
@@ -67,6 +68,15 @@ struct MemoryEstimate {
 MemoryEstimate estimate_memory(const RunConfig& config, int world);
 // The same for the stage of world rank `rank` only (what one rank of a running job needs).
 RankMemory estimate_rank_memory(const RunConfig& config, int world, int rank);
+
+// One step of each pipeline stage's rank as estimate_memory runs it, with the execution trace
+// of that rank's steady-state step (core/exec_trace.h): its ops, collectives and the schedule's
+// actions, in order. What the performance model (plan/perf_model.h) prices.
+struct StageTrace {
+  RankMemory memory;
+  ExecTrace trace;
+};
+std::vector<StageTrace> trace_step(const RunConfig& config, int world);
 
 // What this process holds resident outside dstrain's allocator once the compute library has
 // worked (code, libraries, MPI, the GEMM library's packing buffers, warmed by one host GEMM of

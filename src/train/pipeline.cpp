@@ -7,6 +7,7 @@
 
 #include "backend/ops.h"
 #include "core/clock.h"
+#include "core/exec_trace.h"
 
 namespace dstrain {
 
@@ -217,6 +218,7 @@ std::vector<LossSums> PipelineRunner::run_step(const std::vector<MicroBatch>& mi
   for (const ScheduleAction& a : plan) {
     const int s = stage_of_chunk_[size_t(a.chunk)], mb = a.micro_batch;
     const MicroBatch& data = micro[size_t(mb)];
+    trace_action(int(a.kind), mb, a.chunk);
     // The action's own time starts once its input is here (a wait is recorded as "recv").
     std::optional<Timeline::Scope> recorded;
     switch (a.kind) {

@@ -26,7 +26,8 @@ ORDER = [
     ("io", "checkpoints, safetensors, Hugging Face weights: reads and writes state's registry"),
     ("data", "datasets, tokenizers, the pipeline: core, and comm for ranks that share reads"),
     ("train", "the trainer, its configuration and checkpointing: drives everything below"),
-    ("app", "the command-line programs: thin mains over train, data, io"),
+    ("plan", "the performance model, hardware profiles, calibration and the layout planner: prices train's traced steps"),
+    ("app", "the command-line programs: thin mains over train, data, io, plan"),
 ]
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"')
