@@ -30,6 +30,7 @@ RunConfig config_for_model(const PlanOptions& o, const HardwareProfile& hw) {
   if (o.precision == "bf16") j["train"]["bf16"]["enabled"] = true;
   if (o.precision == "fp16") j["train"]["fp16"]["enabled"] = true;
   j["data"]["seq_len"] = o.seq;
+  j["data"]["train"] = "(dstrain plan reads no data)";
   const std::filesystem::path tmp =
       std::filesystem::temp_directory_path() / fmt::format("dstrain-plan-{}.json", static_cast<long>(::getpid()));
   {

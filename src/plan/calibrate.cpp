@@ -9,6 +9,8 @@
 #include <functional>
 #include <map>
 #include <set>
+#include <thread>
+#include <time.h>
 
 #include "backend/ops.h"
 #include "comm/mpi_comm.h"
@@ -172,6 +174,8 @@ HardwareProfile calibrate(const RunConfig& config, MPI_Comm world_comm, const Ca
   p.calibrated = true;
   p.device_type = "cpu";
   p.ranks_per_node = world;
+  p.cores_per_node = int(std::thread::hardware_concurrency());
+  p.threads_per_rank = omp_get_max_threads();
   p.memory_bytes = node_memory_bytes();
   p.calibration = fmt::format("dstrain calibrate --config {} on {} rank(s): op shapes of the model's step, "
                               "collectives of {} ranks",
@@ -182,36 +186,59 @@ HardwareProfile calibrate(const RunConfig& config, MPI_Comm world_comm, const Ca
   std::map<std::string, std::vector<double>> ys;
   std::map<std::string, double> best_rate;  // dtype -> most FLOP/s of a GEMM
   double elementwise_bw = 0;
-  if (rank == 0) {
-    std::map<std::string, TraceEvent> shapes;
-    for (const std::string& prec : s.precisions) {
-      for (int t : {1, 2, 4, 8}) {
-        if (t > world || world % t || config.model.num_attention_heads % t) continue;
-        RunConfig c = config;
-        precision_override(prec, c);
-        c.parallel.tensor = t;
-        c.parallel.pipeline = 1;
-        c.parallel.expert = 1;
-        c.parallel.data = 0;
-        c.parallel.sequence_parallel = false;
-        c.train.grad_accum = 0;
-        c.train.train_batch_size = 0;
-        c.train.zero.stage = 0;
-        c.train.activation_checkpointing = ActivationCheckpointingConfig();
-        const int job = t;  // data 1
-        c.train.micro_batch = config.train.micro_batch > 0 ? config.train.micro_batch : 1;
-        c.train.grad_accum = 1;
-        std::vector<StageTrace> traced;
-        try {
-          traced = trace_step(c, job);
-        } catch (const Error& e) {
+  // Every rank traces the same steps, so every rank knows every shape.
+  std::map<std::string, TraceEvent> shapes;
+  for (const std::string& prec : s.precisions) {
+    for (int t : {1, 2, 4, 8}) {
+      if (t > world || world % t || config.model.num_attention_heads % t) continue;
+      RunConfig c = config;
+      precision_override(prec, c);
+      c.parallel.tensor = t;
+      c.parallel.pipeline = 1;
+      c.parallel.expert = 1;
+      c.parallel.data = 0;
+      c.parallel.sequence_parallel = false;
+      c.train.train_batch_size = 0;
+      c.train.zero.stage = 0;
+      c.train.activation_checkpointing = ActivationCheckpointingConfig();
+      c.train.micro_batch = config.train.micro_batch > 0 ? config.train.micro_batch : 1;
+      c.train.grad_accum = 1;
+      std::vector<StageTrace> traced;
+      try {
+        traced = trace_step(c, t);  // data 1
+      } catch (const Error& e) {
+        if (rank == 0)
           log::warn("calibrate: tensor {} at {} is not a valid layout for the model ({}): skipped", t, prec, e.what());
-          continue;
-        }
-        for (const TraceEvent& e : traced[0].trace.events)
-          if (e.kind == TraceEvent::Kind::Op && replayable(e)) shapes.emplace(op_signature(e), e);
+        continue;
       }
+      for (const TraceEvent& e : traced[0].trace.events)
+        if (e.kind == TraceEvent::Kind::Op && replayable(e)) shapes.emplace(op_signature(e), e);
     }
+  }
+
+  // Ranks [0, active) run; the others wait without spinning (a polled non-blocking barrier),
+  // so the active ranks' timings are those of `active` ranks alone on the node.
+  auto with_active = [&](int active, const std::function<void()>& f) {
+    MPI_Request quiet = MPI_REQUEST_NULL;
+    if (rank >= active) {
+      MPI_Ibarrier(world_comm, &quiet);
+      int done = 0;
+      while (!done) {
+        MPI_Test(&quiet, &done, MPI_STATUS_IGNORE);
+        if (!done) {
+          const timespec ms{0, 1000000};
+          nanosleep(&ms, nullptr);
+        }
+      }
+      return;
+    }
+    f();
+    MPI_Ibarrier(world_comm, &quiet);
+    MPI_Wait(&quiet, MPI_STATUS_IGNORE);
+  };
+
+  // ---- ops: rank 0 alone -------------------------------------------------------------------
+  with_active(1, [&] {
     size_t i = 0;
     for (const auto& [sig, e] : shapes) {
       ++i;
@@ -221,7 +248,8 @@ HardwareProfile calibrate(const RunConfig& config, MPI_Comm world_comm, const Ca
       const std::string key = op_class(e) + "/" + dtype_key(e.dtype);
       xs[key].push_back({1.0, e.flops, e.bytes});
       ys[key].push_back(sec);
-      if (op_class(e) == "gemm" && sec > 0) best_rate[dtype_key(e.dtype)] = std::max(best_rate[dtype_key(e.dtype)], e.flops / sec);
+      if (op_class(e) == "gemm" && sec > 0)
+        best_rate[dtype_key(e.dtype)] = std::max(best_rate[dtype_key(e.dtype)], e.flops / sec);
       if (op_class(e) == "elementwise" && sec > 0) elementwise_bw = std::max(elementwise_bw, e.bytes / sec);
       if (i % 25 == 0) log::info("calibrate: {} of {} op shapes measured", i, shapes.size());
     }
@@ -236,6 +264,49 @@ HardwareProfile calibrate(const RunConfig& config, MPI_Comm world_comm, const Ca
     }
     // Ops no replay runs (embedding, cross-entropy, routing, rope) are priced by the
     // element-wise fit of their dtype, or of fp32.
+  });
+
+  // ---- contention: the same ops on r ranks of the node at once -----------------------------
+  // Per op class, the slowdown of the largest shapes (up to 6, each under half a second) when
+  // r ranks run them together against rank 0 alone: shared cores, caches and memory bandwidth.
+  {
+    std::map<std::string, std::vector<std::pair<double, std::string>>> by_class;
+    std::vector<std::string> sigs;
+    for (const auto& [sig, e] : shapes) sigs.push_back(sig);
+    std::vector<double> alone(sigs.size(), 0);
+    for (size_t i = 0; i < sigs.size(); ++i) alone[i] = rank == 0 ? p.op_seconds[sigs[i]] : 0;
+    MPI_Bcast(alone.data(), int(alone.size()), MPI_DOUBLE, 0, world_comm);
+    for (size_t i = 0; i < sigs.size(); ++i)
+      if (alone[i] < 0.5) by_class[op_class(shapes.at(sigs[i]))].push_back({alone[i], sigs[i]});
+    std::vector<int> levels;
+    for (int r = 1; r < world; r *= 2) levels.push_back(r);
+    levels.push_back(world);
+    for (int r : levels) {
+      for (auto& [cls, list] : by_class) {
+        std::sort(list.rbegin(), list.rend());
+        std::vector<double> ratios;
+        for (size_t k = 0; k < std::min<size_t>(6, list.size()); ++k) {
+          const TraceEvent& e = shapes.at(list[k].second);
+          double mine = 0;
+          with_active(r, [&] {
+            Replay replay(e);
+            replay();
+            const int reps = int(std::clamp(s.seconds_per_op / std::max(list[k].first, 1e-6), 3.0, 20.0));
+            std::vector<double> t;
+            for (int n = 0; n < reps; ++n) {
+              const auto t0 = Clock::now();
+              replay();
+              t.push_back(seconds_since(t0));
+            }
+            mine = median(t);
+          });
+          double slowest = 0;
+          MPI_Allreduce(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, world_comm);
+          if (list[k].first > 0) ratios.push_back(slowest / list[k].first);
+        }
+        if (!ratios.empty()) p.contention[cls][r] = std::max(1.0, median(ratios));
+      }
+    }
   }
 
   // ---- collectives: every group size that divides the job --------------------------------
@@ -320,6 +391,8 @@ HardwareProfile calibrate(const RunConfig& config, MPI_Comm world_comm, const Ca
   out.peak_flops = j["device"]["peak_flops"].get<std::map<std::string, double>>();
   out.memory_bandwidth = j["device"]["memory_bandwidth"].get<double>();
   out.kernel_overhead = 0;
+  out.cores_per_node = j["device"].value("cores", 0);
+  out.threads_per_rank = j["device"].value("threads_per_rank", 1);
   out.intra_node = {out.memory_bandwidth, 1e-6};
   out.inter_node = out.intra_node;
   return out;

@@ -72,7 +72,8 @@ double peak_flops(const HardwareProfile& hw, const std::string& dtype) {
   return it == hw.peak_flops.end() ? 0.0 : it->second;
 }
 
-HardwareProfile load_profile(const std::string& path) {
+namespace {
+HardwareProfile read_profile(const std::string& path) {
   const json root = read_json_file(path);
   if (!root.is_object()) DS_FAIL("{}: a hardware profile is a JSON object (see inputs/clusters/)", path);
   HardwareProfile p;
@@ -93,6 +94,9 @@ HardwareProfile load_profile(const std::string& path) {
     p.memory_bytes = positive(d, "memory_bytes");
     p.memory_bandwidth = positive(d, "memory_bandwidth");
     p.kernel_overhead = d.get<double>("kernel_overhead_s", 0.0);
+    p.cores_per_node = int(d.get<int64_t>("cores", 0));
+    p.threads_per_rank = int(d.get<int64_t>("threads_per_rank", 1));
+    if (p.cores_per_node < 0 || p.threads_per_rank < 1) d.error("cores", "cores must be >= 0, threads_per_rank >= 1");
     const json& peaks = d.raw("peak_flops");
     if (!peaks.is_object() || peaks.empty())
       d.error("peak_flops", "must be an object of dtype -> FLOP/s, e.g. {\"bf16\": 989e12}");
@@ -111,8 +115,11 @@ HardwareProfile load_profile(const std::string& path) {
     JsonReader l = r.child("links");
     const json& lj = root.at("links");
     take_sources(l, lj, p.sources, "links");
-    p.intra_node = read_link(l.child("intra_node"), lj.at("intra_node"), p.sources, "links.intra_node");
-    p.inter_node = read_link(l.child("inter_node"), lj.at("inter_node"), p.sources, "links.inter_node");
+    for (const char* key : {"intra_node", "inter_node"}) {
+      const JsonReader link = l.child(key);  // names the key when it is missing
+      (std::string(key) == "intra_node" ? p.intra_node : p.inter_node) =
+          read_link(link, lj.at(key), p.sources, std::string("links.") + key);
+    }
     l.done();
   }
   if (r.has("efficiency")) {
@@ -144,6 +151,12 @@ HardwareProfile load_profile(const std::string& path) {
       p.op_fits[it.key()] = f;
     }
   }
+  if (r.has("contention")) {
+    const json& cs = r.raw("contention");
+    for (auto it = cs.begin(); it != cs.end(); ++it)
+      for (auto g = it.value().begin(); g != it.value().end(); ++g)
+        p.contention[it.key()][std::stoi(g.key())] = g.value().get<double>();
+  }
   if (r.has("collectives")) {
     const json& cs = r.raw("collectives");
     for (auto it = cs.begin(); it != cs.end(); ++it) {
@@ -159,6 +172,16 @@ HardwareProfile load_profile(const std::string& path) {
   r.done();
   return p;
 }
+}  // namespace
+
+HardwareProfile load_profile(const std::string& path) {
+  try {
+    return read_profile(path);
+  } catch (const json::exception& e) {
+    // The calibrated sections are read without the reader's key paths.
+    DS_FAIL("{}: not a hardware profile dstrain can read ({}); see inputs/clusters/ for the format", path, e.what());
+  }
+}
 
 json profile_to_json(const HardwareProfile& p) {
   json j;
@@ -172,6 +195,10 @@ json profile_to_json(const HardwareProfile& p) {
   d["memory_bandwidth"] = p.memory_bandwidth;
   d["peak_flops"] = p.peak_flops;
   d["kernel_overhead_s"] = p.kernel_overhead;
+  if (p.cores_per_node > 0) {
+    d["cores"] = p.cores_per_node;
+    d["threads_per_rank"] = p.threads_per_rank;
+  }
   j["device"] = d;
   j["links"]["intra_node"] = {{"bandwidth", p.intra_node.bandwidth}, {"latency", p.intra_node.latency}};
   j["links"]["inter_node"] = {{"bandwidth", p.inter_node.bandwidth}, {"latency", p.inter_node.latency}};
@@ -198,10 +225,31 @@ json profile_to_json(const HardwareProfile& p) {
   if (!p.op_seconds.empty()) j["ops"] = p.op_seconds;
   for (const auto& [k, f] : p.op_fits)
     j["op_fits"][k] = {{"c0", f.c0}, {"per_flop", f.per_flop}, {"per_byte", f.per_byte}, {"samples", f.samples}};
+  for (const auto& [cls, levels] : p.contention)
+    for (const auto& [n, f] : levels) j["contention"][cls][std::to_string(n)] = f;
   for (const auto& [kind, sizes] : p.collectives)
     for (const auto& [n, f] : sizes)
       j["collectives"][kind][std::to_string(n)] = {{"alpha", f.alpha}, {"beta", f.beta}, {"samples", f.samples}};
   return j;
+}
+
+double oversubscription(const HardwareProfile& hw, const std::string& cls, double ranks_on_node) {
+  if (hw.device_type != "cpu") return 1;
+  const double cores = hw.cores_per_node > 0 ? double(hw.cores_per_node) : 0;
+  auto over = [&](double ranks) { return cores > 0 ? std::max(1.0, ranks * hw.threads_per_rank / cores) : 1.0; };
+  auto it = hw.contention.find(cls);
+  if (it == hw.contention.end() || it->second.empty()) return over(ranks_on_node);
+  const std::map<int, double>& m = it->second;
+  // The first measured count at or above ranks_on_node.
+  auto hi = std::find_if(m.begin(), m.end(), [&](const auto& kv) { return double(kv.first) >= ranks_on_node; });
+  if (hi == m.end()) {
+    const auto& [r, f] = *m.rbegin();
+    return f * over(ranks_on_node) / over(r);
+  }
+  if (hi == m.begin() || double(hi->first) == ranks_on_node) return hi->second;
+  auto lo = std::prev(hi);
+  const double w = (ranks_on_node - double(lo->first)) / double(hi->first - lo->first);
+  return lo->second + w * (hi->second - lo->second);
 }
 
 double op_seconds(const HardwareProfile& hw, const TraceEvent& op, const PriceOptions& opt) {

@@ -57,6 +57,10 @@ struct HardwareProfile {
   double memory_bandwidth = 0;
   std::map<std::string, double> peak_flops;  // "f32", "tf32", "bf16", "f16", "fp8"
   double kernel_overhead = 0;
+  // CPU nodes: the cores the ranks of a node share and the threads each rank runs; ops slow
+  // down by (ranks on the node x threads) / cores when that exceeds 1. 0: not stated.
+  int cores_per_node = 0;
+  int threads_per_rank = 1;
   LinkSpec intra_node, inter_node;
   double gemm_efficiency = 0;  // 0: not fitted (peak is used)
   std::string efficiency_source;
@@ -64,6 +68,8 @@ struct HardwareProfile {
   std::map<std::string, double> op_seconds;        // op_signature() -> seconds
   std::map<std::string, OpFit> op_fits;            // "<class>/<dtype>" -> fit
   std::map<std::string, std::map<int, CollectiveFit>> collectives;  // kind -> group size -> fit
+  // op class -> ranks running at once on the node -> how much slower each runs than alone.
+  std::map<std::string, std::map<int, double>> contention;
   json sources;  // every *_source string of the file, kept for the explanation
 };
 
@@ -84,6 +90,12 @@ struct PriceOptions {
   // Fprop, Dgrad and Wgrad GEMMs of the linear layers in FP8, arXiv 2412.19437 sec. 3.3).
   bool fp8_gemms = false;
 };
+
+// How much slower each rank's ops of a class run when `ranks_on_node` ranks share a CPU node:
+// the calibrated contention (interpolated between the measured rank counts; beyond the largest,
+// growing with the ranks over the cores), else (ranks x threads) / cores when that exceeds 1;
+// 1 on GPUs.
+double oversubscription(const HardwareProfile& hw, const std::string& op_class, double ranks_on_node);
 
 // Seconds of one op on one device of this profile.
 double op_seconds(const HardwareProfile& hw, const TraceEvent& op, const PriceOptions& opt = {});

@@ -22,8 +22,11 @@ struct Clocked {
   StagePrediction s;
 };
 
-Clocked run_clock(const ExecTrace& trace, const AxisSizes& a, const HardwareProfile& hw, const PriceOptions& price) {
+Clocked run_clock(const ExecTrace& trace, const AxisSizes& a, const HardwareProfile& hw, const PriceOptions& price,
+                  double on_node) {
   Clocked c;
+  std::map<std::string, double> slowdown;
+  for (const char* cls : {"gemm", "attention", "elementwise", "optimizer"}) slowdown[cls] = oversubscription(hw, cls, on_node);
   double clock = 0;
   std::map<std::string, double> link_free;     // group -> when its link is next free
   std::vector<double> done(size_t(trace.next_id), 0);
@@ -39,7 +42,7 @@ Clocked run_clock(const ExecTrace& trace, const AxisSizes& a, const HardwareProf
         tail_seen = true;
         break;
       case TraceEvent::Kind::Op: {
-        const double t = op_seconds(hw, e, price);
+        const double t = slowdown[op_class(e)] * op_seconds(hw, e, price);
         clock += t;
         c.s.compute += t;
         c.s.by_class[op_class(e)] += t;
@@ -126,99 +129,118 @@ Prediction predict(const RunConfig& config, int world, const HardwareProfile& hw
   traced_config.train.grad_accum = n_trace;
   traced_config.train.train_batch_size = tc.micro_batch * n_trace * a.data;
   std::vector<StageTrace> traced = trace_step(traced_config, world);
-  std::vector<Clocked> clocks;
-  for (int s = 0; s < P; ++s) {
-    clocks.push_back(run_clock(traced[size_t(s)].trace, a, hw, opt.price));
-    clocks.back().s.pipeline = s;
-  }
   auto schedule = P > 1 ? make_schedule(c.parallel.schedule,
                                         c.parallel.schedule == "interleaved" ? int(c.parallel.virtual_stages) : 1)
                         : make_schedule(tc.micro_batch_schedule);
   const auto table = schedule_table(*schedule, P, n_full);
   const auto traced_table = schedule_table(*schedule, P, n_trace);
-  // Each action's duration on its rank's clock. Untraced micro-batches take the median of the
-  // traced ones of the same chunk and kind; the step's last micro-batch keeps its own (it
-  // issues the step's gradient reduction). A kind the short trace did not run (a schedule that
-  // splits backwards for some micro-batches only) is made of the others: B = BI + BW, and
-  // BI = BW = B / 2.
-  std::vector<std::vector<double>> dur(static_cast<size_t>(P));
-  for (int r = 0; r < P; ++r) {
-    const Clocked& k = clocks[size_t(r)];
-    DS_CHECK(k.action_start.size() == traced_table[size_t(r)].size(),
-             "performance model: pipeline rank {} traced {} actions, its schedule has {}", r, k.action_start.size(),
-             traced_table[size_t(r)].size());
-    std::map<std::pair<int, int>, std::vector<double>> typical;  // (chunk, kind) -> durations
-    std::map<std::pair<int, int>, double> last;
-    for (size_t i = 0; i < k.action_start.size(); ++i) {
-      const double next = i + 1 < k.action_start.size() ? k.action_start[i + 1] : k.tail_start;
-      const ScheduleAction& act = traced_table[size_t(r)][i];
-      const std::pair<int, int> key{act.chunk, int(act.kind)};
-      if (act.micro_batch == n_trace - 1) last[key] = next - k.action_start[i];
-      if (act.micro_batch < n_trace - 1 || n_trace == 1) typical[key].push_back(next - k.action_start[i]);
-    }
-    auto cost = [&](int chunk, ScheduleAction::Kind kind, bool is_last) -> std::optional<double> {
-      const std::pair<int, int> key{chunk, int(kind)};
-      if (is_last) {
-        if (auto it = last.find(key); it != last.end()) return it->second;
-      }
-      if (auto it = typical.find(key); it != typical.end()) {
-        std::vector<double> v = it->second;
-        std::nth_element(v.begin(), v.begin() + long(v.size() / 2), v.end());
-        return v[v.size() / 2];
-      }
-      if (auto it = last.find(key); it != last.end()) return it->second;
-      return std::nullopt;
-    };
-    using K = ScheduleAction::Kind;
-    for (const ScheduleAction& act : table[size_t(r)]) {
-      const bool is_last = act.micro_batch == n_full - 1;
-      std::optional<double> d = cost(act.chunk, act.kind, is_last);
-      if (!d && act.kind == K::Backward) {
-        auto bi = cost(act.chunk, K::BackwardInput, is_last), bw = cost(act.chunk, K::BackwardWeight, is_last);
-        if (bi && bw) d = *bi + *bw;
-      }
-      if (!d && (act.kind == K::BackwardInput || act.kind == K::BackwardWeight)) {
-        if (auto b = cost(act.chunk, K::Backward, is_last)) d = *b / 2;
-      }
-      DS_CHECK(d.has_value(), "performance model: no traced duration for {} on pipeline rank {}", to_string(act), r);
-      dur[size_t(r)].push_back(*d);
-    }
-  }
   const double scale = double(n_full) / double(n_trace);
-  for (Clocked& k : clocks) {
-    k.s.compute *= scale;
-    k.s.flops *= scale;
-    for (auto& [cls, t] : k.s.by_class) t *= scale;
-    for (auto& [name, t] : k.s.by_op) t *= scale;
+  // Prices the traced steps with `concurrency` ranks busy at once on a node.
+  auto assemble = [&](double concurrency) {
+    p.stages.clear();
+    p.step_seconds = 0;
+    p.hardware_flops_per_step = 0;
+    std::vector<Clocked> clocks;
+    for (int s = 0; s < P; ++s) {
+      clocks.push_back(run_clock(traced[size_t(s)].trace, a, hw, opt.price, concurrency));
+      clocks.back().s.pipeline = s;
+    }
+    // Each action's duration on its rank's clock. Untraced micro-batches take the median of the
+    // traced ones of the same chunk and kind; the step's last micro-batch keeps its own (it
+    // issues the step's gradient reduction). A kind the short trace did not run (a schedule that
+    // splits backwards for some micro-batches only) is made of the others: B = BI + BW, and
+    // BI = BW = B / 2.
+    std::vector<std::vector<double>> dur(static_cast<size_t>(P));
+    for (int r = 0; r < P; ++r) {
+      const Clocked& k = clocks[size_t(r)];
+      DS_CHECK(k.action_start.size() == traced_table[size_t(r)].size(),
+               "performance model: pipeline rank {} traced {} actions, its schedule has {}", r, k.action_start.size(),
+               traced_table[size_t(r)].size());
+      std::map<std::pair<int, int>, std::vector<double>> typical;  // (chunk, kind) -> durations
+      std::map<std::pair<int, int>, double> last;
+      for (size_t i = 0; i < k.action_start.size(); ++i) {
+        const double next = i + 1 < k.action_start.size() ? k.action_start[i + 1] : k.tail_start;
+        const ScheduleAction& act = traced_table[size_t(r)][i];
+        const std::pair<int, int> key{act.chunk, int(act.kind)};
+        if (act.micro_batch == n_trace - 1) last[key] = next - k.action_start[i];
+        if (act.micro_batch < n_trace - 1 || n_trace == 1) typical[key].push_back(next - k.action_start[i]);
+      }
+      auto cost = [&](int chunk, ScheduleAction::Kind kind, bool is_last) -> std::optional<double> {
+        const std::pair<int, int> key{chunk, int(kind)};
+        if (is_last) {
+          if (auto it = last.find(key); it != last.end()) return it->second;
+        }
+        if (auto it = typical.find(key); it != typical.end()) {
+          std::vector<double> v = it->second;
+          std::nth_element(v.begin(), v.begin() + long(v.size() / 2), v.end());
+          return v[v.size() / 2];
+        }
+        if (auto it = last.find(key); it != last.end()) return it->second;
+        return std::nullopt;
+      };
+      using K = ScheduleAction::Kind;
+      for (const ScheduleAction& act : table[size_t(r)]) {
+        const bool is_last = act.micro_batch == n_full - 1;
+        std::optional<double> d = cost(act.chunk, act.kind, is_last);
+        if (!d && act.kind == K::Backward) {
+          auto bi = cost(act.chunk, K::BackwardInput, is_last), bw = cost(act.chunk, K::BackwardWeight, is_last);
+          if (bi && bw) d = *bi + *bw;
+        }
+        if (!d && (act.kind == K::BackwardInput || act.kind == K::BackwardWeight)) {
+          if (auto b = cost(act.chunk, K::Backward, is_last)) d = *b / 2;
+        }
+        DS_CHECK(d.has_value(), "performance model: no traced duration for {} on pipeline rank {}", to_string(act), r);
+        dur[size_t(r)].push_back(*d);
+      }
+    }
+    for (Clocked& k : clocks) {
+      k.s.compute *= scale;
+      k.s.flops *= scale;
+      for (auto& [cls, t] : k.s.by_class) t *= scale;
+      for (auto& [name, t] : k.s.by_op) t *= scale;
+    }
+    std::vector<double> finish(size_t(P), 0);
+    if (P > 1) {
+      double p2p = 0;
+      for (const Clocked& k : clocks) p2p = std::max(p2p, k.s.p2p_bytes);
+      p.p2p_seconds = p2p > 0 ? collective_seconds(hw, "send", p2p, 2, group_spans_nodes("pipeline", a, hw.ranks_per_node)) : 0;
+      finish = simulate_step(table, stage_map(*schedule, P), [&](int r, size_t i) { return dur[size_t(r)][i]; },
+                             p.p2p_seconds);
+    } else {
+      for (double d : dur[0]) finish[0] += d;
+    }
+    double idle = 0, span = 0;
+    for (int r = 0; r < P; ++r) span = std::max(span, finish[size_t(r)]);
+    for (int r = 0; r < P; ++r) {
+      double busy = 0;
+      for (double d : dur[size_t(r)]) busy += d;
+      clocks[size_t(r)].s.busy = busy;
+      idle += span - busy;
+    }
+    p.bubble_fraction = span > 0 ? idle / (double(P) * span) : 0;
+    for (int r = 0; r < P; ++r) {
+      StagePrediction& s = clocks[size_t(r)].s;
+      s.finish = finish[size_t(r)];
+      s.tail = clocks[size_t(r)].end - clocks[size_t(r)].tail_start;
+      p.step_seconds = std::max(p.step_seconds, s.finish + s.tail);
+      p.hardware_flops_per_step += s.flops * double(a.data) * double(a.tensor);
+      p.stages.push_back(s);
+    }
+    p.tokens_per_second = p.step_seconds > 0 ? double(p.global_batch * p.seq_len) / p.step_seconds : 0;
+  };
+  const double on_node = double(std::min(world, hw.ranks_per_node));
+  assemble(on_node);
+  // CPU ranks that wait (pipeline bubbles, exposed communication) leave the node's cores to the
+  // others: the ops run at the contention of the ranks busy on average (a fixed point, found in
+  // a few rounds).
+  if (hw.device_type == "cpu" && on_node > 1) {
+    for (int round = 0; round < 4; ++round) {
+      double busy = 0;
+      for (const StagePrediction& st : p.stages) busy += p.step_seconds > 0 ? std::min(1.0, st.compute / p.step_seconds) : 1;
+      busy /= double(p.stages.size());
+      assemble(std::max(1.0, on_node * busy));
+    }
   }
-  std::vector<double> finish(size_t(P), 0);
-  if (P > 1) {
-    double p2p = 0;
-    for (const Clocked& k : clocks) p2p = std::max(p2p, k.s.p2p_bytes);
-    p.p2p_seconds = p2p > 0 ? collective_seconds(hw, "send", p2p, 2, group_spans_nodes("pipeline", a, hw.ranks_per_node)) : 0;
-    finish = simulate_step(table, stage_map(*schedule, P), [&](int r, size_t i) { return dur[size_t(r)][i]; },
-                           p.p2p_seconds);
-  } else {
-    for (double d : dur[0]) finish[0] += d;
-  }
-  double idle = 0, span = 0;
-  for (int r = 0; r < P; ++r) span = std::max(span, finish[size_t(r)]);
-  for (int r = 0; r < P; ++r) {
-    double busy = 0;
-    for (double d : dur[size_t(r)]) busy += d;
-    clocks[size_t(r)].s.busy = busy;
-    idle += span - busy;
-  }
-  p.bubble_fraction = span > 0 ? idle / (double(P) * span) : 0;
-  for (int r = 0; r < P; ++r) {
-    StagePrediction& s = clocks[size_t(r)].s;
-    s.finish = finish[size_t(r)];
-    s.tail = clocks[size_t(r)].end - clocks[size_t(r)].tail_start;
-    p.step_seconds = std::max(p.step_seconds, s.finish + s.tail);
-    p.hardware_flops_per_step += s.flops * double(a.data) * double(a.tensor);
-    p.stages.push_back(s);
-  }
-  p.tokens_per_second = p.step_seconds > 0 ? double(p.global_batch * p.seq_len) / p.step_seconds : 0;
 
   // Model FLOPs: what the step computes without recomputation, at balanced expert loads.
   p.model_flops_per_step = p.hardware_flops_per_step;
@@ -246,7 +268,8 @@ Prediction predict(const RunConfig& config, int world, const HardwareProfile& hw
     p.memory.stages.push_back(st.memory);
   }
   p.memory.world = world;
-  p.memory_available = hw.memory_bytes;
+  // A CPU node's memory is shared by its ranks.
+  p.memory_available = hw.device_type == "cpu" ? hw.memory_bytes / std::min(world, hw.ranks_per_node) : hw.memory_bytes;
   p.fits = double(p.peak_memory) <= p.memory_available;
   return p;
 }
