@@ -12,8 +12,10 @@
 #include <thread>
 #include <time.h>
 
+#include "backend/cuda_device.h"
 #include "backend/ops.h"
 #include "comm/mpi_comm.h"
+#include "core/allocator.h"
 #include "core/buffer.h"
 #include "core/clock.h"
 #include "core/error.h"
@@ -31,14 +33,21 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// Waits for the device's queue (a GPU's ops run asynchronously); nothing on the host.
+void sync(Device d) {
+  if (d.type == DeviceType::CUDA) cuda::synchronize();
+}
+
 // Median seconds of f over repeats within `budget` seconds (3 to 50 repeats, after one warm-up).
-double time_it(const std::function<void()>& f, double budget) {
+double time_it(const std::function<void()>& f, double budget, Device d) {
   f();
+  sync(d);
   std::vector<double> t;
   const auto start = Clock::now();
   while (t.size() < 3 || (seconds_since(start) < budget && t.size() < 50)) {
     const auto t0 = Clock::now();
     f();
+    sync(d);
     t.push_back(seconds_since(t0));
   }
   return median(t);
@@ -56,13 +65,13 @@ bool replayable(const TraceEvent& e) {
 // Runs one traced op on the host with tensors of its shapes and dtypes.
 class Replay {
  public:
-  explicit Replay(const TraceEvent& e) : e_(e) {
+  Replay(const TraceEvent& e, Device device) : e_(e) {
     for (size_t i = 0; i < e.shapes.size(); ++i) {
       if (e.shapes[i].ndim() == 0) {
         t_.emplace_back();
         continue;
       }
-      buffers_.emplace_back("calibrate", MemCategory::Workspace, e.dtypes[i], e.shapes[i].numel());
+      buffers_.emplace_back("calibrate", MemCategory::Workspace, e.dtypes[i], e.shapes[i].numel(), device);
       Tensor t = buffers_.back().tensor(0, e.shapes[i]);
       ops::fill(t, 0.01f);
       t_.push_back(t);
@@ -167,16 +176,34 @@ HardwareProfile calibrate(const RunConfig& config, MPI_Comm world_comm, const Ca
   int rank = 0, world = 1;
   MPI_Comm_rank(world_comm, &rank);
   MPI_Comm_size(world_comm, &world);
+  // The run's device: the host, or the GPU of this rank's node-local index.
+  Device device = Device::cpu();
+  if (config.device == "cuda") {
+    MPI_Comm node;
+    MPI_Comm_split_type(world_comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
+    int local = 0;
+    MPI_Comm_rank(node, &local);
+    MPI_Comm_free(&node);
+    const int n = cuda::device_count();
+    if (n == 0) DS_FAIL("calibrate: {} asks for device \"cuda\": {}", config.source, cuda::unavailable_reason());
+    device = cuda::use_device(local % n);
+  }
   HardwareProfile p;
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
   p.name = fmt::format("{} (calibrated, {} ranks, {} thread(s) per rank)", host, world, omp_get_max_threads());
   p.calibrated = true;
-  p.device_type = "cpu";
+  p.device_type = device.type == DeviceType::CUDA ? "cuda" : "cpu";
+  if (device.type == DeviceType::CUDA) p.name = cuda::describe(device.index) + " (calibrated)";
   p.ranks_per_node = world;
   p.cores_per_node = int(std::thread::hardware_concurrency());
   p.threads_per_rank = omp_get_max_threads();
   p.memory_bytes = node_memory_bytes();
+  if (device.type == DeviceType::CUDA) {
+    // What the GPU has free now, for the model's fit checks.
+    const int64_t free_bytes = allocator_for(device).available_bytes(device);
+    if (free_bytes > 0) p.memory_bytes = double(free_bytes);
+  }
   p.calibration = fmt::format("dstrain calibrate --config {} on {} rank(s): op shapes of the model's step, "
                               "collectives of {} ranks",
                               config.source, world, world);
@@ -242,8 +269,8 @@ HardwareProfile calibrate(const RunConfig& config, MPI_Comm world_comm, const Ca
     size_t i = 0;
     for (const auto& [sig, e] : shapes) {
       ++i;
-      Replay replay(e);
-      const double sec = time_it([&] { replay(); }, s.seconds_per_op);
+      Replay replay(e, device);
+      const double sec = time_it([&] { replay(); }, s.seconds_per_op, device);
       p.op_seconds[sig] = sec;
       const std::string key = op_class(e) + "/" + dtype_key(e.dtype);
       xs[key].push_back({1.0, e.flops, e.bytes});
@@ -289,13 +316,15 @@ HardwareProfile calibrate(const RunConfig& config, MPI_Comm world_comm, const Ca
           const TraceEvent& e = shapes.at(list[k].second);
           double mine = 0;
           with_active(r, [&] {
-            Replay replay(e);
+            Replay replay(e, device);
             replay();
+            sync(device);
             const int reps = int(std::clamp(s.seconds_per_op / std::max(list[k].first, 1e-6), 3.0, 20.0));
             std::vector<double> t;
             for (int n = 0; n < reps; ++n) {
               const auto t0 = Clock::now();
               replay();
+              sync(device);
               t.push_back(seconds_since(t0));
             }
             mine = median(t);

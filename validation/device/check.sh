@@ -21,7 +21,9 @@
 #      the PyTorch reference (*.OnTheGpuInFp32AndBf16);
 #   4. NCCL: every communicator operation checked (--check), then all-reduce bus bandwidth;
 #   5. a ~1.2B-parameter DeepSeek-LLM-style model (validation/device/bench_1b.json) in bf16:
-#      tokens/s, MFU against the GPU's bf16 peak, and the time split.
+#      tokens/s, MFU against the GPU's bf16 peak, and the time split;
+#   6. dstrain calibrate on the GPU for that model's shapes, and dstrain plan's prediction of its
+#      step with the calibrated and the datasheet profile, beside the measured one.
 # Everything goes to $OUT (summary.txt first); the exit status is 0 only when every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -176,6 +178,18 @@ if g:
 EOF
   fi
   grep -E 'error|Error' "$OUT/bench_1b.txt" | head -5 >>"$summary"
+
+  # The performance model on the GPU: calibrate this GPU for bench_1b's shapes (bf16), then the
+  # predicted step beside the measured one above, with the calibrated and the datasheet profile.
+  step calibrate 100 "$BUNDLE"/bin/dstrain calibrate --config validation/device/bench_1b.json \
+    --set "data.train=\"$BUNDLE/data/fortunes/fortunes_text_document\"" --precisions bf16 --seconds-per-op 0.05 \
+    --out "$OUT/calibrated-gpu.json"
+  for profile in "$OUT/calibrated-gpu.json" inputs/clusters/dgx-h100.json; do
+    [[ -f $profile ]] || continue
+    "$BUNDLE"/bin/dstrain plan --config validation/device/bench_1b.json --ranks 1 --cluster "$profile" \
+      --set "data.train=\"$BUNDLE/data/fortunes/fortunes_text_document\"" 2>&1 | sed -n 3p |
+      sed "s|^|plan ($(basename "$profile")): |" >>"$summary"
+  done
   note "check.sh: $([[ $failed == 0 ]] && echo 'every step passed' || echo 'some steps FAILED (see above)')"
   return $failed
 }
