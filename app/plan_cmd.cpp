@@ -61,8 +61,9 @@ void print_table(const std::vector<Candidate>& all, int64_t top) {
   }
   size_t infeasible = 0;
   for (const Candidate& c : all) infeasible += !c.feasible;
-  std::printf("%lld of %zu layouts feasible; %zu rejected (--json lists each with its reason)\n",
-              static_cast<long long>(all.size() - infeasible), all.size(), infeasible);
+  std::printf("%zu layouts priced, %zu rejected (--json lists each with its reason); the search traces 2 "
+              "micro-batches per pipeline rank, the layouts shown are traced in full\n",
+              all.size(), infeasible);
 }
 
 int plan_one(const PlanOptions& o, const HardwareProfile& hw) {
@@ -103,20 +104,37 @@ int plan_all(const PlanOptions& o, const HardwareProfile& hw) {
   if (!o.recompute.empty()) space.recompute = o.recompute;
   PredictOptions opt;
   opt.price.fp8_gemms = o.fp8_gemms;
-  opt.model_flops = false;  // counted again for the layouts shown
+  // The search traces a few micro-batches per layout; the layouts shown are traced in full
+  // (their memory, the trainer's limits and MFU's model FLOPs) before they are shown.
+  opt.model_flops = false;
+  opt.cap_traced_micro_batches = true;
   const bool tty = !o.json;
   std::vector<Candidate> all = plan_layouts(base, int(o.ranks), hw, space, opt, [&](size_t done, size_t total) {
     if (tty && (done % 20 == 0 || done == total)) std::fprintf(stderr, "\rplanned %zu of %zu layouts", done, total);
   });
   if (tty) std::fprintf(stderr, "\n");
-  // MFU of the shown ones counts model FLOPs without recomputation.
+  // The shown ones (all with --json) traced in full, in order, until enough of them still fit.
   opt.model_flops = true;
-  int64_t recounted = 0;
+  opt.cap_traced_micro_batches = false;
+  int64_t shown = 0;
   for (Candidate& c : all) {
-    if (!c.feasible || recounted >= (o.json ? int64_t(all.size()) : o.top)) continue;
-    ++recounted;
-    c.prediction = predict(c.config, int(o.ranks), hw, opt);
+    if (!c.feasible || shown >= (o.json ? int64_t(all.size()) : o.top)) continue;
+    try {
+      c.prediction = predict(c.config, int(o.ranks), hw, opt);
+      c.feasible = c.prediction.fits;
+      if (!c.feasible)
+        c.reason = fmt::format("memory: {:.2f} GB per rank at its peak, {:.2f} GB available",
+                               double(c.prediction.peak_memory) / 1e9, c.prediction.memory_available / 1e9);
+    } catch (const Error& e) {
+      c.feasible = false;
+      c.reason = e.what();
+    }
+    shown += c.feasible;
   }
+  std::stable_sort(all.begin(), all.end(), [](const Candidate& x, const Candidate& y) {
+    if (x.feasible != y.feasible) return x.feasible;
+    return x.prediction.tokens_per_second > y.prediction.tokens_per_second;
+  });
   if (o.json) {
     json out = json::array();
     for (const Candidate& c : all) {

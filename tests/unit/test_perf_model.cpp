@@ -157,9 +157,9 @@ TEST(PerfModel, PipelineStepsComeFromTheSchedulesSimulation) {
     EXPECT_LE(s.finish + s.tail, p.step_seconds * (1 + 1e-12));
   }
   // Tracing 4 of the 8 micro-batches prices the step as tracing all of them does.
-  PredictOptions all;
-  all.cap_traced_micro_batches = false;
-  const Prediction q = predict(c, 2, profile(), all);
+  PredictOptions capped;
+  capped.cap_traced_micro_batches = true;
+  const Prediction q = predict(c, 2, profile(), capped);
   EXPECT_NEAR(p.step_seconds, q.step_seconds, 0.02 * q.step_seconds);
   EXPECT_NEAR(p.hardware_flops_per_step, q.hardware_flops_per_step, 1e-9 * q.hardware_flops_per_step);
 }
