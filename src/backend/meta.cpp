@@ -105,7 +105,7 @@ struct Record {
     (add_arg(e, a), ...);
     (extras_of(e, a), ...);
     e.flops = op_flops(Tag{}, a...);
-    trace->events.push_back(std::move(e));
+    trace->push(std::move(e));
   }
   template <class T>
   static void extras_of(TraceEvent& e, const T& v) {

@@ -71,15 +71,16 @@ class ShapeOnlyCommunicator final : public Communicator {
     e.bytes = double(bytes);
     e.group = name_;
     e.group_size = size_;
-    e.id = trace.next_id++;
-    trace.events.push_back(e);
-    return e.id;
+    e.id = trace.new_id();
+    const int id = e.id;
+    trace.push(std::move(e));
+    return id;
   }
   static void waited(ExecTrace& trace, int id) {
     TraceEvent e;
     e.kind = TraceEvent::Kind::Wait;
     e.id = id;
-    trace.events.push_back(e);
+    trace.push(std::move(e));
   }
   // `bytes` held by the communication library while in flight; `traced` bytes the trace
   // records as the payload (a send's message, which holds no library buffer here).

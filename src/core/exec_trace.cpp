@@ -1,30 +1,44 @@
 #include "core/exec_trace.h"
 
+#include <atomic>
+
 namespace dstrain {
 namespace {
-thread_local ExecTrace* g_trace = nullptr;
+std::atomic<ExecTrace*> g_trace{nullptr};
 }  // namespace
 
-ExecTrace* current_trace() { return g_trace; }
+void ExecTrace::push(TraceEvent e) {
+  std::lock_guard<std::mutex> lock(*mutex_);
+  events.push_back(std::move(e));
+}
 
-TraceScope::TraceScope(ExecTrace* trace) : previous_(g_trace) { g_trace = trace; }
-TraceScope::~TraceScope() { g_trace = previous_; }
+int ExecTrace::new_id() {
+  std::lock_guard<std::mutex> lock(*mutex_);
+  return next_id++;
+}
+
+ExecTrace* current_trace() { return g_trace.load(std::memory_order_acquire); }
+
+TraceScope::TraceScope(ExecTrace* trace) : previous_(g_trace.exchange(trace)) {}
+TraceScope::~TraceScope() { g_trace.store(previous_); }
 
 void trace_action(int action_kind, int micro_batch, int chunk) {
-  if (!g_trace) return;
+  ExecTrace* t = current_trace();
+  if (!t) return;
   TraceEvent e;
   e.kind = TraceEvent::Kind::Action;
   e.action_kind = action_kind;
   e.micro_batch = micro_batch;
   e.chunk = chunk;
-  g_trace->events.push_back(std::move(e));
+  t->push(std::move(e));
 }
 
 void trace_tail() {
-  if (!g_trace) return;
+  ExecTrace* t = current_trace();
+  if (!t) return;
   TraceEvent e;
   e.kind = TraceEvent::Kind::Tail;
-  g_trace->events.push_back(std::move(e));
+  t->push(std::move(e));
 }
 
 }  // namespace dstrain

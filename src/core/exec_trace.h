@@ -5,11 +5,13 @@
 // marks say where the schedule's actions and the step's end began. The performance model
 // (plan/perf_model.h) prices the events with a hardware profile and replays them on a clock.
 //
-// Recording is off unless a trace is installed on the thread (TraceScope); the code that
-// records pays one thread-local read per op when it is off.
+// Recording is off unless a trace is installed (TraceScope); the code that records pays one
+// atomic read per op when it is off.
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -46,12 +48,20 @@ class ExecTrace {
  public:
   std::vector<TraceEvent> events;
   int next_id = 0;
+  // Appends under a lock: ops run on worker threads too (a MoE layer's experts are spread over
+  // OpenMP threads).
+  void push(TraceEvent e);
+  int new_id();
+
+ private:
+  std::shared_ptr<std::mutex> mutex_ = std::make_shared<std::mutex>();  // movable with the trace
 };
 
-// The trace of this thread, or nullptr when recording is off.
+// The trace being recorded, or nullptr when recording is off. One per process: whichever thread
+// runs an op records it (the meta runs that record run one at a time).
 ExecTrace* current_trace();
 
-// Installs `trace` on this thread for the scope's life (nested scopes restore the outer one).
+// Installs `trace` for the scope's life (nested scopes restore the outer one).
 class TraceScope {
  public:
   explicit TraceScope(ExecTrace* trace);

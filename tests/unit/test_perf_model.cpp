@@ -1,6 +1,7 @@
 // The performance model (plan/): execution traces of the meta step, the hardware profiles that
 // price them, the pipeline's simulation, the fits of calibration and the layout planner.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <filesystem>
 #include <fstream>
@@ -27,8 +28,8 @@ json dense_model(int layers = 2) {
           {"tie_word_embeddings", false},  {"initializer_range", 0.1}};
 }
 
-RunConfig run_config(const std::vector<std::string>& sets, int layers = 2) {
-  const json run = {{"model", dense_model(layers)},
+RunConfig run_config(const std::vector<std::string>& sets, int layers = 2, const json& model = json()) {
+  const json run = {{"model", model.is_null() ? dense_model(layers) : model},
                     {"train",
                      {{"train_micro_batch_size_per_gpu", 2},
                       {"gradient_accumulation_steps", 2},
@@ -91,6 +92,31 @@ TEST(ExecTrace, RecordsOpsCollectivesAndTheScheduleOfOneStep) {
   for (const auto& [id, n] : issued) EXPECT_EQ(waited[id], 1) << "collective " << id << " issued, never waited";
   // Nothing is recorded without a trace installed.
   EXPECT_EQ(current_trace(), nullptr);
+}
+
+// A MoE layer spreads its experts' GEMMs over OpenMP threads: every one of them is in the trace,
+// whichever thread ran it (a trace that only its installing thread recorded lost the others').
+TEST(ExecTrace, RecordsOpsRunOnWorkerThreads) {
+  const json v3 = (fs::path(DSTRAIN_SOURCE_DIR) / "inputs" / "models" / "deepseek-v3-tiny.json").string();
+  RunConfig c = run_config({}, 2, v3);  // 32 routed experts: spread over the threads
+  auto linear_ops = [&](int threads) {
+    const int before = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    const std::vector<StageTrace> traced = trace_step(c, 1);
+    omp_set_num_threads(before);
+    int n = 0;
+    double flops = 0;
+    for (const TraceEvent& e : traced[0].trace.events) {
+      if (e.kind == TraceEvent::Kind::Op && std::string(e.name).rfind("linear_", 0) == 0) {
+        ++n;
+        flops += e.flops;
+      }
+    }
+    return std::pair{n, flops};
+  };
+  const auto one = linear_ops(1);
+  EXPECT_GT(one.first, 0);
+  EXPECT_EQ(linear_ops(4), one);
 }
 
 // Every linear layer's GEMMs (forward, input and weight gradients: 3 x 2 FLOPs per weight per
