@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BUILD = None
 STEPS = 1500
 DEADLINE = 10  # seconds: resilience.collective_timeout_s of the hang test
+SWEEP_STEPS = 20  # steps of each run of the scaling sweeps
+WARMUP = 3  # steps scaling_report.py leaves out at the start of each run
 
 
 def sh(*args, check=True):
@@ -174,24 +177,156 @@ class BatchScript(unittest.TestCase):
             self.assertIn("not running under Slurm", p.stderr)
             self.assertIn("sbatch", p.stderr)
 
-    def test_f_sweep_submits_a_job_array_per_node_count(self):
+    def sweep(self, *args, check=True):
+        p = subprocess.run([os.path.join(ROOT, "slurm", "sweep-nodes.sh"), *args], cwd=self.dir,
+                           capture_output=True, text=True,
+                           env=dict(os.environ, DSTRAIN_BIN=os.path.join(BUILD, "app", "dstrain")))
+        if check:
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        return p
+
+    def wait_sweep(self, out, stdout, repeats):
+        """Waits for every run a sweep submitted; returns {run directory name: its Slurm log}."""
+        logs = {}
+        arrays = re.findall(r"job array (\d+) \((\d+) runs\) -> \S+/([\w-]+)-\*", stdout)
+        self.assertTrue(arrays, stdout)
+        for array, runs, name in arrays:
+            self.assertEqual(int(runs), repeats, stdout)
+            for task in range(repeats):
+                log = os.path.join(out, f"slurm-{name}-{array}_{task}.out")
+                state, text = self.wait(f"{array}_{task}", log)
+                self.assertEqual(state, "COMPLETED", text)
+                self.assertIn(f"=== training complete (completed {SWEEP_STEPS})", text)
+                logs[f"{name}-{task}"] = text
+        return logs
+
+    def test_f_sweep_scaling_study(self):
+        """Strong and weak sweeps over 1, 2 and 4 ranks of the one local node (ranks beyond its cores
+        overcommitted), then validation/scaling_report.py over their metrics."""
         cfg = self.config("sweep")
         with open(cfg) as f:
             c = json.load(f)
-        c["train"]["max_steps"] = 20
+        c["train"]["max_steps"] = SWEEP_STEPS  # global batch 8 = micro-batch 2 x accumulation x data-parallel ranks
         with open(cfg, "w") as f:
             json.dump(c, f)
-        out = subprocess.run([os.path.join(ROOT, "slurm", "sweep-nodes.sh"), cfg, "1", "2",
-                              os.path.join(ROOT, "slurm", "dstrain-cpu.sbatch")], cwd=self.dir, capture_output=True,
-                             text=True, check=True, env=dict(os.environ, DSTRAIN_BIN=os.path.join(BUILD, "app",
-                                                                                                   "dstrain"))).stdout
-        array = re.search(r"job array (\d+)", out).group(1)
-        for task in ("0", "1"):
-            state, text = self.wait(f"{array}_{task}", os.path.join(self.dir, "runs", "sweep",
-                                                                     f"slurm-1n-{array}_{task}.out"))
-            self.assertEqual(state, "COMPLETED", text)
-            metrics = os.path.join(self.dir, "runs", "sweep", f"1n-{task}", "metrics.jsonl")
-            self.assertEqual(sum(1 for l in open(metrics) if '"train"' in l), 20)
+        script = os.path.join(ROOT, "slurm", "dstrain-cpu.sbatch")
+        out = os.path.join(self.dir, "runs", "scaling")
+        cores = int(sh("sinfo", "-h", "-o", "%c").split()[0])
+
+        # Bad arguments are refused before anything is submitted, with what to do.
+        p = self.sweep("--mode", "fast", cfg, "1 2", check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("--mode is 'fast'; it must be strong or weak", p.stderr)
+        no_batch = os.path.join(self.dir, "sweep-no-batch.json")
+        with open(no_batch, "w") as f:
+            json.dump({**c, "train": {k: v for k, v in c["train"].items() if k != "train_batch_size"}}, f)
+        p = self.sweep("--mode", "weak", no_batch, "1 2", "1", script, check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("sets no train.train_batch_size", p.stderr)
+        self.assertIn("--global-batch", p.stderr)
+
+        # The positional interface as before (default: strong over nodes, runs/sweep), then the study.
+        compat = self.sweep(cfg, "1", "1", script).stdout
+        strong = self.sweep("--unit", "ranks", "--overcommit", "--out", out, cfg, "1 2 4", "2", script).stdout
+        weak = self.sweep("--mode", "weak", "--unit", "ranks", "--overcommit", "--out", out, cfg, "1 2 4", "1",
+                          script).stdout
+        p = self.sweep("--unit", "ranks", "--overcommit", "--out", out, cfg, "1", "1", script, check=False)
+        self.assertEqual(p.returncode, 2)  # a second sweep never resumes the first one's runs
+        self.assertIn("strong-1r-0 exists from an earlier sweep", p.stderr)
+
+        compat_logs = self.wait_sweep(os.path.join(self.dir, "runs", "sweep"), compat, 1)
+        self.assertIn("2 ranks on 1 node", compat_logs["strong-1n-0"])  # the script's 2 tasks per node
+        logs = {**self.wait_sweep(out, strong, 2), **self.wait_sweep(out, weak, 1)}
+        self.assertEqual(len(logs), 9)
+        for mode, repeats in (("strong", 2), ("weak", 1)):
+            for n in (1, 2, 4):
+                batch = 8 * n if mode == "weak" else 8
+                for r in range(repeats):
+                    run = os.path.join(out, f"{mode}-{n}r-{r}")
+                    log = logs[f"{mode}-{n}r-{r}"]
+                    self.assertIn(f"global batch {batch} windows", log)
+                    self.assertIn(f"{n} ranks on 1 node" if n > 1 else "x 1 data-parallel ranks", log)
+                    with open(os.path.join(run, "sweep.json")) as f:
+                        meta = json.load(f)
+                    self.assertEqual((meta["mode"], meta["count"], meta["global_batch"]), (mode, n, batch))
+                    self.assertEqual("--overcommit" in meta["layout"], n > cores, meta["layout"])
+
+        # A stand-in for `dstrain plan` (not built yet): it records what it was asked, and predicts
+        # 1000 tokens/s per rank.
+        fake = os.path.join(self.dir, "fake-plan")
+        asked = os.path.join(self.dir, "fake-plan.log")
+        with open(fake, "w") as f:
+            f.write(f"""#!/usr/bin/python3
+import json, os, sys
+a = sys.argv[1:]
+cfg = json.load(open(a[a.index("--config") + 1]))
+ranks = int(a[a.index("--ranks") + 1])
+with open({asked!r}, "a") as log:
+    log.write(json.dumps({{"args": a, "cwd": os.getcwd(), "batch": cfg["train"]["train_batch_size"],
+                          "output": cfg["output"]["dir"]}}) + "\\n")
+print("explanation: 1000 tokens/s per rank")
+print(json.dumps({{"tokens_per_second": 1000.0 * ranks, "step_seconds": 0.5}}, indent=1))
+""")
+        os.chmod(fake, 0o755)
+        profile = os.path.join(self.dir, "profile.json")
+        with open(profile, "w") as f:
+            json.dump({"name": "local"}, f)
+        report = os.path.join(self.dir, "report")
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "validation", "scaling_report.py"), out, "--out", report,
+                            "--warmup", str(WARMUP)], capture_output=True, text=True)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn("Predictions: none", p.stdout)
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "validation", "scaling_report.py"), out, "--out", report,
+                            "--warmup", str(WARMUP), "--predict", fake, "--cluster", profile],
+                           capture_output=True, text=True)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        print(p.stdout)
+        with open(os.path.join(report, "scaling.json")) as f:
+            result = json.load(f)
+        with open(asked) as f:
+            calls = [json.loads(line) for line in f]
+
+        def run_median(name):  # tokens/s of one run, recomputed from its metrics.jsonl
+            with open(os.path.join(out, name, "metrics.jsonl")) as f:
+                train = [json.loads(l) for l in f if '"type":"train"' in l]
+            self.assertEqual([r["step"] for r in train], list(range(1, SWEEP_STEPS + 1)))
+            return statistics.median(r["tokens_per_s"] for r in train[WARMUP:])
+
+        tables = {(t["mode"], t["unit"]): t for t in result["tables"]}
+        self.assertEqual(sorted(tables), [("strong", "ranks"), ("weak", "ranks")])
+        for (mode, _), t in tables.items():
+            rows = t["rows"]
+            repeats = 2 if mode == "strong" else 1
+            self.assertEqual([r["count"] for r in rows], [1, 2, 4])
+            self.assertEqual([r["ranks"] for r in rows], [1, 2, 4])
+            self.assertEqual([r["repeats"] for r in rows], [repeats] * 3)
+            self.assertEqual([r["global_batch"] for r in rows], [8, 16, 32] if mode == "weak" else [8, 8, 8])
+            self.assertEqual([r["oversubscribed"] for r in rows], [n > cores for n in (1, 2, 4)])
+            measured = {n: statistics.median(run_median(f"{mode}-{n}r-{r}") for r in range(repeats)) for n in (1, 2, 4)}
+            for row in rows:
+                n = row["count"]
+                self.assertAlmostEqual(row["tokens_per_s"], measured[n], delta=1e-6 * measured[n])
+                self.assertAlmostEqual(row["efficiency"], measured[n] / measured[1] / n, places=9)
+                self.assertEqual(row["predicted_tokens_per_s"], 1000.0 * n)
+                self.assertAlmostEqual(row["error"], measured[n] / (1000.0 * n) - 1, places=9)
+                self.assertAlmostEqual(row["predicted_efficiency"], 1.0, places=9)
+        # dstrain plan saw each count's rank count and the run's own config: its scaled batch, its output dir.
+        self.assertEqual(sorted((c["args"][c["args"].index("--ranks") + 1], c["batch"]) for c in calls),
+                         sorted([("1", 8), ("2", 8), ("4", 8), ("1", 8), ("2", 16), ("4", 32)]))
+        for c in calls:
+            self.assertEqual(c["args"][0], "plan")
+            self.assertIn("--explain", c["args"])
+            self.assertEqual(os.path.realpath(c["cwd"]), os.path.realpath(self.dir))
+            self.assertRegex(c["output"], r"/runs/scaling/(strong|weak)-\dr-0$")
+        with open(os.path.join(report, "scaling.md")) as f:
+            md = f.read()
+        self.assertIn("## Weak scaling over ranks", md)
+        self.assertIn(f"| 2 | 16 | 1 | {tables[('weak', 'ranks')]['rows'][1]['tokens_per_s']:.0f} |", md)
+        for png in ("scaling_throughput.png", "scaling_efficiency.png"):
+            with open(os.path.join(report, png), "rb") as f:
+                data = f.read()
+            self.assertTrue(data.startswith(b"\x89PNG\r\n\x1a\n"), png)
+            self.assertGreater(len(data), 10000, png)
 
     def test_g_gpu_script_runs_the_same_loop(self):
         # No GPUs here: the GPU layout is overridden on the command line, as users do for tests.
