@@ -70,6 +70,7 @@ int plan_one(const PlanOptions& o, const HardwareProfile& hw) {
   RunConfig c = RunConfig::load(o.config, o.overrides);
   PredictOptions opt;
   opt.price.fp8_gemms = o.fp8_gemms;
+  opt.cap_traced_micro_batches = o.short_trace;
   Prediction p;
   try {
     p = predict(c, int(o.ranks), hw, opt);
@@ -206,6 +207,9 @@ CLI::App* add_plan_command(CLI::App& app, PlanOptions& o) {
   plan->add_flag("--explain", o.explain, "the step's breakdown: compute, communication, bubble, memory");
   plan->add_flag("--json", o.json, "print JSON (every layout, with the reasons of the rejected ones)");
   plan->add_flag("--fp8-gemms", o.fp8_gemms, "price the linear layers' GEMMs at the profile's fp8 peak");
+  plan->add_flag("--short-trace", o.short_trace,
+                 "with --config: trace 2 micro-batches per pipeline rank (the step's time as a full trace "
+                 "prices it; its memory and the trainer's limits on a whole step unchecked)");
   plan->add_option("--set", o.overrides, "override a configuration key")->take_all();
   plan->add_option("--tensor", o.tensor, "with --model: tensor sizes to try")->delimiter(',');
   plan->add_option("--pipeline", o.pipeline, "with --model: pipeline sizes to try")->delimiter(',');

@@ -22,6 +22,7 @@ struct PlanOptions {
   bool explain = false;
   bool json = false;
   bool fp8_gemms = false;
+  bool short_trace = false;
   std::vector<std::string> overrides;
   std::vector<int> tensor, pipeline, expert, zero, micro_batch;
   std::vector<std::string> schedules, recompute;

@@ -82,7 +82,9 @@ QUICK = {"1 rank", "data 2", "tensor 2 (sequence parallel)", "pipeline 2, 1F1B",
 def env():
     e = dict(os.environ)
     e.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1",
-             OMPI_MCA_pml="ob1", OMPI_MCA_btl="self,vader", OMP_NUM_THREADS="1")
+             OMPI_MCA_pml="ob1", OMPI_MCA_btl="self,vader", OMP_NUM_THREADS="1",
+             # 4 ranks on this machine's 2 cores: a rank that waits yields its core.
+             OMPI_MCA_mpi_yield_when_idle="1")
     return e
 
 

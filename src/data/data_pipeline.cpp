@@ -144,9 +144,11 @@ json DataConfig::to_json() const {
   for (const auto& s : train) tr.push_back(s.to_json());
   for (const auto& s : val) va.push_back(s.to_json());
   for (size_t i = 1; i < schedule.size(); ++i) sched.push_back({{"step", schedule[i].from_step}, {"weights", schedule[i].weights}});
-  return {{"train", tr},         {"val", va},           {"split", split},         {"blend_schedule", sched},
-          {"seq_len", seq_len},  {"shuffle", shuffle}, {"tokenizer", tokenizer}, {"validate", validate},
-          {"prefetch", prefetch}};
+  json out = {{"train", tr},         {"split", split},     {"blend_schedule", sched}, {"seq_len", seq_len},
+              {"shuffle", shuffle},  {"tokenizer", tokenizer}, {"validate", validate}, {"prefetch", prefetch}};
+  // An empty list is not a value of data.val (the reader asks for at least one dataset).
+  if (!val.empty()) out["val"] = va;
+  return out;
 }
 
 // ---- datasets --------------------------------------------------------------------------

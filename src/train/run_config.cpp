@@ -476,9 +476,12 @@ json RunConfig::to_json() const {
   t["router_bias_update_rate"] = train.router_bias_update_rate;
   t["micro_batch_schedule"] = train.micro_batch_schedule;
   const ActivationCheckpointingConfig& ac = train.activation_checkpointing;
-  t["activation_checkpointing"] = {
-      {"granularity", ac.granularity}, {"method", ac.method},       {"num_layers", ac.num_layers},
-      {"selective", ac.selective},     {"cpu_checkpointing", ac.cpu_checkpointing}};
+  t["activation_checkpointing"] = {{"granularity", ac.granularity},
+                                    {"method", ac.method},
+                                    {"num_layers", ac.num_layers},
+                                    {"cpu_checkpointing", ac.cpu_checkpointing}};
+  // The parts are only a key of granularity "selective" (the reader refuses them otherwise).
+  if (ac.granularity == "selective") t["activation_checkpointing"]["selective"] = ac.selective;
   const ZeroConfig& z = train.zero;
   t["zero_optimization"] = {{"stage", z.stage},
                             {"reduce_bucket_size", z.reduce_bucket_size},

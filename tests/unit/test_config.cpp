@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "core/json_reader.h"
+#include "train/layout_check.h"
 #include "train/run_config.h"
 
 namespace dstrain {
@@ -77,6 +78,23 @@ TEST(Config, ReadsARunAndItsDeepSpeedKeys) {
   const json resolved = c.to_json();
   EXPECT_EQ(resolved["train"]["train_batch_size"], 16);
   EXPECT_EQ(resolved["model"]["num_key_value_heads"], 2);
+}
+
+// The resolved configuration a run writes (output.dir/resolved_config.json, what to_json prints)
+// reads back as the same configuration: a sweep or a report that reloads a run's configuration
+// needs it. It used to print the selective parts under granularity "none", which the reader
+// refuses.
+TEST(Config, TheResolvedConfigurationReadsBack) {
+  TempDir d;
+  for (const char* ac : {"", R"(, "activation_checkpointing": {"granularity": "full"})",
+                         R"(, "activation_checkpointing": {"granularity": "selective", "selective": ["layernorm"]})"}) {
+    RunConfig c = RunConfig::load(d.write("run.json", run_json(ac)), {});
+    check_layout(c, 2);  // resolves the batch, as a run does before it writes the file
+    const json resolved = c.to_json();
+    RunConfig again;
+    ASSERT_NO_THROW(again = RunConfig::load(d.write("resolved.json", resolved.dump()), {})) << ac;
+    EXPECT_EQ(again.to_json(), resolved) << ac;
+  }
 }
 
 TEST(Config, UnknownKeysAreErrorsWithSuggestions) {
