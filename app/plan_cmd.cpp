@@ -114,12 +114,14 @@ int plan_all(const PlanOptions& o, const HardwareProfile& hw) {
     if (tty && (done % 20 == 0 || done == total)) std::fprintf(stderr, "\rplanned %zu of %zu layouts", done, total);
   });
   if (tty) std::fprintf(stderr, "\n");
-  // The shown ones (all with --json) traced in full, in order, until enough of them still fit.
+  // The shown ones (the first --top, in the table and the JSON alike) traced in full, in order,
+  // until enough of them still fit.
   opt.model_flops = true;
   opt.cap_traced_micro_batches = false;
   int64_t shown = 0;
   for (Candidate& c : all) {
-    if (!c.feasible || shown >= (o.json ? int64_t(all.size()) : o.top)) continue;
+    if (!c.feasible || shown >= o.top) continue;
+    c.full_trace = true;
     try {
       c.prediction = predict(c.config, int(o.ranks), hw, opt);
       c.feasible = c.prediction.fits;
@@ -142,6 +144,9 @@ int plan_all(const PlanOptions& o, const HardwareProfile& hw) {
       json j = c.feasible ? prediction_to_json(c.prediction) : json::object();
       j["label"] = c.label;
       j["feasible"] = c.feasible;
+      // "full": traced whole (memory and the trainer's limits checked); "short": the search's
+      // trace of 2 micro-batches per pipeline rank.
+      j["trace"] = c.full_trace ? "full" : "short";
       if (!c.feasible) j["reason"] = c.reason;
       out.push_back(j);
     }
@@ -203,7 +208,8 @@ CLI::App* add_plan_command(CLI::App& app, PlanOptions& o) {
   plan->add_option("--seq", o.seq, "with --model: tokens per sequence")->check(integer_in(1));
   plan->add_option("--precision", o.precision, "with --model: fp32, bf16 or fp16")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
-  plan->add_option("--top", o.top, "layouts shown")->check(integer_in(1));
+  plan->add_option("--top", o.top, "layouts shown, each traced in full (the rest keep the search's short trace)")
+      ->check(integer_in(1));
   plan->add_flag("--explain", o.explain, "the step's breakdown: compute, communication, bubble, memory");
   plan->add_flag("--json", o.json, "print JSON (every layout, with the reasons of the rejected ones)");
   plan->add_flag("--fp8-gemms", o.fp8_gemms, "price the linear layers' GEMMs at the profile's fp8 peak");

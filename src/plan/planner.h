@@ -30,6 +30,7 @@ struct Candidate {
   std::string reason;  // why not
   Prediction prediction;
   RunConfig config;
+  bool full_trace = false;  // priced from a trace of the whole step (else the search's short one)
 };
 
 // Every layout of `space` for `base` on `world` ranks, feasible ones first, fastest first.
