@@ -312,6 +312,12 @@ def price(planner, point, layout, cluster_path, tmp, tag, fp8=None, model=None):
             return json.loads(res["stdout"]), refusal, lay
         if refusal is None:
             refusal = error_line(res)
+        # A layout the trainer refuses on a whole step (its pipeline message tags past MPI's
+        # 32767) is still priced, from a trace of 2 micro-batches per pipeline rank.
+        if lay is layout and "message tag" in (refusal or ""):
+            res = planner.run(args + ["--json", "--short-trace"], files, f"{point['id']} ({tag}, short trace)")
+            if res["rc"] == 0:
+                return json.loads(res["stdout"]), refusal, lay
     raise Failure(f"{point['id']}: dstrain refuses the layout and every close one: {refusal}")
 
 
@@ -812,14 +818,15 @@ def markdown(res):
             lay = f"32: `{s['plan_32']['label']}`" if s.get("plan_32") else s.get("plan_32_refusal")
             w(f"| {s['id']} | 32 | {lay}; nothing fits on fewer than 32 | {claim} | not testable | - | prediction |")
     w("")
-    refused = [r for r in rows if r["refusal"]]
+    refused = [r for r in rows if r["refusal"] and r["layout_changed"]]
     if refused:
         w("Layouts `dstrain plan --config` refused, and the close legal layout used instead:")
         w("")
         for r in refused:
             w(f"- {r['id']}: `{r['refusal'].replace('`', chr(39))}`; used {r['layout']}.")
     else:
-        w("`dstrain plan --config` accepted every published (or assumed) layout as given; none was changed.")
+        w("Every published (or assumed) layout is priced as given; none was changed. Those the trainer refuses on "
+          "a whole step (below) are priced with `--short-trace` (2 micro-batches per pipeline rank traced).")
     trainer = [r for r in rows if r["evidence"].get("trainer_refusal")]
     if trainer:
         w("")
@@ -1102,8 +1109,7 @@ def why_paragraphs(res):
             f"({comm_text(e['exposed_comm'])} on rank 0, up to {e['max_exposed_comm'].get('expert', 0):.1f} s of "
             f"expert all-to-all on other ranks): DualPipe overlaps "
             f"dispatch and combine with the other direction's compute; dstrain's dualpipev (one parameter copy) does "
-            f"not. With an ideal network the step would be {e['ideal_network']['step_seconds']:.1f} s. (3) Expert "
-            f"routing is sampled on the meta device, so repeated runs differ by about 1%. Memory: "
+            f"not. With an ideal network the step would be {e['ideal_network']['step_seconds']:.1f} s. Memory: "
             f"{e['peak_memory_gb']:.0f} GB per GPU in dstrain's model, largest on ranks "
             f"{(e.get('memory_mb') or {}).get('ranks', '?')} ({memory_top(e, 3)}; "
             f"{(e.get('memory_mb') or {}).get('note', '')}): as configured it would not run in dstrain.")
