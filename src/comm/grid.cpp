@@ -1,5 +1,7 @@
 #include "comm/grid.h"
 
+#include "core/error.h"
+
 namespace dstrain {
 
 std::string_view axis_name(Axis a) {
@@ -153,11 +155,59 @@ void ProcessGrid::wrap_communicators(const std::string& key, const Wrap& wrap) {
   wrapped_world_.reset();
   wrapped_expert_data_.reset();
   for (auto& w : wrapped_axes_) w.reset();
+  for (auto& w : wrapped_replica_) w.reset();
   wrap_key_ = key;
+  wrap_ = wrap;
   if (!wrap) return;
   wrapped_world_ = wrap(*world_);
   for (int a = 0; a < kNumAxes; ++a) wrapped_axes_[size_t(a)] = wrap(*axes_[size_t(a)]);
   wrapped_expert_data_ = wrap(*expert_data_);
+  for (size_t i = 0; i < replica_comms_.size(); ++i) {
+    if (replica_comms_[i]) wrapped_replica_[i] = wrap(*replica_comms_[i]);
+  }
+}
+
+std::vector<int> ProcessGrid::node_of_ranks(int ranks_per_node) {
+  const int W = world_size(), r = world_rank();
+  std::vector<int> node(static_cast<size_t>(W));
+  int mine = 0;
+  if (ranks_per_node > 0) {
+    mine = r / ranks_per_node;
+  } else {
+    MPI_Comm shared;
+    DS_MPI_CHECK(MPI_Comm_split_type(world_->mpi_comm(), MPI_COMM_TYPE_SHARED, r, MPI_INFO_NULL, &shared));
+    MpiCommHandle h = MpiCommHandle::adopt(shared);
+    DS_MPI_CHECK(MPI_Allreduce(&r, &mine, 1, MPI_INT, MPI_MIN, h.get()));
+  }
+  DS_MPI_CHECK(MPI_Allgather(&mine, 1, MPI_INT, node.data(), 1, MPI_INT, world_->mpi_comm()));
+  return node;
+}
+
+void ProcessGrid::split_replicas(int S) {
+  const int dp = size(Axis::Data), ep = size(Axis::Expert), tp = size(Axis::Tensor);
+  DS_CHECK(S >= 1 && dp % S == 0 && S % ep == 0,
+           "replicas of {} data-parallel ranks: it must divide the data axis ({}) and be a multiple of the expert "
+           "axis ({})",
+           S, dp, ep);
+  if (S == data_per_replica() && (replica_comms_[0] || S == dp)) return;
+  for (auto& w : wrapped_replica_) w.reset();
+  for (auto& c : replica_comms_) c.reset();
+  replica_size_ = S == dp ? 0 : S;
+  if (S == dp) return;
+  const int R = dp / S, d = coord(Axis::Data), q = d / S, i = d % S, e = d % ep;
+  const int place = coord(Axis::Pipeline) * tp + coord(Axis::Tensor);
+  auto split = [&](int color, int key, std::string_view name) {
+    MPI_Comm c;
+    DS_MPI_CHECK(MPI_Comm_split(world_->mpi_comm(), color, key, &c));
+    return MpiCommunicator::adopt(MpiCommHandle::adopt(c), std::string(name));
+  };
+  replica_comms_[0] = split(place * R + q, i, "replica_data");
+  replica_comms_[1] = split((place * R + q) * ep + e, i / ep, "replica_expert_data");
+  replica_comms_[2] = split(q, world_rank(), "replica");
+  replica_comms_[3] = split(place * S + i, q, "across_replicas");
+  if (wrap_) {
+    for (size_t k = 0; k < replica_comms_.size(); ++k) wrapped_replica_[k] = wrap_(*replica_comms_[k]);
+  }
 }
 
 }  // namespace dstrain

@@ -77,6 +77,31 @@ class ProcessGrid {
   void wrap_communicators(const std::string& key, const Wrap& wrap);
   const std::string& wrapped_by() const { return wrap_key_; }
 
+  // Replicas for asynchronous gradient aggregation (optim/gradient_sync.h): the data axis cut
+  // into blocks of `data_per_replica` consecutive data coordinates. Inside a replica the data
+  // ranks (and the expert-data ranks) reduce synchronously; between replicas, the ranks with
+  // the same place in their replica hold the same pieces. Collective over the world; every
+  // rank gives the same size, which divides the data axis and is a multiple of the expert
+  // axis. Splitting again with the same size does nothing. Without a split, a replica is the
+  // whole data axis.
+  void split_replicas(int data_per_replica);
+  int data_per_replica() const { return replica_size_ ? replica_size_ : size(Axis::Data); }
+  int replicas() const { return size(Axis::Data) / data_per_replica(); }
+  int replica() const { return coord(Axis::Data) / data_per_replica(); }
+  // The data ranks of this replica (the data axis without a split), its expert-data ranks
+  // (expert_data() without one), every rank of this replica (the world without one), and the
+  // ranks of the other replicas in this rank's place (null without a split).
+  Communicator& replica_data() { return pick(replica_comms_[0], wrapped_replica_[0], comm(Axis::Data)); }
+  Communicator& replica_expert_data() { return pick(replica_comms_[1], wrapped_replica_[1], expert_data()); }
+  Communicator& replica_world() { return pick(replica_comms_[2], wrapped_replica_[2], world()); }
+  Communicator* across_replicas() {
+    return replica_comms_[3] ? &pick(replica_comms_[3], wrapped_replica_[3], world()) : nullptr;
+  }
+  // The node of each world rank, as gradient_sync.over "nodes" sees it: `ranks_per_node`
+  // consecutive world ranks (a test's stand-in for nodes), or with 0 the ranks that share
+  // memory (MPI_COMM_TYPE_SHARED), numbered by their lowest world rank. Collective.
+  std::vector<int> node_of_ranks(int ranks_per_node);
+
   // Placement on nodes, from MPI_COMM_TYPE_SHARED: for choosing a GPU per rank.
   int local_rank() const { return local_rank_; }
   int local_size() const { return local_size_; }
@@ -92,6 +117,14 @@ class ProcessGrid {
   std::unique_ptr<Communicator> wrapped_world_, wrapped_expert_data_;
   std::array<std::unique_ptr<Communicator>, kNumAxes> wrapped_axes_;
   std::array<int, kNumAxes> sizes_{}, coords_{};
+  static Communicator& pick(const std::unique_ptr<MpiCommunicator>& raw, const std::unique_ptr<Communicator>& wrapped,
+                            Communicator& fallback) {
+    return wrapped ? *wrapped : raw ? *raw : fallback;
+  }
+  int replica_size_ = 0;
+  std::array<std::unique_ptr<MpiCommunicator>, 4> replica_comms_;
+  std::array<std::unique_ptr<Communicator>, 4> wrapped_replica_;
+  Wrap wrap_;
   int local_rank_ = 0, local_size_ = 1, num_nodes_ = 1;
 };
 

@@ -177,6 +177,21 @@ Tensor DistributedOptimizer::grad_piece(int id) const {
   return grad_shard_.tensor(shard_offsets_[size_t(id)], {pc.elems()});
 }
 
+Tensor DistributedOptimizer::update_grad(int id) const {
+  if (config_.stage == 0) return params_.grads().tensor(params_.info(id).offset, {params_.info(id).numel()});
+  return grad_piece(id);
+}
+
+Tensor DistributedOptimizer::counted_part(const Buffer& shard, int id) const {
+  const int64_t off = shard_offsets_[size_t(id)];
+  if (config_.stage == 0) {
+    const Communicator& c = comm_of(id);
+    const RowPiece pc = row_piece(params_.info(id).shape, c.rank(), c.size());
+    return shard.tensor(off + pc.elem_begin(), {pc.elems()});
+  }
+  return shard.tensor(off, {pieces_[size_t(id)].elems()});
+}
+
 int64_t DistributedOptimizer::gathered_bytes(int id) const {
   // The fp32 weight and, in mixed precision, its compute copy.
   const int64_t per = 4 + (params_.has_compute_copy() ? int64_t(dtype_size(params_.compute_dtype())) : 0);

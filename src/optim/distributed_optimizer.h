@@ -105,6 +105,7 @@ class DistributedOptimizer final : public ParamHooks {
   DistributedOptimizer& operator=(const DistributedOptimizer&) = delete;
 
   int stage() const { return int(config_.stage); }
+  const ParamRegistry& params() const { return params_; }
   const ZeroConfig& config() const { return config_; }
   const AdamWConfig& adamw() const { return adamw_; }
   // Whether the gradients end reduced into the shard (stages 2 and 3) rather than whole.
@@ -160,6 +161,17 @@ class DistributedOptimizer final : public ParamHooks {
   // This rank's reduced gradient piece of parameter id: its rows over the group's communicator
   // (stages 0 and 1: in the whole gradients, which every rank of the group holds alike).
   Tensor grad_piece(int id) const;
+  // The gradient step() reads for parameter id: stage 0 the whole local tensor's, stages 1-3
+  // this rank's piece of the reduced ones. Asynchronous aggregation (optim/gradient_sync.h)
+  // replaces it with the replicas' average before the step.
+  Tensor update_grad(int id) const;
+  // This rank's master piece of parameter id (stage 0: the whole local tensor), a view into
+  // master() at shard_offset(id).
+  Tensor master_piece(int id) const;
+  // The part of parameter id's piece in `shard` (a buffer in master()'s layout) that this rank
+  // counts in a sum over its group, each element on one rank: stage 0 its rows over the group
+  // (every rank holds the whole), stages 1-3 its piece.
+  Tensor counted_part(const Buffer& shard, int id) const;
   // The communicator parameter id is sharded over.
   Communicator& comm_of(int id) const { return *comm_of_[size_t(id)]; }
   // The largest group's data-parallel size.
@@ -213,7 +225,6 @@ class DistributedOptimizer final : public ParamHooks {
     Work work;
     Buffer packed, mine;
   };
-  Tensor master_piece(int id) const;  // this rank's master piece of parameter id
   std::vector<int64_t> counts(int id) const;
   // One all-gather of several parameters of one communicator (stage 3: the uses of a layer, a
   // prefetch; every stage: the whole weights after a step), their pieces packed end to end and

@@ -190,6 +190,8 @@ struct Metrics::Impl {
   bool have_step = false;
   double last_eval = -1, last_eval_accuracy = -1;
   json last_extra = json::object();
+  int64_t outer_steps_total = 0;  // gradient sync: fragments synchronised so far
+  double last_drift = -1;         // and the drift before the last outer step
   // Per-step shares of the run, for the summary.
   std::vector<double> mfu, data, comm, compute, optimizer, checkpoint, imbalance, tokens_per_s, memory;
   // MoE runs: the busiest expert over the mean (worst layer), dead experts (all layers), and
@@ -354,6 +356,11 @@ void Metrics::on_step(const StepMetrics& m) {
     impl_->last = m;
     impl_->have_step = true;
     impl_->last_extra = m.extra;
+    if (m.extra.contains("gradient_sync")) {
+      const json& g = m.extra["gradient_sync"];
+      impl_->outer_steps_total += g.value("outer_steps", int64_t(0));
+      if (g.contains("drift")) impl_->last_drift = g.value("drift", 0.0);
+    }
     const double t = std::max(m.time.total, 1e-12);
     impl_->mfu.push_back(record["mfu"]);
     impl_->peak_flops = peak_flops_;
@@ -541,6 +548,26 @@ std::string Metrics::prometheus_text() const {
            {{"", tp.value("comm_s", 0.0)}});
     metric("dstrain_tensor_parallel_comm_bytes", "gauge", "Payload bytes of rank 0's tensor-group collectives in the last step.",
            {{"", tp.value("comm_bytes", 0.0)}});
+  }
+  if (impl_->last_extra.contains("data_parallel")) {
+    metric("dstrain_data_parallel_comm_bytes", "gauge",
+           "Payload bytes of rank 0's data-parallel collectives (gradient reductions) in the last step.",
+           {{"", impl_->last_extra["data_parallel"].value("comm_bytes", 0.0)}});
+  }
+  if (impl_->last_extra.contains("gradient_sync")) {
+    const json& g = impl_->last_extra["gradient_sync"];
+    metric("dstrain_gradient_sync_bytes", "gauge",
+           "Payload bytes of rank 0's collectives in the last step: inside its replica, and between replicas.",
+           {{"{link=\"inner\"}", g.value("inner_bytes", 0.0)}, {"{link=\"outer\"}", g.value("outer_bytes", 0.0)}});
+    metric("dstrain_gradient_sync_wait_seconds", "gauge",
+           "Rank 0's time waiting for the collectives between replicas in the last step.",
+           {{"", g.value("outer_wait_s", 0.0)}});
+    metric("dstrain_gradient_sync_outer_steps_total", "counter", "Outer steps (fragments synchronised) so far.",
+           {{"", double(impl_->outer_steps_total)}});
+    if (impl_->last_drift >= 0) {
+      metric("dstrain_gradient_sync_drift", "gauge",
+             "Replicas' root-mean-square distance from their mean before the last outer step.", {{"", impl_->last_drift}});
+    }
   }
   if (impl_->last_extra.contains("pipeline")) {
     const json& pp = impl_->last_extra["pipeline"];

@@ -286,6 +286,14 @@ TrainConfig read_train(const JsonReader& r) {
     t.activation_checkpointing = read_activation_checkpointing(r.child("activation_checkpointing"));
   }
   t.precision = read_precision(r);
+  if (r.has("gradient_sync") && !r.is_null("gradient_sync")) {
+    t.gradient_sync = GradientSyncConfig::from_json(r.child("gradient_sync"));
+    if (t.gradient_sync.async() && t.precision.fp16) {
+      r.child("gradient_sync").error("mode", fmt::format("\"{}\" is not implemented with fp16 loss scaling (a replica's "
+                                                         "overflow would have to stop every replica's step); use bf16",
+                                                         t.gradient_sync.mode));
+    }
+  }
   t.eval_interval = r.get<int64_t>("eval_interval", t.eval_interval);
   t.eval_batches = r.get<int64_t>("eval_batches", t.eval_batches);
   if (t.eval_interval < 0) r.error("eval_interval", "must be >= 0");
@@ -504,6 +512,7 @@ json RunConfig::to_json() const {
                {"consecutive_hysteresis", s.consecutive_hysteresis},
                {"min_loss_scale", s.min_loss_scale}};
   t["communication_data_type"] = p.communication_data_type;
+  t["gradient_sync"] = train.gradient_sync.to_json();
   j["train"] = t;
   j["parallel"] = parallel.to_json();
   j["moe"] = {{"capacity_factor", model.moe_capacity_factor > 0 ? json(model.moe_capacity_factor) : json(nullptr)},

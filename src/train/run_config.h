@@ -17,6 +17,7 @@
 #include "optim/adamw.h"
 #include "optim/loss_scaler.h"
 #include "optim/distributed_optimizer.h"
+#include "optim/gradient_sync.h"
 #include "optim/lr_schedule.h"
 #include "train/checkpointing.h"
 #include "train/metrics.h"
@@ -92,6 +93,8 @@ struct TrainConfig {
   std::string micro_batch_schedule = "grad_accumulation";
   // DeepSpeed's zero_optimization block (distributed/zero.h); stage 0 replicates everything.
   ZeroConfig zero;
+  // Aggregation between replicas: synchronous, delayed, local SGD, DiLoCo (optim/gradient_sync.h).
+  GradientSyncConfig gradient_sync;
   ActivationCheckpointingConfig activation_checkpointing;
   PrecisionConfig precision;
 

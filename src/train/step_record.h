@@ -75,6 +75,19 @@ struct StepRecord {
   double pp_comm_bytes = 0, pp_recv_wait_seconds = 0;
   int64_t pp_messages = 0;
   ExpertParallelStep ep;  // with parallel.expert > 1
+  // Data parallelism: this rank's payload bytes in the data ranks' collectives of the step (its
+  // replica's under asynchronous aggregation).
+  double dp_comm_bytes = 0;
+  // Asynchronous aggregation (train.gradient_sync, a mode other than "sync"): this rank's
+  // payload bytes and waits between replicas in the step; the fragments synchronised, and
+  // before the last of them the replicas' drift (sqrt of the mean over replicas of |theta_r -
+  // mean theta|^2) and the outer gradient's norm (-1: no outer step); the norm this replica
+  // clipped with (grad_norm is the root mean square over the replicas).
+  bool gradient_sync = false;
+  double sync_bytes = 0, sync_wait_seconds = 0, sync_drift = -1, sync_outer_delta_norm = -1;
+  int64_t sync_outer_steps = 0;
+  double replica_grad_norm = 0;
+  bool update_applied = true;  // delayed: false at step 1 (no gradient yet to apply)
   bool skipped = false;             // no update: non-finite loss or gradients, or a loss spike
   std::string skip_reason;
   // fp16: the loss scale the step's backward used, and whether its gradients overflowed (the

@@ -14,14 +14,71 @@
 #include "backend/ops.h"
 #include "core/clock.h"
 #include "core/log.h"
+#include "comm/slow_link.h"
 #include "distributed/routed_comm.h"
 #include "train/layout_check.h"
 #include "train/memory_model.h"
 #include "train/startup_checks.h"
 
 namespace dstrain {
+namespace {
+
+// The data ranks of one replica under train.gradient_sync (the whole data axis under "sync"),
+// split off in the grid before its communicators are wrapped for a device. Errors alike on
+// every rank: they see the same placement.
+ProcessGrid& split_replicas(ProcessGrid& grid, RunConfig& config) {
+  const GradientSyncConfig& gs = config.train.gradient_sync;
+  const int dp = grid.size(Axis::Data), ep = grid.size(Axis::Expert), tp = grid.size(Axis::Tensor);
+  int S = dp;
+  if (gs.async() && gs.over == "data") {
+    S = ep;
+  } else if (gs.async()) {
+    // The data coordinates of this rank's (pipeline, tensor) place, by node: a replica is the
+    // block of consecutive data coordinates on one node.
+    const std::vector<int> node = grid.node_of_ranks(int(gs.ranks_per_node));
+    const int base = grid.coord(Axis::Pipeline) * dp * tp + grid.coord(Axis::Tensor);
+    auto node_of = [&](int d) { return node[size_t(base + d * tp)]; };
+    S = 1;
+    while (S < dp && node_of(S) == node_of(0)) ++S;
+    std::string problem;
+    for (int d = 0; d < dp && problem.empty(); ++d) {
+      const bool same_block = node_of(d) == node_of(d - d % S);
+      const bool new_node = d % S != 0 || d == 0 || node_of(d) != node_of(d - 1);
+      if (dp % S != 0 || !same_block || !new_node) {
+        problem = fmt::format("the data-parallel ranks do not fall into equal blocks of consecutive data coordinates "
+                              "per node (data coordinate {} is on the node of world rank {}, {} per node from "
+                              "coordinate 0)",
+                              d, node_of(d), S);
+      }
+    }
+    const int lo = grid.world().all_reduce_value<int32_t>(problem.empty() ? S : -1, ReduceOp::Min);
+    const int hi = grid.world().all_reduce_value<int32_t>(S, ReduceOp::Max);
+    DS_CHECK(lo == hi, "{}: train.gradient_sync.over \"nodes\": {}; give each node whole data-parallel groups "
+             "(ranks per node a multiple of parallel.tensor, the same on every node), or use over \"data\"",
+             config.source, problem.empty() ? "nodes hold different numbers of data-parallel ranks" : problem);
+    DS_CHECK(S % ep == 0, "{}: train.gradient_sync.over \"nodes\": a node holds {} data-parallel ranks, which does "
+             "not hold whole expert groups of parallel.expert = {}; a replica needs every expert",
+             config.source, S, ep);
+  }
+  grid.split_replicas(S);
+  return grid;
+}
+
+}  // namespace
+
+void Trainer::reduce_over_data(Tensor t) {
+  timed_collective([&] {
+    rdp_->all_reduce(t);
+    if (across_) across_->all_reduce(t);
+  });
+}
+
 Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
-    : config_(std::move(config)), grid_(use_device_communicators(grid, device)), dp_(grid.comm(Axis::Data)) {
+    : config_(std::move(config)),
+      grid_(use_device_communicators(split_replicas(grid, config_), device)),
+      dp_(grid.comm(Axis::Data)) {
+  rdp_ = &grid_.replica_data();
+  across_ = grid_.across_replicas();
   // The layout against the model and the batch (the checks `dstrain validate` runs).
   const CheckedLayout layout = check_layout(config_, grid_.world_size());
   check_same_config(grid_.world(), config_);
@@ -66,15 +123,37 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
   // One optimizer for every stage: each rank reduces and (from stage 1) shards its local pieces
   // per parameter group, dense over the data axis, routed experts over the ranks holding the
   // same experts. Checkpoints describe its buffers piece by piece (optimizer_pieces()).
-  optimizer_ = std::make_unique<DistributedOptimizer>(zc, config_.train.adamw, model_->params(),
-                                                      ParamGroupComms::from_grid(grid_), precision.communication_dtype());
+  // Under asynchronous aggregation the groups are the replica's ranks; test_slow_link slows the
+  // link between replicas (the data axis itself when synchronous).
+  const GradientSyncConfig& gs = config_.train.gradient_sync;
+  Communicator* dense = rdp_;
+  Communicator* expert = ep > 1 ? &grid_.replica_expert_data() : rdp_;
+  if (gs.slow_link()) {
+    if (gs.async() && across_) {
+      slow_link_ = std::make_unique<SlowLinkCommunicator>(*across_, gs.test_link_latency_ms, gs.test_link_gbit_per_s);
+      across_ = slow_link_.get();
+    } else if (!gs.async()) {
+      slow_link_ = std::make_unique<SlowLinkCommunicator>(*dense, gs.test_link_latency_ms, gs.test_link_gbit_per_s);
+      dense = slow_link_.get();
+      if (ep > 1) {
+        slow_link_expert_ =
+            std::make_unique<SlowLinkCommunicator>(*expert, gs.test_link_latency_ms, gs.test_link_gbit_per_s);
+        expert = slow_link_expert_.get();
+      } else {
+        expert = dense;
+      }
+    }
+  }
+  const ParamGroupComms group_comms = ep > 1 ? ParamGroupComms(*dense, *expert) : ParamGroupComms(*dense);
+  optimizer_ = std::make_unique<DistributedOptimizer>(zc, config_.train.adamw, model_->params(), group_comms,
+                                                      precision.communication_dtype());
   // The axes, in the order their gradient work runs: the tensor group's partial sums before the
   // data-parallel reduction sees them (every micro-step at ZeRO stages 2 and 3, which reduce
   // every micro-step), the pipeline's tied weights after it.
   if (tp_) axes_.push_back(std::make_unique<TensorAxis>(*model_, *tp_, optimizer_->reduces_into_shard()));
   if (ep_) {
     axes_.push_back(std::make_unique<ExpertAxis>(
-        *ep_, describe_expert_layout(config_.model, ep, ParamGroupComms::from_grid(grid_).describe())));
+        *ep_, describe_expert_layout(config_.model, ep, group_comms.describe())));
   }
   axes_.push_back(std::make_unique<DataAxis>(*optimizer_));
   if (pp_) {
@@ -95,6 +174,19 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
     model_->set_hooks(final_hooks_.get());
   } else {
     model_->set_hooks(&param_hooks_);
+  }
+  if (gs.async()) {
+    // Each global element counted once in a replica's norms (as the gradient norm counts them).
+    const ParamRegistry& reg = model_->params();
+    std::vector<char> counted(size_t(reg.size()), 1);
+    for (int id = 0; id < reg.size(); ++id) {
+      for (auto& axis : axes_) counted[size_t(id)] = counted[size_t(id)] && axis->counts_in_norm(reg.info(id));
+    }
+    sync_ = std::make_unique<GradientSync>(gs, *optimizer_, across_, grid_.replica_world(), std::move(counted));
+    if (grid_.world_rank() == 0) {
+      log::info("gradient sync: {}; {} replica(s) of {} data-parallel rank(s) each (over {})", gs.describe(),
+                grid_.replicas(), grid_.data_per_replica(), gs.over);
+    }
   }
   ckpt_ = std::make_unique<CheckpointManager>(config_.checkpoint, grid_);
   resolve_epochs();
@@ -160,7 +252,7 @@ std::vector<int64_t> Trainer::count_targets(const StepData& data) {
       for (int k = 0; k < D; ++k) counts[size_t(1 + k)] += t >= k + 1;
     }
   }
-  timed_collective([&] { dp_.all_reduce(Tensor(counts.data(), DType::I64, Shape{int64_t(counts.size())})); });
+  timed_collective([&] { rdp_->all_reduce(Tensor(counts.data(), DType::I64, Shape{int64_t(counts.size())})); });
   DS_CHECK(counts[0] > 0, "step {}: the global batch has no target tokens (all are the ignore index)", step_ + 1);
   return counts;
 }
@@ -171,8 +263,9 @@ LossScales Trainer::loss_scales(const std::vector<int64_t>& counts) const {
   // would, so every rank sees it.
   LossScales scales;
   scales.token = fault_at_this_step(&FaultInjection::nan_at_step) ? NAN : float(1.0 / double(counts[0]));
-  scales.sequence = 1.0 / double(tc.train_batch_size);
-  scales.micro_batch = 1.0 / double(tc.grad_accum * dp_.size());
+  // Per sequence of the batch the replica trains on (the global batch when synchronous).
+  scales.sequence = 1.0 / (double(tc.train_batch_size) * double(rdp_->size()) / double(dp_.size()));
+  scales.micro_batch = 1.0 / double(tc.grad_accum * rdp_->size());
   const int D = int(counts.size()) - 1;
   for (int k = 0; k < D; ++k) {
     const int64_t ck = counts[size_t(1 + k)];
@@ -352,8 +445,13 @@ bool Trainer::train_step(StepRecord& r) {
   // token count.
   StepData data = data_pipeline().next();
   const double data_wait = data_pipeline().take_wait_seconds();
-  const std::vector<int64_t> counts = count_targets(data);
+  const std::vector<int64_t> counts = count_targets(data);  // the replica's
   const LossScales scales = loss_scales(counts);
+  // The whole batch's, for the reported losses (every replica reports the same).
+  std::vector<int64_t> global_counts = counts;
+  if (across_) {
+    timed_collective([&] { across_->all_reduce(Tensor(global_counts.data(), DType::I64, Shape{int64_t(counts.size())})); });
+  }
   for (auto& [l, ffn] : model_->moe_layers()) ffn->routing()->reset();
 
   for (auto& axis : axes_) axis->begin_step();
@@ -366,7 +464,11 @@ bool Trainer::train_step(StepRecord& r) {
     const Timeline::Scope recorded(timeline_.get(), "reduce", step_ + 1, -1);
     for (auto& axis : axes_) axis->finish_gradients(rt);
   }
-  timed_collective([&] { dp_.all_reduce(Tensor(sums.data(), DType::F64, Shape{int64_t(sums.size())})); });
+  // Delayed aggregation: this step's gradients go out to the other replicas, the previous step's
+  // average comes in to be applied.
+  bool update_ready = true;
+  if (sync_ && sync_->config().mode == "delayed") update_ready = sync_->exchange_gradients();
+  reduce_over_data(Tensor(sums.data(), DType::F64, Shape{int64_t(sums.size())}));
   // The loss is the last stage's: every stage gets it (the others add zeros).
   if (pp_) timed_collective([&] { pp_->all_reduce(Tensor(sums.data(), DType::F64, Shape{int64_t(sums.size())})); });
   if (sums[2] > 0) {
@@ -381,10 +483,14 @@ bool Trainer::train_step(StepRecord& r) {
   // The step's loss: CE + the MoE layers' auxiliary terms + the weighted MTP losses.
   r.ce_loss = sums[0] / sums[1];
   for (int k = 0; k < D; ++k) {
-    const int64_t ck = counts[size_t(1 + k)];
+    const int64_t ck = global_counts[size_t(1 + k)];
     if (ck > 0) r.mtp_loss += tc.mtp_loss_weight / double(D) * sums[size_t(3 + k)] / double(ck);
   }
   reduce_routing_stats(r);
+  if (routing_comm().size() != dp_.size() && across_ && !r.moe.empty()) {
+    // Each replica's auxiliary loss: the reported one is their mean.
+    timed_collective([&] { r.aux_loss = across_->all_reduce_value<double>(r.aux_loss) / double(across_->size()); });
+  }
   r.loss = r.ce_loss + r.aux_loss + r.mtp_loss;
   {
     // Each global element counted on one rank: the optimizer's pieces split each group's local
@@ -395,12 +501,31 @@ bool Trainer::train_step(StepRecord& r) {
       for (auto& axis : axes_) counted[size_t(id)] = counted[size_t(id)] && axis->counts_in_norm(reg.info(id));
     }
     double sq = optimizer_->local_grad_sum_squares(counted);
-    if (grid_.world_size() > 1) timed_collective([&] { sq = grid_.world().all_reduce_value<double>(sq); });
-    r.grad_norm = std::sqrt(sq);
+    // Under asynchronous aggregation, each replica's own gradient (delayed: the average it
+    // applies, the same in every replica).
+    Communicator& norm_comm = sync_ ? grid_.replica_world() : grid_.world();
+    if (norm_comm.size() > 1) timed_collective([&] { sq = norm_comm.all_reduce_value<double>(sq); });
+    r.replica_grad_norm = r.grad_norm = std::sqrt(sq);
+    if (sync_ && sync_->config().local() && across_) {
+      // Replicas clip with their own norms; they report (and judge the step by) the root mean square.
+      timed_collective([&] { sq = across_->all_reduce_value<double>(sq); });
+      r.grad_norm = std::sqrt(sq / double(across_->size()));
+    }
+    if (!update_ready) {
+      r.replica_grad_norm = r.grad_norm = 0;
+      r.update_applied = false;
+      if (!delayed_first_logged_ && grid_.world_rank() == 0) {
+        log::info("step {}: gradient_sync \"delayed\": this step's gradient is applied at the next step (no update now)",
+                  r.step);
+      }
+      delayed_first_logged_ = true;
+    }
   }
   // As DeepSpeed, a step skipped for an fp16 overflow does not advance the learning-rate
   // schedule (one skipped as a fault does).
-  r.lr = tc.schedule.lr_at(step_ - overflow_steps_, tc.adamw.lr);
+  // Delayed aggregation: the k-th update is step k+1's, at the schedule's k-th rate.
+  const int64_t delay = sync_ && sync_->config().mode == "delayed" ? 1 : 0;
+  r.lr = tc.schedule.lr_at(std::max<int64_t>(0, step_ - overflow_steps_ - delay), tc.adamw.lr);
   r.loss_scale = scaler_->scale();
   if (scaler_->enabled()) {
     // fp16: an overflow on any rank skips the step everywhere and lowers the scale; it is not
@@ -433,7 +558,25 @@ bool Trainer::train_step(StepRecord& r) {
   }
   if (!r.overflow) {
     judge_step(r);
-    if (!r.skipped) update_weights(r);
+    if (!r.skipped && r.update_applied) update_weights(r);
+  }
+  if (sync_) {
+    // Local SGD and DiLoCo: the outer steps due after this step, skipped or not (every replica
+    // counts steps alike).
+    sync_->after_step(r.step);
+    const GradientSyncStep st = sync_->take_step_stats();
+    r.gradient_sync = true;
+    r.sync_bytes = st.bytes;
+    r.sync_wait_seconds = st.wait_seconds;
+    r.sync_outer_steps = st.outer_steps;
+    r.sync_drift = st.drift;
+    r.sync_outer_delta_norm = st.outer_delta_norm;
+    collective_wait_seconds_ += st.wait_seconds;
+  }
+  {
+    const CommStats now = rdp_->stats();
+    r.dp_comm_bytes = now.bytes - inner_before_.bytes;
+    inner_before_ = now;
   }
   // The phases in the device's time, read once per step (on a GPU, the step's one wait for it).
   const PhaseSeconds phases = model_->ctx().phases->take();

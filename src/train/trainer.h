@@ -89,6 +89,8 @@ class Trainer {
   Transformer& model() { return *model_; }
   // The optimizer of every ZeRO stage (stage 0: AdamW on the whole local weights).
   DistributedOptimizer& optimizer() { return *optimizer_; }
+  // Asynchronous aggregation between replicas (null: train.gradient_sync.mode "sync").
+  GradientSync* gradient_sync() { return sync_.get(); }
   int64_t optimizer_steps() const { return optimizer_->steps_taken(); }
   const LossScaler& loss_scaler() const { return *scaler_; }
   const RunConfig& config() const { return config_; }
@@ -136,6 +138,11 @@ class Trainer {
   void restore_precision_state(const TrainState& st, const std::string& path);
   void gather_rank_timings(StepRecord& r);
   void begin_micro_step(bool communicates);
+  // The communicator the routing loads of the biases are summed over: the data axis, or a
+  // replica's data ranks under local SGD and DiLoCo.
+  Communicator& routing_comm() { return sync_ && sync_->config().local() ? *rdp_ : dp_; }
+  // Sums over every data-parallel rank: the replica's, then across the replicas.
+  void reduce_over_data(Tensor t);
   // Runs a blocking collective of the step, counting its wait as exposed communication.
   template <class F>
   void timed_collective(F&& f) {
@@ -185,7 +192,16 @@ class Trainer {
 
   RunConfig config_;
   ProcessGrid& grid_;
-  Communicator& dp_;
+  Communicator& dp_;  // the data axis: the data pipeline's ranks, evaluation
+  // The data ranks that train together: the data axis, or under asynchronous aggregation this
+  // replica's (train.gradient_sync): the loss scales, the optimizer's reductions.
+  Communicator* rdp_ = nullptr;
+  Communicator* across_ = nullptr;  // the other replicas' ranks in this rank's place (null: one replica)
+  // train.gradient_sync.test_slow_link: the communicator between replicas, slowed.
+  std::unique_ptr<Communicator> slow_link_, slow_link_expert_;
+  std::unique_ptr<GradientSync> sync_;  // null: synchronous
+  bool delayed_first_logged_ = false;
+  CommStats across_before_, inner_before_;
   JobEnvironment environment_;
   std::vector<std::unique_ptr<RunLock>> locks_;  // released after the checkpoint writer below
   std::unique_ptr<Metrics> metrics_;

@@ -32,7 +32,9 @@ void Trainer::reduce_routing_stats(StepRecord& r) {
     routing = std::move(loads);
   }
   if (!routing.empty()) {
-    timed_collective([&] { dp_.all_reduce(Tensor(routing.data(), DType::F64, Shape{int64_t(routing.size())})); });
+    // The routing biases follow the loads of the ranks that train together: every data rank,
+    // or under local SGD and DiLoCo the replica's (the outer step averages the biases too).
+    timed_collective([&] { routing_comm().all_reduce(Tensor(routing.data(), DType::F64, Shape{int64_t(routing.size())})); });
   }
   // Expert parallelism: the rows each data-parallel rank's experts received, per layer (each
   // rank is an expert rank of its group: the max over the mean is the groups' imbalance).
@@ -195,6 +197,25 @@ StepMetrics Trainer::step_metrics(const StepRecord& r, double elapsed, int64_t s
   }
   if (config_.data.train.size() > 1) m.extra["data_mix"] = data_pipeline().drawn();
   for (const auto& axis : axes_) axis->add_metrics(r, m.extra);
+  if (r.gradient_sync) {
+    // Rank 0's traffic: inside its replica (the data ranks' reductions) and between replicas.
+    json g = {{"mode", sync_->config().mode},
+              {"replicas", grid_.replicas()},
+              {"every", sync_->config().every},
+              {"inner_bytes", r.dp_comm_bytes},
+              {"outer_bytes", r.sync_bytes},
+              {"outer_wait_s", r.sync_wait_seconds},
+              {"outer_steps", r.sync_outer_steps},
+              {"replica_grad_norm", r.replica_grad_norm},
+              {"update_applied", r.update_applied}};
+    if (r.sync_drift >= 0) {
+      g["drift"] = r.sync_drift;
+      g["outer_delta_norm"] = r.sync_outer_delta_norm;
+    }
+    m.extra["gradient_sync"] = g;
+  } else {
+    m.extra["data_parallel"] = {{"comm_bytes", r.dp_comm_bytes}};
+  }
   if (!r.moe.empty()) {
     m.extra["ce_loss"] = r.ce_loss;
     m.extra["aux_loss"] = r.aux_loss;
