@@ -103,6 +103,7 @@ void Trainer::init_weights(const std::string& init_from) {
   if (ep_) check_same_weights(grid_.expert_data(), reg, hashes, source);
   apply_precision();
   optimizer_->adopt_weights();  // each rank keeps its pieces (stage 3: and hands the rest back)
+  if (sync_) sync_->reset_outer();  // theta_outer starts at the weights now in force
 }
 
 void Trainer::apply_precision() {
@@ -239,6 +240,8 @@ std::string Trainer::unsafe_to_save() {
 }
 
 double Trainer::save_checkpoint() {
+  DS_CHECK(!sync_, "train.gradient_sync.mode \"{}\" cannot be checkpointed yet: its replicas' state would be lost",
+           config_.train.gradient_sync.mode);
   const std::string unsafe = unsafe_to_save();
   if (!unsafe.empty()) {
     save_deferred_ = true;

@@ -230,6 +230,17 @@ TEST(GradientSync, BadConfigurationNamesTheKey) {
   EXPECT_NE(error_of(R"(train.gradient_sync={"mode": "diloco", "every": 8, "fragments": 3})").find("fragments"),
             std::string::npos);
   EXPECT_NE(error_of(R"(train.gradient_sync={"mode": "diloco", "outer_dtype": "fp8"})").find("outer_dtype"), std::string::npos);
+  // Checkpoints would lose the replicas' own state: refused before training, naming the keys.
+  const std::string ckpt = [&] {
+    try {
+      files.config({R"(train.gradient_sync={"mode": "diloco"})", "checkpoint.save_final=true"});
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  }();
+  EXPECT_NE(ckpt.find("checkpoint.save_final"), std::string::npos) << ckpt;
+  EXPECT_NO_THROW(files.config({R"(train.gradient_sync={"mode": "diloco", "every": 8, "fragments": 4})"}));
 }
 
 }  // namespace
