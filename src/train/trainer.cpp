@@ -400,9 +400,10 @@ void Trainer::judge_step(StepRecord& r) {
 void Trainer::update_weights(StepRecord& r) {
   const TrainConfig& tc = config_.train;
   const PhaseTimer::Scope timed(model_->ctx().phases, Phase::Optimizer);
-  // The clipping coefficient (of the unscaled norm) and the loss-scale unscale are applied by
+  // The clipping coefficient (of the unscaled norm: under local SGD and DiLoCo the replica's own) and
+  // the loss-scale unscale are applied by
   // AdamW as it reads each gradient: no pass over the gradients of their own.
-  const double clip = tc.gradient_clipping > 0 ? clip_coefficient(tc.gradient_clipping, r.grad_norm) : 1.0;
+  const double clip = tc.gradient_clipping > 0 ? clip_coefficient(tc.gradient_clipping, r.replica_grad_norm) : 1.0;
   const double grad_scale = scaler_->enabled() ? clip / r.loss_scale : clip;
   optimizer_->step(r.lr, grad_scale);
   collective_wait_seconds_ += optimizer_->take_exposed_seconds();  // the weights' all-gather
@@ -532,6 +533,7 @@ bool Trainer::train_step(StepRecord& r) {
     // a fault (no count against resilience.max_skipped_steps).
     r.overflow = gradients_overflowed(r.grad_norm);
     r.grad_norm /= r.loss_scale;
+    r.replica_grad_norm /= r.loss_scale;
     const LossScaler::Change change = scaler_->update(r.overflow, r.step);
     overflow_steps_ += r.overflow;
     if (r.overflow) {

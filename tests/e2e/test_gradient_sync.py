@@ -3,7 +3,8 @@ Algorithm 1 (validation/reference/diloco_ref.py): 2 replicas, H = 2 inner AdamW 
 Nesterov steps; the outer parameters, exported as Hugging Face weights after the last outer
 step, within 1e-5 (max |dstrain - reference| / max |reference| per tensor). Run as 2 ranks (a
 replica each) and as 4 (each replica split over 2 tensor ranks). Micro-batch 1 without
-accumulation: the case's shard holds the 12 windows of 6 steps of 2 replicas.
+accumulation: the case's shard holds the 12 windows of 6 steps of 2 replicas. Seed 7 gives a
+vocabulary and FFN width that 2 tensor ranks split.
 
 Usage: python3 tests/e2e/test_gradient_sync.py BUILD_DIR
 """
@@ -35,7 +36,7 @@ class DiLoCoAgainstReference(unittest.TestCase):
         cls.tmp = tempfile.TemporaryDirectory(prefix="dstrain_diloco_")
         cls.case = os.path.join(cls.tmp.name, "case")
         subprocess.run([TORCH_PYTHON, os.path.join(ROOT, "validation", "reference", "make_case.py"), "--out", cls.case,
-                        "--seed", "11"], check=True, capture_output=True)
+                        "--seed", "7"], check=True, capture_output=True)
         cls.ref = os.path.join(cls.tmp.name, "reference.safetensors")
         subprocess.run([TORCH_PYTHON, os.path.join(ROOT, "validation", "reference", "diloco_ref.py"), "--case", cls.case,
                         "--replicas", "2", "--every", str(H), "--outer-steps", str(OUTER), "--micro-batch", "1",
