@@ -205,6 +205,7 @@ void ProcessGrid::split_replicas(int S) {
   replica_comms_[1] = split((place * R + q) * ep + e, i / ep, "replica_expert_data");
   replica_comms_[2] = split(q, world_rank(), "replica");
   replica_comms_[3] = split(place * S + i, q, "across_replicas");
+  replica_comms_[4] = split(place * S + i, q, "across_replicas_bulk");
   if (wrap_) {
     for (size_t k = 0; k < replica_comms_.size(); ++k) wrapped_replica_[k] = wrap_(*replica_comms_[k]);
   }

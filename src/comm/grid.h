@@ -97,6 +97,12 @@ class ProcessGrid {
   Communicator* across_replicas() {
     return replica_comms_[3] ? &pick(replica_comms_[3], wrapped_replica_[3], world()) : nullptr;
   }
+  // The same ranks on a communicator of their own, for the aggregation's large transfers: a
+  // transfer in flight over a step (delayed aggregation) does not hold up the step's small
+  // collectives queued behind it on the other.
+  Communicator* across_replicas_bulk() {
+    return replica_comms_[4] ? &pick(replica_comms_[4], wrapped_replica_[4], world()) : nullptr;
+  }
   // The node of each world rank, as gradient_sync.over "nodes" sees it: `ranks_per_node`
   // consecutive world ranks (a test's stand-in for nodes), or with 0 the ranks that share
   // memory (MPI_COMM_TYPE_SHARED), numbered by their lowest world rank. Collective.
@@ -122,8 +128,8 @@ class ProcessGrid {
     return wrapped ? *wrapped : raw ? *raw : fallback;
   }
   int replica_size_ = 0;
-  std::array<std::unique_ptr<MpiCommunicator>, 4> replica_comms_;
-  std::array<std::unique_ptr<Communicator>, 4> wrapped_replica_;
+  std::array<std::unique_ptr<MpiCommunicator>, 5> replica_comms_;
+  std::array<std::unique_ptr<Communicator>, 5> wrapped_replica_;
   Wrap wrap_;
   int local_rank_ = 0, local_size_ = 1, num_nodes_ = 1;
 };

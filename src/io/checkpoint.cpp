@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstring>
 #include <ctime>
+#include <functional>
 #include <map>
 
 #include "core/error.h"
@@ -77,6 +78,48 @@ std::vector<int> checked_pieces(MPI_Comm comm, const ParamRegistry& reg, const S
   }
   throw_if_any_rank_failed(comm, error);
   return of;
+}
+
+// One group of the file's tensors as a write or a read sees it: its path, this rank's buffer
+// (null: it holds none of the group), its pieces and each file tensor's piece (-1: none).
+struct GroupIo {
+  std::string path;
+  float* data = nullptr;
+  std::shared_ptr<const ShardedState> pieces;
+  std::vector<int> piece_of;
+  bool verify = true;  // reading: this rank's pieces count in the checksums
+};
+
+// The model, the moments when given, then the extra groups, each group's pieces checked on
+// every rank (collective: every rank lists the same groups in the same order).
+std::vector<GroupIo> group_list(MPI_Comm comm, const ParamRegistry& reg, const float* values, const float* exp_avg,
+                                const float* exp_avg_sq, const std::shared_ptr<const ShardedState>& main,
+                                const std::vector<CheckpointGroup>& extra, bool verify_main = true) {
+  std::vector<GroupIo> g;
+  g.push_back({kGroups[0], const_cast<float*>(values), main, {}, verify_main});
+  if (exp_avg) {
+    g.push_back({kGroups[1], const_cast<float*>(exp_avg), main, {}, verify_main});
+    g.push_back({kGroups[2], const_cast<float*>(exp_avg_sq), main, {}, verify_main});
+  }
+  for (const CheckpointGroup& e : extra) g.push_back({e.path, e.data, e.pieces ? e.pieces : main, {}, e.verify});
+  for (GroupIo& x : g) {
+    x.piece_of = checked_pieces(comm, reg, *x.pieces);
+    DS_CHECK(x.data || x.pieces->pieces.empty(), "checkpoint: group /{} has pieces on this rank but no buffer", x.path);
+  }
+  return g;
+}
+
+// The group at `path` (its parents created first).
+h5::Handle create_groups(hid_t file, const std::string& path) {
+  size_t at = 0;
+  while (true) {
+    const size_t slash = path.find('/', at);
+    const std::string prefix = path.substr(0, slash);
+    if (!h5::exists(file, prefix)) h5::create_group(file, prefix);
+    if (slash == std::string::npos) break;
+    at = slash + 1;
+  }
+  return h5::open_group(file, path);
 }
 
 std::vector<hsize_t> dims_of(const Shape& s) {
@@ -161,7 +204,6 @@ std::string utc_now() {
   return buf;
 }
 
-std::vector<const float*> group_buffers(const CheckpointBuffers& b) { return {b.values, b.exp_avg, b.exp_avg_sq}; }
 
 // A run of a global tensor's elements that one rank hashed: tensor t (group * tensors + id),
 // its first element and length in the tensor, its CRC-32.
@@ -240,20 +282,19 @@ std::vector<uint32_t> combine_runs(MPI_Comm comm, const std::vector<RunCrc>& min
   return crcs;
 }
 
-// The CRC-32 of every tensor of the groups that have a buffer (index group * tensors + id; 0 for
-// the others) from the rows each rank writes of its pieces, which together cover every tensor
-// once. Collective over comm.
-std::vector<uint32_t> tensor_crcs(MPI_Comm comm, const ParamRegistry& reg, const ShardedState& pieces,
-                                  const std::array<const float*, 3>& buffers, int threads) {
+// The CRC-32 of every tensor of every group (index group * tensors + id) from the rows each
+// rank writes of its pieces, which together cover every tensor once. Collective over comm.
+std::vector<uint32_t> tensor_crcs(MPI_Comm comm, const ParamRegistry& reg, const std::vector<GroupIo>& groups,
+                                  int threads) {
   std::vector<std::pair<const void*, size_t>> ranges;
   std::vector<RunCrc> runs;
   std::vector<int64_t> numel;
-  for (int g = 0; g < 3; ++g) {
-    for (const ParamInfo& p : reg.all()) numel.push_back(buffers[size_t(g)] ? p.global_shape.numel() : 0);
-    if (!buffers[size_t(g)]) continue;
-    for (const TensorPiece& t : pieces.pieces) {
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (const ParamInfo& p : reg.all()) numel.push_back(p.global_shape.numel());
+    if (!groups[g].verify) continue;
+    for (const TensorPiece& t : groups[g].pieces->pieces) {
       for (const PieceRun& r : piece_runs(t, reg.info(t.tensor).global_shape, t.written())) {
-        ranges.emplace_back(buffers[size_t(g)] + t.at + r.local, size_t(r.elems) * sizeof(float));
+        ranges.emplace_back(groups[g].data + t.at + r.local, size_t(r.elems) * sizeof(float));
         runs.push_back({uint64_t(g) * uint64_t(reg.size()) + uint64_t(t.tensor), uint64_t(r.global), uint64_t(r.elems), 0});
       }
     }
@@ -262,7 +303,7 @@ std::vector<uint32_t> tensor_crcs(MPI_Comm comm, const ParamRegistry& reg, const
   for (size_t i = 0; i < runs.size(); ++i) runs[i].crc = run_crcs[i];
   return combine_runs(comm, runs, numel, [&](size_t t) {
     const ParamInfo& p = reg.info(int(t % size_t(reg.size())));
-    return fmt::format("/{}/{} {}", kGroups[t / size_t(reg.size())], p.name, p.global_shape.str());
+    return fmt::format("/{}/{} {}", groups[t / size_t(reg.size())].path, p.name, p.global_shape.str());
   });
 }
 
@@ -517,7 +558,7 @@ void throw_if_any_rank_failed(MPI_Comm comm, const std::string& error) {
 
 
 int64_t checkpoint_size_bound(const ParamRegistry& reg, const CheckpointBuffers& bufs, const TrainState& state) {
-  const int64_t groups = bufs.exp_avg ? 3 : 1;
+  const int64_t groups = (bufs.exp_avg ? 3 : 1) + int64_t(bufs.extra.size());
   const int64_t datasets = groups * int64_t(reg.all().size());
   // The registry may describe pieces held elsewhere: its global shapes give the file.
   const int64_t elems = reg.global_numel();
@@ -533,14 +574,13 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
   int rank = 0, n = 1;
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &n);
-  const auto buffers = group_buffers(bufs);
   DS_CHECK((bufs.exp_avg == nullptr) == (bufs.exp_avg_sq == nullptr), "checkpoint: give both AdamW moments or neither");
   const std::shared_ptr<const ShardedState> pieces = pieces_or_whole(reg, bufs.pieces, rank, n);
-  const std::vector<int> piece_of = checked_pieces(comm, reg, *pieces);
+  const std::vector<GroupIo> groups =
+      group_list(comm, reg, bufs.values, bufs.exp_avg, bufs.exp_avg_sq, pieces, bufs.extra);
   // Checksums first: every rank hashes the runs it writes, the combination is known to all
   // before any attribute is written (attribute writes are collective and must agree).
-  const std::vector<uint32_t> crcs =
-      tensor_crcs(comm, reg, *pieces, {buffers[0], buffers[1], buffers[2]}, threads);
+  const std::vector<uint32_t> crcs = tensor_crcs(comm, reg, groups, threads);
   // Attribute values must be the same on every rank: rank 0's clock says when.
   std::string created = utc_now();
   created.resize(20, ' ');
@@ -611,23 +651,23 @@ void write_checkpoint(const std::string& path, MPI_Comm comm, const ParamRegistr
     RowPiece rows;
   };
   std::vector<Write> writes;
-  for (int g = 0; g < 3; ++g) {
-    const float* base = buffers[size_t(g)];
-    if (!base) continue;
-    h5::Handle group = h5::open_group(file, kGroups[g]);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const float* base = groups[g].data;
+    const std::vector<int>& piece_of = groups[g].piece_of;
+    h5::Handle group = create_groups(file, groups[g].path);
     for (int id = 0; id < reg.size(); ++id) {
       const ParamInfo& p = reg.info(id);
       const auto dims = dims_of(p.global_shape);
       h5::Handle space(H5Screate_simple(int(dims.size()), dims.data(), nullptr), "H5Screate_simple");
       h5::Handle dset(H5Dcreate2(group, p.name.c_str(), H5T_IEEE_F32LE, space, H5P_DEFAULT, dcpl, H5P_DEFAULT),
                       "H5Dcreate2");
-      h5::write_attr(dset, "crc32", int64_t(crcs[size_t(g) * size_t(reg.size()) + size_t(id)]));
+      h5::write_attr(dset, "crc32", int64_t(crcs[g * size_t(reg.size()) + size_t(id)]));
       h5::write_attr(dset, "kind", std::string(param_kind_name(p.kind)));
       // Every rank keeps every dataset open until the end, in the same order (their closing
       // takes part in the collective flush); the ones this rank writes rows of carry them.
       Write w{std::move(dset), nullptr, nullptr, RowPiece{}};
       if (piece_of[size_t(id)] >= 0) {
-        const TensorPiece& t = pieces->pieces[size_t(piece_of[size_t(id)])];
+        const TensorPiece& t = groups[g].pieces->pieces[size_t(piece_of[size_t(id)])];
         w.rows = t.written();
         if (w.rows.rows > 0 && w.rows.elems() > 0) {
           w.piece = &t;
@@ -721,9 +761,10 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
   int rank = 0, n = 1;
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &n);
-  const std::vector<float*> buffers = {into.values, into.exp_avg, into.exp_avg_sq};
+  DS_CHECK((into.exp_avg == nullptr) == (into.exp_avg_sq == nullptr), "checkpoint: read both AdamW moments or neither");
   const std::shared_ptr<const ShardedState> pieces = pieces_or_whole(reg, into.pieces, rank, n);
-  const std::vector<int> piece_of = checked_pieces(comm, reg, *pieces);
+  const std::vector<GroupIo> groups =
+      group_list(comm, reg, into.values, into.exp_avg, into.exp_avg_sq, pieces, into.extra, into.verify);
 
   // Opening is collective and fails alike on every rank (a truncated or foreign file).
   std::string error;
@@ -774,15 +815,16 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
     }
     unsealed = rank == 0 && !meta.sealed;
     h5::Handle xfer = h5::transfer_plist(/*collective=*/false);
-    for (int g = 0; g < 3; ++g) {
-      float* base = buffers[size_t(g)];
-      if (!base) continue;
-      DS_CHECK(h5::exists(file, kGroups[g]), "'{}' has no /{} group: it holds no optimizer state to resume from",
-               path, kGroups[g]);
-      h5::Handle group = h5::open_group(file, kGroups[g]);
+    for (size_t g = 0; g < groups.size(); ++g) {
+      float* base = groups[g].data;
+      const std::vector<int>& piece_of = groups[g].piece_of;
+      DS_CHECK(h5::exists(file, groups[g].path), "'{}' has no /{} group: {}", path, groups[g].path,
+               g < 3 ? "it holds no optimizer state to resume from"
+                     : "it was written by a run without this state (train.gradient_sync)");
+      h5::Handle group = h5::open_group(file, groups[g].path);
       for (int id = 0; id < reg.size(); ++id) {
         const ParamInfo& p = reg.info(id);
-        const std::string where = fmt::format("/{}/{}", kGroups[g], p.name);
+        const std::string where = fmt::format("/{}/{}", groups[g].path, p.name);
         DS_CHECK(h5::exists(group, p.name), "'{}' has no tensor {}: was it written for another model?", path, where);
         h5::Handle dset(H5Dopen2(group, p.name.c_str(), H5P_DEFAULT), "H5Dopen2");
         const Shape shape = h5::dataset_shape(dset);
@@ -792,7 +834,7 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
         names.push_back(where);
         if (piece_of[size_t(id)] < 0) continue;
         // The whole block: every replica reads what it holds.
-        const TensorPiece& t = pieces->pieces[size_t(piece_of[size_t(id)])];
+        const TensorPiece& t = groups[g].pieces->pieces[size_t(piece_of[size_t(id)])];
         h5::Handle space(H5Dget_space(dset), "H5Dget_space");
         auto [fsel, msel] = selections(space, t, row_piece(t.shape, 0, 1));
         DS_H5_CHECK(H5Dread(dset, H5T_NATIVE_FLOAT, msel, fsel, xfer, base + t.at));
@@ -810,14 +852,10 @@ TrainState read_checkpoint(const std::string& path, MPI_Comm comm, ParamRegistry
   }
 
   // The checksums over the rows each rank would write.
-  const std::vector<uint32_t> crcs = tensor_crcs(comm, reg, *pieces, {buffers[0], buffers[1], buffers[2]}, 0);
+  const std::vector<uint32_t> crcs = tensor_crcs(comm, reg, groups, 0);
   std::vector<std::string> bad;
-  size_t k = 0;
-  for (int g = 0; g < 3; ++g) {
-    if (!buffers[size_t(g)]) continue;
-    for (int id = 0; id < reg.size(); ++id, ++k) {
-      if (crcs[size_t(g) * size_t(reg.size()) + size_t(id)] != stored[k]) bad.push_back(names[k]);
-    }
+  for (size_t k = 0; k < stored.size(); ++k) {
+    if (crcs[k] != stored[k]) bad.push_back(names[k]);
   }
   if (!bad.empty()) {
     std::string list;
@@ -851,10 +889,22 @@ CheckpointInfo inspect_checkpoint(const std::string& path, bool verify) {
   read_json_fields(file, path, st, info.metadata_problems);
   for (std::string& c : consistency_problems(st)) info.metadata_problems.push_back(std::move(c));
   std::vector<float> buf;
-  for (const char* gname : kGroups) {
+  std::vector<std::string> gnames(std::begin(kGroups), std::end(kGroups));
+  // Asynchronous aggregation's state (train.gradient_sync): every group under /gradient_sync.
+  std::function<void(const std::string&)> walk = [&](const std::string& at) {
+    h5::Handle g = h5::open_group(file, at);
+    for (const std::string& m : h5::list_members(g)) {
+      if (!h5::is_group(g, m)) continue;
+      gnames.push_back(at + "/" + m);
+      walk(at + "/" + m);
+    }
+  };
+  if (h5::exists(file, "gradient_sync")) walk("gradient_sync");
+  for (const std::string& gname : gnames) {
     if (!h5::exists(file, gname)) continue;
     h5::Handle group = h5::open_group(file, gname);
     for (const std::string& name : h5::list_members(group)) {
+      if (h5::is_group(group, name)) continue;
       h5::Handle dset(H5Dopen2(group, name.c_str(), H5P_DEFAULT), "H5Dopen2");
       CheckpointTensorInfo t;
       t.group = gname;

@@ -43,11 +43,25 @@ struct TrainState {
 // registry) gives only names, global shapes and kinds. Null pieces: whole tensors in the
 // registry's layout on every rank of the communicator, rank r of N writing rows block r of
 // each (ShardedState::whole(reg, r, N)).
+// A group of the file's tensors beyond the model and AdamW's moments (asynchronous
+// aggregation's outer state, the other replicas' own weights and moments): every tensor of the
+// registry under `path`, from (or into) `data` laid out as `pieces` says (null: the main
+// pieces). A rank that holds none of the group gives pieces without a piece (and no data).
+struct CheckpointGroup {
+  std::string path;  // e.g. "gradient_sync/outer_params", "gradient_sync/replica_1/model"
+  float* data = nullptr;
+  std::shared_ptr<const ShardedState> pieces;
+  // Reading: whether this rank's pieces count in the group's checksum verification (false for
+  // a rank that reads a copy of what other ranks' pieces already cover once).
+  bool verify = true;
+};
+
 struct CheckpointBuffers {
   const float* values = nullptr;
   const float* exp_avg = nullptr;
   const float* exp_avg_sq = nullptr;
   std::shared_ptr<const ShardedState> pieces;
+  std::vector<CheckpointGroup> extra;
 };
 
 // Where read_checkpoint puts what it reads: each rank its whole pieces (every replica reads
@@ -58,6 +72,8 @@ struct CheckpointTargets {
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
   std::shared_ptr<const ShardedState> pieces;
+  std::vector<CheckpointGroup> extra;
+  bool verify = true;  // the model and moment groups: as CheckpointGroup::verify
 };
 
 // A write that failed for lack of storage: the disk or quota is full (ENOSPC, EDQUOT), or

@@ -216,7 +216,9 @@ std::shared_ptr<const ShardedState> ShardedModelCheckpoint::describe(const Shard
       t.shape[0] = rows.rows;
     }
     t.at = shard.at(id);
-    const GroupRank& data = data_[p.group == ParamGroup::Expert ? 1 : 0];
+    const GroupRank data =
+        shard.groups ? GroupRank{shard.groups->comm(p.group).rank(), shard.groups->comm(p.group).size()}
+                     : data_[p.group == ParamGroup::Expert ? 1 : 0];
     const int data_replica = shard.replicated_over_data ? data.rank : 0;
     const int data_replicas = shard.replicated_over_data ? data.size : 1;
     t.replicas = data_replicas * tensor_replicas;

@@ -17,6 +17,7 @@
 
 #include "comm/grid.h"
 #include "core/buffer.h"
+#include "distributed/param_groups.h"
 #include "io/checkpoint.h"
 #include "io/sharded_state.h"
 #include "state/params.h"
@@ -71,6 +72,9 @@ class ShardedModelCheckpoint {
     std::function<int64_t(int id)> at;
     int64_t numel = 0;
     bool replicated_over_data = true;
+    // The data-parallel groups the rows are over (null: the data axis and expert_data()): a
+    // replica's under asynchronous aggregation (train.gradient_sync).
+    const ParamGroupComms* groups = nullptr;
   };
   std::shared_ptr<const ShardedState> describe(const Shard& shard) const;
   // The registry's own buffers: every local piece whole at its offset, replicated over the data

@@ -325,6 +325,19 @@ void GradientSync::outer_step(int p, GradientSyncStep& st) {
   opt_.publish_weights();
 }
 
+int GradientSync::finish(int64_t step) {
+  if (!config_.local()) return 0;
+  int n = 0;
+  GradientSyncStep st;
+  for (int p = 0; p < int(fragments_.size()); ++p) {
+    if (step % config_.every != phase(p)) {
+      outer_step(p, st);
+      ++n;
+    }
+  }
+  return n;
+}
+
 GradientSyncStep GradientSync::take_step_stats() {
   GradientSyncStep s = step_stats_;
   step_stats_ = GradientSyncStep{};

@@ -101,6 +101,9 @@ class GradientSync {
   // counts alike): the outer steps of the fragments due at it.
   void after_step(int64_t step);
   GradientSyncStep take_step_stats();
+  // local_sgd / diloco, at the end of a run after step `step`: the outer steps of the fragments
+  // not synchronised at it, so that the replicas agree; how many.
+  int finish(int64_t step);
 
   // ---- checkpoint state (fp32, in master()'s layout) ---------------------------------------
   // delayed: the averaged gradient not applied yet (waited for first); none before step 1.

@@ -197,6 +197,20 @@ double CheckpointManager::save(const ParamRegistry& reg, const CheckpointBuffers
   snap.exp_avg = live.exp_avg ? snap_m_.data<float>() : nullptr;
   snap.exp_avg_sq = live.exp_avg_sq ? snap_v_.data<float>() : nullptr;
   snap.pieces = live.pieces;  // shared, immutable: the writer thread reads it
+  // The extra groups (asynchronous aggregation's state) are copied too.
+  snap_extra_.resize(live.extra.size());
+  for (size_t i = 0; i < live.extra.size(); ++i) {
+    CheckpointGroup g = live.extra[i];
+    if (g.data) {
+      const int64_t m = g.pieces ? g.pieces->numel : n;
+      if (snap_extra_[i].numel() != m) {
+        snap_extra_[i] = Buffer("checkpoint.snapshot." + g.path, MemCategory::Checkpoint, DType::F32, m);
+      }
+      std::memcpy(snap_extra_[i].data<float>(), g.data, size_t(m) * sizeof(float));
+      g.data = snap_extra_[i].data<float>();
+    }
+    snap.extra.push_back(std::move(g));
+  }
   writer_error_.clear();
   writer_ = std::thread([this, &reg, snap, state] {
     try {

@@ -73,6 +73,7 @@ class CheckpointManager {
   ProcessGrid& grid_;
   MpiCommHandle io_comm_;
   Buffer snap_values_, snap_m_, snap_v_;
+  std::vector<Buffer> snap_extra_;  // the extra groups' snapshots
   std::thread writer_;
   std::string writer_error_;
   int64_t newest_step_ = -1;  // of the newest complete checkpoint in the directory (-1: none)

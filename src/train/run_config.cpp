@@ -440,19 +440,6 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
   c.output.save_hf_dtype = hf_dtype_of(c.train.precision);
   if (top.has("output")) c.output = read_output(top.child("output"), c.train.precision);
   if (top.has("checkpoint")) c.checkpoint = CheckpointConfig::from_json(top.child("checkpoint"));
-  {
-    // The replicas' own weights and AdamW state, the outer state and a delayed gradient in
-    // flight are not in dstrain's checkpoint format yet: a checkpoint would lose them.
-    const CheckpointConfig& k = c.checkpoint;
-    const GradientSyncConfig& gs = c.train.gradient_sync;
-    if (gs.async() && (k.interval_steps > 0 || k.interval_minutes > 0 || k.save_final)) {
-      throw Error(fmt::format("config error in {}: train.gradient_sync.mode \"{}\" cannot be checkpointed yet (its "
-                              "replicas' weights and optimizer state, and its outer state, are not in the checkpoint "
-                              "format); set checkpoint.save_final to false and checkpoint.interval_steps and "
-                              "interval_minutes to 0, or use mode \"sync\"",
-                              source, gs.mode));
-    }
-  }
   if (c.checkpoint.dir.empty()) c.checkpoint.dir = (std::filesystem::path(c.output.dir) / "checkpoints").string();
   if (top.has("resilience")) c.resilience = ResilienceConfig::from_json(top.child("resilience"));
   if (top.has("metrics")) c.metrics = MetricsConfig::from_json(top.child("metrics"));

@@ -79,6 +79,7 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
       dp_(grid.comm(Axis::Data)) {
   rdp_ = &grid_.replica_data();
   across_ = grid_.across_replicas();
+  across_bulk_ = grid_.across_replicas_bulk();
   // The layout against the model and the batch (the checks `dstrain validate` runs).
   const CheckedLayout layout = check_layout(config_, grid_.world_size());
   check_same_config(grid_.world(), config_);
@@ -132,6 +133,9 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
     if (gs.async() && across_) {
       slow_link_ = std::make_unique<SlowLinkCommunicator>(*across_, gs.test_link_latency_ms, gs.test_link_gbit_per_s);
       across_ = slow_link_.get();
+      slow_link_bulk_ =
+          std::make_unique<SlowLinkCommunicator>(*across_bulk_, gs.test_link_latency_ms, gs.test_link_gbit_per_s);
+      across_bulk_ = slow_link_bulk_.get();
     } else if (!gs.async()) {
       slow_link_ = std::make_unique<SlowLinkCommunicator>(*dense, gs.test_link_latency_ms, gs.test_link_gbit_per_s);
       dense = slow_link_.get();
@@ -182,7 +186,7 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
     for (int id = 0; id < reg.size(); ++id) {
       for (auto& axis : axes_) counted[size_t(id)] = counted[size_t(id)] && axis->counts_in_norm(reg.info(id));
     }
-    sync_ = std::make_unique<GradientSync>(gs, *optimizer_, across_, grid_.replica_world(), std::move(counted));
+    sync_ = std::make_unique<GradientSync>(gs, *optimizer_, across_bulk_, grid_.replica_world(), std::move(counted));
     if (grid_.world_rank() == 0) {
       log::info("gradient sync: {}; {} replica(s) of {} data-parallel rank(s) each (over {})", gs.describe(),
                 grid_.replicas(), grid_.data_per_replica(), gs.over);
@@ -568,7 +572,13 @@ bool Trainer::train_step(StepRecord& r) {
     sync_->after_step(r.step);
     const GradientSyncStep st = sync_->take_step_stats();
     r.gradient_sync = true;
-    r.sync_bytes = st.bytes;
+    // Everything that crossed between replicas: the aggregation's collectives and the step's few
+    // scalars (token counts, losses, norms).
+    const CommStats a = across_ ? across_->stats() : CommStats{};
+    const CommStats b = across_bulk_ ? across_bulk_->stats() : CommStats{};
+    r.sync_bytes = a.bytes - across_before_.bytes + b.bytes - bulk_before_.bytes;
+    across_before_ = a;
+    bulk_before_ = b;
     r.sync_wait_seconds = st.wait_seconds;
     r.sync_outer_steps = st.outer_steps;
     r.sync_drift = st.drift;
@@ -938,6 +948,14 @@ Trainer::Outcome Trainer::train() {
     }
   }
   if (outcome == Outcome::Completed && config_.checkpoint.save_final && last_saved_step_ != step_) save_checkpoint();
+  // After the final checkpoint (which resumes exactly, mid-round or not): a run that ends inside
+  // an outer round takes the outer step of every fragment not synchronised at its last step, so
+  // that its replicas agree on the model it ends with (its export, its evaluation).
+  if (outcome == Outcome::Completed && sync_ && sync_->finish(step_) > 0 && grid_.world_rank() == 0) {
+    log::info("gradient sync: the run ends inside an outer round (step {}, every {}): the replicas took their outer "
+              "step after the final checkpoint",
+              step_, config_.train.gradient_sync.every);
+  }
   ckpt_->wait();
   metrics_->on_run_end();
   return outcome;

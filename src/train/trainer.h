@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/ops.h"
 #include "comm/environment.h"
 #include "comm/grid.h"
 #include "core/clock.h"
@@ -186,6 +187,17 @@ class Trainer {
   bool recompute_to_fit();
   // What this rank holds of the checkpoint's tensors in the optimizer's buffers.
   std::shared_ptr<const ShardedState> optimizer_pieces() const;
+  // Asynchronous aggregation's groups of a checkpoint (the outer state or the delayed gradient,
+  // the other replicas' weights and moments, from this rank's buffers `values`, `exp_avg`,
+  // `exp_avg_sq`); `main` becomes pieces without a piece where replica 0 alone writes (or reads)
+  // the model groups. `views` keeps the host copies alive (read back after a read).
+  std::vector<CheckpointGroup> gradient_sync_groups(std::shared_ptr<const ShardedState>& main, float* values,
+                                                    float* exp_avg, float* exp_avg_sq, bool writing,
+                                                    std::vector<std::unique_ptr<ops::HostView>>& views);
+  // Resume: whether `path` holds asynchronous aggregation's state; an error on every rank when
+  // it was written with another aggregation (mode, H, fragments, replicas). Collective.
+  bool check_gradient_sync_resume(const std::string& path);
+  bool step_pending_gradient_ = false;  // the checkpoint being read holds a delayed gradient
   // Why the current state must not become a checkpoint ("" when it may): saving it would
   // rotate away the good ones written before training went wrong. Collective.
   std::string unsafe_to_save();
@@ -197,11 +209,12 @@ class Trainer {
   // replica's (train.gradient_sync): the loss scales, the optimizer's reductions.
   Communicator* rdp_ = nullptr;
   Communicator* across_ = nullptr;  // the other replicas' ranks in this rank's place (null: one replica)
-  // train.gradient_sync.test_slow_link: the communicator between replicas, slowed.
-  std::unique_ptr<Communicator> slow_link_, slow_link_expert_;
+  Communicator* across_bulk_ = nullptr;  // the same ranks, for the aggregation's own transfers
+  // train.gradient_sync.test_slow_link: the communicators between replicas, slowed.
+  std::unique_ptr<Communicator> slow_link_, slow_link_expert_, slow_link_bulk_;
   std::unique_ptr<GradientSync> sync_;  // null: synchronous
   bool delayed_first_logged_ = false;
-  CommStats across_before_, inner_before_;
+  CommStats across_before_, bulk_before_, inner_before_;
   JobEnvironment environment_;
   std::vector<std::unique_ptr<RunLock>> locks_;  // released after the checkpoint writer below
   std::unique_ptr<Metrics> metrics_;

@@ -61,7 +61,53 @@ std::shared_ptr<const ShardedState> Trainer::optimizer_pieces() const {
   shard.at = [&o](int id) { return o.shard_offset(id); };
   shard.numel = o.stage() == 0 ? model_->params().flat_numel() : o.shard_numel();
   shard.replicated_over_data = o.stage() == 0;
+  // Under asynchronous aggregation the optimizer's groups are a replica's data ranks.
+  const ParamGroupComms groups = grid_.size(Axis::Expert) == 1
+                                     ? ParamGroupComms(grid_.replica_data())
+                                     : ParamGroupComms(grid_.replica_data(), grid_.replica_expert_data());
+  shard.groups = &groups;
   return sharded_ckpt_->describe(shard);
+}
+
+std::vector<CheckpointGroup> Trainer::gradient_sync_groups(std::shared_ptr<const ShardedState>& main, float* values,
+                                                           float* exp_avg, float* exp_avg_sq, bool writing,
+                                                           std::vector<std::unique_ptr<ops::HostView>>& views) {
+  std::vector<CheckpointGroup> out;
+  if (!sync_) return out;
+  // Replica 0 writes the model, its moments and the state every replica shares; replica r > 0
+  // its own weights and moments under gradient_sync/replica_r (local SGD and DiLoCo, where they
+  // differ). Every rank reads the shared state, and its own replica's.
+  auto empty = std::make_shared<ShardedState>();
+  empty->numel = main->numel;
+  const std::shared_ptr<const ShardedState> mine = main, none = empty;
+  const int q = grid_.replica(), R = grid_.replicas();
+  const std::shared_ptr<const ShardedState> shared = writing && q != 0 ? none : mine;
+  auto host_of = [&](Buffer& b) {
+    views.push_back(std::make_unique<ops::HostView>(b.tensor()));
+    return views.back()->data<float>();
+  };
+  // The shared groups are read by every replica and checked against their checksums by replica
+  // 0's ranks (whose pieces tile each tensor once).
+  const bool verify = q == 0;
+  if (sync_->config().mode == "delayed") {
+    if (writing ? sync_->has_pending_gradient() : step_pending_gradient_) {
+      out.push_back({"gradient_sync/pending_gradient", host_of(sync_->pending_gradient()), shared, verify});
+    }
+  } else {
+    out.push_back({"gradient_sync/outer_params", host_of(sync_->outer_params()), shared, verify});
+    if (sync_->has_momentum()) {
+      out.push_back({"gradient_sync/outer_momentum", host_of(sync_->outer_momentum()), shared, verify});
+    }
+    for (int r = 1; r < R; ++r) {
+      const std::shared_ptr<const ShardedState> held = q == r ? mine : none;
+      const std::string at = fmt::format("gradient_sync/replica_{}/", r);
+      out.push_back({at + "model", q == r ? values : nullptr, held});
+      out.push_back({at + "exp_avg", q == r ? exp_avg : nullptr, held});
+      out.push_back({at + "exp_avg_sq", q == r ? exp_avg_sq : nullptr, held});
+    }
+  }
+  if (q != 0 && (writing || sync_->config().local())) main = none;
+  return out;
 }
 
 void Trainer::claim_output_dirs() {
@@ -210,6 +256,7 @@ TrainState Trainer::state() {
                {"tensor", grid_.size(Axis::Tensor)},
                {"pipeline", grid_.size(Axis::Pipeline)},
                {"expert", grid_.size(Axis::Expert)},
+               {"gradient_sync_replicas", grid_.replicas()},
                {"sequence_parallel", model_->shard().sequence_parallel},
                {"schedule", pp_ ? json(schedule_->name()) : json()},
                {"partition", "every rank held blocks of the global tensors (its tensor, pipeline and expert pieces, "
@@ -240,8 +287,6 @@ std::string Trainer::unsafe_to_save() {
 }
 
 double Trainer::save_checkpoint() {
-  DS_CHECK(!sync_, "train.gradient_sync.mode \"{}\" cannot be checkpointed yet: its replicas' state would be lost",
-           config_.train.gradient_sync.mode);
   const std::string unsafe = unsafe_to_save();
   if (!unsafe.empty()) {
     save_deferred_ = true;
@@ -256,7 +301,10 @@ double Trainer::save_checkpoint() {
   // Every rank writes the rows of its pieces it is the writing replica of, from the optimizer's
   // buffers as they are (on a device: a host copy).
   const HostState host = optimizer_host_state(*optimizer_);
-  const double stall = ckpt_->save(file_registry(), host.buffers(optimizer_pieces()), state());
+  CheckpointBuffers bufs = host.buffers(optimizer_pieces());
+  std::vector<std::unique_ptr<ops::HostView>> views;
+  bufs.extra = gradient_sync_groups(bufs.pieces, host.values(), host.exp_avg(), host.exp_avg_sq(), /*writing=*/true, views);
+  const double stall = ckpt_->save(file_registry(), bufs, state());
   last_saved_step_ = step_;
   last_save_time_ = clock();
   return stall;
@@ -317,12 +365,26 @@ bool Trainer::resume(const std::string& spec) {
     check_same_file_on_every_rank(grid_.world(), "--resume", path);
     throw_if_root_failed(grid_.world(),
                          grid_.world_rank() == 0 ? model_mismatch(path, file_registry(), config_.model) : "");
+    // Another aggregation than the file's is an error, not an invalid file to skip.
+    const bool async_file = check_gradient_sync_resume(path);
     try {
       // Each rank reads its pieces of the file's global tensors straight into the optimizer's
       // buffers, whatever layout wrote them.
       const HostState host = optimizer_host_state(*optimizer_);
-      st = read_checkpoint(path, ckpt_->io_comm(), file_registry(), host.targets(optimizer_pieces()));
+      CheckpointTargets into = host.targets(optimizer_pieces());
+      std::vector<std::unique_ptr<ops::HostView>> views;
+      // Every replica reads the model groups it needs; replica 0's ranks verify them.
+      if (sync_) into.verify = grid_.replica() == 0;
+      if (async_file) {
+        into.extra = gradient_sync_groups(into.pieces, host.values(), host.exp_avg(), host.exp_avg_sq(), false, views);
+      }
+      st = read_checkpoint(path, ckpt_->io_comm(), file_registry(), into);
       host.write_back();
+      for (const auto& v : views) v->write_back();
+      if (sync_) {
+        if (!async_file) sync_->reset_outer();  // theta_outer starts at the checkpoint's weights
+        if (sync_->config().mode == "delayed") sync_->set_pending_gradient(async_file && step_pending_gradient_);
+      }
     } catch (const Error& e) {
       if (spec != "auto") throw;
       if (grid_.world_rank() == 0) log::warn("skipping invalid checkpoint: {}", e.what());
@@ -395,6 +457,51 @@ bool Trainer::resume(const std::string& spec) {
   throw Error(fmt::format("none of the {} checkpoint(s) in {} is valid (see the warnings above); move them away or "
                           "start without --resume",
                           candidates.size(), config_.checkpoint.dir));
+}
+
+bool Trainer::check_gradient_sync_resume(const std::string& path) {
+  // Rank 0 reads what the file's run aggregated, and whether it holds a delayed gradient.
+  std::string verdict;
+  if (grid_.world_rank() == 0) {
+    json v = {{"error", ""}, {"async", false}, {"pending", false}, {"note", ""}};
+    try {
+      const CheckpointInfo info = inspect_checkpoint(path, /*verify=*/false);
+      const json file_gs = info.state.config.contains("train") ? info.state.config["train"].value("gradient_sync", json::object())
+                                                               : json::object();
+      const std::string file_mode = file_gs.value("mode", std::string("sync"));
+      const int64_t file_every = file_gs.value("every", int64_t(1)), file_fragments = file_gs.value("fragments", int64_t(1));
+      const int64_t file_replicas = info.state.layout.value("gradient_sync_replicas", int64_t(1));
+      const GradientSyncConfig& gs = config_.train.gradient_sync;
+      for (const CheckpointTensorInfo& t : info.tensors) v["pending"] = v["pending"] || t.group == "gradient_sync/pending_gradient";
+      if (file_mode != "sync") {
+        v["async"] = true;
+        std::string differs;
+        if (file_mode != gs.mode) differs += fmt::format(", train.gradient_sync.mode \"{}\" (now \"{}\")", file_mode, gs.mode);
+        if (file_every != gs.every) differs += fmt::format(", every {} (now {})", file_every, gs.every);
+        if (file_fragments != gs.fragments) differs += fmt::format(", fragments {} (now {})", file_fragments, gs.fragments);
+        if (file_replicas != grid_.replicas()) {
+          differs += fmt::format(", {} replicas (now {})", file_replicas, grid_.replicas());
+        }
+        if (!differs.empty()) {
+          v["error"] = fmt::format("checkpoint '{}' was written with{}: its replicas' state and outer round belong "
+                                   "to that aggregation; resume with the same train.gradient_sync and replica count",
+                                   path, differs.substr(1));
+        }
+      } else if (gs.async()) {
+        v["note"] = fmt::format("checkpoint '{}' was written by a synchronous run: every replica starts from its "
+                                "weights and moments, and the {} outer state from its weights",
+                                path, gs.mode);
+      }
+    } catch (const std::exception&) {
+      // An unreadable file: the read below reports it (and --resume auto falls back).
+    }
+    verdict = v.dump();
+  }
+  const json v = json::parse(all_gather_strings(grid_.world(), verdict)[0]);
+  DS_CHECK(v["error"].get<std::string>().empty(), "{}", v["error"].get<std::string>());
+  if (!v["note"].get<std::string>().empty() && grid_.world_rank() == 0) log::info("note: {}", v["note"].get<std::string>());
+  step_pending_gradient_ = v["pending"].get<bool>();
+  return v["async"].get<bool>();
 }
 
 void Trainer::restore_precision_state(const TrainState& st, const std::string& path) {
