@@ -136,6 +136,13 @@ GradientSync::GradientSync(const GradientSyncConfig& config, DistributedOptimize
     if (config_.momentum() > 0) {
       momentum_ = Buffer("gradient_sync.outer_momentum", MemCategory::OptimizerState, DType::F32, n, master.device());
     }
+    // The outer step's buffers for the largest fragment, held for the run (and so counted by the
+    // memory model).
+    int64_t len = 0;
+    for (int p = 0; p < int(fragments_.size()); ++p) len = std::max(len, fragment_elems(p));
+    delta_ = Buffer("gradient_sync.delta", MemCategory::CommBuffers, DType::F32, len, master.device());
+    mean_ = Buffer("gradient_sync.mean_delta", MemCategory::CommBuffers, DType::F32, len, master.device());
+    wire_buf_ = Buffer("gradient_sync.wire", MemCategory::CommBuffers, wire_, len, master.device());
     reset_outer();
   }
 }
@@ -146,6 +153,12 @@ GradientSync::~GradientSync() {
     wait_inflight();
   } catch (...) {
   }
+}
+
+int64_t GradientSync::fragment_elems(int p) const {
+  int64_t len = 0;
+  for (int id = fragments_[size_t(p)].first; id < fragments_[size_t(p)].second; ++id) len += opt_.piece(id).elems();
+  return len;
 }
 
 int64_t GradientSync::phase(int p) const {
@@ -222,14 +235,8 @@ void GradientSync::outer_step(int p, GradientSyncStep& st) {
   const auto [first, last] = fragments_[size_t(p)];
   Buffer& master = opt_.master();
   // This fragment's pieces end to end: Delta_r = theta_outer - theta_r, packed in wire dtype.
-  int64_t len = 0;
-  for (int id = first; id < last; ++id) len += opt_.piece(id).elems();
-  const Device dev = master.device();
-  if (delta_.numel() < len) {
-    delta_ = Buffer("gradient_sync.delta", MemCategory::CommBuffers, DType::F32, len, dev);
-    mean_ = Buffer("gradient_sync.mean_delta", MemCategory::CommBuffers, DType::F32, len, dev);
-    wire_buf_ = Buffer("gradient_sync.wire", MemCategory::CommBuffers, wire_, len, dev);
-  }
+  const int64_t len = fragment_elems(p);
+  DS_CHECK(delta_.numel() >= len, "gradient sync: fragment {} holds {} elements, its buffers {}", p, len, delta_.numel());
   // Local SGD averages the parameters themselves (exactly theta on one replica); DiLoCo the
   // outer gradients Delta_r = theta_outer - theta_r.
   const bool average_params = config_.mode == "local_sgd";

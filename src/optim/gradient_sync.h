@@ -53,6 +53,10 @@ struct GradientSyncConfig {
   // Test override of what a node is: this many consecutive world ranks (0: the ranks sharing
   // memory, MPI_COMM_TYPE_SHARED).
   int64_t ranks_per_node = 0;
+  // The data-parallel ranks of a replica, once known (the trainer resolves it from the ranks'
+  // placement; 0: unknown, and the memory and performance models assume over "data"'s: the
+  // expert axis). Not a key of the file.
+  int64_t data_per_replica = 0;
   std::string outer_type = "nesterov";  // diloco: "sgd" | "nesterov"
   double outer_lr = 0.7, outer_momentum = 0.9;  // DiLoCo's published setting
   std::string outer_dtype = "fp32";             // "fp32" | "bf16"
@@ -124,6 +128,7 @@ class GradientSync {
 
  private:
   void outer_step(int p, GradientSyncStep& st);
+  int64_t fragment_elems(int p) const;
   void wait_inflight();
 
   GradientSyncConfig config_;

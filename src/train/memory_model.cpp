@@ -53,9 +53,12 @@ RankMemory run_rank(const RunConfig& config, const CheckedLayout& layout, int pp
   const ModelConfig& mc = config.model;
   const TrainConfig& tc = config.train;
   InFlightBytes library;
+  // Under asynchronous aggregation the optimizer reduces and shards over a replica's data ranks.
+  const GradientSyncConfig& gs = config.train.gradient_sync;
+  const int data = gs.async() ? int(gs.data_per_replica > 0 ? gs.data_per_replica : a.expert) : a.data;
   ShapeOnlyCommunicator tp("tensor", 0, a.tensor, &library), ep("expert", 0, a.expert, &library),
-      pp("pipeline", pp_rank, a.pipeline, &library), dp("data", 0, a.data, &library),
-      expert_dp("expert_data", 0, a.data / a.expert, &library);
+      pp("pipeline", pp_rank, a.pipeline, &library), dp("data", 0, data, &library),
+      expert_dp("expert_data", 0, data / a.expert, &library), replica("replica", 0, a.tensor * a.pipeline * data, &library);
   ProcessGroups groups;
   groups.tp = a.tensor > 1 ? &tp : nullptr;
   groups.ep = a.expert > 1 ? &ep : nullptr;
@@ -86,6 +89,13 @@ RankMemory run_rank(const RunConfig& config, const CheckedLayout& layout, int pp
     // As the trainer's start: each rank keeps its pieces of the weights (the gathers' buffers
     // stay pooled for the run).
     optimizer.adopt_weights();
+    // The aggregation's state between replicas: the outer parameters and momentum and the outer
+    // step's buffers, or the delayed gradient's.
+    std::unique_ptr<GradientSync> sync;
+    if (gs.async()) {
+      sync = std::make_unique<GradientSync>(gs, optimizer, nullptr, replica,
+                                            std::vector<char>(size_t(model.params().size()), 1));
+    }
     // The trainer's axes, in its order; the expert axis holds no memory and the pipeline's tied
     // weights a transient of the embedding's gradient, left out.
     std::vector<std::unique_ptr<ParallelAxis>> axes;

@@ -61,6 +61,7 @@ ProcessGrid& split_replicas(ProcessGrid& grid, RunConfig& config) {
              config.source, S, ep);
   }
   grid.split_replicas(S);
+  config.train.gradient_sync.data_per_replica = S;
   return grid;
 }
 

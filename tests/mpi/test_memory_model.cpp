@@ -54,6 +54,12 @@ std::vector<Case> cases() {
                    2});
   }
   out.push_back({"tensor 2, sequence parallel", {layers, "parallel.tensor=2", "parallel.sequence_parallel=true"}, 2});
+  // Asynchronous aggregation: the outer state and the outer step's buffers, or the delayed
+  // gradient's, beside a replica's optimizer.
+  out.push_back({"DiLoCo every 2 steps, ZeRO 1",
+                 {layers, "train.zero_optimization.stage=1",
+                  R"(train.gradient_sync={"mode": "diloco", "every": 2, "outer_optimizer": {"type": "nesterov"}})"}});
+  out.push_back({"delayed, ZeRO 2", {layers, "train.zero_optimization.stage=2", R"(train.gradient_sync={"mode": "delayed"})"}});
   return out;
 }
 
