@@ -129,6 +129,17 @@ Prediction predict(const RunConfig& config, int world, const HardwareProfile& hw
   traced_config.train.grad_accum = n_trace;
   traced_config.train.train_batch_size = tc.micro_batch * n_trace * a.data;
   std::vector<StageTrace> traced = trace_step(traced_config, world);
+  // Under asynchronous aggregation the traced step reduces over a replica's data ranks.
+  const GradientSyncConfig& gs = tc.gradient_sync;
+  int S = a.data;
+  if (gs.async()) {
+    S = int(gs.data_per_replica > 0 ? gs.data_per_replica
+                                      : gs.over == "nodes" ? std::max(a.expert, std::min(a.data, hw.ranks_per_node / a.tensor))
+                                                           : a.expert);
+    if (S < 1 || a.data % S != 0) S = a.expert;
+  }
+  AxisSizes a_traced = a;
+  a_traced.data = S;
   auto schedule = P > 1 ? make_schedule(c.parallel.schedule,
                                         c.parallel.schedule == "interleaved" ? int(c.parallel.virtual_stages) : 1)
                         : make_schedule(tc.micro_batch_schedule);
@@ -142,7 +153,7 @@ Prediction predict(const RunConfig& config, int world, const HardwareProfile& hw
     p.hardware_flops_per_step = 0;
     std::vector<Clocked> clocks;
     for (int s = 0; s < P; ++s) {
-      clocks.push_back(run_clock(traced[size_t(s)].trace, a, hw, opt.price, concurrency));
+      clocks.push_back(run_clock(traced[size_t(s)].trace, a_traced, hw, opt.price, concurrency));
       clocks.back().s.pipeline = s;
     }
     // Each action's duration on its rank's clock. Untraced micro-batches take the median of the
@@ -259,6 +270,41 @@ Prediction predict(const RunConfig& config, int world, const HardwareProfile& hw
       p.model_flops_per_step += f * scale * double(a.data) * double(a.tensor);
     }
   }
+  // Aggregation between replicas: one all-reduce of each rank's pieces (its local weights, cut
+  // by ZeRO over the replica's data ranks) over the replicas, on the slowest link they cross.
+  // Local pieces: the parameters over tensor x pipeline x expert ranks (routed experts are most
+  // of a MoE model's; its dense part is under-counted by the expert factor).
+  const double local_elems = double(c.model.num_parameters()) / double(a.tensor) / double(a.pipeline) / double(a.expert);
+  const bool replicas_span_nodes = int64_t(a.tensor) * a.data > hw.ranks_per_node;
+  auto outer_seconds = [&](int per_replica, double elem_bytes) {
+    const int R = a.data / per_replica;
+    const double elems = local_elems / (tc.zero.stage >= 1 ? double(per_replica) : 1.0);
+    return R > 1 ? collective_seconds(hw, "all_reduce", elems * elem_bytes, R, replicas_span_nodes) : 0.0;
+  };
+  p.data_per_replica = S;
+  p.replicas = a.data / S;
+  p.gradient_sync.mode = gs.async() ? gs.mode : "sync";
+  p.gradient_sync.every = gs.every;
+  if (gs.async()) {
+    const double t = outer_seconds(S, gs.outer_dtype == "bf16" ? 2.0 : 4.0);
+    p.gradient_sync.outer_seconds = t;
+    p.gradient_sync.exposed_seconds = gs.mode == "delayed" ? std::max(0.0, t - p.step_seconds) : t / double(gs.every);
+    p.step_seconds += p.gradient_sync.exposed_seconds;
+    p.tokens_per_second = double(p.global_batch * p.seq_len) / p.step_seconds;
+  } else if (a.data > a.expert) {
+    // The same layout with each expert group a replica: the synchronous data-parallel wait goes,
+    // the outer all-reduce comes (delayed: behind the next step; every H steps otherwise).
+    for (const StagePrediction& st : p.stages) {
+      double w = 0;
+      for (const auto& [g, t] : st.comm_exposed) w += g == "data" || g == "expert_data" ? t : 0;
+      p.data_exposed_seconds = std::max(p.data_exposed_seconds, w);
+    }
+    const double base = std::max(0.0, p.step_seconds - p.data_exposed_seconds);
+    const double t = outer_seconds(a.expert, 4.0);
+    p.sync_alternatives.push_back({"delayed", 1, base + std::max(0.0, t - base), t, std::max(0.0, t - base)});
+    for (int64_t H : {8, 32, 128}) p.sync_alternatives.push_back({"diloco", H, base + t / double(H), t, t / double(H)});
+  }
+  p.gradient_sync.step_seconds = p.step_seconds;
   p.peak_flops_per_rank = peak_flops(hw, dtype_key(tc.precision.compute_dtype()));
   if (p.peak_flops_per_rank > 0 && p.step_seconds > 0)
     p.mfu = p.model_flops_per_step / (p.step_seconds * double(world) * p.peak_flops_per_rank);
@@ -312,6 +358,31 @@ std::vector<std::string> explain(const Prediction& p) {
                                 e == s.comm_exposed.end() ? 0.0 : e->second));
     }
   }
+  if (p.gradient_sync.mode != "sync") {
+    const GradientSyncPrice& g = p.gradient_sync;
+    out.push_back(fmt::format("gradient sync: {} over {} replicas of {} data rank(s): one outer all-reduce takes {:.4g} s "
+                              "on the link{}, {:.4g} s a step exposed",
+                              g.mode, p.replicas, p.data_per_replica, g.outer_seconds,
+                              g.mode == "delayed" ? " (behind the next step)" : fmt::format(" every {} steps", g.every),
+                              g.exposed_seconds));
+  } else if (!p.sync_alternatives.empty()) {
+    std::string alts;
+    const GradientSyncPrice* best = nullptr;
+    for (const GradientSyncPrice& g : p.sync_alternatives) {
+      alts += fmt::format("{}{} {:.4g} s", alts.empty() ? "" : ", ",
+                          g.mode == "delayed" ? std::string("delayed") : fmt::format("DiLoCo H={}", g.every), g.step_seconds);
+      if (!best || g.step_seconds < best->step_seconds) best = &g;
+    }
+    const double gain = p.step_seconds / best->step_seconds;
+    out.push_back(fmt::format(
+        "gradient sync: synchronous waits {:.4g} s a step for the data-parallel reduction; with each of the {} expert "
+        "groups a replica (train.gradient_sync, one outer all-reduce {:.4g} s on the link) a step would take: {}; {}",
+        p.data_exposed_seconds, p.sizes.data / std::max(1, p.sizes.expert), best->outer_seconds, alts,
+        gain > 1.05 ? fmt::format("asynchronous aggregation pays off here ({:.2f}x with {}; check its convergence: "
+                                  "validation/bench_gradient_sync.py)",
+                                  gain, best->mode == "delayed" ? std::string("delayed") : fmt::format("DiLoCo H={}", best->every))
+                    : std::string("synchronous aggregation costs little here: keep it")));
+  }
   out.push_back(fmt::format("memory: peak {:.2f} GB on the largest rank (with the communication library's) against "
                             "{:.2f} GB: {}",
                             double(p.peak_memory) / 1e9, p.memory_available / 1e9, p.fits ? "fits" : "does not fit"));
@@ -337,6 +408,19 @@ json prediction_to_json(const Prediction& p) {
   j["fits"] = p.fits;
   j["profile"] = p.profile;
   j["profile_calibrated"] = p.profile_calibrated;
+  auto price = [](const GradientSyncPrice& g) {
+    return json{{"mode", g.mode}, {"every", g.every}, {"step_seconds", g.step_seconds}, {"outer_seconds", g.outer_seconds},
+                {"exposed_seconds", g.exposed_seconds}};
+  };
+  j["gradient_sync"] = price(p.gradient_sync);
+  j["gradient_sync"]["replicas"] = p.replicas;
+  j["gradient_sync"]["data_per_replica"] = p.data_per_replica;
+  if (!p.sync_alternatives.empty()) {
+    j["gradient_sync"]["data_exposed_seconds"] = p.data_exposed_seconds;
+    json alts = json::array();
+    for (const GradientSyncPrice& g : p.sync_alternatives) alts.push_back(price(g));
+    j["gradient_sync"]["alternatives"] = alts;
+  }
   json stages = json::array();
   for (const StagePrediction& s : p.stages) {
     stages.push_back({{"pipeline", s.pipeline},

@@ -46,6 +46,17 @@ struct StagePrediction {
   double p2p_bytes = 0;        // largest point-to-point message
 };
 
+// Aggregation between replicas (train.gradient_sync) priced beside the traced step: the outer
+// all-reduce of each rank's pieces of the weights (or, delayed, of the gradients) over the
+// replicas, on the link their ranks cross.
+struct GradientSyncPrice {
+  std::string mode = "sync";
+  int64_t every = 1;
+  double step_seconds = 0;     // the step with this aggregation
+  double outer_seconds = 0;    // one outer all-reduce on the link
+  double exposed_seconds = 0;  // what a step waits for it, on average
+};
+
 struct Prediction {
   int world = 1;
   AxisSizes sizes;
@@ -69,6 +80,13 @@ struct Prediction {
   std::string profile;
   bool profile_calibrated = false;
   bool efficiency_fitted = false;
+  // The run's aggregation (its outer all-reduce already in step_seconds), and for a synchronous
+  // run with data parallelism the same layout with each data rank a replica (over "data"):
+  // delayed, and DiLoCo / local SGD every 8, 32 and 128 steps.
+  GradientSyncPrice gradient_sync;
+  int replicas = 1, data_per_replica = 1;
+  double data_exposed_seconds = 0;  // the synchronous data-parallel wait the alternatives drop
+  std::vector<GradientSyncPrice> sync_alternatives;
 };
 
 struct PredictOptions {

@@ -170,6 +170,43 @@ TEST(PerfModel, DataParallelReductionsOverlapTheBackwardUntilWaitedFor) {
   EXPECT_NEAR(slow.step_seconds - fast.step_seconds, s.exposed_comm - f.exposed_comm, 1e-9 * slow.step_seconds);
 }
 
+// Asynchronous aggregation: on a slow link the synchronous step waits for its reduction and the
+// plan says which aggregation pays off; a DiLoCo run's step is its replica's traced step plus the
+// outer all-reduce every H steps; on a fast link nothing is gained.
+TEST(PerfModel, GradientSyncIsPricedAndThePlanSaysWhenItPaysOff) {
+  const HardwareProfile slow = profile(1e6);
+  HardwareProfile fast = profile(1e13);
+  fast.intra_node = {1e13, 1e-10};
+  fast.inter_node = {1e12, 1e-10};
+  const RunConfig sync = run_config({"parallel.data=16"});
+  const Prediction s = predict(sync, 16, slow);
+  ASSERT_EQ(s.sync_alternatives.size(), 4u);
+  EXPECT_GT(s.data_exposed_seconds, 0.5 * s.step_seconds) << "the slow link dominates the synchronous step";
+  const GradientSyncPrice& h32 = s.sync_alternatives[2];
+  EXPECT_EQ(h32.every, 32);
+  EXPECT_LT(h32.step_seconds, s.step_seconds / 4);
+  EXPECT_NEAR(h32.exposed_seconds * 32, h32.outer_seconds, 1e-12);
+  std::string text;
+  for (const std::string& line : explain(s)) text += line + "\n";
+  EXPECT_NE(text.find("pays off"), std::string::npos) << text;
+  // The DiLoCo run itself: its replicas (one data rank each) reduce nothing inside; the outer
+  // all-reduce every 32 steps is its only traffic between replicas.
+  const RunConfig diloco = run_config({"parallel.data=16", R"(train.gradient_sync={"mode": "diloco", "every": 32})"});
+  const Prediction d = predict(diloco, 16, slow);
+  EXPECT_EQ(d.replicas, 16);
+  EXPECT_NEAR(d.gradient_sync.exposed_seconds, d.gradient_sync.outer_seconds / 32, 1e-12);
+  EXPECT_NEAR(d.step_seconds, h32.step_seconds, 0.1 * h32.step_seconds);
+  const RunConfig bf16 = run_config({"parallel.data=16", R"(train.gradient_sync={"mode": "diloco", "every": 32, "outer_dtype": "bf16"})"});
+  EXPECT_LT(predict(bf16, 16, slow).gradient_sync.outer_seconds, 0.6 * d.gradient_sync.outer_seconds);
+  // Delayed hides the all-reduce behind the next step as far as the step lasts.
+  const RunConfig delayed = run_config({"parallel.data=16", R"(train.gradient_sync={"mode": "delayed"})"});
+  const Prediction dl = predict(delayed, 16, slow);
+  EXPECT_NEAR(dl.gradient_sync.exposed_seconds, std::max(0.0, dl.gradient_sync.outer_seconds - (dl.step_seconds - dl.gradient_sync.exposed_seconds)), 1e-9);
+  std::string quick;
+  for (const std::string& line : explain(predict(sync, 16, fast))) quick += line + "\n";
+  EXPECT_NE(quick.find("keep it"), std::string::npos) << quick;
+}
+
 // A pipeline's step comes from the schedule's own simulation of the traced actions.
 TEST(PerfModel, PipelineStepsComeFromTheSchedulesSimulation) {
   RunConfig c = run_config({"parallel.pipeline=2", "train.gradient_accumulation_steps=8"}, 4);
