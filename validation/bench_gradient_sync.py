@@ -4,6 +4,7 @@ replicas, and step time over a link slowed on purpose.
 
     validation/bench_gradient_sync.py [--steps 768] [--replicas 2,4] [--timing-steps 40]
         [--latency-ms 2] [--gbit 0.1] [--out validation/figures/gradient_sync]
+    validation/bench_gradient_sync.py --timing-only [--repeats 3]   (timings again, machine quiet)
 
 The fortunes corpus (.ci/prepare-fortunes, byte tokens), a 0.8M-parameter DeepSeek-LLM-style
 model (hidden 128, 2 layers), global batch 16 x 128 tokens at every replica count, AdamW lr
@@ -95,14 +96,41 @@ def main():
     ap.add_argument("--latency-ms", type=float, default=2.0)
     ap.add_argument("--gbit", type=float, default=0.1)
     ap.add_argument("--out", default=os.path.join(ROOT, "validation", "figures", "gradient_sync"))
+    ap.add_argument("--timing-only", action="store_true",
+                    help="only the slowed-link timing runs, --repeats times alternating, into OUT.json's rows")
+    ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
     assert a.steps % 128 == 0, "--steps must be a multiple of 128 (DiLoCo H=128 ends on an outer step)"
     subprocess.run([os.path.join(ROOT, ".ci", "prepare-fortunes"), os.path.join(ROOT, "build")], check=True,
                    stdout=subprocess.DEVNULL)
     slow = {"latency_ms": a.latency_ms, "gbit_per_s": a.gbit}
     results = []
+    if a.timing_only:
+        # The machine quiet: every mode's timing run --repeats times, alternating; the median
+        # step of each run after 8, and the median over the runs (with their spread).
+        with open(a.out + ".json") as f:
+            saved = json.load(f)
+        results = saved["rows"]
+        with tempfile.TemporaryDirectory() as tmp:
+            for row in results:
+                row["step_s_slow_link_runs"] = []
+                row["step_s_unslowed_runs"] = []
+            for k in range(a.repeats):
+                for i, row in enumerate(results):
+                    for key, link in (("step_s_slow_link_runs", slow), ("step_s_unslowed_runs", None)):
+                        timed, _ = run(os.path.join(tmp, f"t{k}_{i}_{key}"), row["replicas"], a.timing_steps,
+                                       row["config"], eval_every=0, slow=link)
+                        row[key].append(statistics.median(s["step_time_s"] for s in timed[8:]))
+            for row in results:
+                row["step_s_slow_link"] = statistics.median(row["step_s_slow_link_runs"])
+                row["step_s_unslowed"] = statistics.median(row["step_s_unslowed_runs"])
+        saved["slow_link"] = slow
+        saved["timing_repeats"] = a.repeats
+        with open(a.out + ".json", "w") as f:
+            json.dump(saved, f, indent=1)
+        a.steps = saved["steps"]
     with tempfile.TemporaryDirectory() as tmp:
-        for replicas in [int(x) for x in a.replicas.split(",")]:
+        for replicas in [] if a.timing_only else [int(x) for x in a.replicas.split(",")]:
             for name, gs in MODES:
                 steps, evals = run(os.path.join(tmp, f"{replicas}_{len(results)}"), replicas, a.steps, gs,
                                    eval_every=128)
@@ -118,8 +146,9 @@ def main():
                 print(f"{replicas} replicas, {name}: val {row['final_val_loss']:.4f}, "
                       f"{row['bytes_per_step'] / 1e3:.1f} kB/step, {row['step_s_slow_link'] * 1e3:.0f} ms/step slowed",
                       file=sys.stderr)
-    with open(a.out + ".json", "w") as f:
-        json.dump({"steps": a.steps, "slow_link": slow, "rows": results}, f, indent=1)
+    if not a.timing_only:
+        with open(a.out + ".json", "w") as f:
+            json.dump({"steps": a.steps, "slow_link": slow, "rows": results}, f, indent=1)
     print(f"{a.steps} steps of 16 x 128 tokens ({a.steps * 16 * 128 / 1e6:.2f}M tokens); slowed link: "
           f"{a.latency_ms} ms + ring traffic at {a.gbit} Gbit/s\n")
     print("| replicas | mode | final val loss | vs sync | bytes between replicas per step | vs sync | "
@@ -128,9 +157,12 @@ def main():
     for r in results:
         base = next(b for b in results if b["replicas"] == r["replicas"] and b["mode"] == "sync")
         ratio = base["bytes_per_step"] / r["bytes_per_step"] if r["bytes_per_step"] else float("inf")
+        spread = ""
+        if r.get("step_s_slow_link_runs"):
+            spread = f" ({min(r['step_s_slow_link_runs']) * 1e3:.0f}-{max(r['step_s_slow_link_runs']) * 1e3:.0f})"
         print(f"| {r['replicas']} | {r['mode']} | {r['final_val_loss']:.4f} | "
               f"{(r['final_val_loss'] / base['final_val_loss'] - 1) * 100:+.2f}% | {r['bytes_per_step'] / 1e3:,.1f} kB | "
-              f"{ratio:.1f}x fewer | {r['step_s_slow_link'] * 1e3:.0f} | "
+              f"{ratio:.1f}x fewer | {r['step_s_slow_link'] * 1e3:.0f}{spread} | "
               f"{r['step_s_slow_link'] / base['step_s_slow_link']:.2f}x | {r['step_s_unslowed'] * 1e3:.0f} |")
     try:
         import matplotlib
