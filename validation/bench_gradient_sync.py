@@ -14,9 +14,10 @@ momentum 0.5; at H = 32 also in bf16 and with Douillard et al.'s published momen
 an outer step, where the replicas agree, and the final validation loss (64 micro-batches of the
 validation split) is the model's.
 
-Convergence runs are not slowed. Timing runs repeat each mode for --timing-steps steps with
-train.gradient_sync.test_slow_link (latency + ring traffic over --gbit Gbit/s on the link
-between replicas; the data axis under sync), and give the median step after 8.
+Convergence runs are not slowed. Timing runs repeat each mode for --timing-steps steps (at least
+two outer rounds after 8 warm-up steps) with and without train.gradient_sync.test_slow_link
+(latency + ring traffic over --gbit Gbit/s on the link between replicas; the data axis under
+sync), and give the mean step after the first 8: the outer steps' share included.
 
 Bytes between replicas are the payload of every collective on that link per step (the mean
 over the run): under sync the data axis's gradient all-reduce, otherwise the aggregation's
@@ -99,12 +100,19 @@ def main():
     ap.add_argument("--timing-only", action="store_true",
                     help="only the slowed-link timing runs, --repeats times alternating, into OUT.json's rows")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--report-only", action="store_true", help="the table and plot from OUT.json, nothing run")
     a = ap.parse_args()
     assert a.steps % 128 == 0, "--steps must be a multiple of 128 (DiLoCo H=128 ends on an outer step)"
-    subprocess.run([os.path.join(ROOT, ".ci", "prepare-fortunes"), os.path.join(ROOT, "build")], check=True,
-                   stdout=subprocess.DEVNULL)
     slow = {"latency_ms": a.latency_ms, "gbit_per_s": a.gbit}
     results = []
+    if a.report_only:
+        with open(a.out + ".json") as f:
+            saved = json.load(f)
+        results, a.steps, slow = saved["rows"], saved["steps"], saved["slow_link"]
+        a.latency_ms, a.gbit = slow["latency_ms"], slow["gbit_per_s"]
+    else:
+        subprocess.run([os.path.join(ROOT, ".ci", "prepare-fortunes"), os.path.join(ROOT, "build")], check=True,
+                       stdout=subprocess.DEVNULL)
     if a.timing_only:
         # The machine quiet: every mode's timing run --repeats times, alternating; the median
         # step of each run after 8, and the median over the runs (with their spread).
@@ -117,10 +125,13 @@ def main():
                 row["step_s_unslowed_runs"] = []
             for k in range(a.repeats):
                 for i, row in enumerate(results):
+                    # Two outer rounds after 8 warm-up steps at least: the mean step carries the
+                    # outer step's share.
+                    steps = max(a.timing_steps, 8 + 2 * int(row["config"].get("every", 1)))
                     for key, link in (("step_s_slow_link_runs", slow), ("step_s_unslowed_runs", None)):
-                        timed, _ = run(os.path.join(tmp, f"t{k}_{i}_{key}"), row["replicas"], a.timing_steps,
+                        timed, _ = run(os.path.join(tmp, f"t{k}_{i}_{key}"), row["replicas"], steps,
                                        row["config"], eval_every=0, slow=link)
-                        row[key].append(statistics.median(s["step_time_s"] for s in timed[8:]))
+                        row[key].append(statistics.mean(s["step_time_s"] for s in timed[8:]))
             for row in results:
                 row["step_s_slow_link"] = statistics.median(row["step_s_slow_link_runs"])
                 row["step_s_unslowed"] = statistics.median(row["step_s_unslowed_runs"])
@@ -130,7 +141,7 @@ def main():
             json.dump(saved, f, indent=1)
         a.steps = saved["steps"]
     with tempfile.TemporaryDirectory() as tmp:
-        for replicas in [] if a.timing_only else [int(x) for x in a.replicas.split(",")]:
+        for replicas in [] if a.timing_only or a.report_only else [int(x) for x in a.replicas.split(",")]:
             for name, gs in MODES:
                 steps, evals = run(os.path.join(tmp, f"{replicas}_{len(results)}"), replicas, a.steps, gs,
                                    eval_every=128)
@@ -146,7 +157,7 @@ def main():
                 print(f"{replicas} replicas, {name}: val {row['final_val_loss']:.4f}, "
                       f"{row['bytes_per_step'] / 1e3:.1f} kB/step, {row['step_s_slow_link'] * 1e3:.0f} ms/step slowed",
                       file=sys.stderr)
-    if not a.timing_only:
+    if not a.timing_only and not a.report_only:
         with open(a.out + ".json", "w") as f:
             json.dump({"steps": a.steps, "slow_link": slow, "rows": results}, f, indent=1)
     print(f"{a.steps} steps of 16 x 128 tokens ({a.steps * 16 * 128 / 1e6:.2f}M tokens); slowed link: "

@@ -470,10 +470,6 @@ bool Trainer::train_step(StepRecord& r) {
     const Timeline::Scope recorded(timeline_.get(), "reduce", step_ + 1, -1);
     for (auto& axis : axes_) axis->finish_gradients(rt);
   }
-  // Delayed aggregation: this step's gradients go out to the other replicas, the previous step's
-  // average comes in to be applied.
-  bool update_ready = true;
-  if (sync_ && sync_->config().mode == "delayed") update_ready = sync_->exchange_gradients();
   reduce_over_data(Tensor(sums.data(), DType::F64, Shape{int64_t(sums.size())}));
   // The loss is the last stage's: every stage gets it (the others add zeros).
   if (pp_) timed_collective([&] { pp_->all_reduce(Tensor(sums.data(), DType::F64, Shape{int64_t(sums.size())})); });
@@ -484,6 +480,10 @@ bool Trainer::train_step(StepRecord& r) {
     return false;
   }
 
+  // Delayed aggregation: this step's gradients go out to the other replicas, the previous step's
+  // average comes in to be applied (after the step is known to stand: a retried one sends none).
+  bool update_ready = true;
+  if (sync_ && sync_->config().mode == "delayed") update_ready = sync_->exchange_gradients();
   r = StepRecord{};
   r.step = step_ + 1;
   // The step's loss: CE + the MoE layers' auxiliary terms + the weighted MTP losses.
