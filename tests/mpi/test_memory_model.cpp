@@ -89,6 +89,7 @@ TEST(MemoryModel, PredictsEveryRanksPeakOfTheAllocatorsAccounting) {
       predicted_by = e.peak;
       measured_by = m.peak;
       for (MemCategory k : {MemCategory::Parameters, MemCategory::Gradients, MemCategory::OptimizerState}) {
+        if (k == MemCategory::Gradients && cfg.train.zero.stage >= 2) continue;  // transient: checked below
         state_predicted += at(e.peak, k);
         state_measured += at(m.peak, k);
       }
@@ -105,12 +106,18 @@ TEST(MemoryModel, PredictsEveryRanksPeakOfTheAllocatorsAccounting) {
     // when its messages happen to finish (a send or two more in flight). Those categories are
     // checked loosely; every other one is the run's own. On this tiny model (buckets of 3000 elements beside 2 layers of width
     // 32) the bound is loose; the benchmark's models are within 1% (validation/figures).
+    // ZeRO 2 and 3 hold each bucket's whole gradients until its reduction is seen complete: a
+    // run whose reductions complete early (one rank, a busy machine's scheduling) hands them
+    // back sooner than the model, which holds them until waited for. An upper bound there.
+    const bool transient_grads = cfg.train.zero.stage >= 2;
     for (int k = 0; k < int(MemCategory::kCount); ++k) {
       const auto cat = MemCategory(k);
       const double p = double(predicted_by[size_t(k)]), m = double(measured_by[size_t(k)]);
       if (cat == MemCategory::Data || cat == MemCategory::Checkpoint) continue;  // the trainer's, not the step's
       if (cat == MemCategory::CommBuffers || cat == MemCategory::GatheredParameters) {
         EXPECT_GE(p, 0.75 * m) << mem_category_name(cat) << categories;
+      } else if (cat == MemCategory::Gradients && transient_grads) {
+        EXPECT_GE(p, 0.98 * m - 64) << mem_category_name(cat) << categories;
       } else {
         EXPECT_NEAR(p, m, 0.02 * m + 64) << mem_category_name(cat) << categories;
       }
