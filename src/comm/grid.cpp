@@ -123,12 +123,6 @@ ProcessGrid::ProcessGrid(MPI_Comm world, const ParallelConfig& config) {
   coords_[size_t(Axis::Expert)] = coords_[size_t(Axis::Data)] % ep;
   const int tensor = coords_[size_t(Axis::Tensor)], pipeline = coords_[size_t(Axis::Pipeline)];
   const int d = coords_[size_t(Axis::Data)], expert_group = d / ep, expert = d % ep;
-  // Each communicator: the ranks that agree on `color`, ordered by `key`.
-  auto split = [&](int color, int key, std::string_view name) {
-    MPI_Comm c;
-    DS_MPI_CHECK(MPI_Comm_split(world_->mpi_comm(), color, key, &c));
-    return MpiCommunicator::adopt(MpiCommHandle::adopt(c), std::string(name));
-  };
   axes_[size_t(Axis::Data)] = split(pipeline * tp + tensor, d, "data");
   axes_[size_t(Axis::Tensor)] = split(pipeline * dp + d, tensor, "tensor");
   axes_[size_t(Axis::Pipeline)] = split(d * tp + tensor, pipeline, "pipeline");
@@ -141,6 +135,12 @@ ProcessGrid::ProcessGrid(MPI_Comm world, const ParallelConfig& config) {
   DS_MPI_CHECK(MPI_Comm_size(node_comm.get(), &local_size_));
   int leader = local_rank_ == 0 ? 1 : 0;
   DS_MPI_CHECK(MPI_Allreduce(&leader, &num_nodes_, 1, MPI_INT, MPI_SUM, world_->mpi_comm()));
+}
+
+std::unique_ptr<MpiCommunicator> ProcessGrid::split(int color, int key, std::string_view name) const {
+  MPI_Comm c;
+  DS_MPI_CHECK(MPI_Comm_split(world_->mpi_comm(), color, key, &c));
+  return MpiCommunicator::adopt(MpiCommHandle::adopt(c), std::string(name));
 }
 
 std::string ProcessGrid::describe() const {
@@ -196,11 +196,6 @@ void ProcessGrid::split_replicas(int S) {
   if (S == dp) return;
   const int R = dp / S, d = coord(Axis::Data), q = d / S, i = d % S, e = d % ep;
   const int place = coord(Axis::Pipeline) * tp + coord(Axis::Tensor);
-  auto split = [&](int color, int key, std::string_view name) {
-    MPI_Comm c;
-    DS_MPI_CHECK(MPI_Comm_split(world_->mpi_comm(), color, key, &c));
-    return MpiCommunicator::adopt(MpiCommHandle::adopt(c), std::string(name));
-  };
   replica_comms_[0] = split(place * R + q, i, "replica_data");
   replica_comms_[1] = split((place * R + q) * ep + e, i / ep, "replica_expert_data");
   replica_comms_[2] = split(q, world_rank(), "replica");

@@ -123,6 +123,8 @@ class ProcessGrid {
   std::unique_ptr<Communicator> wrapped_world_, wrapped_expert_data_;
   std::array<std::unique_ptr<Communicator>, kNumAxes> wrapped_axes_;
   std::array<int, kNumAxes> sizes_{}, coords_{};
+  // The ranks of the world that agree on `color`, ordered by `key`.
+  std::unique_ptr<MpiCommunicator> split(int color, int key, std::string_view name) const;
   static Communicator& pick(const std::unique_ptr<MpiCommunicator>& raw, const std::unique_ptr<Communicator>& wrapped,
                             Communicator& fallback) {
     return wrapped ? *wrapped : raw ? *raw : fallback;

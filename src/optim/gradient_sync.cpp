@@ -9,6 +9,15 @@
 #include "core/error.h"
 
 namespace dstrain {
+namespace {
+
+// d = x - d, elementwise (the ops have no subtraction: a negation, exact, then one rounding).
+void subtract_from(Tensor d, Tensor x) {
+  ops::scale_inplace(d, -1.0f);
+  ops::add_inplace(d, x);
+}
+
+}  // namespace
 
 GradientSyncConfig GradientSyncConfig::from_json(const JsonReader& r) {
   GradientSyncConfig c;
@@ -206,12 +215,7 @@ bool GradientSync::exchange_gradients() {
   // The previous step's sum, launched a step ago, becomes the average to apply now.
   wait_inflight();
   std::swap(inflight_buf_, spare_buf_);
-  if (across_) {
-    inflight_ = across_->all_reduce_async(inflight_buf_.tensor());
-    step_stats_.bytes += double(inflight_buf_.nbytes());
-  } else {
-    inflight_ = Work();
-  }
+  inflight_ = across_ ? across_->all_reduce_async(inflight_buf_.tensor()) : Work();
   have_inflight_ = true;
   if (!ready_) return false;
   for (int id = 0; id < reg.size(); ++id) {
@@ -247,10 +251,7 @@ void GradientSync::outer_step(int p, GradientSyncStep& st) {
     const int64_t off = opt_.shard_offset(id);
     Tensor d = delta_.tensor(at, {n});
     ops::copy(d, master.tensor(off, {n}));
-    if (!average_params) {
-      ops::scale_inplace(d, -1.0f);
-      ops::add_inplace(d, outer_.tensor(off, {n}));
-    }
+    if (!average_params) subtract_from(d, outer_.tensor(off, {n}));
     at += n;
   }
   Tensor wire = wire_buf_.tensor(0, {len});
@@ -258,7 +259,6 @@ void GradientSync::outer_step(int p, GradientSyncStep& st) {
   const auto t0 = Clock::now();
   if (across_ && len > 0) across_->all_reduce(wire);
   st.wait_seconds += seconds_since(t0);
-  st.bytes += double(wire.nbytes());
   Tensor mean = mean_.tensor(0, {len});
   ops::cast(mean, wire);
   if (replicas() > 1) ops::scale_inplace(mean, float(1.0 / double(replicas())));
@@ -275,14 +275,12 @@ void GradientSync::outer_step(int p, GradientSyncStep& st) {
       const int64_t skip = (static_cast<const float*>(part.raw()) - master.data<float>()) - opt_.shard_offset(id);
       const Tensor m = mean_.tensor(at + skip, {part.numel()});
       Tensor d = delta_.tensor(at + skip, {part.numel()});
-      ops::scale_inplace(d, -1.0f);
-      ops::add_inplace(d, m);
+      subtract_from(d, m);
       sums[1] += ops::read_sum_squares(d);
       if (average_params) {
         // |theta_outer - mean theta|
         ops::copy(d, m);
-        ops::scale_inplace(d, -1.0f);
-        ops::add_inplace(d, outer_.tensor(opt_.shard_offset(id) + skip, {part.numel()}));
+        subtract_from(d, outer_.tensor(opt_.shard_offset(id) + skip, {part.numel()}));
         sums[0] += ops::read_sum_squares(d);
       } else {
         sums[0] += ops::read_sum_squares(m);

@@ -78,8 +78,7 @@ struct GradientSyncConfig {
 
 // What the gradient sync did in a step (this rank's).
 struct GradientSyncStep {
-  double bytes = 0;          // payload of the collectives between replicas
-  double wait_seconds = 0;   // waiting for them
+  double wait_seconds = 0;   // waiting for the collectives between replicas
   int64_t outer_steps = 0;   // fragments synchronised this step
   double drift = -1;         // sqrt(mean over replicas |theta_r - mean theta|^2) before the sync (-1: none)
   double outer_delta_norm = -1;  // |Delta|, the outer gradient's norm (-1: none)

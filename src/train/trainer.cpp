@@ -67,6 +67,17 @@ ProcessGrid& split_replicas(ProcessGrid& grid, RunConfig& config) {
 
 }  // namespace
 
+std::vector<char> Trainer::counted_in_norm() const {
+  // The optimizer's pieces split each group's local pieces over its data-parallel ranks, and the
+  // other axes leave out their replicas.
+  const ParamRegistry& reg = model_->params();
+  std::vector<char> counted(size_t(reg.size()), 1);
+  for (int id = 0; id < reg.size(); ++id) {
+    for (const auto& axis : axes_) counted[size_t(id)] = counted[size_t(id)] && axis->counts_in_norm(reg.info(id));
+  }
+  return counted;
+}
+
 void Trainer::reduce_over_data(Tensor t) {
   timed_collective([&] {
     rdp_->all_reduce(t);
@@ -131,19 +142,18 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
   Communicator* dense = rdp_;
   Communicator* expert = ep > 1 ? &grid_.replica_expert_data() : rdp_;
   if (gs.slow_link()) {
+    // `c` from now on through a slowed wrapper that `owner` keeps.
+    auto slow = [&](std::unique_ptr<Communicator>& owner, Communicator*& c) {
+      owner = std::make_unique<SlowLinkCommunicator>(*c, gs.test_link_latency_ms, gs.test_link_gbit_per_s);
+      c = owner.get();
+    };
     if (gs.async() && across_) {
-      slow_link_ = std::make_unique<SlowLinkCommunicator>(*across_, gs.test_link_latency_ms, gs.test_link_gbit_per_s);
-      across_ = slow_link_.get();
-      slow_link_bulk_ =
-          std::make_unique<SlowLinkCommunicator>(*across_bulk_, gs.test_link_latency_ms, gs.test_link_gbit_per_s);
-      across_bulk_ = slow_link_bulk_.get();
+      slow(slow_link_, across_);
+      slow(slow_link_bulk_, across_bulk_);
     } else if (!gs.async()) {
-      slow_link_ = std::make_unique<SlowLinkCommunicator>(*dense, gs.test_link_latency_ms, gs.test_link_gbit_per_s);
-      dense = slow_link_.get();
+      slow(slow_link_, dense);
       if (ep > 1) {
-        slow_link_expert_ =
-            std::make_unique<SlowLinkCommunicator>(*expert, gs.test_link_latency_ms, gs.test_link_gbit_per_s);
-        expert = slow_link_expert_.get();
+        slow(slow_link_expert_, expert);
       } else {
         expert = dense;
       }
@@ -181,13 +191,8 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
     model_->set_hooks(&param_hooks_);
   }
   if (gs.async()) {
-    // Each global element counted once in a replica's norms (as the gradient norm counts them).
-    const ParamRegistry& reg = model_->params();
-    std::vector<char> counted(size_t(reg.size()), 1);
-    for (int id = 0; id < reg.size(); ++id) {
-      for (auto& axis : axes_) counted[size_t(id)] = counted[size_t(id)] && axis->counts_in_norm(reg.info(id));
-    }
-    sync_ = std::make_unique<GradientSync>(gs, *optimizer_, across_bulk_, grid_.replica_world(), std::move(counted));
+    // Each global element counted once in a replica's norms, as the gradient norm counts them.
+    sync_ = std::make_unique<GradientSync>(gs, *optimizer_, across_bulk_, grid_.replica_world(), counted_in_norm());
     if (grid_.world_rank() == 0) {
       log::info("gradient sync: {}; {} replica(s) of {} data-parallel rank(s) each (over {})", gs.describe(),
                 grid_.replicas(), grid_.data_per_replica(), gs.over);
@@ -499,14 +504,7 @@ bool Trainer::train_step(StepRecord& r) {
   }
   r.loss = r.ce_loss + r.aux_loss + r.mtp_loss;
   {
-    // Each global element counted on one rank: the optimizer's pieces split each group's local
-    // pieces over its data-parallel ranks, and the other axes leave out their replicas.
-    const ParamRegistry& reg = model_->params();
-    std::vector<char> counted(size_t(reg.size()), 1);
-    for (int id = 0; id < reg.size(); ++id) {
-      for (auto& axis : axes_) counted[size_t(id)] = counted[size_t(id)] && axis->counts_in_norm(reg.info(id));
-    }
-    double sq = optimizer_->local_grad_sum_squares(counted);
+    double sq = optimizer_->local_grad_sum_squares(counted_in_norm());
     // Under asynchronous aggregation, each replica's own gradient (delayed: the average it
     // applies, the same in every replica).
     Communicator& norm_comm = sync_ ? grid_.replica_world() : grid_.world();

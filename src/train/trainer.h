@@ -144,6 +144,9 @@ class Trainer {
   Communicator& routing_comm() { return sync_ && sync_->config().local() ? *rdp_ : dp_; }
   // Sums over every data-parallel rank: the replica's, then across the replicas.
   void reduce_over_data(Tensor t);
+  // Per parameter: whether this rank counts it in a gradient or weight norm (each global
+  // element on one rank), from every axis.
+  std::vector<char> counted_in_norm() const;
   // Runs a blocking collective of the step, counting its wait as exposed communication.
   template <class F>
   void timed_collective(F&& f) {
@@ -191,13 +194,17 @@ class Trainer {
   // the other replicas' weights and moments, from this rank's buffers `values`, `exp_avg`,
   // `exp_avg_sq`); `main` becomes pieces without a piece where replica 0 alone writes (or reads)
   // the model groups. `views` keeps the host copies alive (read back after a read).
+  // `pending`: the delayed gradient is written (or read) too.
   std::vector<CheckpointGroup> gradient_sync_groups(std::shared_ptr<const ShardedState>& main, float* values,
-                                                    float* exp_avg, float* exp_avg_sq, bool writing,
+                                                    float* exp_avg, float* exp_avg_sq, bool writing, bool pending,
                                                     std::vector<std::unique_ptr<ops::HostView>>& views);
-  // Resume: whether `path` holds asynchronous aggregation's state; an error on every rank when
-  // it was written with another aggregation (mode, H, fragments, replicas). Collective.
-  bool check_gradient_sync_resume(const std::string& path);
-  bool step_pending_gradient_ = false;  // the checkpoint being read holds a delayed gradient
+  // Resume: whether `path` holds asynchronous aggregation's state and a delayed gradient; an
+  // error on every rank when it was written with another aggregation (mode, H, fragments,
+  // replicas). Collective.
+  struct GradientSyncFile {
+    bool async = false, pending_gradient = false;
+  };
+  GradientSyncFile check_gradient_sync_resume(const std::string& path);
   // Why the current state must not become a checkpoint ("" when it may): saving it would
   // rotate away the good ones written before training went wrong. Collective.
   std::string unsafe_to_save();

@@ -71,6 +71,7 @@ std::shared_ptr<const ShardedState> Trainer::optimizer_pieces() const {
 
 std::vector<CheckpointGroup> Trainer::gradient_sync_groups(std::shared_ptr<const ShardedState>& main, float* values,
                                                            float* exp_avg, float* exp_avg_sq, bool writing,
+                                                           bool pending,
                                                            std::vector<std::unique_ptr<ops::HostView>>& views) {
   std::vector<CheckpointGroup> out;
   if (!sync_) return out;
@@ -90,7 +91,7 @@ std::vector<CheckpointGroup> Trainer::gradient_sync_groups(std::shared_ptr<const
   // 0's ranks (whose pieces tile each tensor once).
   const bool verify = q == 0;
   if (sync_->config().mode == "delayed") {
-    if (writing ? sync_->has_pending_gradient() : step_pending_gradient_) {
+    if (pending) {
       out.push_back({"gradient_sync/pending_gradient", host_of(sync_->pending_gradient()), shared, verify});
     }
   } else {
@@ -303,7 +304,8 @@ double Trainer::save_checkpoint() {
   const HostState host = optimizer_host_state(*optimizer_);
   CheckpointBuffers bufs = host.buffers(optimizer_pieces());
   std::vector<std::unique_ptr<ops::HostView>> views;
-  bufs.extra = gradient_sync_groups(bufs.pieces, host.values(), host.exp_avg(), host.exp_avg_sq(), /*writing=*/true, views);
+  bufs.extra = gradient_sync_groups(bufs.pieces, host.values(), host.exp_avg(), host.exp_avg_sq(), /*writing=*/true,
+                                    sync_ && sync_->has_pending_gradient(), views);
   const double stall = ckpt_->save(file_registry(), bufs, state());
   last_saved_step_ = step_;
   last_save_time_ = clock();
@@ -366,7 +368,8 @@ bool Trainer::resume(const std::string& spec) {
     throw_if_root_failed(grid_.world(),
                          grid_.world_rank() == 0 ? model_mismatch(path, file_registry(), config_.model) : "");
     // Another aggregation than the file's is an error, not an invalid file to skip.
-    const bool async_file = check_gradient_sync_resume(path);
+    const GradientSyncFile file_sync = check_gradient_sync_resume(path);
+    const bool async_file = file_sync.async;
     try {
       // Each rank reads its pieces of the file's global tensors straight into the optimizer's
       // buffers, whatever layout wrote them.
@@ -376,14 +379,15 @@ bool Trainer::resume(const std::string& spec) {
       // Every replica reads the model groups it needs; replica 0's ranks verify them.
       if (sync_) into.verify = grid_.replica() == 0;
       if (async_file) {
-        into.extra = gradient_sync_groups(into.pieces, host.values(), host.exp_avg(), host.exp_avg_sq(), false, views);
+        into.extra = gradient_sync_groups(into.pieces, host.values(), host.exp_avg(), host.exp_avg_sq(), false,
+                                          file_sync.pending_gradient, views);
       }
       st = read_checkpoint(path, ckpt_->io_comm(), file_registry(), into);
       host.write_back();
       for (const auto& v : views) v->write_back();
       if (sync_) {
         if (!async_file) sync_->reset_outer();  // theta_outer starts at the checkpoint's weights
-        if (sync_->config().mode == "delayed") sync_->set_pending_gradient(async_file && step_pending_gradient_);
+        if (sync_->config().mode == "delayed") sync_->set_pending_gradient(async_file && file_sync.pending_gradient);
       }
     } catch (const Error& e) {
       if (spec != "auto") throw;
@@ -459,7 +463,7 @@ bool Trainer::resume(const std::string& spec) {
                           candidates.size(), config_.checkpoint.dir));
 }
 
-bool Trainer::check_gradient_sync_resume(const std::string& path) {
+Trainer::GradientSyncFile Trainer::check_gradient_sync_resume(const std::string& path) {
   // Rank 0 reads what the file's run aggregated, and whether it holds a delayed gradient.
   std::string verdict;
   if (grid_.world_rank() == 0) {
@@ -500,8 +504,7 @@ bool Trainer::check_gradient_sync_resume(const std::string& path) {
   const json v = json::parse(all_gather_strings(grid_.world(), verdict)[0]);
   DS_CHECK(v["error"].get<std::string>().empty(), "{}", v["error"].get<std::string>());
   if (!v["note"].get<std::string>().empty() && grid_.world_rank() == 0) log::info("note: {}", v["note"].get<std::string>());
-  step_pending_gradient_ = v["pending"].get<bool>();
-  return v["async"].get<bool>();
+  return {v["async"].get<bool>(), v["pending"].get<bool>()};
 }
 
 void Trainer::restore_precision_state(const TrainState& st, const std::string& path) {
