@@ -84,7 +84,7 @@ int cmd_info(const std::string& path, bool verify) {
   return bad || !info.metadata_problems.empty() ? 1 : 0;
 }
 
-int cmd_export(const std::string& path, const std::string& dir, std::string dtype) {
+int cmd_export(const std::string& path, const std::string& dir, std::string dtype, std::string layout) {
   using namespace dstrain;
   const CheckpointInfo info = inspect_checkpoint(path, /*verify=*/false);
   if (!info.metadata_problems.empty()) {
@@ -95,16 +95,23 @@ int cmd_export(const std::string& path, const std::string& dir, std::string dtyp
                             path, list));
   }
   const ModelConfig model = ModelConfig::from_hf_json(info.state.config.at("model"), path + " (config)");
-  // Unset: the dtype the run would have written (output.save_hf_dtype of its configuration).
-  if (dtype.empty()) {
-    const json out = info.state.config.value("output", json::object());
-    dtype = out.is_object() ? out.value("save_hf_dtype", std::string("float32")) : "float32";
+  // Unset: what the run would have written (output.save_hf_dtype, hf_layout and hf_fp8_block of
+  // its configuration).
+  const json out = info.state.config.value("output", json::object());
+  if (dtype.empty()) dtype = out.is_object() ? out.value("save_hf_dtype", std::string("float32")) : "float32";
+  if (layout.empty()) layout = out.is_object() ? out.value("hf_layout", std::string("standard")) : "standard";
+  HFSaveOptions options;
+  options.dtype = dtype == "fp8" ? DType::F8_E4M3 : dtype_from_torch_name(dtype);
+  options.released_layout = layout == "released";
+  if (out.is_object() && out.contains("hf_fp8_block")) {
+    const json& b = out["hf_fp8_block"];
+    options.block = FP8Block{b.at(0).get<int64_t>(), b.at(1).get<int64_t>()};
   }
   Transformer t(model, Device::cpu());
   read_checkpoint(path, MPI_COMM_SELF, t.params(), nullptr, nullptr);  // verifies the model tensors
-  save_hf_weights(dir, t.params(), model.to_hf_json(), int64_t(5) << 30, dtype_from_torch_name(dtype));
-  std::printf("exported the model of %s (step %lld) to %s in %s\n", path.c_str(), (long long)info.state.step,
-              dir.c_str(), dtype.c_str());
+  save_hf_weights(dir, t.params(), model.to_hf_json(), options);
+  std::printf("exported the model of %s (step %lld) to %s in %s, %s layout\n", path.c_str(),
+              (long long)info.state.step, dir.c_str(), dtype.c_str(), layout.c_str());
   return 0;
 }
 
@@ -118,7 +125,7 @@ int main(int argc, char** argv) {
   try {
     CLI::App app{"dstrain-ckpt: inspect and convert dstrain checkpoints"};
     app.require_subcommand(1);
-    std::string file, to_hf, dtype;
+    std::string file, to_hf, dtype, layout;
     bool no_verify = false;
     CLI::App* info = app.add_subcommand("info", "show a checkpoint's step, layout and tensors, checksums verified");
     info->add_option("file", file, "checkpoint (.h5)")->required()->check(CLI::ExistingFile);
@@ -126,11 +133,17 @@ int main(int argc, char** argv) {
     CLI::App* exp = app.add_subcommand("export", "write the model as Hugging Face safetensors + config.json");
     exp->add_option("file", file, "checkpoint (.h5)")->required()->check(CLI::ExistingFile);
     exp->add_option("--to-hf", to_hf, "output directory")->required();
-    exp->add_option("--dtype", dtype, "tensor dtype: float32, bfloat16 or float16 (default: the run's output.save_hf_dtype)")
-        ->check(CLI::IsMember({"float32", "bfloat16", "float16"}));
+    exp->add_option("--dtype", dtype,
+                    "tensor dtype: float32, bfloat16, float16 or fp8 (DeepSeek's block-scaled FP8; default: the "
+                    "run's output.save_hf_dtype)")
+        ->check(CLI::IsMember({"float32", "bfloat16", "float16", "fp8"}));
+    exp->add_option("--layout", layout,
+                    "standard (transformers') or released (DeepSeek's: MTP modules with their own embedding and head "
+                    "copies; default: the run's output.hf_layout)")
+        ->check(CLI::IsMember({"standard", "released"}));
     try {
       app.parse(argc, argv);
-      rc = info->parsed() ? cmd_info(file, !no_verify) : cmd_export(file, to_hf, dtype);
+      rc = info->parsed() ? cmd_info(file, !no_verify) : cmd_export(file, to_hf, dtype, layout);
     } catch (const CLI::ParseError& e) {
       const CLI::App* sub = info->parsed() ? info : exp->parsed() ? exp : nullptr;
       const std::string usage = sub ? "dstrain-ckpt " + sub->get_name() : "dstrain-ckpt";

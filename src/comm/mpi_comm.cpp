@@ -27,7 +27,7 @@ MPI_Datatype mpi_datatype(DType t) {
     case DType::I32: return MPI_INT32_T;
     case DType::U32: return MPI_UINT32_T;
     case DType::U16: case DType::BF16: case DType::F16: return MPI_UINT16_T;  // reduced by sum_16bit below
-    case DType::U8: return MPI_UINT8_T;
+    case DType::U8: case DType::F8_E4M3: return MPI_UINT8_T;  // FP8: moved, never reduced
   }
   DS_FAIL("no MPI datatype for {}", dtype_name(t));
 }

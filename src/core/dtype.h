@@ -1,5 +1,6 @@
 // Element types of tensors and files, and the conversions between the storage formats
-// Hugging Face checkpoints use (F32, BF16, F16) and dstrain's fp32 compute type.
+// Hugging Face checkpoints use (F32, BF16, F16, and DeepSeek's released FP8 E4M3) and dstrain's
+// fp32 compute type.
 #pragma once
 
 #include <cstdint>
@@ -9,7 +10,9 @@
 
 namespace dstrain {
 
-enum class DType : uint8_t { F32, BF16, F16, F64, I64, I32, U32, U16, U8 };
+// F8_E4M3: OCP FP8 E4M3 (PyTorch's float8_e4m3fn), a storage type only: DeepSeek-V3's released
+// weights, block-scaled (io/hf_weights.h).
+enum class DType : uint8_t { F32, BF16, F16, F64, I64, I32, U32, U16, U8, F8_E4M3 };
 
 size_t dtype_size(DType t);
 std::string_view dtype_name(DType t);            // "F32", "BF16", ... (safetensors spelling)
@@ -51,5 +54,14 @@ inline uint16_t f32_to_bf16(float f) {
 }
 float f16_to_f32(uint16_t h);
 uint16_t f32_to_f16(float f);
+
+// FP8 E4M3 as the OCP 8-bit floating point specification defines it ("E4M3FN"): sign, 4
+// exponent bits (bias 7), 3 mantissa bits, subnormals, no infinities, NaN = S.1111.111, largest
+// finite 448. Decoding is exact.
+float f8e4m3_to_f32(uint8_t v);
+// Rounds to nearest, ties to even, as PyTorch's float -> float8_e4m3fn conversion does:
+// magnitudes up to 464 (the tie between 448 and the missing 480 goes to 448) round to a finite
+// value, larger ones and Inf/NaN give NaN (0x7f, with the sign).
+uint8_t f32_to_f8e4m3(float f);
 
 }  // namespace dstrain

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <numeric>
+#include <limits>
 #include <regex>
 #include <set>
 
@@ -74,9 +75,14 @@ bool is_shared_copy(const HFWeights& w, const ParamRegistry& reg, const std::str
     return false;
   }
   if (!w.has(*original)) return false;
-  const auto a = w.raw(name), b = w.raw(*original);
-  DS_CHECK(w.dtype(name) == w.dtype(*original) && w.shape(name) == w.shape(*original) && a.size() == b.size() &&
-               std::memcmp(a.data(), b.data(), a.size()) == 0,
+  auto same_bytes = [&](const std::string& x, const std::string& y) {
+    const auto a = w.raw(x), b = w.raw(y);
+    return w.dtype(x) == w.dtype(y) && w.shape(x) == w.shape(y) && a.size() == b.size() &&
+           std::memcmp(a.data(), b.data(), a.size()) == 0;
+  };
+  // An FP8 copy is the same when its scales are too.
+  DS_CHECK(same_bytes(name, *original) && w.block_scaled(name) == w.block_scaled(*original) &&
+               (!w.block_scaled(name) || same_bytes(fp8_scale_name(name), fp8_scale_name(*original))),
            "'{}' holds {} ({} {}), which dstrain shares with {} but which differs from it ({} {}); this checkpoint's "
            "multi-token-prediction module has its own copy",
            w.file_of(name), name, dtype_name(w.dtype(name)), w.shape(name).str(), *original,
@@ -168,6 +174,8 @@ void log_load_memory(const HFLoadStats& s, const ParamRegistry& all, Communicato
 
 }  // namespace
 
+std::string fp8_scale_name(const std::string& name) { return name + "_scale_inv"; }
+
 HFWeights::HFWeights(const std::string& path) : path_(path) {
   std::error_code ec;
   const fs::file_status st = fs::status(path, ec);
@@ -179,6 +187,7 @@ HFWeights::HFWeights(const std::string& path) : path_(path) {
     } else {
       open_single(path);
     }
+    check_fp8((fs::path(path).parent_path() / "config.json").string());
     return;
   }
   const fs::path single = fs::path(path) / kSingleFile, index = fs::path(path) / kIndexFile;
@@ -188,8 +197,10 @@ HFWeights::HFWeights(const std::string& path) : path_(path) {
            kIndexFile);
   if (has_single) {
     open_single(single.string());
+    check_fp8((fs::path(path) / "config.json").string());
   } else if (has_index) {
     open_index(index.string());
+    check_fp8((fs::path(path) / "config.json").string());
   } else {
     const bool has_bin =
         fs::exists(fs::path(path) / "pytorch_model.bin") || fs::exists(fs::path(path) / "pytorch_model.bin.index.json");
@@ -246,6 +257,96 @@ void HFWeights::open_index(const std::string& index_path) {
   }
 }
 
+// Every F8_E4M3 tensor must be a weight matrix with its scales, and every scale tensor the
+// scales of one: a checkpoint whose FP8 weights cannot be dequantised is refused before any read.
+void HFWeights::check_fp8(const std::string& config_path) {
+  std::vector<std::string> fp8;
+  for (const auto& [name, f] : where_) {
+    if (info(name).dtype == DType::F8_E4M3) fp8.push_back(name);
+  }
+  if (fp8.empty()) return;
+  // The block size: config.json's quantization_config.weight_block_size, when there is one.
+  std::string block_from = "the default of DeepSeek-V3's release (no config.json beside the weights)";
+  if (fs::exists(config_path)) {
+    const json config = read_json_file(config_path, kDataJson);
+    const json q = config.is_object() ? config.value("quantization_config", json()) : json();
+    block_from = fmt::format("the default of DeepSeek-V3's release ('{}' has no quantization_config)", config_path);
+    if (q.is_object()) {
+      const std::string where = fmt::format("'{}': quantization_config", config_path);
+      const std::string method = q.value("quant_method", std::string("fp8"));
+      DS_CHECK(method == "fp8", "{}.quant_method is \"{}\"; dstrain reads \"fp8\" (DeepSeek's block-scaled F8_E4M3)",
+               where, method);
+      const std::string fmt_name = q.value("fmt", std::string("e4m3"));
+      DS_CHECK(fmt_name == "e4m3", "{}.fmt is \"{}\"; dstrain reads \"e4m3\" weights", where, fmt_name);
+      if (q.contains("weight_block_size")) {
+        const json& b = q["weight_block_size"];
+        DS_CHECK(b.is_array() && b.size() == 2 && b[0].is_number_integer() && b[1].is_number_integer() &&
+                     b[0].get<int64_t>() > 0 && b[1].get<int64_t>() > 0,
+                 "{}.weight_block_size is {}; expected [rows, columns] of positive integers, such as [128, 128]",
+                 where, b.dump());
+        block_ = FP8Block{b[0].get<int64_t>(), b[1].get<int64_t>()};
+        block_from = fmt::format("'{}' quantization_config.weight_block_size", config_path);
+      }
+    }
+  }
+  for (const std::string& name : fp8) {
+    const Shape shape = info(name).shape;
+    DS_CHECK(shape.ndim() == 2,
+             "FP8 tensor '{}' in '{}' has shape {}; block-scaled FP8 weights are matrices (2 dimensions)", name,
+             file_of(name), shape.str());
+    const std::string scale = fp8_scale_name(name);
+    DS_CHECK(has(scale),
+             "FP8 tensor '{}' in '{}' has no '{}' beside it: its values cannot be dequantised; the checkpoint is "
+             "incomplete, or not DeepSeek's block-scaled FP8 (dequantise it to BF16 with the tool that made it)",
+             name, file_of(name), scale);
+    const Shape want{(shape[0] + block_.rows - 1) / block_.rows, (shape[1] + block_.cols - 1) / block_.cols};
+    DS_CHECK(info(scale).dtype == DType::F32 || info(scale).dtype == DType::BF16,
+             "'{}' in '{}' is {}; block scales are F32 (or BF16)", scale, file_of(scale), dtype_name(info(scale).dtype));
+    DS_CHECK(info(scale).shape == want,
+             "'{}' in '{}' has shape {}, but FP8 weight '{}' {} in blocks of {} x {} (from {}) needs {}; set "
+             "quantization_config.weight_block_size in config.json to the block size the checkpoint was made with",
+             scale, file_of(scale), info(scale).shape.str(), name, shape.str(), block_.rows, block_.cols, block_from,
+             want.str());
+    fp8_.insert(name);
+    scales_.insert(scale);
+  }
+  for (const auto& [name, f] : where_) {
+    if (!name.ends_with("_scale_inv") || scales_.count(name)) continue;
+    const std::string weight = name.substr(0, name.size() - std::string("_scale_inv").size());
+    DS_FAIL("'{}' in '{}' is the block scales of '{}', which {}; the checkpoint is inconsistent", name, file_of(name),
+            weight, has(weight) ? fmt::format("is {}, not F8_E4M3", dtype_name(info(weight).dtype))
+                                : std::string("is not in the checkpoint"));
+  }
+}
+
+void HFWeights::read_f32_range(const std::string& name, int64_t begin, int64_t n, float* dst) const {
+  file(name).read_f32_range(name, begin, n, dst);  // FP8: the stored values, unscaled
+  if (n == 0 || !block_scaled(name)) return;
+  // Each row of the range times the scales of its blocks: one row of the scale matrix read per
+  // block row the range touches.
+  const int64_t cols = shape(name)[1], scale_cols = (cols + block_.cols - 1) / block_.cols;
+  const std::string scale = fp8_scale_name(name);
+  std::vector<float> scales(static_cast<size_t>(scale_cols));
+  int64_t scale_row = -1;
+  for (int64_t i = begin; i < begin + n;) {
+    const int64_t r = i / cols, c0 = i % cols, c1 = std::min(cols, c0 + (begin + n - i));
+    if (r / block_.rows != scale_row) {
+      scale_row = r / block_.rows;
+      file(scale).read_f32_range(scale, scale_row * scale_cols, scale_cols, scales.data());
+    }
+    float* out = dst + (i - begin);
+    for (int64_t c = c0; c < c1; ++c) out[c - c0] *= scales[size_t(c / block_.cols)];
+    i += c1 - c0;
+  }
+}
+
+void HFWeights::read_f32(const std::string& name, Tensor out) const {
+  DS_CHECK(out.device().is_cpu() && out.dtype() == DType::F32 && out.numel() == shape(name).numel(),
+           "reading '{}' from '{}': the destination must be host F32 with {} elements, it is {} {} on {}", name,
+           file_of(name), shape(name).numel(), dtype_name(out.dtype()), out.shape().str(), out.device().str());
+  read_f32_range(name, 0, out.numel(), static_cast<float*>(out.raw()));
+}
+
 const SafeTensorsFile& HFWeights::file(const std::string& name) const {
   auto it = where_.find(name);
   DS_CHECK(it != where_.end(), "tensor '{}' is not in the Hugging Face weights at '{}'", name, path_);
@@ -253,7 +354,6 @@ const SafeTensorsFile& HFWeights::file(const std::string& name) const {
 }
 
 const SafeTensorInfo& HFWeights::info(const std::string& name) const { return file(name).info(name); }
-void HFWeights::read_f32(const std::string& name, Tensor out) const { file(name).read_f32(name, out); }
 std::span<const std::byte> HFWeights::raw(const std::string& name) const { return file(name).raw(name); }
 const std::string& HFWeights::file_of(const std::string& name) const { return file(name).path(); }
 
@@ -287,7 +387,9 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const P
   const bool tied = all.find(kHead) < 0 && all.find(kEmbed) >= 0;
   for (const std::string& name : w.names()) {
     if (all.find(name) >= 0) continue;
-    if (name.ends_with("rotary_emb.inv_freq")) {  // recomputed from rope_theta
+    if (w.is_block_scale(name)) {  // read with its FP8 weight
+      continue;
+    } else if (name.ends_with("rotary_emb.inv_freq")) {  // recomputed from rope_theta
       ++stats.skipped_inv_freq;
     } else if (name == kHead && tied && w.has(kEmbed)) {
       check_tied_head(w);
@@ -344,11 +446,17 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const P
     }
     local.write_back();
     ++stats.loaded;
+    if (w.block_scaled(name)) ++stats.fp8_dequantised;
     stats.piece_bytes += int64_t(t.nbytes());
     if (!reg.param(id).device().is_cpu()) {
       stats.largest_transient_bytes = std::max(stats.largest_transient_bytes, int64_t(t.nbytes()));
     }
-    sample_and_release(w, stats, {name});  // while this tensor's buffers (a device run's host copy) are alive
+    // While this tensor's buffers (a device run's host copy) are alive.
+    if (w.block_scaled(name)) {
+      sample_and_release(w, stats, {name, fp8_scale_name(name)});
+    } else {
+      sample_and_release(w, stats, {name});
+    }
     const int64_t n = ops::read_count_non_finite(t);
     if (n > 0) {
       non_finite.push_back(fmt::format("'{}' in '{}': {} of {} values{} are NaN or Inf", name, w.file_of(name), n,
@@ -384,9 +492,10 @@ std::string torch_dtype_name(DType dtype) {
     case DType::F32: return "float32";
     case DType::BF16: return "bfloat16";
     case DType::F16: return "float16";
+    case DType::F8_E4M3: return "bfloat16";  // the tensors that are not FP8
     default: break;
   }
-  DS_FAIL("Hugging Face weights are float32, bfloat16 or float16, not {}", dtype_name(dtype));
+  DS_FAIL("Hugging Face weights are float32, bfloat16, float16 or FP8, not {}", dtype_name(dtype));
 }
 
 DType dtype_from_torch_name(const std::string& name) {
@@ -398,13 +507,20 @@ DType dtype_from_torch_name(const std::string& name) {
 
 void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const json& config_json,
                      int64_t max_shard_bytes, DType dtype) {
+  HFSaveOptions options;
+  options.max_shard_bytes = max_shard_bytes;
+  options.dtype = dtype;
+  save_hf_weights(dir, reg, config_json, options);
+}
+
+void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const json& config_json,
+                     const HFSaveOptions& options) {
   DS_CHECK(reg.flat_numel() == 0 || reg.values().allocated(),
            "save_hf_weights('{}'): the parameter registry is not allocated", dir);
   for (const ParamInfo& p : reg.all()) check_whole(p, "save_hf_weights");
   // Written from the host: a run on a device copies the weights over first.
   const ops::HostView host(reg.values().tensor());
-  save_hf_weights(dir, reg, ShardedState::whole(reg), host.get().data<float>(), config_json, max_shard_bytes, dtype,
-                  nullptr);
+  save_hf_weights(dir, reg, ShardedState::whole(reg), host.get().data<float>(), config_json, options, nullptr);
 }
 
 namespace {
@@ -427,24 +543,125 @@ void raise_failures(Communicator* world, const std::string& mine) {
 void save_hf_weights(const std::string& dir, const ParamRegistry& file, const ShardedState& pieces,
                      const float* values, const json& config_json, int64_t max_shard_bytes, DType dtype,
                      Communicator* world) {
+  HFSaveOptions options;
+  options.max_shard_bytes = max_shard_bytes;
+  options.dtype = dtype;
+  save_hf_weights(dir, file, pieces, values, config_json, options, world);
+}
+
+bool is_fp8_weight(const std::string& name) {
+  static const std::regex fp8(R"(model\.layers\.\d+\.(self_attn|mlp)\.([A-Za-z0-9_]+\.)*[A-Za-z0-9_]*_proj\.weight)");
+  return std::regex_match(name, fp8);
+}
+
+std::array<float, FP8BlockScales::kCandidates> FP8BlockScales::candidates(float amax) {
+  const float s = amax / 448.0f;  // weight_quant's scale
+  int e = 0;
+  const float m = std::frexp(s, &e);  // s = m * 2^e, m in [0.5, 1)
+  const float pow2 = std::ldexp(1.0f, m == 0.5f ? e - 1 : e);
+  return {s, std::nextafter(s, std::numeric_limits<float>::infinity()), std::nextafter(s, 0.0f), pow2};
+}
+
+bool FP8BlockScales::exact(float x, float s) { return f8e4m3_to_f32(f32_to_f8e4m3(x / s)) * s == x; }
+
+float FP8BlockScales::choose(float amax, const uint8_t* exact_under) {
+  if (amax == 0) return 0;
+  const auto c = candidates(amax);
+  for (int k = 0; k < kCandidates; ++k) {
+    if (exact_under[k] && c[size_t(k)] > 0 && std::isfinite(c[size_t(k)])) return c[size_t(k)];
+  }
+  return c[0];
+}
+
+namespace {
+
+// One tensor of the files being written: a registry tensor's values in the file's dtype, a
+// block-scaled FP8 weight or its scales, or (released layout) an MTP module's copy of one.
+struct OutTensor {
+  enum class Kind { Values, FP8, Scales } kind = Kind::Values;
+  std::string name;
+  int tensor = 0;  // the registry tensor it comes from
+  DType dtype = DType::F32;
+  Shape shape;
+};
+
+// The blocks of every FP8 tensor in one array: tensor id -> its first block.
+struct FP8Grid {
+  FP8Block block;
+  std::map<int, int64_t> first;
+  int64_t blocks = 0;
+  int64_t cols_of(const Shape& s) const { return (s[1] + block.cols - 1) / block.cols; }
+  int64_t count(const Shape& s) const { return ((s[0] + block.rows - 1) / block.rows) * cols_of(s); }
+  // Calls f(block index, local element index) for every element of `runs` of tensor `id`.
+  template <class F>
+  void each(int id, const Shape& s, const std::vector<PieceRun>& runs, F f) const {
+    const int64_t base = first.at(id), gc = cols_of(s), cols = s[1];
+    for (const PieceRun& r : runs) {
+      for (int64_t i = 0; i < r.elems; ++i) {
+        const int64_t g = r.global + i;
+        f(base + (g / cols / block.rows) * gc + (g % cols) / block.cols, r.local + i);
+      }
+    }
+  }
+};
+
+}  // namespace
+
+void save_hf_weights(const std::string& dir, const ParamRegistry& file, const ShardedState& pieces,
+                     const float* values, const json& config_json, const HFSaveOptions& options,
+                     Communicator* world) {
   const bool root = world == nullptr || world->rank() == 0;
+  const int64_t max_shard_bytes = options.max_shard_bytes;
   DS_CHECK(max_shard_bytes > 0, "save_hf_weights('{}'): max_shard_bytes must be positive, got {}", dir,
            max_shard_bytes);
-  const std::string torch_dtype = torch_dtype_name(dtype);
+  const bool fp8 = options.dtype == DType::F8_E4M3;
+  const DType dtype = fp8 ? DType::BF16 : options.dtype;  // of the tensors that are not FP8
+  const std::string torch_dtype = torch_dtype_name(options.dtype);
+  DS_CHECK(options.block.rows > 0 && options.block.cols > 0, "save_hf_weights('{}'): FP8 block {} x {} is not positive",
+           dir, options.block.rows, options.block.cols);
 
-  std::vector<int> ids(size_t(file.size()));
-  std::iota(ids.begin(), ids.end(), 0);
-  std::sort(ids.begin(), ids.end(), [&](int a, int b) { return file.info(a).name < file.info(b).name; });
+  // What the files hold, by name.
+  std::vector<OutTensor> out;
+  FP8Grid grid{options.block, {}, 0};
+  std::vector<int> fp8_ids;
+  for (int id = 0; id < file.size(); ++id) {
+    const ParamInfo& p = file.info(id);
+    if (fp8 && p.global_shape.ndim() == 2 && is_fp8_weight(p.name)) {
+      out.push_back({OutTensor::Kind::FP8, p.name, id, DType::F8_E4M3, p.global_shape});
+      grid.first[id] = grid.blocks;
+      grid.blocks += grid.count(p.global_shape);
+      fp8_ids.push_back(id);
+      const Shape scales{(p.global_shape[0] + options.block.rows - 1) / options.block.rows,
+                         grid.cols_of(p.global_shape)};
+      out.push_back({OutTensor::Kind::Scales, fp8_scale_name(p.name), id, DType::F32, scales});
+    } else {
+      out.push_back({OutTensor::Kind::Values, p.name, id, dtype, p.global_shape});
+    }
+  }
+  if (options.released_layout && config_json.is_object()) {
+    const int64_t layers = config_json.value("num_hidden_layers", int64_t(0));
+    const int64_t mtp = config_json.value("num_nextn_predict_layers", int64_t(0));
+    const int embed = file.find(kEmbed), head = file.find(kHead) >= 0 ? file.find(kHead) : embed;
+    for (int64_t k = 0; k < mtp && embed >= 0; ++k) {
+      const std::string prefix = fmt::format("model.layers.{}.", layers + k);
+      for (const auto& [name, id] : {std::pair{prefix + "embed_tokens.weight", embed},
+                                     std::pair{prefix + "shared_head.head.weight", head}}) {
+        if (file.find(name) < 0) out.push_back({OutTensor::Kind::Values, name, id, dtype, file.info(id).global_shape});
+      }
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const OutTensor& a, const OutTensor& b) { return a.name < b.name; });
+
   // Greedy in name order, as transformers does; a tensor above the limit gets its own shard.
-  std::vector<std::vector<int>> shards;
+  std::vector<std::vector<size_t>> shards;
   int64_t total = 0, shard_bytes = 0;
-  for (int id : ids) {
-    const int64_t bytes = file.info(id).global_shape.numel() * int64_t(dtype_size(dtype));
+  for (size_t i = 0; i < out.size(); ++i) {
+    const int64_t bytes = out[i].shape.numel() * int64_t(dtype_size(out[i].dtype));
     if (shards.empty() || (shard_bytes > 0 && shard_bytes + bytes > max_shard_bytes)) {
       shards.emplace_back();
       shard_bytes = 0;
     }
-    shards.back().push_back(id);
+    shards.back().push_back(i);
     shard_bytes += bytes;
     total += bytes;
   }
@@ -453,28 +670,89 @@ void save_hf_weights(const std::string& dir, const ParamRegistry& file, const Sh
   const fs::path d(dir);
   const std::map<std::string, std::string> metadata{{"format", "pt"}};  // transformers checks it
   std::vector<SafeTensorsLayout> layouts;
-  std::vector<std::pair<size_t, size_t>> where(size_t(file.size()));  // id -> (file, position)
+  std::vector<std::pair<size_t, size_t>> where(out.size());  // out index -> (file, position)
   for (size_t i = 0; i < shards.size(); ++i) {
     const std::string name =
         single ? std::string(kSingleFile) : fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, shards.size());
     std::vector<SafeTensorInfo> infos;
     for (size_t k = 0; k < shards[i].size(); ++k) {
-      const ParamInfo& p = file.info(shards[i][k]);
-      infos.push_back(SafeTensorInfo{p.name, dtype, p.global_shape, 0, 0});
-      where[size_t(shards[i][k])] = {i, k};
+      const OutTensor& o = out[shards[i][k]];
+      infos.push_back(SafeTensorInfo{o.name, o.dtype, o.shape, 0, 0});
+      where[shards[i][k]] = {i, k};
     }
     layouts.emplace_back((d / name).string(), std::move(infos), metadata);
   }
+  // Registry tensor -> the entries its values go to (itself, its copies).
+  std::map<int, std::vector<size_t>> targets;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (out[i].kind != OutTensor::Kind::Scales) targets[out[i].tensor].push_back(i);
+  }
+
+  // FP8: each block's largest magnitude, then which candidate scales read all of its elements
+  // back exactly, over every rank's pieces (a rank's whole pieces: replicas agree, and max and
+  // min do not mind counting an element twice).
+  std::string failure;
+  std::vector<float> amax(size_t(grid.blocks), 0.0f), scale(size_t(grid.blocks), 0.0f);
+  if (fp8) {
+    try {
+      pieces.check(file);
+      for (const TensorPiece& t : pieces.pieces) {
+        if (!grid.first.count(t.tensor) || t.numel() == 0) continue;
+        const Shape& s = file.info(t.tensor).global_shape;
+        int64_t bad = 0;
+        grid.each(t.tensor, s, piece_runs(t, s, row_piece(t.shape, 0, 1)), [&](int64_t b, int64_t local) {
+          const float v = std::fabs(values[t.at + local]);
+          if (!std::isfinite(v)) ++bad;
+          amax[size_t(b)] = std::max(amax[size_t(b)], v);
+        });
+        DS_CHECK(bad == 0, "'{}' holds {} non-finite values, which FP8 cannot store; export from weights saved before "
+                 "the model diverged", file.info(t.tensor).name, bad);
+      }
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    raise_failures(world, failure);
+    if (world && world->size() > 1 && grid.blocks > 0) {
+      world->all_reduce(Tensor(amax.data(), DType::F32, Shape{grid.blocks}), ReduceOp::Max);
+    }
+    constexpr int K = FP8BlockScales::kCandidates;
+    std::vector<uint8_t> exact(size_t(grid.blocks * K), 1);
+    for (const TensorPiece& t : pieces.pieces) {
+      if (!grid.first.count(t.tensor) || t.numel() == 0) continue;
+      const Shape& s = file.info(t.tensor).global_shape;
+      grid.each(t.tensor, s, piece_runs(t, s, row_piece(t.shape, 0, 1)), [&](int64_t b, int64_t local) {
+        uint8_t* flags = exact.data() + b * K;
+        if (amax[size_t(b)] == 0) return;
+        const auto c = FP8BlockScales::candidates(amax[size_t(b)]);
+        for (int k = 0; k < K; ++k) {
+          if (flags[k] && !FP8BlockScales::exact(values[t.at + local], c[size_t(k)])) flags[k] = 0;
+        }
+      });
+    }
+    if (world && world->size() > 1 && grid.blocks > 0) {
+      world->all_reduce(Tensor(exact.data(), DType::U8, Shape{grid.blocks * K}), ReduceOp::Min);
+    }
+    for (int64_t b = 0; b < grid.blocks; ++b) scale[size_t(b)] = FP8BlockScales::choose(amax[size_t(b)], &exact[size_t(b * K)]);
+  }
 
   // Rank 0 makes the directory, config.json and every file at its size with its header.
-  std::string failure;
   if (root) {
     try {
       std::error_code ec;
       fs::create_directories(d, ec);
       DS_CHECK(!ec, "cannot create the directory '{}': {}", dir, ec.message());
       json config = config_json;
-      if (config.is_object() && (config.contains("torch_dtype") || dtype != DType::F32)) config["torch_dtype"] = torch_dtype;
+      if (config.is_object()) {
+        if (config.contains("torch_dtype") || options.dtype != DType::F32) config["torch_dtype"] = torch_dtype;
+        config.erase("quantization_config");
+        if (fp8) {
+          // As DeepSeek-V3's config.json has it; transformers reads FP8 checkpoints by it.
+          config["quantization_config"] = {{"activation_scheme", "dynamic"},
+                                           {"fmt", "e4m3"},
+                                           {"quant_method", "fp8"},
+                                           {"weight_block_size", {options.block.rows, options.block.cols}}};
+        }
+      }
       write_text_file_atomically((d / "config.json").string(), config.dump(2) + "\n");
       // Readers find shards through the index: without it an interrupted save fails to load
       // instead of loading a mix of two saves.
@@ -487,15 +765,27 @@ void save_hf_weights(const std::string& dir, const ParamRegistry& file, const Sh
   raise_failures(world, failure);
 
   // Every rank puts the rows it writes of its pieces in place, converted (ops::cast rounds to
-  // nearest even).
+  // nearest even; FP8 with its blocks' scales), into every entry they go to.
   if (failure.empty()) {
     try {
       pieces.check(file);
       Buffer converted;
+      std::vector<uint8_t> codes;
       for (const TensorPiece& t : pieces.pieces) {
         const RowPiece rows = t.written();
         if (rows.rows == 0 || rows.elems() == 0) continue;
-        std::vector<PieceRun> runs = piece_runs(t, file.info(t.tensor).global_shape, rows);
+        const Shape& s = file.info(t.tensor).global_shape;
+        std::vector<PieceRun> runs = piece_runs(t, s, rows);
+        if (grid.first.count(t.tensor)) {
+          codes.assign(size_t(rows.elems()), 0);
+          grid.each(t.tensor, s, runs, [&](int64_t b, int64_t local) {
+            const float x = values[t.at + local], sb = scale[size_t(b)];
+            codes[size_t(local - rows.elem_begin())] = f32_to_f8e4m3(sb > 0 ? x / sb : x);
+          });
+          for (PieceRun& r : runs) r.local -= rows.elem_begin();
+          for (size_t i : targets.at(t.tensor)) layouts[where[i].first].write_runs(where[i].second, runs, codes.data());
+          continue;
+        }
         for (PieceRun& r : runs) r.local -= rows.elem_begin();
         const Tensor src(const_cast<float*>(values) + t.at + rows.elem_begin(), DType::F32, Shape{rows.elems()});
         Tensor data = src;
@@ -506,8 +796,15 @@ void save_hf_weights(const std::string& dir, const ParamRegistry& file, const Sh
           data = converted.tensor(0, {rows.elems()});
           ops::cast(data, src);
         }
-        const auto [f, k] = where[size_t(t.tensor)];
-        layouts[f].write_runs(k, runs, data.raw());
+        for (size_t i : targets.at(t.tensor)) layouts[where[i].first].write_runs(where[i].second, runs, data.raw());
+      }
+      // The scales: world rank 0 holds every block's.
+      if (root) {
+        for (size_t i = 0; i < out.size(); ++i) {
+          if (out[i].kind != OutTensor::Kind::Scales) continue;
+          float* first = scale.data() + grid.first.at(out[i].tensor);
+          layouts[where[i].first].write(where[i].second, Tensor(first, DType::F32, out[i].shape));
+        }
       }
     } catch (const std::exception& e) {
       failure = e.what();
@@ -525,7 +822,7 @@ void save_hf_weights(const std::string& dir, const ParamRegistry& file, const Sh
         layouts[i].commit();
         const std::string name = fs::path(layouts[i].path()).filename().string();
         written.insert(name);
-        for (int id : shards[i]) weight_map[file.info(id).name] = name;
+        for (size_t k : shards[i]) weight_map[out[k].name] = name;
       }
       if (!single) {
         const json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};

@@ -4,9 +4,11 @@
 
 #include <functional>
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -20,7 +22,24 @@ namespace dstrain {
 
 class Communicator;  // comm/comm.h
 
+// The block of DeepSeek's block-scaled FP8 weights: rows x columns of a weight matrix that share
+// one scale (config.json's quantization_config.weight_block_size; DeepSeek-V3: 128 x 128).
+struct FP8Block {
+  int64_t rows = 128, cols = 128;
+  bool operator==(const FP8Block&) const = default;
+};
+
+// The name of the scales of FP8 weight `name` ("...weight" -> "...weight_scale_inv").
+std::string fp8_scale_name(const std::string& name);
+
 // All tensors of one Hugging Face checkpoint, whichever files they are spread over.
+//
+// DeepSeek's released FP8 weights are read dequantised: a 2-D F8_E4M3 tensor W comes with
+// W_scale_inv (F32 or BF16, shape [ceil(rows / block.rows), ceil(cols / block.cols)]), and
+// element (r, c) reads as fp32(W[r][c]) * W_scale_inv[r / block.rows][c / block.cols], in fp32:
+// weight_dequant of DeepSeek-V3's inference/kernel.py (the product it stores in the default
+// dtype; here fp32, the precision of dstrain's master weights). The block size is that of the
+// config.json beside the weights (quantization_config.weight_block_size), 128 x 128 without one.
 class HFWeights {
  public:
   // `path`: a model directory (model.safetensors, or model.safetensors.index.json and its
@@ -31,12 +50,16 @@ class HFWeights {
   bool has(const std::string& name) const { return where_.count(name) != 0; }
   Shape shape(const std::string& name) const { return info(name).shape; }
   DType dtype(const std::string& name) const { return info(name).dtype; }
-  // Reads `name` into `out` (host F32, same element count), converting from BF16/F16/F64.
+  // Reads `name` into `out` (host F32, same element count), converting from BF16/F16/F64 and
+  // dequantising block-scaled FP8.
   void read_f32(const std::string& name, Tensor out) const;
-  // Elements [begin, begin + n) of `name` (flattened), converted to fp32: only their bytes.
-  void read_f32_range(const std::string& name, int64_t begin, int64_t n, float* dst) const {
-    file(name).read_f32_range(name, begin, n, dst);
-  }
+  // Elements [begin, begin + n) of `name` (flattened), converted to fp32: only their bytes (and
+  // for FP8, the scales of their blocks' rows).
+  void read_f32_range(const std::string& name, int64_t begin, int64_t n, float* dst) const;
+  // FP8: `name` is an F8_E4M3 weight read with its block scales; `name` is such a weight's scales.
+  bool block_scaled(const std::string& name) const { return fp8_.count(name) != 0; }
+  bool is_block_scale(const std::string& name) const { return scales_.count(name) != 0; }
+  const FP8Block& block() const { return block_; }
   // The stored bytes of `name`, valid while this object lives.
   std::span<const std::byte> raw(const std::string& name) const;
   // The file that holds `name`.
@@ -51,8 +74,11 @@ class HFWeights {
   const SafeTensorsFile& file(const std::string& name) const;
   void open_single(const std::string& file);
   void open_index(const std::string& index_path);
+  void check_fp8(const std::string& config_path);
 
   std::string path_;
+  FP8Block block_;
+  std::set<std::string> fp8_, scales_;  // FP8 weights read with their scales; those scales
   std::vector<std::unique_ptr<SafeTensorsFile>> files_;
   std::map<std::string, size_t> where_;  // tensor name -> index into files_
 };
@@ -62,6 +88,7 @@ struct HFLoadStats {
   int skipped_inv_freq = 0;      // "*rotary_emb.inv_freq" buffers: derived, recomputed by the model
   bool tied_lm_head_checked = false;  // a tied model's file held an lm_head.weight equal to the embedding
   int shared_copies = 0;  // MTP modules' copies of the shared embedding/head, checked equal and skipped
+  int fp8_dequantised = 0;  // block-scaled FP8 weights read (dequantised) into this rank's parameters
 
   // Memory while loading, in bytes. piece_bytes: what this rank read into its parameters (fp32
   // pieces). largest_transient_bytes: the most it held beside them at once, counted: a run on a
@@ -99,6 +126,47 @@ struct HFLoadStats {
 HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const ParamRegistry* model = nullptr,
                             Communicator* world = nullptr);
 
+// How save_hf_weights writes a checkpoint.
+struct HFSaveOptions {
+  // Tensor data per file: shards of at most this many bytes (a larger tensor gets its own).
+  int64_t max_shard_bytes = int64_t(5) << 30;
+  // F32, BF16 or F16: every tensor so, the fp32 masters rounded to nearest even. F8_E4M3:
+  // DeepSeek's released FP8, the weight matrices of the decoder layers' attention and MLPs
+  // (is_fp8_weight) block-scaled with their `_scale_inv` beside them, the rest BF16, and
+  // config.json's quantization_config saying so.
+  DType dtype = DType::F32;
+  FP8Block block;  // FP8: the blocks that share a scale
+  // DeepSeek's released layout: each multi-token-prediction module model.layers.{L + k}
+  // (L = num_hidden_layers) carries its own copies of the embedding and the output head
+  // (embed_tokens.weight, shared_head.head.weight), as DeepSeek-V3's checkpoints do; dstrain
+  // shares them and writes them twice.
+  bool released_layout = false;
+};
+
+// The tensors an FP8 export stores block-scaled: the projection matrices of the decoder layers'
+// (and the MTP modules') attention and MLPs, routed and shared experts included
+// (model.layers.N.self_attn.*_proj.weight, model.layers.N.mlp.**_proj.weight), as in
+// DeepSeek-V3's release. Embeddings, heads, norms, router gates and the MTP modules' eh_proj stay
+// BF16.
+bool is_fp8_weight(const std::string& name);
+
+// DeepSeek's block quantisation of one weight matrix, as dstrain writes it: per block, the scale
+// s = amax / 448 and the elements fp8(x / s) (weight_quant of DeepSeek-V3's inference/kernel.py,
+// rounding to nearest even). One refinement keeps a round trip exact: where a block's values are
+// exactly fp8(q) * s for a scale s next to amax / 448 (one fp32 step either way, or the power of
+// two 2^ceil(log2(amax / 448)) of DeepSeek's UE8M0 scales), that s is written, so that FP8 weights
+// read in and written out untrained come back bit for bit. A block of zeros gets scale 0 and
+// zeros (weight_quant would divide by zero).
+struct FP8BlockScales {
+  static constexpr int kCandidates = 4;
+  // The candidates for a block whose largest magnitude is `amax` (> 0), in order of preference.
+  static std::array<float, kCandidates> candidates(float amax);
+  // Whether x reads back exactly from its FP8 code under scale s.
+  static bool exact(float x, float s);
+  // The scale a block takes, given its amax and which candidates every element is exact under.
+  static float choose(float amax, const uint8_t* exact_under);
+};
+
 // Writes `reg` as a Hugging Face checkpoint in `dir`: config.json, then model.safetensors,
 // or model-0000i-of-0000N.safetensors shards of at most max_shard_bytes of tensor data
 // (a larger tensor gets a shard of its own) plus model.safetensors.index.json. Tensors are
@@ -109,6 +177,8 @@ HFLoadStats load_hf_weights(const std::string& path, ParamRegistry& reg, const P
 // The caller is one process with whole parameters (a run on a device copies them to the host).
 void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const json& config_json,
                      int64_t max_shard_bytes = int64_t(5) << 30, DType dtype = DType::F32);
+void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const json& config_json,
+                     const HFSaveOptions& options);
 
 // The same, for a model whose tensors are spread over ranks: `file` names every tensor of the
 // model with its global shape (not allocated), `pieces` says what this rank holds of them and
@@ -121,8 +191,15 @@ void save_hf_weights(const std::string& dir, const ParamRegistry& reg, const jso
 void save_hf_weights(const std::string& dir, const ParamRegistry& file, const ShardedState& pieces,
                      const float* values, const json& config_json, int64_t max_shard_bytes, DType dtype,
                      Communicator* world);
+// The same with every option (HFSaveOptions). FP8: the blocks' largest magnitudes, and which
+// scales read each block back exactly, are reduced over `world` (a block may span ranks' pieces),
+// so that every rank quantises its rows with the same scales; world rank 0 writes the scales.
+void save_hf_weights(const std::string& dir, const ParamRegistry& file, const ShardedState& pieces,
+                     const float* values, const json& config_json, const HFSaveOptions& options,
+                     Communicator* world);
 
-// Hugging Face's torch_dtype names: "float32", "bfloat16", "float16".
+// Hugging Face's torch_dtype names: "float32", "bfloat16", "float16" (and for F8_E4M3, whose
+// checkpoints keep their other tensors in BF16, "bfloat16").
 std::string torch_dtype_name(DType dtype);
 DType dtype_from_torch_name(const std::string& name);
 

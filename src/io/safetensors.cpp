@@ -69,12 +69,13 @@ SafeTensorInfo parse_entry(const std::string& file, const std::string& name, con
   const json& dt = e["dtype"];
   DS_CHECK(dt.is_string(), "{}: dtype is {}, expected a string such as \"BF16\"", where, dt.dump());
   const std::string dname = dt.get<std::string>();
-  DS_CHECK(!dname.starts_with("F8_"),
-           "{}: dtype \"{}\" is FP8, as in DeepSeek-V3's released weights, which dstrain does not read; convert "
-           "the checkpoint to BF16 first (dequantising each weight with its weight_scale_inv)",
+  DS_CHECK(!dname.starts_with("F8_") || dname == "F8_E4M3",
+           "{}: dtype \"{}\" is an FP8 format dstrain does not read; it reads F8_E4M3 (DeepSeek-V3's released "
+           "weights, with their weight_scale_inv block scales); convert the checkpoint to BF16 or F8_E4M3 first",
            where, dname);
   DS_CHECK(dtype_from_name(dname, &t.dtype),
-           "{}: unknown dtype \"{}\"; dstrain reads F32, BF16, F16, F64, I64, I32, U32, U16 and U8", where, dname);
+           "{}: unknown dtype \"{}\"; dstrain reads F32, BF16, F16, F64, F8_E4M3, I64, I32, U32, U16 and U8", where,
+           dname);
 
   const json& shape = e["shape"];
   DS_CHECK(shape.is_array(), "{}: shape is {}, expected an array of dimensions", where, shape.dump());
@@ -275,8 +276,10 @@ void SafeTensorsFile::read_f32_range(const std::string& name, int64_t begin, int
     case DType::BF16: convert_to_f32<uint16_t>(src, dst, n, [](uint16_t v) { return bf16_to_f32(v); }); return;
     case DType::F16: convert_to_f32<uint16_t>(src, dst, n, [](uint16_t v) { return f16_to_f32(v); }); return;
     case DType::F64: convert_to_f32<double>(src, dst, n, [](double v) { return float(v); }); return;
+    // The stored FP8 values, unscaled: HFWeights applies a weight's block scales.
+    case DType::F8_E4M3: convert_to_f32<uint8_t>(src, dst, n, [](uint8_t v) { return f8e4m3_to_f32(v); }); return;
     default:
-      DS_FAIL("tensor '{}' in '{}' is stored as {}; only F32, BF16, F16 and F64 tensors can be read as fp32", name,
+      DS_FAIL("tensor '{}' in '{}' is stored as {}; only F32, BF16, F16, F64 and F8_E4M3 tensors can be read as fp32", name,
               path_, dtype_name(t.dtype));
   }
 }
@@ -304,8 +307,8 @@ SafeTensorsLayout::SafeTensorsLayout(std::string path, std::vector<SafeTensorInf
   for (SafeTensorInfo& t : tensors_) {
     DS_CHECK(!t.name.empty() && t.name != "__metadata__", "writing '{}': '{}' cannot be a tensor name", path_, t.name);
     DS_CHECK(seen.insert(t.name).second, "writing '{}': tensor '{}' is given twice", path_, t.name);
-    DS_CHECK(t.dtype == DType::F32 || t.dtype == DType::BF16 || t.dtype == DType::F16,
-             "writing '{}': tensor '{}' is {}; only F32, BF16 and F16 tensors are written", path_, t.name,
+    DS_CHECK(t.dtype == DType::F32 || t.dtype == DType::BF16 || t.dtype == DType::F16 || t.dtype == DType::F8_E4M3,
+             "writing '{}': tensor '{}' is {}; only F32, BF16, F16 and F8_E4M3 tensors are written", path_, t.name,
              dtype_name(t.dtype));
     std::vector<int64_t> dims;
     for (int d = 0; d < t.shape.ndim(); ++d) dims.push_back(t.shape[d]);

@@ -43,7 +43,7 @@ class SafeTensorsFile {
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
   // Reads tensor `name` into `out` (host, F32, same element count; its shape may differ),
-  // converting from the stored F32, BF16, F16 or F64.
+  // converting from the stored F32, BF16, F16, F64 or F8_E4M3 (its values unscaled).
   void read_f32(const std::string& name, Tensor out) const;
   // Elements [begin, begin + n) of tensor `name`, flattened in row-major order, converted to
   // fp32 into dst: only their bytes are read (a piece of a tensor, not the whole).
@@ -76,7 +76,7 @@ class SafeTensorsFile {
 // commit() renames the file to `path` once every write is done.
 class SafeTensorsLayout {
  public:
-  // `tensors`: name, dtype (F32, BF16 or F16) and shape of each, in the order of their data
+  // `tensors`: name, dtype (F32, BF16, F16 or F8_E4M3) and shape of each, in the order of their data
   // (their byte ranges are computed here).
   SafeTensorsLayout(std::string path, std::vector<SafeTensorInfo> tensors,
                     const std::map<std::string, std::string>& metadata = {});

@@ -313,13 +313,34 @@ OutputConfig read_output(const JsonReader& r, const PrecisionConfig& precision) 
   o.save_hf_dtype = hf_dtype_of(precision);
   o.save_hf_shard_bytes = r.get<int64_t>("save_hf_shard_bytes", o.save_hf_shard_bytes);
   if (o.save_hf_shard_bytes < 1) r.error("save_hf_shard_bytes", "must be a positive number of bytes (default 5 GiB)");
-  if (r.has("save_hf_dtype") && !r.is_null("save_hf_dtype")) {
-    o.save_hf_dtype = r.get<std::string>("save_hf_dtype");
-    if (o.save_hf_dtype != "float32" && o.save_hf_dtype != "bfloat16" && o.save_hf_dtype != "float16") {
-      r.error("save_hf_dtype", fmt::format("is \"{}\"; it must be \"float32\", \"bfloat16\" or \"float16\" "
-                                           "(unset: the run's precision)",
-                                           o.save_hf_dtype));
+  // hf_dtype is save_hf_dtype by a shorter name.
+  if (r.has("hf_dtype") && r.has("save_hf_dtype")) {
+    r.error("hf_dtype", "and save_hf_dtype are the same setting; give one of them");
+  }
+  const char* dtype_key = r.has("hf_dtype") ? "hf_dtype" : "save_hf_dtype";
+  if (r.has(dtype_key) && !r.is_null(dtype_key)) {
+    o.save_hf_dtype = r.get<std::string>(dtype_key);
+    if (o.save_hf_dtype != "float32" && o.save_hf_dtype != "bfloat16" && o.save_hf_dtype != "float16" &&
+        o.save_hf_dtype != "fp8") {
+      r.error(dtype_key, fmt::format("is \"{}\"; it must be \"float32\", \"bfloat16\", \"float16\" or \"fp8\" "
+                                     "(DeepSeek's block-scaled FP8; unset: the run's precision)",
+                                     o.save_hf_dtype));
     }
+  }
+  o.hf_layout = r.get<std::string>("hf_layout", o.hf_layout);
+  if (o.hf_layout != "standard" && o.hf_layout != "released") {
+    r.error("hf_layout", fmt::format("is \"{}\"; it must be \"standard\" (transformers' layout) or \"released\" "
+                                     "(DeepSeek's: MTP modules with their own embedding and head copies)",
+                                     o.hf_layout));
+  }
+  if (r.has("hf_fp8_block")) {
+    const json& b = r.raw("hf_fp8_block");
+    if (!b.is_array() || b.size() != 2 || !b[0].is_number_integer() || !b[1].is_number_integer() ||
+        b[0].get<int64_t>() < 1 || b[1].get<int64_t>() < 1) {
+      r.error("hf_fp8_block", fmt::format("is {}; it must be [rows, columns] of positive integers (default [128, "
+                                          "128], DeepSeek-V3's)", b.dump()));
+    }
+    o.hf_fp8_block = {b[0].get<int64_t>(), b[1].get<int64_t>()};
   }
   r.done();
   return o;
@@ -519,7 +540,8 @@ json RunConfig::to_json() const {
               {"drop_policy", model.moe_drop_policy}};
   j["data"] = data.to_json();
   j["output"] = {{"dir", output.dir}, {"save_hf", output.save_hf}, {"save_hf_dtype", output.save_hf_dtype},
-                 {"save_hf_shard_bytes", output.save_hf_shard_bytes}};
+                 {"save_hf_shard_bytes", output.save_hf_shard_bytes}, {"hf_layout", output.hf_layout},
+                 {"hf_fp8_block", output.hf_fp8_block}};
   j["checkpoint"] = checkpoint.to_json();
   j["resilience"] = resilience.to_json();
   j["metrics"] = metrics.to_json();

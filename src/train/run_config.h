@@ -106,10 +106,15 @@ struct OutputConfig {
   std::string dir = "runs/default";
   std::string save_hf;  // Hugging Face directory written at the end ("" = none)
   // The dtype of the Hugging Face tensors: "float32", "bfloat16" or "float16" (torch_dtype's
-  // spelling). Unset in the file: the run's precision.
+  // spelling), or "fp8": DeepSeek's block-scaled FP8 (io/hf_weights.h HFSaveOptions). Unset in
+  // the file: the run's precision. `hf_dtype` in the file is the same key.
   std::string save_hf_dtype = "float32";
   // Tensor bytes per safetensors file of the export (transformers' max_shard_size; 5 GB).
   int64_t save_hf_shard_bytes = int64_t(5) << 30;
+  // "standard": transformers' layout; "released": DeepSeek's, whose MTP modules carry copies of
+  // the embedding and the output head.
+  std::string hf_layout = "standard";
+  std::vector<int64_t> hf_fp8_block = {128, 128};  // FP8: rows x columns sharing a scale
 };
 
 struct GenerateConfig {

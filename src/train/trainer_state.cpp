@@ -211,7 +211,10 @@ void Trainer::load_weights(const std::string& init_from, bool checkpoint) {
   // Every rank reads the files itself: they are identical, and this needs no broadcast of
   // the whole model.
   auto counts = load_hf_weights(init_from, model_->params(), &file_registry(), &grid_.world());
-  log::info("loaded {} tensors from {}", counts.loaded, init_from);
+  log::info("loaded {} tensors from {}{}", counts.loaded, init_from,
+            counts.fp8_dequantised ? fmt::format(" ({} of them FP8 with block scales, dequantised into the fp32 "
+                                                 "master weights)", counts.fp8_dequantised)
+                                   : std::string());
 }
 
 TrainState Trainer::state() {
@@ -530,16 +533,25 @@ void Trainer::restore_precision_state(const TrainState& st, const std::string& p
 }
 
 void Trainer::save_hf(const std::string& dir) {
-  const DType dtype = dtype_from_torch_name(config_.output.save_hf_dtype);
+  const OutputConfig& out = config_.output;
+  HFSaveOptions options;
+  options.max_shard_bytes = out.save_hf_shard_bytes;
+  options.dtype = out.save_hf_dtype == "fp8" ? DType::F8_E4M3 : dtype_from_torch_name(out.save_hf_dtype);
+  options.block = FP8Block{out.hf_fp8_block.at(0), out.hf_fp8_block.at(1)};
+  options.released_layout = out.hf_layout == "released";
   optimizer_->gather_all();  // stage 3: whole weights for the export, handed back after it
   // Every rank writes its rows of its whole local pieces (the replicas of a block share it),
   // into files laid out beforehand: nobody assembles a tensor.
   const ops::HostView host(model_->params().values().tensor());
   save_hf_weights(dir, file_registry(), *sharded_ckpt_->describe_registry(), host.get().data<float>(),
-                  config_.model.to_hf_json(), config_.output.save_hf_shard_bytes, dtype, &grid_.world());
+                  config_.model.to_hf_json(), options, &grid_.world());
   grid_.world().barrier();
   optimizer_->release_unused();
-  log::info("saved Hugging Face weights ({}) to {}", config_.output.save_hf_dtype, dir);
+  log::info("saved Hugging Face weights ({}{}) to {}",
+            out.save_hf_dtype == "fp8" ? fmt::format("fp8 in blocks of {} x {} with their scales, the rest bfloat16",
+                                                     options.block.rows, options.block.cols)
+                                       : out.save_hf_dtype,
+            options.released_layout ? ", DeepSeek's released layout" : "", dir);
 }
 
 }  // namespace dstrain

@@ -537,6 +537,30 @@ TEST(Config, MixedPrecisionMistakesAreErrorsNamingTheKey) {
   EXPECT_THAT(msg({"train.communication_data_type=fp8"}), HasSubstr("'train.communication_data_type' is \"fp8\""));
   EXPECT_THAT(msg({"train.communication_data_type=16"}), HasSubstr("'train.communication_data_type' must be a string"));
   EXPECT_THAT(msg({"output.save_hf_dtype=half"}), HasSubstr("'output.save_hf_dtype' is \"half\""));
+  EXPECT_THAT(msg({"output.hf_dtype=e5m2"}), HasSubstr("'output.hf_dtype' is \"e5m2\""));
+  EXPECT_THAT(msg({"output.hf_dtype=fp8", "output.save_hf_dtype=fp8"}),
+              HasSubstr("'output.hf_dtype' and save_hf_dtype are the same setting"));
+  EXPECT_THAT(msg({"output.hf_layout=deepseek"}), HasSubstr("'output.hf_layout' is \"deepseek\""));
+  EXPECT_THAT(msg({"output.hf_fp8_block=[128]"}), HasSubstr("'output.hf_fp8_block' is [128]"));
+  EXPECT_THAT(msg({"output.hf_fp8_block=[0, 128]"}), HasSubstr("'output.hf_fp8_block'"));
+}
+
+// DeepSeek's released layout and FP8: output.hf_dtype (save_hf_dtype by another name),
+// hf_layout and hf_fp8_block, kept in the run's configuration.
+TEST(Config, ReleasedLayoutAndFP8Export) {
+  TempDir d;
+  const std::string path = d.write("run.json", run_json());
+  RunConfig c = RunConfig::load(path, {});
+  EXPECT_EQ(c.output.hf_layout, "standard");
+  EXPECT_EQ(c.output.hf_fp8_block, (std::vector<int64_t>{128, 128}));
+  c = RunConfig::load(path, {"output.hf_dtype=fp8", "output.hf_layout=released", "output.hf_fp8_block=[64, 32]"});
+  EXPECT_EQ(c.output.save_hf_dtype, "fp8");
+  EXPECT_EQ(c.output.hf_layout, "released");
+  EXPECT_EQ(c.output.hf_fp8_block, (std::vector<int64_t>{64, 32}));
+  const json j = c.to_json();
+  EXPECT_EQ(j["output"]["save_hf_dtype"], "fp8");
+  EXPECT_EQ(j["output"]["hf_layout"], "released");
+  EXPECT_EQ(j["output"]["hf_fp8_block"], (json{64, 32}));
 }
 
 TEST(Config, ZeroOptimizationKeysWithDeepSpeedsNames) {

@@ -161,6 +161,63 @@ TEST(DType, EverySixteenBitValueRoundTripsThroughFloat) {
   }
 }
 
+// FP8 E4M3 (DeepSeek-V3's released weights): every code reads back as the value the OCP FP8
+// specification gives it (computed here from its fields), and converting fp32 to it rounds to the
+// nearest code, ties to the even one, checked against a search over the 127 finite magnitudes;
+// magnitudes above 464 (halfway from 448 to the 480 the format lacks) are NaN, as in PyTorch's
+// float8_e4m3fn conversion.
+TEST(DType, FP8E4M3DecodesEveryCodeAndRoundsToNearestEven) {
+  std::vector<double> magnitude(0x7f);  // codes 0x00 .. 0x7e
+  for (int code = 0; code < 0x7f; ++code) {
+    const int e = code >> 3, m = code & 7;
+    magnitude[size_t(code)] = e == 0 ? m * std::ldexp(1.0, -9) : (1 + m / 8.0) * std::ldexp(1.0, e - 7);
+  }
+  EXPECT_EQ(magnitude[0x7e], 448.0);
+  EXPECT_EQ(magnitude[0x01], std::ldexp(1.0, -9));
+  for (int code = 0; code < 256; ++code) {
+    const float x = f8e4m3_to_f32(uint8_t(code));
+    if ((code & 0x7f) == 0x7f) {
+      EXPECT_TRUE(std::isnan(x)) << code;
+      continue;
+    }
+    ASSERT_EQ(double(std::fabs(x)), magnitude[size_t(code & 0x7f)]) << code;
+    ASSERT_EQ(std::signbit(x), bool(code & 0x80)) << code;
+    ASSERT_EQ(f32_to_f8e4m3(x), uint8_t(code)) << code;
+  }
+  auto reference = [&](float x) -> uint8_t {
+    const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+    const double a = std::fabs(double(x));
+    if (std::isnan(x) || a > 464.0) return uint8_t(sign | 0x7f);
+    int best = 0;
+    for (int code = 1; code < 0x7f; ++code) {
+      const double d = std::fabs(magnitude[size_t(code)] - a), db = std::fabs(magnitude[size_t(best)] - a);
+      if (d < db || (d == db && (code & 1) == 0)) best = code;
+    }
+    return uint8_t(sign | best);
+  };
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> exponent(-14, 10);
+  for (int i = 0; i < 200000; ++i) {
+    float x = float(std::exp2(exponent(rng)));
+    if (i & 1) x = -x;
+    ASSERT_EQ(f32_to_f8e4m3(x), reference(x)) << x;
+  }
+  // Every midpoint between neighbours, and one fp32 step either side of it.
+  for (int code = 0; code < 0x7e; ++code) {
+    const float mid = float((magnitude[size_t(code)] + magnitude[size_t(code + 1)]) / 2);
+    for (float x : {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1000.0f)}) {
+      ASSERT_EQ(f32_to_f8e4m3(x), reference(x)) << x;
+      ASSERT_EQ(f32_to_f8e4m3(-x), reference(-x)) << x;
+    }
+  }
+  EXPECT_EQ(f32_to_f8e4m3(464.0f), 0x7e);                          // tie: down to 448, the even code
+  EXPECT_EQ(f32_to_f8e4m3(std::nextafter(464.0f, 500.0f)), 0x7f);  // above: NaN
+  EXPECT_EQ(f32_to_f8e4m3(-std::numeric_limits<float>::infinity()), 0xff);
+  EXPECT_EQ(f32_to_f8e4m3(std::ldexp(1.0f, -10)), 0x00);           // half the smallest subnormal: to even zero
+  EXPECT_EQ(f32_to_f8e4m3(std::ldexp(3.0f, -10)), 0x02);           // 1.5 of it: up to even
+  EXPECT_EQ(f32_to_f8e4m3(-0.0f), 0x80);
+}
+
 // fp32 values -> a BF16 (F16) buffer -> fp32 through ops::cast, on the host and on the emulated
 // device (the fake backend): the 16-bit buffer holds the reference rounding of each value, and
 // what comes back is that rounding's exact value.

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <iterator>
 #include <set>
 #include <vector>
 
@@ -262,8 +263,8 @@ TEST_F(SafeTensors, RejectsCorruptFiles) {
       {"no_offsets", R"({"w":{"dtype":"F32","shape":[3]}})", twelve, {"'w'", "\"data_offsets\""}},
       {"unknown_dtype", R"({"w":{"dtype":"C64","shape":[12],"data_offsets":[0,12]}})", twelve,
        {"'w'", "unknown dtype \"C64\""}},
-      {"fp8", R"({"w":{"dtype":"F8_E4M3","shape":[12],"data_offsets":[0,12]}})", twelve,
-       {"'w'", "\"F8_E4M3\" is FP8", "convert the checkpoint to BF16"}},
+      {"fp8_e5m2", R"({"w":{"dtype":"F8_E5M2","shape":[12],"data_offsets":[0,12]}})", twelve,
+       {"'w'", "\"F8_E5M2\" is an FP8 format dstrain does not read", "it reads F8_E4M3"}},
       {"negative_dim", R"({"w":{"dtype":"F32","shape":[-3],"data_offsets":[0,12]}})", twelve, {"'w'", "negative"}},
       {"size_mismatch", R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,12]}})", twelve,
        {"'w'", "needs 16 bytes", "hold 12 bytes"}},
@@ -571,6 +572,90 @@ TEST_F(HFWeightsIO, LoadsBF16Checkpoint) {
       ASSERT_EQ(loaded.param(id).data<float>()[i], bf16_to_f32(store[size_t(id)][size_t(i)])) << reg.info(id).name;
     }
   }
+}
+
+// DeepSeek's block-scaled FP8 (DeepSeek-V3 inference/kernel.py): the export stores each
+// projection matrix as fp8(x / s) with s = amax / 448 per 8 x 8 block (partial blocks at the
+// edges, a block of zeros with scale 0), the rest in BF16, and config.json says so; reading it
+// back gives fp8 * s in fp32 (weight_dequant), and exporting that again gives the same bytes.
+TEST_F(HFWeightsIO, FP8ExportQuantisesAsDeepSeekAndReadsBackDequantised) {
+  ParamRegistry reg;
+  build_registry(reg, 11, 20, 24, 2, false);
+  fill(reg, 9);
+  const int o_proj = reg.find("model.layers.1.self_attn.o_proj.weight");
+  for (int r = 8; r < 16; ++r) {
+    for (int c = 0; c < 8; ++c) reg.param(o_proj).data<float>()[r * 20 + c] = 0;  // block (1, 0)
+  }
+  HFSaveOptions options;
+  options.dtype = DType::F8_E4M3;
+  options.block = FP8Block{8, 8};
+  const std::string dir = path("fp8");
+  save_hf_weights(dir, reg, json{{"model_type", "llama"}}, options);
+  const json config = read_json_file(dir + "/config.json", kDataJson);
+  EXPECT_EQ(config["quantization_config"],
+            (json{{"activation_scheme", "dynamic"}, {"fmt", "e4m3"}, {"quant_method", "fp8"},
+                  {"weight_block_size", {8, 8}}}));
+  EXPECT_EQ(config["torch_dtype"], "bfloat16");
+
+  const SafeTensorsFile f(dir + "/model.safetensors");
+  int fp8_tensors = 0;
+  for (int id = 0; id < reg.size(); ++id) {
+    const ParamInfo& p = reg.info(id);
+    const float* x = reg.param(id).data<float>();
+    if (!is_fp8_weight(p.name)) {
+      EXPECT_EQ(f.info(p.name).dtype, DType::BF16) << p.name;
+      EXPECT_FALSE(f.has(fp8_scale_name(p.name))) << p.name;
+      continue;
+    }
+    ++fp8_tensors;
+    ASSERT_EQ(f.info(p.name).dtype, DType::F8_E4M3) << p.name;
+    const int64_t rows = p.shape[0], cols = p.shape[1];
+    const SafeTensorInfo& si = f.info(fp8_scale_name(p.name));
+    ASSERT_EQ(si.dtype, DType::F32);
+    ASSERT_EQ(si.shape, (Shape{(rows + 7) / 8, (cols + 7) / 8})) << p.name;
+    const auto codes = f.raw(p.name);
+    const std::vector<float> scales = read_all(f, si.name);
+    for (int64_t br = 0; br < si.shape[0]; ++br) {
+      for (int64_t bc = 0; bc < si.shape[1]; ++bc) {
+        float amax = 0;
+        for (int64_t r = br * 8; r < std::min(rows, br * 8 + 8); ++r) {
+          for (int64_t c = bc * 8; c < std::min(cols, bc * 8 + 8); ++c) amax = std::max(amax, std::fabs(x[r * cols + c]));
+        }
+        const float s = scales[size_t(br * si.shape[1] + bc)];
+        ASSERT_EQ(s, amax / 448.0f) << p.name << " block " << br << "," << bc;
+        for (int64_t r = br * 8; r < std::min(rows, br * 8 + 8); ++r) {
+          for (int64_t c = bc * 8; c < std::min(cols, bc * 8 + 8); ++c) {
+            const auto code = uint8_t(codes[size_t(r * cols + c)]);
+            ASSERT_EQ(code, amax == 0 ? uint8_t(0) : f32_to_f8e4m3(x[r * cols + c] / s)) << p.name << " " << r << "," << c;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(fp8_tensors, 2 * 7);
+
+  ParamRegistry loaded;
+  build_registry(loaded, 11, 20, 24, 2, false);
+  const HFLoadStats stats = load_hf_weights(dir, loaded);
+  EXPECT_EQ(stats.fp8_dequantised, 2 * 7);
+  for (int id = 0; id < reg.size(); ++id) {
+    const ParamInfo& p = reg.info(id);
+    if (!is_fp8_weight(p.name)) continue;
+    const std::vector<float> scales = read_all(f, fp8_scale_name(p.name));
+    const auto codes = f.raw(p.name);
+    const int64_t cols = p.shape[1], scale_cols = (cols + 7) / 8;
+    for (int64_t i = 0; i < p.numel(); ++i) {
+      const float want = f8e4m3_to_f32(uint8_t(codes[size_t(i)])) * scales[size_t((i / cols / 8) * scale_cols + (i % cols) / 8)];
+      ASSERT_EQ(loaded.param(id).data<float>()[i], want) << p.name << " " << i;
+    }
+  }
+  EXPECT_EQ(loaded.param(o_proj).data<float>()[8 * 20], 0.0f);
+  const std::string again = path("fp8_again");
+  save_hf_weights(again, loaded, json{{"model_type", "llama"}}, options);
+  std::ifstream a(dir + "/model.safetensors", std::ios::binary), b(again + "/model.safetensors", std::ios::binary);
+  const std::string bytes_a((std::istreambuf_iterator<char>(a)), {}), bytes_b((std::istreambuf_iterator<char>(b)), {});
+  EXPECT_GT(bytes_a.size(), 1000u);
+  EXPECT_TRUE(bytes_a == bytes_b) << "FP8 in, FP8 out is not bit for bit";
 }
 
 TEST_F(HFWeightsIO, ShapeMismatchNamesTensorAndConfig) {

@@ -120,6 +120,7 @@ Wire wire(DType t) {
     case DType::U32: return {ncclUint32, 1, true};
     case DType::U8: return {ncclUint8, 1, true};
     case DType::U16: return {ncclUint8, 2, false};
+    case DType::F8_E4M3: return {ncclUint8, 1, false};
   }
   DS_FAIL("no NCCL datatype for {}", dtype_name(t));
 }
