@@ -27,9 +27,16 @@ std::vector<LossSums> Trainer::evaluate_each(int64_t batches) {
   std::vector<int32_t> sample(static_cast<size_t>(T + 1)), inputs, targets;
   for (size_t d = 0; d < sets.size(); ++d) {
     const int64_t n = std::min(batches * mb, sets[d]->samples_per_epoch());
-    // Micro-batch k of each dataset goes to data-parallel rank k % dp.
-    for (int64_t first = dp_.rank() * mb; first < n; first += dp_.size() * mb) {
-      const int64_t rows = std::min(mb, n - first);
+    // Micro-batch k of each dataset goes to data-parallel rank k % dp. Every rank runs as many
+    // forward passes as the busiest: the layers' collectives over data ranks (the expert
+    // all-to-all, ZeRO-3's weight gathers) need all of them, so a rank past the end runs the
+    // first micro-batch again and does not count it (fewer batches than data ranks would
+    // otherwise leave the others waiting for it).
+    const int64_t micro_batches = (n + mb - 1) / mb, rounds = (micro_batches + dp_.size() - 1) / dp_.size();
+    for (int64_t k = 0; k < rounds; ++k) {
+      const int64_t mine = (k * dp_.size() + dp_.rank()) * mb;
+      const bool counted = mine < n;
+      const int64_t first = counted ? mine : 0, rows = std::min(mb, n - first);
       inputs.resize(size_t(rows * T));
       targets.resize(size_t(rows * T));
       for (int64_t i = 0; i < rows; ++i) {
@@ -39,6 +46,7 @@ std::vector<LossSums> Trainer::evaluate_each(int64_t batches) {
       }
       const Tensor x = tokens_tensor(inputs, rows, T), y = tokens_tensor(targets, rows, T);
       LossSums s = runner_ ? runner_->forward_loss(x, y) : model_->forward_loss(x, y);
+      if (!counted) continue;
       sums[3 * d] += s.sum;
       sums[3 * d + 1] += double(s.count);
       sums[3 * d + 2] += double(s.correct);

@@ -112,6 +112,30 @@ TEST_P(ExpertTraining, MatchesEveryExpertOnEveryRank) {
 
 INSTANTIATE_TEST_SUITE_P(Models, ExpertTraining, ::testing::Values("v2", "v3"));
 
+// An evaluation of fewer micro-batches than data ranks (1), or of a count the ranks do not share
+// evenly (3), under expert parallelism: the ranks without a batch of their own still take part in
+// every all-to-all (before, the evaluation waited for them forever), and the result is the
+// whole model's on one rank.
+TEST(ExpertParallel, EvaluationWithFewerBatchesThanDataRanksMatchesOneRank) {
+  DSTRAIN_REQUIRE_RANKS(world_size() >= 2, "2 or 4");
+  RunFiles files(1, model_of("v3"));
+  ProcessGrid solo(MPI_COMM_SELF, {});
+  Trainer ref(files.solo_config(), solo);
+  ref.init_weights("");
+  ref.train();
+  const RunConfig cfg = files.config({"parallel.expert=" + std::to_string(world_size())});
+  ProcessGrid grid(MPI_COMM_WORLD, cfg.parallel);
+  Trainer t(cfg, grid);
+  t.init_weights("");
+  t.train();
+  for (int64_t batches : {1, 3}) {
+    const LossSums want = ref.evaluate(batches), got = t.evaluate(batches);
+    EXPECT_EQ(got.count, want.count) << batches << " batches";
+    EXPECT_NEAR(got.mean(), want.mean(), 1e-5 * want.mean()) << batches << " batches";
+    EXPECT_EQ(got.correct, want.correct) << batches << " batches";
+  }
+}
+
 // Token dropping (moe.capacity_factor 1) is decided on the token's rank before the dispatch: the
 // expert-parallel run drops the same pairs and trains the same model; the metrics report them.
 // Dropped by position: with drop_policy "probs" an expert keeps its largest routing weights, and
