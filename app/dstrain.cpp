@@ -8,6 +8,7 @@
 //                    | --model CONFIG.json --ranks N --cluster PROFILE --global-batch B --seq T [--top K]
 //                    | --check F --ranks N [--cluster PROFILE]
 //   dstrain calibrate --config F --out PROFILE.json   (under mpirun: collectives over its ranks)
+//   dstrain status   RUN_DIR [--watch [SECONDS]] [--json]   (a live or finished run, from its output.dir)
 // Exit status: 0 done, 1 error, 2 bad command line, 75 stopped on SIGUSR1/SIGTERM after a
 // checkpoint (requeue the job), 76 a collective passed its deadline (the watchdog ended the job).
 #include <CLI/CLI.hpp>
@@ -22,6 +23,7 @@
 
 #include "cli.h"
 #include "plan_cmd.h"
+#include "status_cmd.h"
 #include "comm/watchdog.h"
 #include "core/log.h"
 #include "core/version.h"
@@ -287,21 +289,23 @@ int run(int argc, char** argv) {
   CLI::App* plan = cli::add_plan_command(app, plan_options);
   cli::CalibrateOptions calibrate_options;
   CLI::App* calibrate = cli::add_calibrate_command(app, calibrate_options);
+  cli::StatusOptions status_options;
+  CLI::App* status = cli::add_status_command(app, status_options);
 
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     // Usage messages once per job, not once per rank; every rank ends with the same status.
     const bool quiet = dstrain::log::rank() != 0;
-    for (const CLI::App* sub : {train, eval, gen, validate, plan, calibrate}) {
+    for (const CLI::App* sub : {train, eval, gen, validate, plan, calibrate, status}) {
       if (sub->parsed()) return cli::report(app, e, "dstrain", "dstrain " + sub->get_name(), quiet);
     }
     if (argc < 2) {
-      return cli::report("dstrain", "no command given; the commands are train, eval, generate, validate, plan and calibrate", "dstrain", quiet);
+      return cli::report("dstrain", "no command given; the commands are train, eval, generate, validate, plan, calibrate and status", "dstrain", quiet);
     }
     if (argv[1][0] == '-' || e.get_exit_code() == 0) return cli::report(app, e, "dstrain", "dstrain", quiet);
     return cli::report(
-        "dstrain", fmt::format("unknown command '{}'; the commands are train, eval, generate, validate, plan and calibrate", argv[1]), "dstrain",
+        "dstrain", fmt::format("unknown command '{}'; the commands are train, eval, generate, validate, plan, calibrate and status", argv[1]), "dstrain",
         quiet);
   }
   if (train->parsed()) return o.dry_run ? cmd_dry_run(o) : cmd_train(o);
@@ -309,6 +313,7 @@ int run(int argc, char** argv) {
   if (validate->parsed()) return cmd_validate(o);
   if (plan->parsed()) return cli::cmd_plan(plan_options);
   if (calibrate->parsed()) return cli::cmd_calibrate(calibrate_options);
+  if (status->parsed()) return cli::cmd_status(status_options);
   return cmd_generate(o);
 }
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Python environment with current PyTorch and Hugging Face (torch, transformers,
-# safetensors, tokenizers) that the interop and tokenizer tests compare dstrain against.
+# safetensors, tokenizers) that the interop and tokenizer tests compare dstrain against, and
+# TensorBoard, whose own reader checks the event files dstrain writes.
 # It lives outside the repository, so that every build and CI run on a machine shares one:
 # ${DSTRAIN_PEER_VENV:-/var/tmp/dstrain-peer}. Made from PyPI with pip, the one part of the
 # tests that needs the network, and only when missing, incomplete or made from other versions:
@@ -12,14 +13,14 @@ set -euo pipefail
 
 venv=${DSTRAIN_PEER_VENV:-/var/tmp/dstrain-peer}
 py=$venv/bin/python
-packages=(torch transformers safetensors tokenizers)
+packages=(torch transformers safetensors tokenizers tensorboard)
 log=$venv.install.log
 constraints=$(cd "$(dirname "$0")" && pwd)/peer-constraints.txt
 stamp=$venv/dstrain-peer-constraints.txt  # the constraints it was made from
 
 usable() {
   [[ -x $py ]] && cmp -s "$constraints" "$stamp" &&
-    "$py" -c "import torch, transformers, safetensors, tokenizers" 2>/dev/null
+    "$py" -c "import torch, transformers, safetensors, tokenizers, tensorboard" 2>/dev/null
 }
 
 why_not() {

@@ -17,6 +17,7 @@
 #include "core/buffer.h"
 #include "core/log.h"
 #include "train/http_endpoint.h"
+#include "train/tensorboard.h"
 
 namespace dstrain {
 
@@ -43,6 +44,7 @@ MetricsConfig MetricsConfig::from_json(const JsonReader& r) {
   c.memory_budget_gb = r.get<double>("memory_budget_gb", c.memory_budget_gb);
   c.expert_imbalance = r.get<double>("expert_imbalance", c.expert_imbalance);
   c.timeline_steps = TimelineSteps::from_json(r, "timeline_steps");
+  c.tensorboard_dir = r.get<std::string>("tensorboard_dir", c.tensorboard_dir);
   if (c.progress != "auto" && c.progress != "bar" && c.progress != "lines") {
     r.error("progress", "must be \"auto\", \"bar\" or \"lines\"");
   }
@@ -60,7 +62,8 @@ MetricsConfig MetricsConfig::from_json(const JsonReader& r) {
 json MetricsConfig::to_json() const {
   return {{"progress", progress},       {"prometheus_port", prometheus_port}, {"prometheus_bind", prometheus_bind},
           {"peak_tflops", peak_tflops > 0 ? json(peak_tflops) : json(nullptr)}, {"memory_budget_gb", memory_budget_gb},
-          {"expert_imbalance", expert_imbalance}, {"timeline_steps", timeline_steps.to_json()}};
+          {"expert_imbalance", expert_imbalance}, {"timeline_steps", timeline_steps.to_json()},
+          {"tensorboard_dir", tensorboard_dir}};
 }
 
 Utilisation utilisation(double global_tokens_per_s, double flops_per_token, int world_size, double peak_flops) {
@@ -207,6 +210,10 @@ struct Metrics::Impl {
   double peak_flops = 0;  // what the endpoint thread shows
   std::string peak_source;
   std::unique_ptr<HttpEndpoint> server;
+  // metrics.tensorboard_dir: this run's events file; flushed at each print interval, after a
+  // checkpoint's step, at an evaluation and at the end.
+  std::unique_ptr<TensorBoardWriter> tensorboard;
+  bool tensorboard_started = false, tensorboard_flush_next = false;
 };
 
 Metrics::Metrics(const MetricsConfig& config, const ModelConfig& model, int64_t seq_len, int rank, int world_size,
@@ -239,6 +246,11 @@ Metrics::Metrics(const MetricsConfig& config, const ModelConfig& model, int64_t 
             "{}",
             flops_per_token_, peak_flops_ / 1e9, peak_source_,
             budget_bytes_ / 1e9, jsonl_path_);
+  if (!config_.tensorboard_dir.empty()) {
+    impl_->tensorboard = std::make_unique<TensorBoardWriter>(config_.tensorboard_dir);
+    log::info("metrics: TensorBoard events in {} (tensorboard --logdir {})", impl_->tensorboard->path(),
+              config_.tensorboard_dir);
+  }
   if (config_.prometheus_port > 0) {
     try {
       impl_->server = std::make_unique<HttpEndpoint>(config_.prometheus_bind, int(config_.prometheus_port), "/metrics",
@@ -351,50 +363,63 @@ void Metrics::on_step(const StepMetrics& m) {
   check_peak(m);
   const json record = step_record(m);
   write(record);
-  {
-    std::lock_guard lock(impl_->mutex);
-    impl_->last = m;
-    impl_->have_step = true;
-    impl_->last_extra = m.extra;
-    if (m.extra.contains("gradient_sync")) {
-      const json& g = m.extra["gradient_sync"];
-      impl_->outer_steps_total += g.value("outer_steps", int64_t(0));
-      if (g.contains("drift")) impl_->last_drift = g.value("drift", 0.0);
-    }
-    const double t = std::max(m.time.total, 1e-12);
-    impl_->mfu.push_back(record["mfu"]);
-    impl_->peak_flops = peak_flops_;
-    impl_->peak_source = peak_source_;
-    impl_->data.push_back(m.time.data_wait / t);
-    impl_->comm.push_back(m.time.exposed_comm / t);
-    impl_->compute.push_back((m.time.forward + m.time.backward) / t);
-    impl_->optimizer.push_back(m.time.optimizer / t);
-    impl_->checkpoint.push_back(m.time.checkpoint / t);
-    impl_->imbalance.push_back(spread_of(m.rank_step_s).spread());
-    impl_->tokens_per_s.push_back(m.tokens_per_s);
-    impl_->memory.push_back(double(record["peak_rss_bytes"]) / std::max(budget_bytes_, 1.0));
-    if (m.extra.contains("moe")) {
-      double load = 0, dead = 0;
-      for (const auto& [layer, v] : m.extra["moe"].items()) {
-        load = std::max(load, v.value("max_over_mean_load", 0.0));
-        dead += v.value("dead_experts", 0.0);
-      }
-      impl_->moe_load.push_back(load);
-      impl_->moe_dead.push_back(dead);
-      impl_->moe_share.push_back((m.extra.value("moe_route_s", 0.0) + m.extra.value("moe_permute_s", 0.0)) / t);
-    }
-    if (m.extra.contains("expert_parallel")) {
-      const json& ep = m.extra["expert_parallel"];
-      impl_->ep_load.push_back(ep.value("received_max_over_mean", 0.0));
-      impl_->ep_share.push_back(ep.value("a2a_s", 0.0) / t);
-    }
-    if (m.extra.contains("tensor_parallel")) impl_->tp_share.push_back(m.extra["tensor_parallel"].value("comm_s", 0.0) / t);
-    if (m.extra.contains("gpu") && m.extra["gpu"].contains("utilization_percent")) {
-      impl_->gpu_util.push_back(m.extra["gpu"].value("utilization_percent", 0.0) / 100.0);
+  if (impl_->tensorboard) {
+    // The run's first step opens a session: TensorBoard drops what an earlier attempt wrote
+    // from this step on (its steps after the checkpoint this run resumed from).
+    if (!impl_->tensorboard_started) impl_->tensorboard->session_start(m.step);
+    impl_->tensorboard_started = true;
+    impl_->tensorboard->write(m.step, tensorboard_step_scalars(record), tensorboard_step_histograms(record));
+    if (impl_->tensorboard_flush_next || m.step % steps_per_print_ == 0 || m.step == m.max_steps) {
+      impl_->tensorboard->flush();
+      impl_->tensorboard_flush_next = false;
     }
   }
+  add_step(m, record);
   warn_if_abnormal(m);
   print_progress(m);
+}
+
+void Metrics::add_step(const StepMetrics& m, const json& record) {
+  std::lock_guard lock(impl_->mutex);
+  impl_->last = m;
+  impl_->have_step = true;
+  impl_->last_extra = m.extra;
+  if (m.extra.contains("gradient_sync")) {
+    const json& g = m.extra["gradient_sync"];
+    impl_->outer_steps_total += g.value("outer_steps", int64_t(0));
+    if (g.contains("drift")) impl_->last_drift = g.value("drift", 0.0);
+  }
+  const double t = std::max(m.time.total, 1e-12);
+  impl_->mfu.push_back(record["mfu"]);
+  impl_->peak_flops = peak_flops_;
+  impl_->peak_source = peak_source_;
+  impl_->data.push_back(m.time.data_wait / t);
+  impl_->comm.push_back(m.time.exposed_comm / t);
+  impl_->compute.push_back((m.time.forward + m.time.backward) / t);
+  impl_->optimizer.push_back(m.time.optimizer / t);
+  impl_->checkpoint.push_back(m.time.checkpoint / t);
+  impl_->imbalance.push_back(spread_of(m.rank_step_s).spread());
+  impl_->tokens_per_s.push_back(m.tokens_per_s);
+  impl_->memory.push_back(double(record["peak_rss_bytes"]) / std::max(budget_bytes_, 1.0));
+  if (m.extra.contains("moe")) {
+    double load = 0, dead = 0;
+    for (const auto& [layer, v] : m.extra["moe"].items()) {
+      load = std::max(load, v.value("max_over_mean_load", 0.0));
+      dead += v.value("dead_experts", 0.0);
+    }
+    impl_->moe_load.push_back(load);
+    impl_->moe_dead.push_back(dead);
+    impl_->moe_share.push_back((m.extra.value("moe_route_s", 0.0) + m.extra.value("moe_permute_s", 0.0)) / t);
+  }
+  if (m.extra.contains("expert_parallel")) {
+    const json& ep = m.extra["expert_parallel"];
+    impl_->ep_load.push_back(ep.value("received_max_over_mean", 0.0));
+    impl_->ep_share.push_back(ep.value("a2a_s", 0.0) / t);
+  }
+  if (m.extra.contains("tensor_parallel")) impl_->tp_share.push_back(m.extra["tensor_parallel"].value("comm_s", 0.0) / t);
+  if (m.extra.contains("gpu") && m.extra["gpu"].contains("utilization_percent")) {
+    impl_->gpu_util.push_back(m.extra["gpu"].value("utilization_percent", 0.0) / 100.0);
+  }
 }
 
 void Metrics::warn_if_abnormal(const StepMetrics& m) {
@@ -461,6 +486,10 @@ void Metrics::on_eval(int64_t step, double loss, double accuracy, int64_t tokens
   if (rank_ != 0) return;
   write({{"type", "eval"}, {"step", step}, {"loss", loss}, {"accuracy", accuracy}, {"tokens", tokens},
          {"datasets", per_dataset}});
+  if (impl_->tensorboard) {
+    impl_->tensorboard->write(step, tensorboard_eval_scalars(loss, accuracy, per_dataset));
+    impl_->tensorboard->flush();
+  }
   std::lock_guard lock(impl_->mutex);
   impl_->last_eval = loss;
   impl_->last_eval_accuracy = accuracy;
@@ -469,6 +498,7 @@ void Metrics::on_eval(int64_t step, double loss, double accuracy, int64_t tokens
 void Metrics::on_checkpoint(int64_t step, double stall_s, bool async) {
   if (rank_ != 0) return;
   write({{"type", "checkpoint"}, {"step", step}, {"stall_s", stall_s}, {"async", async}});
+  if (impl_->tensorboard) impl_->tensorboard_flush_next = true;  // the checkpoint's step comes next
   std::lock_guard lock(impl_->mutex);
   ++impl_->checkpoints;
 }
@@ -692,6 +722,7 @@ std::string Metrics::summary_table() const {
 }
 
 void Metrics::on_run_end() {
+  if (impl_->tensorboard) impl_->tensorboard->flush();
   if (rank_ != 0 || !impl_->have_step) return;
   std::printf("%s", bar_ ? "\n" : "");
   log::info("run summary (medians over the steps of this run):\n{}", summary_table());

@@ -2,8 +2,8 @@
 // tokens/s, model FLOP/s and MFU, the step's time split, memory by category, skipped steps),
 // the spread over ranks with the slowest named, warnings when the run leaves its normal
 // range, and the outputs users already read: a progress line (a live bar on a terminal),
-// metrics.jsonl, a Prometheus text endpoint served by rank 0, and an end-of-run summary
-// with a bottleneck table.
+// metrics.jsonl, TensorBoard event files, a Prometheus text endpoint served by rank 0, and an
+// end-of-run summary with a bottleneck table.
 #pragma once
 
 #include <functional>
@@ -30,6 +30,9 @@ struct MetricsConfig {
   // in every MoE layer.
   double expert_imbalance = 1;
   TimelineSteps timeline_steps;    // the steps whose schedule is recorded (train/timeline.h); off
+  // Rank 0 writes TensorBoard events there (train/tensorboard.h); "": none. Relative to the
+  // working directory, like output.dir. The trainer claims it for the run first.
+  std::string tensorboard_dir;
   static MetricsConfig from_json(const JsonReader& r);
   json to_json() const;
 };
@@ -110,6 +113,9 @@ class Metrics {
   void on_eval(int64_t step, double loss, double accuracy, int64_t tokens, const json& per_dataset);
   void on_checkpoint(int64_t step, double stall_s, bool async);
   void on_run_end();  // the summary (rank 0)
+  // Adds a step to the summary and the endpoint's state (on_step does, on rank 0); `record` is its
+  // metrics.jsonl record. `dstrain status` replays a run's records through it, on any rank.
+  void add_step(const StepMetrics& m, const json& record);
 
   // The Prometheus text exposition of the latest state (what the endpoint serves).
   std::string prometheus_text() const;

@@ -216,6 +216,11 @@ StepMetrics Trainer::step_metrics(const StepRecord& r, double elapsed, int64_t s
   } else {
     m.extra["data_parallel"] = {{"comm_bytes", r.dp_comm_bytes}};
   }
+  if (r.moe.empty() && config_.model.num_nextn_predict_layers > 0) {
+    // A dense model with multi-token prediction: the two parts of its loss.
+    m.extra["ce_loss"] = r.ce_loss;
+    m.extra["mtp_loss"] = r.mtp_loss;
+  }
   if (!r.moe.empty()) {
     m.extra["ce_loss"] = r.ce_loss;
     m.extra["aux_loss"] = r.aux_loss;

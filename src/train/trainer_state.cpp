@@ -12,6 +12,7 @@
 #include "io/checkpoint.h"
 #include "io/hf_weights.h"
 #include "train/startup_checks.h"
+#include "train/tensorboard.h"
 
 namespace dstrain {
 namespace {
@@ -121,6 +122,11 @@ void Trainer::claim_output_dirs() {
       const fs::path out = fs::weakly_canonical(config_.output.dir), ck = fs::weakly_canonical(config_.checkpoint.dir);
       if (ck != out) locks_.push_back(std::make_unique<RunLock>(config_.checkpoint.dir));
       if (!config_.output.save_hf.empty()) check_writable_dir(config_.output.save_hf, "output.save_hf (--save-hf)");
+      // Another run's TensorBoard events in the directory stop the run before anything is loaded.
+      if (!config_.metrics.tensorboard_dir.empty()) {
+        const std::string refused = claim_tensorboard_dir(config_.metrics.tensorboard_dir, config_.output.dir);
+        if (!refused.empty()) throw Error(refused);
+      }
     } catch (const std::exception& e) {
       locks_.clear();
       error = e.what();

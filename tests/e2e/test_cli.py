@@ -247,7 +247,7 @@ class BadCommandLine(unittest.TestCase):
             ([*gen, "--top-k", "-3"], "--top-k: expects an integer >= 0, got '-3'"),
             ([*gen, "--max-new-tokens", "0"], "--max-new-tokens: expects an integer >= 1, got '0'"),
             ([*gen, "--max-new-tokens", "-5"], "--max-new-tokens: expects an integer >= 1, got '-5'"),
-            (["bogus"], "unknown command 'bogus'; the commands are train, eval, generate, validate, plan and calibrate"),
+            (["bogus"], "unknown command 'bogus'; the commands are train, eval, generate, validate, plan, calibrate and status"),
             ([], "no command given"),
         ]
         for args, *expected in cases:
