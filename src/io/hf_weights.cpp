@@ -635,7 +635,10 @@ void save_hf_weights(const std::string& dir, const ParamRegistry& file, const Sh
                          grid.cols_of(p.global_shape)};
       out.push_back({OutTensor::Kind::Scales, fp8_scale_name(p.name), id, DType::F32, scales});
     } else {
-      out.push_back({OutTensor::Kind::Values, p.name, id, dtype, p.global_shape});
+      // DeepSeek-V3's routing biases are F32 in its release (and must stay so: a BF16 bias moves
+      // which experts win near-ties).
+      const bool bias = (fp8 || options.released_layout) && p.name.ends_with(".e_score_correction_bias");
+      out.push_back({OutTensor::Kind::Values, p.name, id, bias ? DType::F32 : dtype, p.global_shape});
     }
   }
   if (options.released_layout && config_json.is_object()) {
@@ -789,9 +792,10 @@ void save_hf_weights(const std::string& dir, const ParamRegistry& file, const Sh
         for (PieceRun& r : runs) r.local -= rows.elem_begin();
         const Tensor src(const_cast<float*>(values) + t.at + rows.elem_begin(), DType::F32, Shape{rows.elems()});
         Tensor data = src;
-        if (dtype != DType::F32) {
-          if (converted.numel() < rows.elems()) {
-            converted = Buffer("save_hf." + torch_dtype, MemCategory::Workspace, dtype, rows.elems(), Device::cpu());
+        const DType want = out[targets.at(t.tensor).front()].dtype;  // a tensor and its copies share it
+        if (want != DType::F32) {
+          if (converted.numel() < rows.elems() || converted.dtype() != want) {
+            converted = Buffer("save_hf." + torch_dtype, MemCategory::Workspace, want, rows.elems(), Device::cpu());
           }
           data = converted.tensor(0, {rows.elems()});
           ops::cast(data, src);

@@ -139,7 +139,8 @@ struct HFSaveOptions {
   // DeepSeek's released layout: each multi-token-prediction module model.layers.{L + k}
   // (L = num_hidden_layers) carries its own copies of the embedding and the output head
   // (embed_tokens.weight, shared_head.head.weight), as DeepSeek-V3's checkpoints do; dstrain
-  // shares them and writes them twice.
+  // shares them and writes them twice. With it (and with FP8), the routing biases
+  // (e_score_correction_bias) are F32, as in the release.
   bool released_layout = false;
 };
 
