@@ -5,6 +5,7 @@ replicas, and step time over a link slowed on purpose.
     validation/bench_gradient_sync.py [--steps 768] [--replicas 2,4] [--timing-steps 40]
         [--latency-ms 2] [--gbit 0.1] [--out validation/figures/gradient_sync]
     validation/bench_gradient_sync.py --timing-only [--repeats 3]   (timings again, machine quiet)
+    validation/bench_gradient_sync.py --steps 3072 --modes "sync;DiLoCo H=32" --out validation/figures/gradient_sync_3072
 
 The fortunes corpus (.ci/prepare-fortunes, byte tokens), a 0.8M-parameter DeepSeek-LLM-style
 model (hidden 128, 2 layers), global batch 16 x 128 tokens at every replica count, AdamW lr
@@ -101,7 +102,16 @@ def main():
                     help="only the slowed-link timing runs, --repeats times alternating, into OUT.json's rows")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--report-only", action="store_true", help="the table and plot from OUT.json, nothing run")
+    ap.add_argument("--modes", default="",
+                    help="only these modes, by their names separated by ';' (e.g. \"sync;DiLoCo H=32\"); sync "
+                         "must be among them")
     a = ap.parse_args()
+    modes = MODES
+    if a.modes:
+        wanted = [m.strip() for m in a.modes.split(";")]
+        unknown = [m for m in wanted if m not in dict(MODES)]
+        assert not unknown and "sync" in wanted, f"--modes: unknown {unknown} or no sync; the modes: {[m for m, _ in MODES]}"
+        modes = [(m, gs) for m, gs in MODES if m in wanted]
     assert a.steps % 128 == 0, "--steps must be a multiple of 128 (DiLoCo H=128 ends on an outer step)"
     slow = {"latency_ms": a.latency_ms, "gbit_per_s": a.gbit}
     results = []
@@ -142,7 +152,7 @@ def main():
         a.steps = saved["steps"]
     with tempfile.TemporaryDirectory() as tmp:
         for replicas in [] if a.timing_only or a.report_only else [int(x) for x in a.replicas.split(",")]:
-            for name, gs in MODES:
+            for name, gs in modes:
                 steps, evals = run(os.path.join(tmp, f"{replicas}_{len(results)}"), replicas, a.steps, gs,
                                    eval_every=128)
                 timed, _ = run(os.path.join(tmp, f"{replicas}_{len(results)}_t"), replicas, a.timing_steps, gs,
