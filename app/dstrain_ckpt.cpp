@@ -101,7 +101,7 @@ int cmd_export(const std::string& path, const std::string& dir, std::string dtyp
   if (dtype.empty()) dtype = out.is_object() ? out.value("save_hf_dtype", std::string("float32")) : "float32";
   if (layout.empty()) layout = out.is_object() ? out.value("hf_layout", std::string("standard")) : "standard";
   HFSaveOptions options;
-  options.dtype = dtype == "fp8" ? DType::F8_E4M3 : dtype_from_torch_name(dtype);
+  options.dtype = hf_export_dtype(dtype);
   options.released_layout = layout == "released";
   if (out.is_object() && out.contains("hf_fp8_block")) {
     const json& b = out["hf_fp8_block"];

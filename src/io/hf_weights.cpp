@@ -187,7 +187,7 @@ HFWeights::HFWeights(const std::string& path) : path_(path) {
     } else {
       open_single(path);
     }
-    check_fp8((fs::path(path).parent_path() / "config.json").string());
+    check_fp8((fs::path(path).parent_path() / "config.json").string());  // the model directory's
     return;
   }
   const fs::path single = fs::path(path) / kSingleFile, index = fs::path(path) / kIndexFile;
@@ -197,10 +197,8 @@ HFWeights::HFWeights(const std::string& path) : path_(path) {
            kIndexFile);
   if (has_single) {
     open_single(single.string());
-    check_fp8((fs::path(path) / "config.json").string());
   } else if (has_index) {
     open_index(index.string());
-    check_fp8((fs::path(path) / "config.json").string());
   } else {
     const bool has_bin =
         fs::exists(fs::path(path) / "pytorch_model.bin") || fs::exists(fs::path(path) / "pytorch_model.bin.index.json");
@@ -209,6 +207,7 @@ HFWeights::HFWeights(const std::string& path) : path_(path) {
                       "(save_pretrained(..., safe_serialization=True))"
                     : "");
   }
+  check_fp8((fs::path(path) / "config.json").string());
 }
 
 void HFWeights::open_single(const std::string& file) {
@@ -299,7 +298,7 @@ void HFWeights::check_fp8(const std::string& config_path) {
              "FP8 tensor '{}' in '{}' has no '{}' beside it: its values cannot be dequantised; the checkpoint is "
              "incomplete, or not DeepSeek's block-scaled FP8 (dequantise it to BF16 with the tool that made it)",
              name, file_of(name), scale);
-    const Shape want{(shape[0] + block_.rows - 1) / block_.rows, (shape[1] + block_.cols - 1) / block_.cols};
+    const Shape want = block_.grid(shape);
     DS_CHECK(info(scale).dtype == DType::F32 || info(scale).dtype == DType::BF16,
              "'{}' in '{}' is {}; block scales are F32 (or BF16)", scale, file_of(scale), dtype_name(info(scale).dtype));
     DS_CHECK(info(scale).shape == want,
@@ -321,10 +320,19 @@ void HFWeights::check_fp8(const std::string& config_path) {
 
 void HFWeights::read_f32_range(const std::string& name, int64_t begin, int64_t n, float* dst) const {
   file(name).read_f32_range(name, begin, n, dst);  // FP8: the stored values, unscaled
+  apply_scales(name, begin, n, dst);
+}
+
+void HFWeights::read_f32(const std::string& name, Tensor out) const {
+  file(name).read_f32(name, out);
+  apply_scales(name, 0, out.numel(), static_cast<float*>(out.raw()));
+}
+
+void HFWeights::apply_scales(const std::string& name, int64_t begin, int64_t n, float* dst) const {
   if (n == 0 || !block_scaled(name)) return;
   // Each row of the range times the scales of its blocks: one row of the scale matrix read per
   // block row the range touches.
-  const int64_t cols = shape(name)[1], scale_cols = (cols + block_.cols - 1) / block_.cols;
+  const int64_t cols = shape(name)[1], scale_cols = block_.grid(shape(name))[1];
   const std::string scale = fp8_scale_name(name);
   std::vector<float> scales(static_cast<size_t>(scale_cols));
   int64_t scale_row = -1;
@@ -338,13 +346,6 @@ void HFWeights::read_f32_range(const std::string& name, int64_t begin, int64_t n
     for (int64_t c = c0; c < c1; ++c) out[c - c0] *= scales[size_t(c / block_.cols)];
     i += c1 - c0;
   }
-}
-
-void HFWeights::read_f32(const std::string& name, Tensor out) const {
-  DS_CHECK(out.device().is_cpu() && out.dtype() == DType::F32 && out.numel() == shape(name).numel(),
-           "reading '{}' from '{}': the destination must be host F32 with {} elements, it is {} {} on {}", name,
-           file_of(name), shape(name).numel(), dtype_name(out.dtype()), out.shape().str(), out.device().str());
-  read_f32_range(name, 0, out.numel(), static_cast<float*>(out.raw()));
 }
 
 const SafeTensorsFile& HFWeights::file(const std::string& name) const {
@@ -498,6 +499,10 @@ std::string torch_dtype_name(DType dtype) {
   DS_FAIL("Hugging Face weights are float32, bfloat16, float16 or FP8, not {}", dtype_name(dtype));
 }
 
+DType hf_export_dtype(const std::string& name) {
+  return name == "fp8" ? DType::F8_E4M3 : dtype_from_torch_name(name);
+}
+
 DType dtype_from_torch_name(const std::string& name) {
   if (name == "float32") return DType::F32;
   if (name == "bfloat16") return DType::BF16;
@@ -590,12 +595,10 @@ struct FP8Grid {
   FP8Block block;
   std::map<int, int64_t> first;
   int64_t blocks = 0;
-  int64_t cols_of(const Shape& s) const { return (s[1] + block.cols - 1) / block.cols; }
-  int64_t count(const Shape& s) const { return ((s[0] + block.rows - 1) / block.rows) * cols_of(s); }
   // Calls f(block index, local element index) for every element of `runs` of tensor `id`.
   template <class F>
   void each(int id, const Shape& s, const std::vector<PieceRun>& runs, F f) const {
-    const int64_t base = first.at(id), gc = cols_of(s), cols = s[1];
+    const int64_t base = first.at(id), gc = block.grid(s)[1], cols = s[1];
     for (const PieceRun& r : runs) {
       for (int64_t i = 0; i < r.elems; ++i) {
         const int64_t g = r.global + i;
@@ -623,17 +626,14 @@ void save_hf_weights(const std::string& dir, const ParamRegistry& file, const Sh
   // What the files hold, by name.
   std::vector<OutTensor> out;
   FP8Grid grid{options.block, {}, 0};
-  std::vector<int> fp8_ids;
   for (int id = 0; id < file.size(); ++id) {
     const ParamInfo& p = file.info(id);
     if (fp8 && p.global_shape.ndim() == 2 && is_fp8_weight(p.name)) {
+      const Shape scales = options.block.grid(p.global_shape);
       out.push_back({OutTensor::Kind::FP8, p.name, id, DType::F8_E4M3, p.global_shape});
-      grid.first[id] = grid.blocks;
-      grid.blocks += grid.count(p.global_shape);
-      fp8_ids.push_back(id);
-      const Shape scales{(p.global_shape[0] + options.block.rows - 1) / options.block.rows,
-                         grid.cols_of(p.global_shape)};
       out.push_back({OutTensor::Kind::Scales, fp8_scale_name(p.name), id, DType::F32, scales});
+      grid.first[id] = grid.blocks;
+      grid.blocks += scales.numel();
     } else {
       // DeepSeek-V3's routing biases are F32 in its release (and must stay so: a BF16 bias moves
       // which experts win near-ties).

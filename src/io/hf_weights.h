@@ -27,6 +27,8 @@ class Communicator;  // comm/comm.h
 struct FP8Block {
   int64_t rows = 128, cols = 128;
   bool operator==(const FP8Block&) const = default;
+  // The blocks of a matrix of shape `s` (partial ones at the edges): the scales' shape.
+  Shape grid(const Shape& s) const { return Shape{(s[0] + rows - 1) / rows, (s[1] + cols - 1) / cols}; }
 };
 
 // The name of the scales of FP8 weight `name` ("...weight" -> "...weight_scale_inv").
@@ -75,6 +77,9 @@ class HFWeights {
   void open_single(const std::string& file);
   void open_index(const std::string& index_path);
   void check_fp8(const std::string& config_path);
+  // Multiplies elements [begin, begin + n) of FP8 weight `name`, read unscaled into dst, by
+  // their blocks' scales.
+  void apply_scales(const std::string& name, int64_t begin, int64_t n, float* dst) const;
 
   std::string path_;
   FP8Block block_;
@@ -203,5 +208,8 @@ void save_hf_weights(const std::string& dir, const ParamRegistry& file, const Sh
 // checkpoints keep their other tensors in BF16, "bfloat16").
 std::string torch_dtype_name(DType dtype);
 DType dtype_from_torch_name(const std::string& name);
+// The dtype of an export by dstrain's name for it (output.save_hf_dtype, dstrain-ckpt export
+// --dtype): a torch_dtype name, or "fp8" for DeepSeek's block-scaled F8_E4M3.
+DType hf_export_dtype(const std::string& name);
 
 }  // namespace dstrain

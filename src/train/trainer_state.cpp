@@ -542,7 +542,7 @@ void Trainer::save_hf(const std::string& dir) {
   const OutputConfig& out = config_.output;
   HFSaveOptions options;
   options.max_shard_bytes = out.save_hf_shard_bytes;
-  options.dtype = out.save_hf_dtype == "fp8" ? DType::F8_E4M3 : dtype_from_torch_name(out.save_hf_dtype);
+  options.dtype = hf_export_dtype(out.save_hf_dtype);
   options.block = FP8Block{out.hf_fp8_block.at(0), out.hf_fp8_block.at(1)};
   options.released_layout = out.hf_layout == "released";
   optimizer_->gather_all();  // stage 3: whole weights for the export, handed back after it
