@@ -19,6 +19,7 @@
 #include "backend/timing.h"
 #include "core/buffer.h"
 #include "core/clock.h"
+#include "../gpu_test.h"
 #include "fake_backend.h"
 #include "model/ctx.h"
 #include "model/transformer.h"
@@ -303,7 +304,7 @@ TEST(TimingOnTheModel, EveryOpOfAForwardAndABackwardIsInExactlyOnePhase) {
 // ---- on a GPU -------------------------------------------------------------------------------------
 
 TEST(TimingOnGpu, EventMarksReadTheGpusTimeWithoutWaitingAtEveryMark) {
-  if (cuda::device_count() == 0) GTEST_SKIP() << "no GPU: " << cuda::unavailable_reason();
+  DSTRAIN_SKIP_WITHOUT_GPU();
   const Device gpu = cuda::use_device(0);
   EXPECT_EQ(dynamic_cast<HostMarkClock*>(make_mark_clock(gpu).get()), nullptr) << "the GPU times with events";
   Buffer big("test.timing", MemCategory::Workspace, DType::F32, int64_t(1) << 28, gpu);  // 1 GiB
