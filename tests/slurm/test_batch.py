@@ -328,8 +328,24 @@ print(json.dumps({{"tokens_per_second": 1000.0 * ranks, "step_seconds": 0.5}}, i
             self.assertTrue(data.startswith(b"\x89PNG\r\n\x1a\n"), png)
             self.assertGreater(len(data), 10000, png)
 
+    def test_f2_gpu_script_needs_the_cuda_build(self):
+        # Outside sbatch (SLURM_JOB_ID set by hand): the checks before anything is launched.
+        with tempfile.TemporaryDirectory() as d:
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DSTRAIN_"))}
+            env.update(SLURM_JOB_ID="1", SLURM_SUBMIT_DIR=d, DSTRAIN_CONFIG=os.path.join(ROOT, "inputs", "quickstart.json"))
+            script = os.path.join(ROOT, "slurm", "dstrain-gpu.sbatch")
+            p = subprocess.run([script], capture_output=True, text=True, env=env, cwd=d)
+            self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+            self.assertIn("build-cuda/app/dstrain, dstrain's CUDA build, is missing in " + d, p.stderr)
+            self.assertIn("-DDSTRAIN_CUDA=ON", p.stderr)
+            p = subprocess.run([script], capture_output=True, text=True, cwd=d,
+                               env=dict(env, DSTRAIN_BIN=os.path.join(BUILD, "app", "dstrain"), DSTRAIN_DEVICE="gpu"))
+            self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+            self.assertIn("DSTRAIN_DEVICE=gpu; use cuda or cpu", p.stderr)
+
     def test_g_gpu_script_runs_the_same_loop(self):
-        # No GPUs here: the GPU layout is overridden on the command line, as users do for tests.
+        # No GPUs here: the GPU layout is overridden on the command line, as users do for tests,
+        # and the run is told to compute on the host (DSTRAIN_DEVICE=cpu) with the CPU build.
         cfg = self.config("gpu")
         with open(cfg) as f:
             c = json.load(f)
@@ -340,11 +356,16 @@ print(json.dumps({{"tokens_per_second": 1000.0 * ranks, "step_seconds": 0.5}}, i
         jid = subprocess.run(["sbatch", "--parsable", f"--output={log}", "--nodes=1", "--ntasks-per-node=2",
                               "--cpus-per-task=1", "--gpus-per-node=0", os.path.join(ROOT, "slurm", "dstrain-gpu.sbatch")],
                              capture_output=True, text=True, check=True, cwd=ROOT,
-                             env=dict(os.environ, DSTRAIN_CONFIG=cfg,
+                             env=dict(os.environ, DSTRAIN_CONFIG=cfg, DSTRAIN_DEVICE="cpu",
                                       DSTRAIN_BIN=os.path.join(BUILD, "app", "dstrain"))).stdout.strip()
         state, text = self.wait(jid, log)
         self.assertEqual(state, "COMPLETED", text)
         self.assertIn("=== dstrain-gpu job", text)
+        self.assertIn('device "cpu", srun --cpu-bind=cores', text)
+        self.assertIn("no GPUs allocated on this node", text)
+        # Every rank's binding, before training: its own cores.
+        ranks = re.findall(r"rank (\d) \(\S+, node-local (\d)\): cores ([0-9,-]+), GPUs all of the node", text)
+        self.assertEqual(sorted(r[0] for r in ranks), ["0", "1"], text)
         self.assertIn("=== training complete (completed 30)", text)
 
 
