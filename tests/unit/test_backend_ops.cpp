@@ -13,6 +13,12 @@
 //
 // The table is iterated: an op without a case fails the suite, so a new op cannot be left out.
 // The fake backend (fake_backend.h) is always registered here; a GPU backend joins by registering.
+//
+// Two sets of cases: all_cases(), every op at sizes small enough to read (the quick suite), and
+// real_size_cases(), the ops whose GPU kernels change path with size (GEMMs up to K = 4096,
+// attention at head dims 64, 128 and MLA's 192/128 over several tiles, vocabularies up to
+// 129,280, model widths), with fp32 tolerances for long reductions (real_size_tolerance). Their
+// summary lines read "[ backend ops ] <backend> (real sizes) ...".
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -511,6 +517,236 @@ const std::map<std::string, std::vector<Case>>& all_cases() {
   return cases;
 }
 
+// ---- real sizes ------------------------------------------------------------------------------
+// The cases above are small enough to read; a GPU takes other paths at the sizes of real models:
+// tensor-core attention for head dims above 64 and tiles of 64 or 128 rows, vectorised loads of
+// aligned rows, loops over a vocabulary of 10^5 columns, GEMM tiles and split reductions over
+// K = 4096. These cases run those sizes through the same comparison. Chosen for the CPU too:
+// every case runs twice per kernel slot (reference and backend), three slots, on CI's 2 cores.
+
+void real_linear_forward_cases(Cases& c) {
+  struct G {
+    int64_t M, N, K;
+    bool acc;
+  };
+  // (M, N, K): out (M,N) = x (M,K) · w (N,K)^T. Every dimension from 256 to 4096, one K = 4096
+  // reduction, and one shape that is no multiple of any tile (300 rows, 1000 columns).
+  for (G g : {G{256, 256, 256, false}, G{512, 4096, 1024, false}, G{4096, 1024, 512, true}, G{1024, 512, 4096, false},
+              G{300, 1000, 768, true}}) {
+    auto& k = c.add("linear_forward", fmt::format("M={} N={} K={}{}", g.M, g.N, g.K, g.acc ? ", accumulate" : ""),
+                    [acc = g.acc](T t) { ops::linear_forward(t[0], t[1], t[2], acc); });
+    k.args = {g.acc ? c.normal({g.M, g.N}) : Cases::zeros({g.M, g.N}), c.normal({g.M, g.K}), c.normal({g.N, g.K})};
+  }
+}
+
+void real_linear_backward_cases(Cases& c) {
+  // dx (M,K) = dout · w reduces over N, dw (N,K) (+=) dout^T · x over M: K = 4096 reductions for
+  // both (N = 4096, then M = 4096). Every variant at 256^3; the larger shapes one each.
+  struct V {
+    int64_t M, N, K;
+    const char* what;
+    bool dx, dw, acc;
+  };
+  for (V v : {V{256, 256, 256, "dx and dw", true, true, false}, V{256, 256, 256, "dx (+=) and dw", true, true, true},
+              V{256, 256, 256, "dw only", false, true, false}, V{256, 256, 256, "dx only", true, false, false},
+              V{512, 4096, 1024, "dx and dw", true, true, false}, V{4096, 1024, 512, "dx (+=) and dw", true, true, true},
+              V{1024, 512, 4096, "dw only", false, true, false}, V{300, 1000, 768, "dx only", true, false, false}}) {
+    auto& k = c.add("linear_backward", fmt::format("M={} N={} K={}, {}", v.M, v.N, v.K, v.what), [v](T t) {
+      ops::linear_backward(v.dx ? t[0] : Tensor(), v.dw ? t[1] : Tensor(), t[2], t[3], t[4], v.acc);
+    });
+    k.args = {c.normal({v.M, v.K}), c.normal({v.N, v.K}), c.normal({v.M, v.N}), c.normal({v.M, v.K}),
+              c.normal({v.N, v.K})};
+  }
+}
+
+void real_embedding_norm_cases(Cases& c) {
+  // DeepSeek-V3's vocabulary; a narrow table keeps the CPU's copies small (the index arithmetic
+  // over 129,280 rows is what is new). The first and last ids, and repeats for the backward.
+  constexpr int64_t V = 129280, C = 64, N = 512, Vl = V / 4, begin = 3 * Vl;
+  HostTensor tokens = c.ints({N}, 0, int32_t(V));
+  std::copy_n(std::vector<int32_t>{0, int32_t(V - 1), 7, 7, int32_t(V - 1), int32_t(begin), int32_t(begin - 1)}.begin(),
+              7, tokens.p<int32_t>());
+  auto& f = c.add("embedding_forward", "N=512 V=129280 C=64", [](T t) { ops::embedding_forward(t[0], t[1], t[2]); });
+  f.args = {Cases::zeros({N, C}), tokens, c.normal({V, C})};
+  auto& b = c.add("embedding_backward", "N=512 V=129280 C=64 (repeated ids)",
+                  [](T t) { ops::embedding_backward(t[0], t[1], t[2]); });
+  b.args = {c.normal({V, C}), c.normal({N, C}), tokens};
+  // The last of four vocabulary shards, [96960, 129280): about a quarter of the tokens fall in it.
+  auto& sf = c.add("embedding_shard_forward", "N=512 shard [96960,129280) of V=129280 C=64",
+                   [](T t) { ops::embedding_shard_forward(t[0], t[1], t[2], begin, V); });
+  sf.args = {c.normal({N, C}), tokens, c.normal({Vl, C})};
+  auto& sb = c.add("embedding_shard_backward", "N=512 shard [96960,129280) of V=129280 C=64 (repeated ids)",
+                   [](T t) { ops::embedding_shard_backward(t[0], t[1], t[2], begin); });
+  sb.args = {c.normal({Vl, C}), c.normal({N, C}), tokens};
+
+  // Hidden widths of DeepSeek-LLM 7B (4096) and V3 (7168).
+  for (int64_t width : {4096, 7168}) {
+    auto& nf = c.add("rmsnorm_forward", fmt::format("N=64 C={}", width),
+                     [](T t) { ops::rmsnorm_forward(t[0], t[1], t[2], t[3], 1e-6f); });
+    nf.args = {Cases::zeros({64, width}), Cases::zeros({64}), c.normal({64, width}), c.normal({width})};
+    auto& nb = c.add("rmsnorm_backward", fmt::format("N=64 C={}, dx and dweight (+=)", width),
+                     [](T t) { ops::rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5]); });
+    HostTensor x = c.normal({64, width}), w = c.normal({width}), out = Cases::zeros({64, width}),
+               rstd = Cases::zeros({64});
+    ops::rmsnorm_forward(out.t(), rstd.t(), x.t(), w.t(), 1e-6f);
+    nb.args = {c.normal({64, width}), c.normal({width}), c.normal({64, width}), x, w, rstd};
+  }
+}
+
+void real_rope_cases(Cases& c) {
+  // Tables over 4096 positions: angles up to 4096 radians, where argument reduction matters.
+  auto& tb = c.add("rope_tables", "T=4096 head_dim=128", [](T t) { ops::rope_tables(t[0], t[1], 128, 10000.0); });
+  tb.args = {Cases::zeros({4096, 64}), Cases::zeros({4096, 64})};
+  // DeepSeek-LLM 7B's queries: 32 heads of 128 filling rows of 4096.
+  HostTensor cos = Cases::zeros({256, 64}), sin = Cases::zeros({256, 64});
+  ops::rope_tables(cos.t(), sin.t(), 128, 10000.0);
+  for (const char* op : {"rope_forward", "rope_backward"}) {
+    const bool fwd = std::string(op) == "rope_forward";
+    auto& k = c.add(op, "x (2,256,4096), 32 heads of 128", [fwd](T t) {
+      if (fwd) {
+        ops::rope_forward(t[0], 0, 32, 128, t[1], t[2]);
+      } else {
+        ops::rope_backward(t[0], 0, 32, 128, t[1], t[2]);
+      }
+    });
+    k.args = {c.normal({2, 256, 4096}), cos, sin};
+  }
+  // DeepSeek-V3's rope_scaling (YaRN factor 40 over 4096 original positions, mscale 1 and 1) and
+  // its MLA query heads: 64 rotary columns after 128 others in each head of 192.
+  ops::YarnParams v3;
+  v3.factor = 40;
+  v3.original_max_position_embeddings = 4096;
+  v3.mscale = 1;
+  v3.mscale_all_dim = 1;
+  auto& yt = c.add("rope_tables_yarn", "T=4096 dim=64, V3's YaRN",
+                   [v3](T t) { ops::rope_tables_yarn(t[0], t[1], 64, 10000.0, v3); });
+  yt.args = {Cases::zeros({4096, 32}), Cases::zeros({4096, 32})};
+  HostTensor ycos = Cases::zeros({512, 32}), ysin = Cases::zeros({512, 32});
+  ops::rope_tables_yarn(ycos.t(), ysin.t(), 64, 10000.0, v3);
+  for (const char* op : {"rope_forward_interleaved", "rope_backward_interleaved"}) {
+    const bool fwd = std::string(op) == "rope_forward_interleaved";
+    auto& k = c.add(op, "x (1,512,3072), 16 heads of 192, 64 rotary at column 128", [fwd](T t) {
+      if (fwd) {
+        ops::rope_forward_interleaved(t[0], 128, 16, 192, 64, t[1], t[2]);
+      } else {
+        ops::rope_backward_interleaved(t[0], 128, 16, 192, 64, t[1], t[2]);
+      }
+    });
+    k.args = {c.normal({1, 512, 3072}), ycos, ysin};
+  }
+}
+
+void real_attention_cases(Cases& c) {
+  // q, k and v side by side in each row, as the models fuse them, with rows aligned for vector
+  // loads. Tiles of 64 or 128 queries and keys: T = 256 and 512 fill them, T = 333 ends in a
+  // partial tile (and is odd). Head dims 64 and 128, and MLA's qk 192 with v 128.
+  struct A {
+    const char* what;
+    ops::AttentionLayout L;
+    int64_t B, T;
+  };
+  for (A a : {A{"MHA 4 heads of 64, B=2 T=256", {4, 4, 64, 64, 0, 256, 512, 768}, 2, 256},
+              A{"GQA 8/2 heads of 128, B=1 T=512", {8, 2, 128, 128, 0, 1024, 1280, 1536}, 1, 512},
+              A{"MLA 4 heads, qk 192 v 128, B=2 T=333", {4, 4, 192, 128, 0, 768, 1536, 2048}, 2, 333}}) {
+    const ops::AttentionLayout L = a.L;
+    const float scale = 1.0f / std::sqrt(float(L.qk_dim));
+    const int64_t width = int64_t(L.n_head) * L.v_dim;
+    auto& f =
+        c.add("attention_forward", a.what, [L, scale](T t) { ops::attention_forward(t[0], t[1], t[2], L, scale); });
+    HostTensor qkv = c.normal({a.B, a.T, L.row_stride});
+    f.args = {Cases::zeros({a.B, a.T, width}), Cases::zeros({a.B, L.n_head, a.T}), qkv};
+
+    HostTensor out = Cases::zeros({a.B, a.T, width}), lse = Cases::zeros({a.B, L.n_head, a.T});
+    ops::attention_forward(out.t(), lse.t(), qkv.t(), L, scale);
+    auto& b = c.add("attention_backward", a.what,
+                    [L, scale](T t) { ops::attention_backward(t[0], t[1], t[2], t[3], t[4], L, scale); });
+    b.args = {c.normal({a.B, a.T, L.row_stride}), c.normal({a.B, a.T, width}), qkv, out, lse};
+  }
+}
+
+void real_swiglu_loss_cases(Cases& c) {
+  // DeepSeek-V3's dense intermediate size.
+  auto& f = c.add("swiglu_forward", "N=32 I=18432", [](T t) { ops::swiglu_forward(t[0], t[1]); });
+  f.args = {Cases::zeros({32, 18432}), c.normal({32, 36864}, 2.0f)};
+  auto& b = c.add("swiglu_backward", "N=32 I=18432", [](T t) { ops::swiglu_backward(t[0], t[1], t[2]); });
+  b.args = {Cases::zeros({32, 36864}), c.normal({32, 18432}), c.normal({32, 36864}, 2.0f)};
+
+  // Vocabularies of Llama-like models (32,000), DeepSeek-LLM (102,400) and V3 (129,280); rows
+  // with targets at both ends of the vocabulary and two ignored rows each.
+  auto targets_for = [&](int64_t N, int64_t V) {
+    HostTensor t = c.ints({N}, 0, int32_t(V));
+    std::copy_n(std::vector<int32_t>{0, kIgnore, int32_t(V - 1), 5, kIgnore}.begin(), 5, t.p<int32_t>());
+    return t;
+  };
+  struct Loss {
+    int64_t N, V;
+  };
+  for (auto [N, V] : {Loss{64, 32000}, Loss{32, 102400}, Loss{16, 129280}}) {
+    const std::string what = fmt::format("N={} V={}, two ignored rows", N, V);
+    HostTensor logits = c.normal({N, V}, 3.0f), targets = targets_for(N, V);
+    auto& cf = c.add("cross_entropy_forward", what, [](T t) { ops::cross_entropy_forward(t[0], t[1], t[2], t[3]); });
+    cf.args = {Cases::zeros({N}), Cases::zeros({N}), logits, targets};
+    HostTensor losses = Cases::zeros({N}), lse = Cases::zeros({N});
+    ops::cross_entropy_forward(losses.t(), lse.t(), logits.t(), targets.t());
+    const float scale = 1.0f / float(N);
+    if (V == 102400) {  // in place, as the trainer runs it
+      auto& cb = c.add("cross_entropy_backward", what + ", in place",
+                       [scale](T t) { ops::cross_entropy_backward(t[0], t[0], t[1], t[2], scale); });
+      cb.args = {logits, lse, targets};
+    } else {
+      auto& cb = c.add("cross_entropy_backward", what,
+                       [scale](T t) { ops::cross_entropy_backward(t[0], t[1], t[2], t[3], scale); });
+      cb.args = {Cases::zeros({N, V}), logits, lse, targets};
+    }
+    auto& top = c.add("logit_max_and_target", what, [](T t) { ops::logit_max_and_target(t[0], t[1], t[2], 0); });
+    top.args = {Cases::zeros({N, 2}), logits, targets};
+  }
+
+  // V3's vocabulary in four shards of 32,320 columns; the last one, [96960, 129280), checked,
+  // with targets on both sides of its first column.
+  constexpr int64_t N = 16, V = 129280, P = 4, Vl = V / P, begin = 3 * Vl;
+  HostTensor full = c.normal({N, V}, 3.0f), targets = targets_for(N, V);
+  std::copy_n(std::vector<int32_t>{int32_t(begin), int32_t(begin - 1), int32_t(begin + 17)}.begin(), 3,
+              targets.p<int32_t>() + 5);
+  std::vector<HostTensor> shards;
+  HostTensor stats = Cases::zeros({P, N, 2});
+  for (int64_t p = 0; p < P; ++p) {
+    HostTensor& sl = shards.emplace_back(Cases::zeros({N, Vl}));
+    for (int64_t n = 0; n < N; ++n) std::copy_n(full.p<float>() + n * V + p * Vl, Vl, sl.p<float>() + n * Vl);
+    ops::cross_entropy_shard_forward(stats.t().row(p), sl.t(), targets.t(), p * Vl, V);
+  }
+  const std::string what = "N=16 shard [96960,129280) of V=129280, two ignored rows";
+  auto& sf = c.add("cross_entropy_shard_forward", what,
+                   [](T t) { ops::cross_entropy_shard_forward(t[0], t[1], t[2], begin, V); });
+  sf.args = {Cases::zeros({N, 2}), shards[3], targets};
+  auto& cc = c.add("cross_entropy_combine", "P=4 N=16 of V=129280, two ignored rows",
+                   [](T t) { ops::cross_entropy_combine(t[0], t[1], t[2], t[3]); });
+  cc.args = {Cases::zeros({N}), Cases::zeros({N}), stats, targets};
+  HostTensor losses = Cases::zeros({N}), lse = Cases::zeros({N});
+  ops::cross_entropy_combine(losses.t(), lse.t(), stats.t(), targets.t());
+  auto& sb = c.add("cross_entropy_shard_backward", what,
+                   [](T t) { ops::cross_entropy_shard_backward(t[0], t[1], t[2], t[3], 1.0f / 16, begin); });
+  sb.args = {Cases::zeros({N, Vl}), shards[3], lse, targets};
+  auto& sba = c.add("cross_entropy_shard_backward", what + ", in place",
+                    [](T t) { ops::cross_entropy_shard_backward(t[0], t[0], t[1], t[2], 1.0f / 16, begin); });
+  sba.args = {shards[3], lse, targets};
+  auto& stop = c.add("logit_max_and_target", what, [](T t) { ops::logit_max_and_target(t[0], t[1], t[2], begin); });
+  stop.args = {Cases::zeros({N, 2}), shards[3], targets};
+}
+
+// Built by each test that runs them and freed after it (about half a GB of inputs): a run of the
+// whole unit_tests binary does not keep them.
+std::map<std::string, std::vector<Case>> real_size_cases() {
+  Cases c;
+  real_linear_forward_cases(c);
+  real_linear_backward_cases(c);
+  real_embedding_norm_cases(c);
+  real_rope_cases(c);
+  real_attention_cases(c);
+  real_swiglu_loss_cases(c);
+  return std::move(c.by_op);
+}
+
 // ---- running and comparing ------------------------------------------------------------------
 
 bool is_float(DType d) { return d == DType::F32 || d == DType::F64 || d == DType::BF16 || d == DType::F16; }
@@ -603,6 +839,39 @@ double tolerance(KernelDType k) {
   return 0;
 }
 
+// The real sizes' tolerances. fp32: two summation orders of a length-K reduction (the CPU's
+// blocked sgemm against cuBLAS's tiles, split-K or a GPU tree reduction) differ by about
+// sqrt(K) * 2^-24 of the result's scale: the rounding errors of the partial sums add up like a
+// random walk. Measured on normal(0,1) operands, relative to the largest |result| of 65,536 dot
+// products at K = 4096 (sqrt(K) 2^-24 = 3.8e-6): sequential fma 2.3e-6 from the exact sum,
+// 16 fma lanes or chunks of 256 0.34e-6, sequential against 16 lanes 2.3e-6. The longest
+// reductions here are K = 4096 (GEMMs) and 1024 (attention's dK and dV over 2 query heads x 512
+// queries); 4 sqrt(4096) 2^-24 = 1.5e-5 is 4 times that model and 6.5 times the worst order
+// measured, room for the few ulps by which a GPU's expf and sincosf differ from the CPU's too,
+// while a wrong index, tile or scale is off by 1e-3 and more. (The quick suite's fp32
+// reductions are at most 70 terms long: its 1e-5 stays.)
+// 16-bit slots: the quick suite's tolerances still hold. The reference is the fp32 kernel on
+// the rounded inputs, so a GEMM of any K differs by the one rounding of its 16-bit output, at
+// most half an ulp of each value (the unit roundoff: 2^-8 = 3.9e-3 of the value in bf16, 2^-11 =
+// 4.9e-4 in f16; the fake backend's maxima here are those, 3.8e-3 and 4.8e-4), plus the fp32
+// summation order above (1.5e-5). The GPU's tensor-core attention also rounds the probabilities
+// P and their gradient dS to 16 bits as they enter its products: at most one more unit roundoff
+// of the terms' scale (a row of P sums to 1), less as the roundings of a row's terms average
+// out. Two unit roundoffs are 7.8e-3 of bf16's 1e-2 and 9.8e-4 of f16's 2e-3. (On a CPU with
+// AVX-512 BF16 the fake backend's bf16 attention rounds P and dS too, backend/cpu/
+// attention_16bit.cpp; its errors at these sizes are 2.4e-3 forward and 2.7e-3 backward.)
+double real_size_tolerance(KernelDType k) {
+  return k == KernelDType::F32 ? 4 * std::sqrt(4096.0) * std::ldexp(1.0, -24) : tolerance(k);
+}
+
+// A set of cases, its tolerances and the label its summary lines carry after the backend's name.
+struct CaseSet {
+  const char* label;
+  double (*tolerance)(KernelDType);
+};
+const CaseSet kQuick{"", tolerance};
+const CaseSet kRealSizes{" (real sizes)", real_size_tolerance};
+
 // The kernel slot a case runs in, as ops dispatch: its 16-bit floating-point type, else F32.
 KernelDType slot_of(const Case& c) {
   for (const HostTensor& a : c.args) {
@@ -672,7 +941,9 @@ Device device_of(const Backend& b) { return Device{b.device, 0}; }
 
 // Checks every case of `op` on backend `b` in every kernel slot it has; returns whether all passed.
 // Prints one line per slot.
-bool check_op(const Backend& b, const std::string& op, const std::vector<Case>& cases, bool quiet = false) {
+bool check_op(const Backend& b, const std::string& op, const std::vector<Case>& cases, bool quiet = false,
+              const CaseSet& set = kQuick) {
+  const std::string name_of_backend = b.name + set.label;
   bool all_ok = true;
   const bool carries_16_bit = op == "cast" || op == "copy";
   for (KernelDType k : {KernelDType::F32, KernelDType::BF16, KernelDType::F16}) {
@@ -690,11 +961,11 @@ bool check_op(const Backend& b, const std::string& op, const std::vector<Case>& 
       Outcome o;
       double tol;
       if (k == KernelDType::F32) {
-        tol = tolerance(slot);
+        tol = set.tolerance(slot);
         o = compare(c, c, device_of(b));
       } else {
         const DType dt = k == KernelDType::BF16 ? DType::BF16 : DType::F16;
-        tol = tolerance(k);
+        tol = set.tolerance(k);
         o = compare(lowered(c, dt, /*widen=*/true), lowered(c, dt, /*widen=*/false), device_of(b));
       }
       worst = std::max(worst, o.error);
@@ -702,14 +973,15 @@ bool check_op(const Backend& b, const std::string& op, const std::vector<Case>& 
         ++failed;
         all_ok = false;
         if (!quiet) {
-          ADD_FAILURE() << fmt::format("{} {} [{}] {}: error {:.2e} > {:.0e}; {}", b.name, op, name, c.what, o.error,
-                                       tol, o.message);
+          ADD_FAILURE() << fmt::format("{} {} [{}] {}: error {:.2e} > {:.1e}; {}", name_of_backend, op, name, c.what,
+                                       o.error, tol, o.message);
         }
       }
     }
     if (!quiet) {
-      std::printf("[ backend ops ] %-5s %-28s %-13s %2zu case%s  max err %.1e  %s\n", b.name.c_str(), op.c_str(),
-                  slots.c_str(), cases.size(), cases.size() == 1 ? " " : "s", worst, failed ? "FAILED" : "ok");
+      std::printf("[ backend ops ] %-5s %-28s %-13s %2zu case%s  max err %.1e  %s\n", name_of_backend.c_str(),
+                  op.c_str(), slots.c_str(), cases.size(), cases.size() == 1 ? " " : "s", worst,
+                  failed ? "FAILED" : "ok");
     }
   }
   return all_ok;
@@ -768,6 +1040,66 @@ TEST(BackendOps, CudaBackendMatchesTheCpuReference) {
     ops += check_op(*b, op, it->second);
   }
   std::printf("[ backend ops ] cuda: %d of %zu ops match the CPU reference in every slot\n", ops, op_names().size());
+}
+
+// The real sizes (real_size_cases) on every backend under test but CUDA: the fake backend, so
+// that the cases, their shapes and the comparison run on every CI run before a GPU sees them.
+TEST(BackendOps, RealSizesMatchTheCpuReference) {
+  const auto backends = backends_under_test();
+  ASSERT_FALSE(backends.empty()) << "the fake backend is not registered";
+  const auto cases = real_size_cases();
+  for (const auto& [op, list] : cases) {
+    EXPECT_NE(std::find(op_names().begin(), op_names().end(), op), op_names().end())
+        << "test_backend_ops.cpp has real-size cases for '" << op << "', which is not an op of backend/ops.def";
+  }
+  for (const Backend* b : backends) {
+    if (b->device == DeviceType::CUDA) continue;  // CudaRealSizesMatchTheCpuReference
+    for (const std::string& op : op_names()) {
+      auto it = cases.find(op);
+      if (it != cases.end()) check_op(*b, op, it->second, /*quiet=*/false, kRealSizes);
+    }
+  }
+}
+
+// The CUDA backend at real sizes: its tensor-core attention for head dims above 64, its
+// vectorised loads, its vocabulary loops and cuBLASLt at K = 4096 (skipped, by name, without a GPU).
+TEST(BackendOps, CudaRealSizesMatchTheCpuReference) {
+  if (cuda::device_count() == 0) GTEST_SKIP() << "no GPU: " << cuda::unavailable_reason();
+  backends_under_test();
+  const Backend* b = find_backend(DeviceType::CUDA);
+  ASSERT_NE(b, nullptr);
+  const auto cases = real_size_cases();
+  int ops = 0;
+  for (const std::string& op : op_names()) {
+    auto it = cases.find(op);
+    if (it == cases.end()) continue;
+    ops += check_op(*b, op, it->second, /*quiet=*/false, kRealSizes);
+  }
+  std::printf("[ backend ops ] cuda (real sizes): %d of %zu ops match the CPU reference in every slot\n", ops,
+              cases.size());
+}
+
+// At real sizes too, a corrupted output fails its op: one wrong element among millions is not
+// averaged away. One case each (the last, cheapest to rerun) of a GEMM, attention both ways and
+// the loss over V3's vocabulary, in every slot.
+TEST(BackendOps, APerturbedOpFailsAtRealSizes) {
+  backends_under_test();
+  const Backend* fake = find_backend(DeviceType::Emulated);
+  ASSERT_NE(fake, nullptr);
+  Cases c;  // only the groups of the ops tried
+  real_linear_forward_cases(c);
+  real_attention_cases(c);
+  real_swiglu_loss_cases(c);
+  const auto& cases = c.by_op;
+  for (const char* op : {"linear_forward", "attention_forward", "attention_backward", "cross_entropy_backward"}) {
+    const std::vector<Case> one{cases.at(op).back()};
+    fake::perturb_op(op);
+    const bool passed = check_op(*fake, op, one, /*quiet=*/true, kRealSizes);
+    fake::perturb_op("");
+    EXPECT_FALSE(passed) << "the fake backend corrupted " << op << "'s output at real size (" << one[0].what
+                         << "), but the comparison did not notice";
+    EXPECT_TRUE(check_op(*fake, op, one, /*quiet=*/true, kRealSizes)) << op << " fails unperturbed: " << one[0].what;
+  }
 }
 
 // The suite can fail: with the fake backend corrupting one op's first output, that op fails and
