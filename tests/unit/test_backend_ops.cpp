@@ -36,6 +36,7 @@
 #include "backend/cuda_device.h"
 #include "backend/ops.h"
 #include "core/buffer.h"
+#include "../gpu_test.h"
 #include "fake_backend.h"
 
 namespace dstrain {
@@ -1028,7 +1029,7 @@ TEST(BackendOps, EveryBackendMatchesTheCpuReference) {
 // The CUDA backend on its own, so that a run without a GPU says, by name, that its kernels were
 // not checked (ctest reports it as skipped).
 TEST(BackendOps, CudaBackendMatchesTheCpuReference) {
-  if (cuda::device_count() == 0) GTEST_SKIP() << "no GPU: " << cuda::unavailable_reason();
+  DSTRAIN_SKIP_WITHOUT_GPU();
   backends_under_test();
   const Backend* b = find_backend(DeviceType::CUDA);
   ASSERT_NE(b, nullptr);
@@ -1064,7 +1065,7 @@ TEST(BackendOps, RealSizesMatchTheCpuReference) {
 // The CUDA backend at real sizes: its tensor-core attention for head dims above 64, its
 // vectorised loads, its vocabulary loops and cuBLASLt at K = 4096 (skipped, by name, without a GPU).
 TEST(BackendOps, CudaRealSizesMatchTheCpuReference) {
-  if (cuda::device_count() == 0) GTEST_SKIP() << "no GPU: " << cuda::unavailable_reason();
+  DSTRAIN_SKIP_WITHOUT_GPU();
   backends_under_test();
   const Backend* b = find_backend(DeviceType::CUDA);
   ASSERT_NE(b, nullptr);
