@@ -17,8 +17,9 @@
 #   1. nvidia-smi, and the libraries each binary resolves (a missing one is named);
 #   2. the CUDA op suite: every op of the backend table, fp32, bf16 and f16, against the CPU fp32
 #      reference (BackendOps.CudaBackendMatchesTheCpuReference);
-#   3. the reference cases (dense, V2, V3) trained 3 steps on the GPU in fp32 and bf16 against
-#      the PyTorch reference (*.OnTheGpuInFp32AndBf16);
+#   3. the reference cases (dense, V2, V3) trained 3 steps on the GPU in fp32, bf16, fp16 with
+#      loss scaling, and fp32 under ZeRO-3 and ZeRO-3 offloaded, against the PyTorch reference
+#      (*.OnTheGpu);
 #   4. NCCL: every communicator operation checked (--check), then all-reduce bus bandwidth;
 #   5. a ~1.2B-parameter DeepSeek-LLM-style model (validation/device/bench_1b.json) in bf16:
 #      tokens/s, MFU against the GPU's bf16 peak, and the time split;
@@ -148,8 +149,8 @@ run() {
 
   step op_suite 150 "$BUNDLE"/bin/unit_tests --gtest_filter='BackendOps.*:Kernels.*Cast*' --gtest_color=no
   grep -E '^\[ backend ops \] cuda|FAILED' "$OUT/op_suite.txt" | head -60 >>"$summary"
-  step reference_dense 90 "$BUNDLE"/bin/reference_tests --gtest_filter='*OnTheGpu*' --gtest_color=no
-  step reference_deepseek 120 "$BUNDLE"/bin/deepseek_reference_tests --gtest_filter='*OnTheGpu*' --gtest_color=no
+  step reference_dense 150 "$BUNDLE"/bin/reference_tests --gtest_filter='*OnTheGpu*' --gtest_color=no
+  step reference_deepseek 210 "$BUNDLE"/bin/deepseek_reference_tests --gtest_filter='*OnTheGpu*' --gtest_color=no
   grep -hE '^\[ .* on cuda' "$OUT"/reference_*.txt >>"$summary"
   step nccl_check 60 "$BUNDLE"/bin/nccl_bandwidth --check --max-mib 256
   step nccl_bandwidth 60 "$BUNDLE"/bin/nccl_bandwidth --max-mib 1024
