@@ -203,23 +203,32 @@ INSTANTIATE_TEST_SUITE_P(
 
 // A checkpoint written by a run on the device, resumed on the device and on the host: both
 // continue with the losses of the uninterrupted host run, bit for bit, and the file holds
-// what the host would have written.
-TEST(DeviceCheckpoint, WrittenOnTheDeviceResumesAnywhere) {
+// what the host would have written. As the runs are, and with ZeRO-3 offloaded to host memory
+// in fp16 (the optimizer's shards written from and read back into pinned host memory, the
+// parameters at rest there, and the loss scaler's state).
+class DeviceCheckpoint : public ::testing::TestWithParam<Setting> {};
+
+TEST_P(DeviceCheckpoint, WrittenOnTheDeviceResumesAnywhere) {
+  const Setting& s = GetParam();
   RunFiles files(4, v3_model());
   const std::string dir = "checkpoint.dir=" + quoted(files.dir() / "ckpt");
-  const RunConfig base = files.config();
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), s.overrides.begin(), s.overrides.end());
+    return files.config(more);
+  };
+  const RunConfig base = with({});
   ProcessGrid grid(MPI_COMM_WORLD, base.parallel);
   Trainer full(base, grid);
   full.init_weights("");
   full.train();
   {
-    const RunConfig cfg = files.config({"train.max_steps=2", "checkpoint.save_final=true", dir});
+    const RunConfig cfg = with({"train.max_steps=2", "checkpoint.save_final=true", dir});
     Trainer dev(cfg, grid, fake::use_fake_backend());
     dev.init_weights("");
     dev.train();
   }
   for (bool on_device : {true, false}) {
-    const RunConfig cfg = files.config({dir});
+    const RunConfig cfg = with({dir});
     auto t = on_device ? std::make_unique<Trainer>(cfg, grid, fake::use_fake_backend())
                        : std::make_unique<Trainer>(cfg, grid);
     ASSERT_TRUE(t->resume("auto"));
@@ -227,11 +236,20 @@ TEST(DeviceCheckpoint, WrittenOnTheDeviceResumesAnywhere) {
     t->train();
     ASSERT_EQ(t->history().size(), 2u);
     for (const StepRecord& r : t->history()) {
-      EXPECT_EQ(r.loss, full.history()[size_t(r.step - 1)].loss)
-          << (on_device ? "device" : "host") << " resume, step " << r.step;
+      const StepRecord& want = full.history()[size_t(r.step - 1)];
+      const std::string where = s.name + ", " + (on_device ? "device" : "host") + " resume, step " + std::to_string(r.step);
+      EXPECT_EQ(r.loss, want.loss) << where;
+      EXPECT_EQ(r.loss_scale, want.loss_scale) << where;
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Layouts, DeviceCheckpoint,
+                         ::testing::Values(Setting{"v3", "v3", {}},
+                                           Setting{"v3_zero3_offload_fp16", "v3",
+                                                   {zero(std::string(kZero3) + ", " + kOffloadBoth),
+                                                    R"(train.fp16={"enabled": true, "initial_scale_power": 12})"}}),
+                         [](const ::testing::TestParamInfo<Setting>& i) { return i.param.name; });
 
 }  // namespace
 }  // namespace dstrain
