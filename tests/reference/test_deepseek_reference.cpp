@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "../unit/fake_backend.h"
 #include "backend/cuda_device.h"
 #include "io/hf_weights.h"
 #include "io/safetensors.h"
@@ -130,15 +131,24 @@ void deepseek_patch(const json& c, json& run) {
   run["checkpoint"] = {{"save_final", false}};
 }
 
-// The same steps through the trainer in fp32 and in bf16 compute (fp32 masters) on the host: the
+// The same steps through the trainer on the host, in every way expect_training_on trains them
+// (fp32; bf16 and fp16 compute with fp32 masters, fp16 with dynamic loss scaling; fp32 under
+// ZeRO-3, and ZeRO-3 with the optimizer and the parameters offloaded to host memory): the
 // tolerances the GPU case below is held to.
-TEST_P(DeepSeekReference, OnTheHostInFp32AndBf16) {
+TEST_P(DeepSeekReference, OnTheHost) {
   expect_training_on(Device::cpu(), [&](json& run) { deepseek_patch(case_, run); });
 }
 
-// The same steps on the GPU (device 0), in fp32 at the CPU's tolerances and in bf16 at bf16's.
-// Skipped, by name, where this build has no CUDA backend or no GPU is visible.
-TEST_P(DeepSeekReference, OnTheGpuInFp32AndBf16) {
+// The same on the emulated device (tests/unit/fake_backend.h: host memory that dstrain must
+// treat as device memory, the CPU kernels behind a second backend, any host read of it an
+// error): the GPU case's code paths, its copies between host and device included, run here.
+TEST_P(DeepSeekReference, OnTheEmulatedDevice) {
+  expect_training_on(fake::use_fake_backend(), [&](json& run) { deepseek_patch(case_, run); });
+}
+
+// The same on the GPU (device 0): fp32, ZeRO-3 and offload at the CPU's fp32 tolerances, bf16
+// and fp16 at theirs. Skipped, by name, where this build has no CUDA backend or no GPU is visible.
+TEST_P(DeepSeekReference, OnTheGpu) {
   if (cuda::device_count() == 0) GTEST_SKIP() << "no GPU: " << cuda::unavailable_reason();
   expect_training_on(cuda::use_device(0), [&](json& run) { deepseek_patch(case_, run); });
 }

@@ -195,9 +195,9 @@ run() {
   grep -E '^\[ backend ops \] cuda' "$OUT/op_suite.txt" | grep -c ' ok$' | sed 's/$/ op slots ok/' | figure
 
   # 2. The reference cases (dense, V2, V3) trained on the GPU against the PyTorch reference.
-  step reference_dense 75 "$BUNDLE"/bin/reference_tests --gtest_filter='*OnTheGpu*' --gtest_color=no
+  step reference_dense 100 "$BUNDLE"/bin/reference_tests --gtest_filter='*OnTheGpu*' --gtest_color=no
   gtest_counts "$OUT/reference_dense.txt" | figure
-  step reference_deepseek 90 "$BUNDLE"/bin/deepseek_reference_tests --gtest_filter='*OnTheGpu*' --gtest_color=no
+  step reference_deepseek 130 "$BUNDLE"/bin/deepseek_reference_tests --gtest_filter='*OnTheGpu*' --gtest_color=no
   gtest_counts "$OUT/reference_deepseek.txt" | figure
   grep -hE '^\[ .* on cuda|^\[  FAILED  \] [A-Za-z]' "$OUT"/reference_*.txt | head -40 | figure
 
