@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "../gpu_test.h"
 #include "../unit/fake_backend.h"
 #include "backend/cuda_device.h"
 #include "core/json_reader.h"
@@ -101,7 +102,7 @@ TEST_P(TorchReference, OnTheEmulatedDevice) { expect_training_on(fake::use_fake_
 // The same on the GPU (device 0): fp32, ZeRO-3 and offload at the CPU's fp32 tolerances, bf16
 // and fp16 at theirs. Skipped, by name, where this build has no CUDA backend or no GPU is visible.
 TEST_P(TorchReference, OnTheGpu) {
-  if (cuda::device_count() == 0) GTEST_SKIP() << "no GPU: " << cuda::unavailable_reason();
+  DSTRAIN_SKIP_WITHOUT_GPU();
   expect_training_on(cuda::use_device(0));
 }
 
