@@ -1,21 +1,36 @@
 #include "backend/backend.h"
 
+#include <atomic>
 #include <mutex>
 
 namespace dstrain {
 namespace {
 
+// Registration and unregistration take the mutex; find_backend, which every op call runs, takes
+// none: it reads one atomic pointer of `by_type`, so that on a GPU no lock sits in front of each
+// kernel launch. A backend is never freed once a lookup may have returned it: unregistering moves
+// it to `retired` (only tests unregister, a handful of times), so a call that looked it up just
+// before still runs on live memory.
 struct Registry {
   std::mutex mutex;
   std::vector<std::unique_ptr<Backend>> backends;  // the CPU backend first
+  std::vector<std::unique_ptr<Backend>> retired;
+  std::array<std::atomic<const Backend*>, kDeviceTypes> by_type{};
   Registry() {
     auto cpu = std::make_unique<Backend>();
     cpu->name = "cpu";
     cpu->device = DeviceType::CPU;
     cpu::fill_table(cpu->ops);
+    by_type[size_t(DeviceType::CPU)].store(cpu.get(), std::memory_order_release);
     backends.push_back(std::move(cpu));
   }
 };
+
+// The process-wide transfer counts (ops::transfer_counts): relaxed atomics, one add per transfer.
+struct TransferCounters {
+  std::atomic<int64_t> device_to_host{0}, device_to_host_bytes{0}, host_to_device{0}, host_to_device_bytes{0};
+};
+TransferCounters g_transfers;
 
 Registry& registry() {
   static Registry r;
@@ -56,6 +71,42 @@ void note(Dispatch& d, const char* op, bool transfer, const Tensor& t) {
 }
 template <class T>
 void note(Dispatch&, const char*, bool, const T&) {}
+
+// A transfer op's first tensor is its destination and the others its sources (ops.def). Counts
+// one transfer per call between the host and a device, by direction, with the destination's bytes;
+// host to host and device to device count nothing.
+struct TransferEnds {
+  bool have_dst = false, dst_host = false, src_host = false, src_device = false;
+  size_t bytes = 0;
+};
+void note_end(TransferEnds& e, const Tensor& t) {
+  if (!t.defined()) return;
+  if (!e.have_dst) {
+    e.have_dst = true;
+    e.dst_host = t.device().is_cpu();
+    e.bytes = t.nbytes();
+  } else if (t.device().is_cpu()) {
+    e.src_host = true;
+  } else {
+    e.src_device = true;
+  }
+}
+template <class T>
+void note_end(TransferEnds&, const T&) {}
+
+template <class... A>
+void count_transfer(const A&... args) {
+  TransferEnds e;
+  (note_end(e, args), ...);
+  const auto bytes = int64_t(e.bytes);
+  if (e.dst_host && e.src_device) {
+    g_transfers.device_to_host.fetch_add(1, std::memory_order_relaxed);
+    g_transfers.device_to_host_bytes.fetch_add(bytes, std::memory_order_relaxed);
+  } else if (!e.dst_host && e.src_host) {
+    g_transfers.host_to_device.fetch_add(1, std::memory_order_relaxed);
+    g_transfers.host_to_device_bytes.fetch_add(bytes, std::memory_order_relaxed);
+  }
+}
 
 template <class... A>
 const Backend& locate(Dispatch& d, const char* op, bool transfer, const A&... args) {
@@ -100,6 +151,15 @@ bool has_kernel(const OpTable& table, std::string_view op, KernelDType dtype) {
   return false;
 }
 
+ops::TransferCounts ops::transfer_counts() {
+  TransferCounts c;
+  c.device_to_host = g_transfers.device_to_host.load(std::memory_order_relaxed);
+  c.device_to_host_bytes = g_transfers.device_to_host_bytes.load(std::memory_order_relaxed);
+  c.host_to_device = g_transfers.host_to_device.load(std::memory_order_relaxed);
+  c.host_to_device_bytes = g_transfers.host_to_device_bytes.load(std::memory_order_relaxed);
+  return c;
+}
+
 Backend& register_backend(std::unique_ptr<Backend> backend) {
   DS_CHECK(backend, "register_backend: no backend");
   Registry& r = registry();
@@ -113,16 +173,16 @@ Backend& register_backend(std::unique_ptr<Backend> backend) {
 #include "backend/ops.def"
 #undef DS_OP
   r.backends.push_back(std::move(backend));
+  const Backend* registered = r.backends.back().get();
+  // Published last, with release order: a lookup that sees the pointer sees the whole table.
+  r.by_type[size_t(registered->device)].store(registered, std::memory_order_release);
   return *r.backends.back();
 }
 
 const Backend* find_backend(DeviceType type) {
-  Registry& r = registry();
-  if (type == DeviceType::CPU) return r.backends.front().get();  // always first, never removed
-  std::lock_guard lock(r.mutex);
-  for (const auto& b : r.backends)
-    if (b->device == type) return b.get();
-  return nullptr;
+  const size_t i = size_t(type);
+  if (i >= size_t(kDeviceTypes)) return nullptr;
+  return registry().by_type[i].load(std::memory_order_acquire);
 }
 
 std::vector<const Backend*> registered_backends() {
@@ -137,10 +197,20 @@ void unregister_backend(DeviceType type) {
   DS_CHECK(type != DeviceType::CPU, "the CPU backend is the reference and cannot be unregistered");
   Registry& r = registry();
   std::lock_guard lock(r.mutex);
-  std::erase_if(r.backends, [&](const std::unique_ptr<Backend>& b) { return b->device == type; });
+  r.by_type[size_t(type)].store(nullptr, std::memory_order_release);
+  for (auto it = r.backends.begin(); it != r.backends.end();) {
+    if ((*it)->device == type) {
+      r.retired.push_back(std::move(*it));
+      it = r.backends.erase(it);
+    } else {
+      ++it;
+    }
+  }
 }
 
 // ---- the ops:: entry points, one per line of ops.def -----------------------------------------
+// Each finds the backend and slot of its tensors, calls the slot, and counts a transfer op's
+// host/device copies.
 
 #define DS_UNPACK(...) __VA_ARGS__
 #define DS_WRAPPER(name, params, args, transfer)                                        \
@@ -150,6 +220,7 @@ void unregister_backend(DeviceType type) {
     const auto fn = backend_.ops.name[size_t(dispatch_.dtype)];                         \
     if (!fn) missing(backend_, #name, dispatch_.dtype);                                 \
     fn args;                                                                            \
+    if constexpr (transfer) count_transfer(DS_UNPACK args);                             \
   }
 #define DS_OP(name, params, args) DS_WRAPPER(name, params, args, false)
 #define DS_TRANSFER_OP(name, params, args) DS_WRAPPER(name, params, args, true)

@@ -2,6 +2,7 @@
 // registers itself (its fp32 kernels are the reference); a CUDA backend registers beside it, and
 // tests register fakes, all through register_backend. ops:: calls look up the table of their
 // tensors' device and call the slot of their dtype: there is no per-op branch on the device.
+// Looking up a backend takes no lock (find_backend).
 #pragma once
 
 #include <array>
@@ -51,7 +52,8 @@ struct Backend {
 // Registers the backend for its device type; a second backend for the same type is an error.
 // Returns the registered backend.
 Backend& register_backend(std::unique_ptr<Backend> backend);
-// The backend for a device type, or null when none is registered (the CPU one always is).
+// The backend for a device type, or null when none is registered (the CPU one always is). Takes
+// no lock: every op call looks up its backend, in front of each kernel launch on a GPU.
 const Backend* find_backend(DeviceType type);
 // Every registered backend, the CPU reference first.
 std::vector<const Backend*> registered_backends();

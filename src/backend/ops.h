@@ -82,6 +82,16 @@ struct MoERouteParams {
 void linear_forward(Tensor out, Tensor x, Tensor w, bool accumulate = false);
 void linear_backward(Tensor dx, Tensor dw, Tensor dout, Tensor x, Tensor w, bool accumulate_dx = false);
 
+// What the transfer ops (DS_TRANSFER_OP of ops.def: copy) have moved between the host and a
+// device since the process started: calls and bytes, by direction. Host to host and device to
+// device transfers count nothing. Each device-to-host read is a point where the host waits for
+// the device, so a training step should do a constant number of them.
+struct TransferCounts {
+  int64_t device_to_host = 0, device_to_host_bytes = 0;
+  int64_t host_to_device = 0, host_to_device_bytes = 0;
+};
+TransferCounts transfer_counts();
+
 // The value of a one-element tensor, copied to the host: the explicit synchronisation point
 // where a device result (a norm, a count, a loss) is read.
 template <class T>
