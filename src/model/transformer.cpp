@@ -535,6 +535,10 @@ LossSums Transformer::read_sums(Tensor sums, bool with_mtp) const {
   // The one read of the forward's results by the host.
   std::vector<double> h(size_t(sums.numel()));
   ops::copy(Tensor(h.data(), DType::F64, Shape{sums.numel()}), sums);
+  return sums_from(h.data(), with_mtp);
+}
+
+LossSums Transformer::sums_from(const double* h, bool with_mtp) const {
   LossSums s;
   s.sum = h[0];
   s.count = int64_t(h[1]);
@@ -543,6 +547,15 @@ LossSums Transformer::read_sums(Tensor sums, bool with_mtp) const {
     s.mtp_count.push_back(int64_t(h[3 + 2 * k]));
   }
   return s;
+}
+
+void Transformer::accumulate_losses_into(Tensor into) {
+  if (into.defined()) {
+    DS_CHECK(into.dtype() == DType::F64 && into.numel() == loss_sums_size() && into.device() == reg_.device(),
+             "accumulate_losses_into: expected {} F64 on {}, got {} {} on {}", loss_sums_size(), reg_.device().str(),
+             into.numel(), dtype_name(into.dtype()), into.device().str());
+  }
+  loss_accumulator_ = into;
 }
 
 std::vector<std::pair<int, FeedForwardBlock*>> Transformer::moe_layers() {
@@ -739,7 +752,10 @@ LossSums Transformer::forward_chunk(int mb, int chunk, Tensor tokens, Tensor tar
   DS_CHECK(targets.numel() == N, "targets {} for tokens {}", targets.shape().str(), tokens.shape().str());
   // Of final_norm.out: this rank's rows.
   Tensor dxf = acts_.put(sl, "head.dxf", {residual_shape(B, T).numel() / C, C}, ctx_.compute_dtype);
-  Tensor sums = zeroed_sums(sl);
+  // The step's accumulator (accumulate_losses_into: the sums are added to it as they are
+  // formed, with nothing read here), or this micro-batch's own sums, read below.
+  const bool accumulating = loss_accumulator_.defined();
+  Tensor sums = accumulating ? loss_accumulator_ : zeroed_sums(sl);
   // The targets on the model's device (the caller's may be on the host), for the loss and the
   // shifted MTP inputs and targets.
   Tensor tgt = acts_.put(sl, "targets", {B, T}, DType::I32);
@@ -751,7 +767,7 @@ LossSums Transformer::forward_chunk(int mb, int chunk, Tensor tokens, Tensor tar
              mtp_.size());
     mtp_forward_backward(sl, scales, tgt, dxf, sums);
   }
-  return read_sums(sums, with_mtp);
+  return accumulating ? LossSums{} : read_sums(sums, with_mtp);
 }
 
 void Transformer::backward(int mb, BackwardPart part) {

@@ -142,6 +142,16 @@ class Transformer {
   // the MTP modules as forward() does, returning their sums (empty elsewhere). tokens and
   // targets are the micro-batch's on every stage.
   LossSums forward_chunk(int mb, int chunk, Tensor tokens, Tensor targets, const LossScales& scales, Tensor in = {});
+  // Training steps read their losses from the device once, with their other scalars, instead
+  // of once per micro-batch: while `into` is defined (F64, loss_sums_size() elements on the
+  // model's device, zeroed by the caller), forward() and forward_chunk() add each micro-batch's
+  // loss sums into it, in the layout sums_from() reads, and return empty sums. An undefined
+  // tensor ends it.
+  void accumulate_losses_into(Tensor into);
+  // {sum, count} of the main loss, then {sum, count} per MTP depth this rank holds.
+  int64_t loss_sums_size() const { return 2 + 2 * int64_t(mtp_.size()); }
+  // LossSums from a host copy of such sums (loss_sums_size() values).
+  LossSums sums_from(const double* h, bool with_mtp) const;
   // The chunk's output for the next stage (boundary_shape), kept until its backward of mb.
   Tensor chunk_output(int mb, int chunk) const;
   // From dout, the gradient of chunk_output (none on the last stage), to din, the gradient of
@@ -262,6 +272,7 @@ class Transformer {
   std::vector<int> local_layer_;      // decoder layer index -> position in layers_ (-1: not held)
   DecoderLayer& layer(int l) { return layers_[size_t(local_layer_[size_t(l)])]; }
   std::vector<MtpModule> mtp_;
+  Tensor loss_accumulator_;  // accumulate_losses_into
   RopeCache rope_;
   ActivationStore acts_;
   ActivationStore offloaded_;  // cpu_checkpointing: page-locked host memory

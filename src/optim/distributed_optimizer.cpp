@@ -714,16 +714,20 @@ ReduceTimings DistributedOptimizer::finish() {
 }
 
 double DistributedOptimizer::local_grad_sum_squares(const std::vector<char>& counted) const {
-  if (config_.stage >= 2 && counted.empty()) {
-    return ops::read_sum_squares(grad_shard_.tensor());  // the padding between pieces is zero
-  }
-  // One read per run of counted pieces that lie end to end (stage 0 on one rank: the whole
+  double local = 0;
+  for (const Tensor& run : grad_norm_runs(counted)) local += ops::read_sum_squares(run);
+  return local;
+}
+
+std::vector<Tensor> DistributedOptimizer::grad_norm_runs(const std::vector<char>& counted) const {
+  if (config_.stage >= 2 && counted.empty()) return {grad_shard_.tensor()};  // the padding between pieces is zero
+  // One run per stretch of counted pieces that lie end to end (stage 0 on one rank: the whole
   // gradient buffer in one), not one per parameter: on a device each read waits for it.
   const Buffer& buf = config_.stage >= 2 ? grad_shard_ : params_.grads();
-  double local = 0;
+  std::vector<Tensor> runs;
   int64_t run_begin = 0, run_end = 0;
   auto flush = [&] {
-    if (run_end > run_begin) local += ops::read_sum_squares(buf.tensor(run_begin, {run_end - run_begin}));
+    if (run_end > run_begin) runs.push_back(buf.tensor(run_begin, {run_end - run_begin}));
     run_begin = run_end = 0;
   };
   for (int id = 0; id < params_.size(); ++id) {
@@ -736,7 +740,7 @@ double DistributedOptimizer::local_grad_sum_squares(const std::vector<char>& cou
     run_end = end;
   }
   flush();
-  return local;
+  return runs;
 }
 
 double DistributedOptimizer::grad_norm() {

@@ -158,6 +158,11 @@ class DistributedOptimizer final : public ParamHooks {
   // one rank (not a pipeline copy, one tensor rank of a replicated parameter) and sums over the
   // world. Not collective.
   double local_grad_sum_squares(const std::vector<char>& counted) const;
+  // The tensors whose sums of squares, added in order, make local_grad_sum_squares(counted):
+  // runs of counted pieces that lie end to end (one for stage 0 on one rank, or the shard of
+  // stages 2 and 3), so that a caller can fold their reads into one (Trainer: the step's one
+  // read of its device scalars).
+  std::vector<Tensor> grad_norm_runs(const std::vector<char>& counted) const;
   // This rank's reduced gradient piece of parameter id: its rows over the group's communicator
   // (stages 0 and 1: in the whole gradients, which every rank of the group holds alike).
   Tensor grad_piece(int id) const;

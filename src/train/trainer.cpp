@@ -469,11 +469,53 @@ bool Trainer::train_step(StepRecord& r) {
   const int D = int(config_.model.num_nextn_predict_layers);
   // loss sum, target count, ranks out of memory, then the MTP loss sum per depth
   std::vector<double> sums(size_t(3 + D), 0.0);
-  const std::string oom = forward_backward(data, scales, sums);
+  // The step's scalars stay on the model's device and are read once, after the backward: the
+  // loss sums every micro-batch's forward adds up, then the sums of squares of the gradient
+  // runs of the norm (delayed aggregation replaces the gradients later: its norm is read then).
+  const bool norm_after_exchange = sync_ && sync_->config().mode == "delayed";
+  const std::vector<Tensor> norm_runs =
+      norm_after_exchange ? std::vector<Tensor>{} : optimizer_->grad_norm_runs(counted_in_norm());
+  const int64_t n_loss = model_->loss_sums_size();
+  const Device device = model_->params().device();
+  Buffer scalars("step.scalars", MemCategory::Workspace, DType::F64, n_loss + int64_t(norm_runs.size()), device);
+  {
+    const std::vector<double> zeros(size_t(n_loss), 0.0);
+    ops::copy(scalars.tensor(0, {n_loss}), Tensor(const_cast<double*>(zeros.data()), DType::F64, Shape{n_loss}));
+  }
+  std::string oom;
+  model_->accumulate_losses_into(scalars.tensor(0, {n_loss}));
+  try {
+    oom = forward_backward(data, scales, sums);
+  } catch (...) {
+    model_->accumulate_losses_into(Tensor());
+    throw;
+  }
+  model_->accumulate_losses_into(Tensor());
   ReduceTimings rt;
   {
     const Timeline::Scope recorded(timeline_.get(), "reduce", step_ + 1, -1);
     for (auto& axis : axes_) axis->finish_gradients(rt);
+  }
+  double norm_sum_squares = 0;  // this rank's part, in the order of the runs
+  {
+    std::vector<double> on_host(norm_runs.size(), 0.0);
+    for (size_t i = 0; i < norm_runs.size(); ++i) {
+      // A run in host memory (an offloaded shard) is summed where it is.
+      if (norm_runs[i].device() == device) {
+        ops::sum_squares(scalars.tensor(n_loss + int64_t(i), {1}), norm_runs[i]);
+      } else {
+        on_host[i] = ops::read_sum_squares(norm_runs[i]);
+      }
+    }
+    std::vector<double> h(size_t(scalars.numel()));
+    ops::copy(Tensor(h.data(), DType::F64, Shape{scalars.numel()}), scalars.tensor());  // the read
+    const LossSums ls = model_->sums_from(h.data(), /*with_mtp=*/true);
+    sums[0] += ls.sum;
+    sums[1] += double(ls.count);
+    for (int k = 0; k < D && k < int(ls.mtp_sum.size()); ++k) sums[size_t(3 + k)] += ls.mtp_sum[size_t(k)];
+    for (size_t i = 0; i < norm_runs.size(); ++i) {
+      norm_sum_squares += norm_runs[i].device() == device ? h[size_t(n_loss) + i] : on_host[i];
+    }
   }
   reduce_over_data(Tensor(sums.data(), DType::F64, Shape{int64_t(sums.size())}));
   // The loss is the last stage's: every stage gets it (the others add zeros).
@@ -504,7 +546,7 @@ bool Trainer::train_step(StepRecord& r) {
   }
   r.loss = r.ce_loss + r.aux_loss + r.mtp_loss;
   {
-    double sq = optimizer_->local_grad_sum_squares(counted_in_norm());
+    double sq = norm_after_exchange ? optimizer_->local_grad_sum_squares(counted_in_norm()) : norm_sum_squares;
     // Under asynchronous aggregation, each replica's own gradient (delayed: the average it
     // applies, the same in every replica).
     Communicator& norm_comm = sync_ ? grid_.replica_world() : grid_.world();
