@@ -169,7 +169,7 @@ class PipelineInOrder : public Pipeline {
   // right before its action, each send right after it.
   std::vector<std::string> expected_issue_order(const Schedule& schedule, int S, int n_micro) {
     const int me = comm->rank();
-    std::vector<int> holder(size_t(S));
+    std::vector<int> holder(static_cast<size_t>(S));
     for (int r = 0; r < P; ++r) {
       for (int c = 0; c < schedule.chunks(); ++c) holder[size_t(schedule.model_stage(r, c, P))] = r;
     }
@@ -221,7 +221,9 @@ class PipelineInOrder : public Pipeline {
     const std::string transport = ordered.transport(n_micro);
     EXPECT_EQ(transport.find("matched by tag") != std::string::npos, !in_order) << transport;
     // Refused: the log line says why, with the pair of messages that would be confused.
-    if (!in_order) EXPECT_NE(transport.find("would be taken by"), std::string::npos) << transport;
+    if (!in_order) {
+      EXPECT_NE(transport.find("would be taken by"), std::string::npos) << transport;
+    }
     tagged.record_issue_order(true);
     ordered.record_issue_order(true);
     const std::vector<std::string> want_order = expected_issue_order(*schedule, S, n_micro);
@@ -250,7 +252,10 @@ class PipelineInOrder : public Pipeline {
       tagged.reduce_tied_grads();
       ordered.reduce_tied_grads();
       EXPECT_TRUE(ordered_model.activations().in_flight().empty()) << "activations left in flight";
-      ASSERT_EQ(a.size(), b.size());
+      if (a.size() != b.size()) {
+        ADD_FAILURE() << "loss sums of " << a.size() << " and " << b.size() << " micro-batches";
+        return in_order;
+      }
       for (size_t m = 0; m < a.size(); ++m) {
         EXPECT_EQ(a[m].sum, b[m].sum) << "step " << step << " micro-batch " << m;  // the same bits
         EXPECT_EQ(a[m].count, b[m].count);
@@ -258,14 +263,19 @@ class PipelineInOrder : public Pipeline {
       if (in_order) {
         EXPECT_EQ(ordered.issue_order(), want_order) << "step " << step;
         // The tag-matched transport posts receives ahead: the check above tells them apart.
-        if (receives >= 2) EXPECT_NE(tagged.issue_order(), want_order);
+        if (receives >= 2) {
+          EXPECT_NE(tagged.issue_order(), want_order);
+        }
       }
       // Gradients, then a plain SGD update, bit for bit.
       const ParamRegistry& ra = tagged_model.params();
       const ParamRegistry& rb = ordered_model.params();
       for (int id = 0; id < ra.size(); ++id) {
         Tensor ga = ra.grad(id), gb = rb.grad(id), wa = ra.param(id), wb = rb.param(id);
-        ASSERT_EQ(ga.numel(), gb.numel());
+        if (ga.numel() != gb.numel()) {
+          ADD_FAILURE() << ra.info(id).name << ": gradients of " << ga.numel() << " and " << gb.numel() << " elements";
+          return in_order;
+        }
         EXPECT_EQ(std::memcmp(ga.raw(), gb.raw(), size_t(ga.nbytes())), 0) << ra.info(id).name << " step " << step;
         float* pa = wa.data<float>();
         float* pb = wb.data<float>();
