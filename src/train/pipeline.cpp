@@ -271,7 +271,9 @@ bool PipelineRunner::in_order(int n_micro) {
 
 std::string PipelineRunner::transport(int n_micro) {
   const std::string tagged = "point-to-point over the pipeline communicator, receives posted ahead, matched by tag";
-  if (!channels_.present()) return tagged;
+  if (!channels_.present()) {
+    return tagged + " (no in-order channels: they are made for CUDA devices in builds with NCCL)";
+  }
   if (in_order(n_micro)) {
     return fmt::format("point-to-point over {} in schedule order (activations and gradients, down and up the ranks, "
                        "on a channel each)",

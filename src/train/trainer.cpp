@@ -180,12 +180,14 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
         *runner_, *pp_, schedule_->name(), *model_, *optimizer_,
         fmt::format("pipeline: {} stages over {} ranks, schedule {}; {}", layout.stages.size(), pp, schedule_->name(),
                     describe_stages(layout.stages, piece_costs(config_.model, config_.data.seq_len)))));
-    if (grid_.world_rank() == 0) log::info("pipeline transport: {}", runner_->transport(int(config_.train.grad_accum)));
   }
   for (auto& axis : axes_) {
     if (ParamHooks* h = axis->hooks()) param_hooks_.add(*h);
     const std::string line = axis->describe();
     if (grid_.world_rank() == 0 && !line.empty()) log::info("{}", line);
+  }
+  if (runner_ && grid_.world_rank() == 0) {
+    log::info("pipeline transport: {}", runner_->transport(int(config_.train.grad_accum)));
   }
   if (runner_) {
     // Each gradient goes to the hooks once every micro-batch has reported it.
