@@ -1,7 +1,13 @@
 #include "distributed/routed_comm.h"
 
-#include <mutex>
+#include <mpi.h>
 
+#include <mutex>
+#if __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>  // Open MPI's extensions: MPIX_Query_cuda_support
+#endif
+
+#include "backend/cuda_device.h"
 #include "backend/ops.h"
 #include "comm/nccl_comm.h"
 #include "core/error.h"
@@ -50,8 +56,17 @@ Work finish(Work mpi, std::vector<Staged> keep, std::vector<Staged> outputs) {
 
 }  // namespace
 
-RoutedCommunicator::RoutedCommunicator(Communicator& host, std::unique_ptr<Communicator> device)
-    : host_(host), device_(std::move(device)) {
+bool mpi_cuda_aware() {
+#if defined(MPIX_CUDA_AWARE_SUPPORT)
+  return MPIX_Query_cuda_support() == 1;
+#else
+  return false;
+#endif
+}
+
+RoutedCommunicator::RoutedCommunicator(Communicator& host, std::unique_ptr<Communicator> device,
+                                       bool host_takes_device)
+    : host_(host), device_(std::move(device)), host_takes_device_(host_takes_device) {
   if (device_) {
     DS_CHECK(device_->size() == host_.size() && device_->rank() == host_.rank(),
              "communicator '{}': the device communicator has rank {} of {}, the MPI one {} of {}", host_.name(),
@@ -60,7 +75,31 @@ RoutedCommunicator::RoutedCommunicator(Communicator& host, std::unique_ptr<Commu
 }
 
 std::string RoutedCommunicator::device_transport() const {
-  return device_ ? device_->name() : "mpi (staged through host memory)";
+  if (device_) return device_->name();
+  return host_takes_device_ ? "mpi (CUDA-aware: device memory for point-to-point)" : "mpi (staged through host memory)";
+}
+
+void RoutedCommunicator::set_in_order_channels(Channels channels, std::string transport) {
+  for (const auto& c : channels) {
+    DS_CHECK(c && c->size() == host_.size() && c->rank() == host_.rank(),
+             "communicator '{}': each of the {} in-order channels must span its ranks in the same order", host_.name(),
+             InOrderChannels::kCount);
+  }
+  in_order_ = std::move(channels);
+  in_order_transport_ = std::move(transport);
+}
+
+InOrderChannels RoutedCommunicator::in_order_channels() const {
+  InOrderChannels out;
+  if (!in_order_[0]) return out;
+  for (size_t i = 0; i < in_order_.size(); ++i) out.channel[i] = in_order_[i].get();
+  out.transport = in_order_transport_;
+  return out;
+}
+
+InOrderChannels in_order_channels(Communicator& c) {
+  auto* routed = dynamic_cast<RoutedCommunicator*>(&c);
+  return routed ? routed->in_order_channels() : InOrderChannels{};
 }
 
 #define DS_ROUTE(host_call, device_call)          \
@@ -129,6 +168,12 @@ Work RoutedCommunicator::all_to_all_v_async(Tensor out, const std::vector<int64_
 Work RoutedCommunicator::send_async(Tensor t, int peer, int tag) {
   const bool all_host = on_host(t);
   DS_ROUTE(send_async(t, peer, tag), send_async(t, peer, tag))
+  if (host_takes_device_) {
+    // MPI reads the device memory itself, outside the device's streams: the kernels that write
+    // it must have finished.
+    cuda::synchronize();
+    return host_.send_async(t, peer, tag);
+  }
   Staged s = stage(t, true);
   return finish(host_.send_async(s.host, peer, tag), {s}, {});
 }
@@ -136,6 +181,12 @@ Work RoutedCommunicator::send_async(Tensor t, int peer, int tag) {
 Work RoutedCommunicator::recv_async(Tensor t, int peer, int tag) {
   const bool all_host = on_host(t);
   DS_ROUTE(recv_async(t, peer, tag), recv_async(t, peer, tag))
+  if (host_takes_device_) {
+    // Kernels issued before may still read the buffer MPI is about to write; the kernels after
+    // the wait are issued once the data is there.
+    cuda::synchronize();
+    return host_.recv_async(t, peer, tag);
+  }
   Staged s = stage(t, false);
   return finish(host_.recv_async(s.host, peer, tag), {}, {s});
 }
@@ -162,12 +213,24 @@ namespace dstrain {
 ProcessGrid& use_device_communicators(ProcessGrid& grid, Device device) {
   if (device.is_cpu()) return grid;
   const bool nccl = device.type == DeviceType::CUDA && nccl_built();
-  grid.wrap_communicators(device.str(), [device, nccl](MpiCommunicator& mpi) -> std::unique_ptr<Communicator> {
-    // The pipeline runner posts receives ahead and matches them by tag, which NCCL cannot
-    // (comm/nccl_comm.h): the pipeline axis stages its device tensors through host memory.
-    std::unique_ptr<Communicator> direct;
-    if (nccl && mpi.name() != axis_name(Axis::Pipeline)) direct = make_nccl_communicator(mpi, device);
-    return std::make_unique<RoutedCommunicator>(mpi, std::move(direct));
+  const bool cuda_aware = device.type == DeviceType::CUDA && mpi_cuda_aware();
+  grid.wrap_communicators(device.str(), [=](MpiCommunicator& mpi) -> std::unique_ptr<Communicator> {
+    if (mpi.name() != axis_name(Axis::Pipeline)) {
+      std::unique_ptr<Communicator> direct;
+      if (nccl) direct = make_nccl_communicator(mpi, device);
+      return std::make_unique<RoutedCommunicator>(mpi, std::move(direct));
+    }
+    // The pipeline runner's tagged messages (receives posted ahead, the tied weights' exchange)
+    // stay on MPI, which NCCL cannot replace (comm/nccl_comm.h); its in-order transport runs
+    // over NCCL communicators of the same ranks, one per kind of message and link, so that no
+    // message waits for its peer on a stream behind one going the other way.
+    auto routed = std::make_unique<RoutedCommunicator>(mpi, nullptr, cuda_aware);
+    if (nccl && mpi.size() > 1) {
+      RoutedCommunicator::Channels channels;
+      for (auto& c : channels) c = make_nccl_communicator(mpi, device);
+      routed->set_in_order_channels(std::move(channels), "nccl");
+    }
+    return routed;
   });
   return grid;
 }

@@ -11,10 +11,26 @@
 //                                   din    -> stage s-1             (isend)
 //
 // Shapes are not sent: both ends derive every message's shape from the model config and the
-// micro-batch (Transformer::boundary_shape), which the ranks already agree on. Receives are
-// posted ahead of the actions that need them, so the transfer overlaps the compute before it;
-// sends complete in the background. The message tag names the direction, the receiving stage
-// and the micro-batch, so no message can be taken for another.
+// micro-batch (Transformer::boundary_shape), which the ranks already agree on.
+//
+// Two transports:
+// - Tag-matched (MPI, and the default): receives are posted ahead of the actions that need
+//   them, so the transfer overlaps the compute before it; sends complete in the background. The
+//   message tag names the direction, the receiving stage and the micro-batch, so no message can
+//   be taken for another. On GPUs without CUDA-aware MPI the pipeline communicator stages
+//   device tensors through host memory.
+// - In schedule order (NCCL on GPUs): NCCL has no tags; it matches the k-th send from A to B
+//   with the k-th receive on B from A, and runs a communicator's operations one after another
+//   on its stream, a send or receive holding the stream until its peer's matching one is issued.
+//   So nothing is posted ahead: each receive is issued right before the action that consumes
+//   it, each send right after the action that produces it, in the rank's schedule order, over
+//   four channels (comm/in_order_channels.h): activations and gradients, each going down or up
+//   the ranks, so that no message waits on one stream behind one going the other way (with a
+//   channel per direction only, the interleaved schedule's ring and DualPipeV's two-way traffic
+//   deadlock). Whether a schedule can run this way is checked at construction by simulating
+//   every rank's plan under those rules (simulate_in_order); a schedule that fails keeps the
+//   tag-matched transport. Over MPI the mode uses one tag per channel, so MPI's non-overtaking
+//   rule matches messages by order exactly as NCCL does.
 //
 // Weights used on two stages (the embedding, read on the last stage by a tied head or by the
 // MTP modules) live as a copy there (ParamInfo::pipeline_copy): reduce_tied_grads() sums the
@@ -25,10 +41,12 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "comm/comm.h"
+#include "comm/in_order_channels.h"
 #include "core/buffer.h"
 #include "distributed/param_hooks.h"
 #include "distributed/schedule.h"
@@ -65,11 +83,53 @@ class FinalGradHooks final : public ParamHooks {
   int n_micro_ = 1;
 };
 
+// The in-order transport's plan and its check. A rank's host issues, for one step in schedule
+// order: before an action whose input comes from another rank, the receive and a wait for it;
+// before a backward, a wait for its forward's output send; after an action whose output goes to
+// another rank, the send; at the end, a wait for every send. Compute is not modelled (it only
+// delays), nor are hand-overs inside a rank.
+struct InOrderOp {
+  enum class Kind { Send, Recv, Wait };
+  Kind kind = Kind::Send;
+  int peer = -1;                   // Send, Recv: the other pipeline rank
+  int channel = 0;                 // Send, Recv: in_order_channel(...)
+  bool gradient = false;           // Send, Recv: the message: a gradient (else an activation)
+  int stage = 0, micro_batch = 0;  // ... into this model stage, of this micro-batch
+  int op = -1;                     // Wait: the index in the rank's list of the Send or Recv waited for
+};
+// "send G3.1 to 2 on 1", "recv A2.0 from 0 on 0", "wait 4".
+std::string to_string(const InOrderOp& op);
+
+// The channel of a message, a gradient or an activation, whose link goes up the ranks (to a
+// lower rank) or down, with `channels` channels: 4 (InOrderChannels: 2 * gradient + up, what
+// the runner uses), 2 (one per direction: gradient) or 1 (all on one: 0).
+int in_order_channel(bool gradient, bool up, int channels);
+// What every pipeline rank of `ranks` issues for a step of `n_micro` micro-batches of
+// `schedule` (stages held as Schedule::model_stage says), on `channels` channels.
+std::vector<std::vector<InOrderOp>> in_order_programs(const Schedule& schedule, int ranks, int n_micro,
+                                                      int channels = InOrderChannels::kCount);
+
+// Runs the ranks' lists under NCCL's point-to-point semantics, conservatively: each (rank,
+// channel) is a stream that runs its sends and receives one after another in issue order; the
+// one at the head of rank A's stream completes only together with its match at the head of the
+// peer's stream on the same channel (rendezvous: no send completes on its own, however small);
+// a rank's host issues its sends and receives without blocking and stops at a wait until the
+// operation has completed. Returns an empty string when every rank completes and every
+// matched pair is the same message (the k-th send from A to B on a channel is the k-th
+// receive on B from A there); otherwise what goes wrong: the first mismatched pair, or the
+// deadlock (what each unfinished rank waits for and the heads of its streams).
+std::string simulate_in_order(const std::vector<std::vector<InOrderOp>>& programs);
+
 class PipelineRunner {
  public:
   // The model holds this rank's chunks of `schedule` over the `pp` ranks (rank_chunks); the
-  // pipeline has `stages` in all.
-  PipelineRunner(Transformer& model, Communicator& pp, const Schedule& schedule, std::vector<StageSpec> stages);
+  // pipeline has `stages` in all. With in-order `channels`, steps whose schedule passes the
+  // in-order check run their messages over them in schedule order; the others, and every step
+  // without channels, post receives ahead over `pp` with tags. `n_micro`: the micro-batches of
+  // the run's steps, checked now (0: at the first step); a step of another count is checked
+  // when it comes. Every pipeline rank reaches the same verdict (the check is deterministic).
+  PipelineRunner(Transformer& model, Communicator& pp, const Schedule& schedule, std::vector<StageSpec> stages,
+                 InOrderChannels channels = {}, int n_micro = 0);
 
   int num_stages() const { return int(stages_.size()); }
   const std::vector<StageSpec>& stages() const { return stages_; }
@@ -117,6 +177,20 @@ class PipelineRunner {
   };
   Traffic take_traffic();
 
+  // Whether steps of n_micro micro-batches run in schedule order over the in-order channels
+  // (checked on first use, then remembered).
+  bool in_order(int n_micro);
+  // The transport of steps of n_micro micro-batches and why, for the log: "point-to-point over
+  // nccl in schedule order (...)", or "... posted ahead, matched by tag: <why>".
+  std::string transport(int n_micro);
+
+  // With `on`, run_step records what this rank issues, in order:
+  // to_string(action) for each action, "recv A3.1" / "recv G2.1" for each receive (an
+  // activation into stage 3, a gradient into stage 2, of micro-batch 1) and "send A3.1" for each
+  // send. Cleared by each step.
+  void record_issue_order(bool on) { record_ = on; }
+  const std::vector<std::string>& issue_order() const { return issued_; }
+
  private:
   enum Dir { kForward = 0, kBackward = 1 };
   // A message into stage s of micro-batch mb: its tag on the pipeline communicator.
@@ -138,6 +212,12 @@ class PipelineRunner {
   // The receives this rank's actions need, in the order they need them.
   std::vector<Message> needed_receives(const std::vector<ScheduleAction>& plan) const;
   void post_receive(const Message& m, Shape shape);
+  // Where message m goes: the pipeline communicator with its tag, or (in order) its channel
+  // with that channel's tag.
+  int channel(const Message& m) const;
+  Communicator& wire(const Message& m) const;
+  int wire_tag(const Message& m) const;
+  void record(const char* what, const Message& m);
   // The received (or locally handed over) tensor of a message, waited for.
   Tensor take(const Message& m, Timeline* timeline, int64_t step);
   // The rank that sends message m.
@@ -161,6 +241,11 @@ class PipelineRunner {
   std::vector<std::pair<int, int>> holder_;  // stage -> (pipeline rank, chunk)
   std::vector<int> stage_of_chunk_;           // this rank's chunk -> stage
   int n_micro_ = 1;
+  InOrderChannels channels_;
+  std::map<int, std::string> in_order_verdict_;  // n_micro -> "" (in order) or why not
+  bool step_in_order_ = false;                   // the current step's (or inference's) transport
+  bool record_ = false;
+  std::vector<std::string> issued_;
   std::map<Message, Pending> receives_;  // posted receives and local hand-overs, by message
   std::map<Message, Pending> sends_;     // sends in flight
   std::vector<Buffer> free_;             // message buffers to reuse

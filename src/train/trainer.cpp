@@ -172,7 +172,10 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
   }
   axes_.push_back(std::make_unique<DataAxis>(*optimizer_));
   if (pp_) {
-    runner_ = std::make_unique<PipelineRunner>(*model_, *pp_, *schedule_, layout.stages);
+    // On GPUs with NCCL the pipeline communicator has in-order channels, which the runner uses
+    // when the schedule passes its check at this micro-batch count.
+    runner_ = std::make_unique<PipelineRunner>(*model_, *pp_, *schedule_, layout.stages, in_order_channels(*pp_),
+                                               int(config_.train.grad_accum));
     axes_.push_back(std::make_unique<PipelineAxis>(
         *runner_, *pp_, schedule_->name(), *model_, *optimizer_,
         fmt::format("pipeline: {} stages over {} ranks, schedule {}; {}", layout.stages.size(), pp, schedule_->name(),
@@ -182,6 +185,9 @@ Trainer::Trainer(RunConfig config, ProcessGrid& grid, Device device)
     if (ParamHooks* h = axis->hooks()) param_hooks_.add(*h);
     const std::string line = axis->describe();
     if (grid_.world_rank() == 0 && !line.empty()) log::info("{}", line);
+  }
+  if (runner_ && grid_.world_rank() == 0) {
+    log::info("pipeline transport: {}", runner_->transport(int(config_.train.grad_accum)));
   }
   if (runner_) {
     // Each gradient goes to the hooks once every micro-batch has reported it.
