@@ -1,5 +1,7 @@
 #include "backend/backend.h"
 
+#include "backend/checks.h"
+
 #include <atomic>
 #include <mutex>
 
@@ -209,7 +211,9 @@ void unregister_backend(DeviceType type) {
 }
 
 // ---- the ops:: entry points, one per line of ops.def -----------------------------------------
-// Each finds the backend and slot of its tensors, calls the slot, and counts a transfer op's
+// Each finds the backend and slot of its tensors, runs the op's argument checks (checks.h: the
+// only place they run, so a bad call gets one message on every device and the kernels, which
+// assume checked arguments, check nothing again), calls the slot, and counts a transfer op's
 // host/device copies.
 
 #define DS_UNPACK(...) __VA_ARGS__
@@ -217,6 +221,7 @@ void unregister_backend(DeviceType type) {
   void ops::name params {                                                               \
     Dispatch dispatch_;                                                                 \
     const Backend& backend_ = locate(dispatch_, #name, transfer, DS_UNPACK args);       \
+    ops::checks::name args;                                                             \
     const auto fn = backend_.ops.name[size_t(dispatch_.dtype)];                         \
     if (!fn) missing(backend_, #name, dispatch_.dtype);                                 \
     fn args;                                                                            \

@@ -2,7 +2,9 @@
 // registers itself (its fp32 kernels are the reference); a CUDA backend registers beside it, and
 // tests register fakes, all through register_backend. ops:: calls look up the table of their
 // tensors' device and call the slot of their dtype: there is no per-op branch on the device.
-// Looking up a backend takes no lock (find_backend).
+// The ops:: wrapper runs each op's argument checks once, before it calls the slot
+// (backend/checks.h); a kernel assumes checked arguments and checks only what depends on the data
+// or on its own limits. Looking up a backend takes no lock (find_backend).
 #pragma once
 
 #include <array>

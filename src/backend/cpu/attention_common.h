@@ -18,13 +18,7 @@ struct Dims {
 };
 
 inline Dims dims_of(const Tensor& qkv, const ops::AttentionLayout& L) {
-  DS_CHECK(qkv.ndim() == 3, "attention: qkv must be (B, T, W), got {}", qkv.shape().str());
-  DS_CHECK(L.n_head > 0 && L.n_kv_head > 0 && L.n_head % L.n_kv_head == 0,
-           "attention: {} query heads cannot share {} kv heads evenly", L.n_head, L.n_kv_head);
   Dims d{qkv.size(0), qkv.size(1), qkv.size(2), L.n_head, L.n_kv_head, L.qk_dim, L.v_dim, L.n_head / L.n_kv_head};
-  DS_CHECK(L.row_stride == d.W, "attention: layout row stride {} but qkv rows have {}", L.row_stride, d.W);
-  DS_CHECK(L.q_offset + d.H * d.Dqk <= d.W && L.k_offset + d.Hkv * d.Dqk <= d.W && L.v_offset + d.Hkv * d.Dv <= d.W,
-           "attention: head ranges exceed the qkv row of {}", d.W);
   return d;
 }
 

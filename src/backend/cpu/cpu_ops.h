@@ -1,5 +1,6 @@
 // The CPU backend (OpenMP, GEMMs through sgemm.h): one kernel per op of backend/ops.def, same signatures.
-// Its fp32 kernels are the reference every other backend and dtype is tested against.
+// Its fp32 kernels are the reference every other backend and dtype is tested against. They assume
+// arguments the ops:: wrapper has checked (backend/checks.h) and check only the data they read.
 #pragma once
 
 #include "backend/ops.h"
@@ -25,13 +26,6 @@ using ops::YarnParams;
 void rope_apply(Tensor x, int64_t offset, int n_heads, int head_dim, Tensor cos, Tensor sin, bool inverse);
 void rope_apply_interleaved(Tensor x, int64_t offset, int n_heads, int64_t head_stride, int dim, Tensor cos, Tensor sin,
                             bool inverse);
-
-// The argument checks of copy_blocks (false: nothing to copy) and of the interleaved rotary
-// embedding, shared by the fp32 and 16-bit kernels.
-bool check_copy_blocks(const Tensor& dst, int64_t dst_offset, int64_t dst_step, const Tensor& src, int64_t src_offset,
-                       int64_t src_step, int64_t blocks, int64_t width);
-void check_rope_interleaved(const Tensor& x, int64_t offset, int n_heads, int64_t head_stride, int dim,
-                            const Tensor& cos, const Tensor& sin);
 
 // One row of SwiGLU (gate g, up u, both I long) and of its backward (d: the output's gradient),
 // shared by the fp32 and 16-bit kernels so that both compute the same bits.

@@ -63,10 +63,9 @@ DS_TARGET_AVX2 void scaled_probs_avx2(float* drow, const float* row, int64_t V, 
 // The rows of cross_entropy_backward and of its vocabulary shards: logits (N,V) are columns
 // [vocab_begin, vocab_begin + V) of the full rows, and the one-hot applies where the target falls
 // among them. One code path, so the shards side by side give the unsharded op's bits.
-void backward_rows(const char* op, Tensor dlogits, Tensor logits, Tensor lse, Tensor targets, float scale,
+void backward_rows(Tensor dlogits, Tensor logits, Tensor lse, Tensor targets, float scale,
                    int64_t vocab_begin) {
   const int64_t V = logits.size(-1), N = logits.numel() / V;
-  DS_CHECK(dlogits.numel() == N * V && lse.numel() == N && targets.numel() == N, "{}: shape mismatch", op);
   const float* lp = logits.data<float>();
   const float* lsep = lse.data<float>();
   const int32_t* tp = targets.data<int32_t>();
@@ -95,8 +94,6 @@ void backward_rows(const char* op, Tensor dlogits, Tensor logits, Tensor lse, Te
 
 void cross_entropy_forward(Tensor losses, Tensor lse, Tensor logits, Tensor targets) {
   const int64_t V = logits.size(-1), N = logits.numel() / V;
-  DS_CHECK(losses.numel() == N && lse.numel() == N && targets.numel() == N,
-           "cross_entropy_forward: logits {} targets {}", logits.shape().str(), targets.shape().str());
   const float* lp = logits.data<float>();
   const int32_t* tp = targets.data<int32_t>();
   float* out = losses.data<float>();
@@ -116,17 +113,12 @@ void cross_entropy_forward(Tensor losses, Tensor lse, Tensor logits, Tensor targ
 }
 
 void cross_entropy_backward(Tensor dlogits, Tensor logits, Tensor lse, Tensor targets, float scale) {
-  backward_rows("cross_entropy_backward", dlogits, logits, lse, targets, scale, 0);
+  backward_rows(dlogits, logits, lse, targets, scale, 0);
 }
 
 void cross_entropy_shard_forward(Tensor stats, Tensor logits, Tensor targets, int64_t vocab_begin,
                                  int64_t vocab_size) {
   const int64_t V = logits.size(-1), N = logits.numel() / V;
-  DS_CHECK(stats.numel() == 2 * N && targets.numel() == N, "cross_entropy_shard_forward: stats {} logits {} targets {}",
-           stats.shape().str(), logits.shape().str(), targets.shape().str());
-  DS_CHECK(vocab_begin >= 0 && vocab_begin + V <= vocab_size,
-           "cross_entropy_shard_forward: columns [{}, {}) are not within the vocabulary [0, {})", vocab_begin,
-           vocab_begin + V, vocab_size);
   const float* lp = logits.data<float>();
   const int32_t* tp = targets.data<int32_t>();
   float* sp = stats.data<float>();
@@ -146,9 +138,6 @@ void cross_entropy_shard_forward(Tensor stats, Tensor logits, Tensor targets, in
 
 void cross_entropy_combine(Tensor losses, Tensor lse, Tensor shard_stats, Tensor targets) {
   const int64_t N = targets.numel(), P = shard_stats.ndim() > 0 ? shard_stats.size(0) : 0;
-  DS_CHECK(P >= 1 && shard_stats.numel() == P * N * 2 && losses.numel() == N && lse.numel() == N,
-           "cross_entropy_combine: shard_stats {} (want (P,{},2)) losses {} lse {} targets {}",
-           shard_stats.shape().str(), N, losses.shape().str(), lse.shape().str(), targets.shape().str());
   const float* sp = shard_stats.data<float>();
   const int32_t* tp = targets.data<int32_t>();
   float* out = losses.data<float>();
@@ -171,16 +160,11 @@ void cross_entropy_combine(Tensor losses, Tensor lse, Tensor shard_stats, Tensor
 
 void cross_entropy_shard_backward(Tensor dlogits, Tensor logits, Tensor lse, Tensor targets, float scale,
                                   int64_t vocab_begin) {
-  backward_rows("cross_entropy_shard_backward", dlogits, logits, lse, targets, scale, vocab_begin);
+  backward_rows(dlogits, logits, lse, targets, scale, vocab_begin);
 }
 
 void logit_max_and_target(Tensor out, Tensor logits, Tensor targets, int64_t vocab_begin) {
   const int64_t V = logits.size(-1), N = logits.numel() / V;
-  DS_CHECK(out.numel() == 2 * N && targets.numel() == N && out.dtype() == DType::F32 &&
-               targets.dtype() == DType::I32,
-           "logit_max_and_target: out {} ({}) logits {} targets {} ({}); expected out (N,2) f32, targets (N) i32",
-           out.shape().str(), dtype_name(out.dtype()), logits.shape().str(), targets.shape().str(),
-           dtype_name(targets.dtype()));
   const float* lp = logits.data<float>();
   const int32_t* tp = targets.data<int32_t>();
   float* op = out.data<float>();
@@ -196,8 +180,6 @@ void logit_max_and_target(Tensor out, Tensor logits, Tensor targets, int64_t voc
 }
 
 void loss_sums(Tensor out, Tensor losses, Tensor targets) {
-  DS_CHECK(out.numel() == 2 && losses.numel() == targets.numel(), "loss_sums: out {} losses {} targets {}",
-           out.shape().str(), losses.shape().str(), targets.shape().str());
   const float* lp = losses.data<float>();
   const int32_t* tp = targets.data<int32_t>();
   double* o = out.data<double>();

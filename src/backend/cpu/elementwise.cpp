@@ -15,8 +15,6 @@ namespace dstrain::cpu {
 
 void rope_tables(Tensor cos, Tensor sin, int head_dim, double theta) {
   const int64_t T = cos.size(0), half = head_dim / 2;
-  DS_CHECK(head_dim % 2 == 0 && cos.size(1) == half && sin.numel() == cos.numel(),
-           "rope_tables: head_dim {} with table {}", head_dim, cos.shape().str());
   float* cp = cos.data<float>();
   float* sp = sin.data<float>();
   // Hugging Face computes inv_freq = 1 / theta^(2i/d), the angles t * inv_freq and their
@@ -37,11 +35,7 @@ void rope_tables(Tensor cos, Tensor sin, int head_dim, double theta) {
 // x' = x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2, x1]; the inverse (used by the
 // backward, since the rotation is orthogonal) flips the sign of sin.
 void rope_apply(Tensor x, int64_t offset, int n_heads, int head_dim, Tensor cos, Tensor sin, bool inverse) {
-  DS_CHECK(x.ndim() == 3, "rope: expected (B, T, W), got {}", x.shape().str());
   const int64_t B = x.size(0), T = x.size(1), W = x.size(2), half = head_dim / 2;
-  DS_CHECK(offset + int64_t(n_heads) * head_dim <= W && cos.size(0) >= T && cos.size(1) == half,
-           "rope: {} heads of {} at column {} do not fit rows of {} / tables {}", n_heads, head_dim, offset, W,
-           cos.shape().str());
   float* xp = x.data<float>();
   const float* cp = cos.data<float>();
   const float* sp = sin.data<float>();
@@ -122,8 +116,6 @@ void swiglu_backward_row(const float* g, const float* u, const float* d, float* 
 
 void swiglu_forward(Tensor out, Tensor gate_up) {
   const int64_t I = out.size(-1), N = out.numel() / I;
-  DS_CHECK(gate_up.numel() == 2 * N * I, "swiglu_forward: gate_up {} for out {}", gate_up.shape().str(),
-           out.shape().str());
   const float* gu = gate_up.data<float>();
   float* op = out.data<float>();
   const bool avx2 = cpu_has_avx2();
@@ -140,7 +132,6 @@ void swiglu_forward(Tensor out, Tensor gate_up) {
 
 void swiglu_backward(Tensor dgate_up, Tensor dout, Tensor gate_up) {
   const int64_t I = dout.size(-1), N = dout.numel() / I;
-  DS_CHECK(gate_up.numel() == 2 * N * I && dgate_up.numel() == 2 * N * I, "swiglu_backward: shape mismatch");
   const float* gu = gate_up.data<float>();
   const float* dp = dout.data<float>();
   float* dgu = dgate_up.data<float>();
@@ -159,7 +150,6 @@ void swiglu_backward(Tensor dgate_up, Tensor dout, Tensor gate_up) {
 
 void add(Tensor out, Tensor a, Tensor b) {
   const int64_t n = out.numel();
-  DS_CHECK(a.numel() == n && b.numel() == n, "add: sizes {} {} {}", out.numel(), a.numel(), b.numel());
   float* o = out.data<float>();
   const float* x = a.data<float>();
   const float* y = b.data<float>();
@@ -184,7 +174,6 @@ void fill(Tensor x, float value) {
 }
 
 void copy(Tensor dst, Tensor src) {
-  DS_CHECK(dst.nbytes() == src.nbytes(), "copy: {} bytes into {}", src.nbytes(), dst.nbytes());
   // Large copies (a layer's fp32 residual stream is 2 MiB at d=256, T=256, batch 8) in 256 KiB
   // pieces over the threads: one thread alone does not reach the memory bandwidth.
   constexpr int64_t kPiece = int64_t(1) << 18;
@@ -198,8 +187,6 @@ void copy(Tensor dst, Tensor src) {
 }
 
 void count_non_finite(Tensor out, Tensor x) {
-  DS_CHECK(x.dtype() == DType::F32, "count_non_finite: {} tensor, expected f32", dtype_name(x.dtype()));
-  DS_CHECK(out.numel() == 1, "count_non_finite: out has {} elements, expected 1", out.numel());
   const float* p = x.data<float>();
   const int64_t n = x.numel();
   int64_t bad = 0;
@@ -209,7 +196,6 @@ void count_non_finite(Tensor out, Tensor x) {
 }
 
 void sum_squares(Tensor out, Tensor x) {
-  DS_CHECK(out.numel() == 1, "sum_squares: out has {} elements, expected 1", out.numel());
   // Fixed chunks summed in double, then the chunk sums in order: the same bits for any
   // number of threads.
   constexpr int64_t kChunk = 1 << 14;
@@ -269,9 +255,6 @@ void adamw_loop(float* p, const float* g, float* m, float* v, int64_t n, const o
 void adamw_update(Tensor param, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, Tensor param_copy,
                   const ops::AdamWStep& s) {
   const int64_t n = param.numel();
-  DS_CHECK(grad.numel() == n && exp_avg.numel() == n && exp_avg_sq.numel() == n &&
-               (!param_copy.defined() || param_copy.numel() == n),
-           "adamw_update: size mismatch");
   float* p = param.data<float>();
   const float* g = grad.data<float>();
   float* m = exp_avg.data<float>();
@@ -342,13 +325,9 @@ void store(const Tensor& t, int64_t i, float v) {
     default: DS_FAIL("cast: {} is not a floating-point type (F32, BF16, F16)", dtype_name(t.dtype()));
   }
 }
-bool is_float(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; }
 }  // namespace
 
 void cast(Tensor dst, Tensor src) {
-  DS_CHECK(dst.numel() == src.numel(), "cast: {} elements into {}", src.numel(), dst.numel());
-  DS_CHECK(is_float(dst.dtype()) && is_float(src.dtype()), "cast: {} -> {}: only F32, BF16 and F16 convert",
-           dtype_name(src.dtype()), dtype_name(dst.dtype()));
   const int64_t n = src.numel();
   if (dst.dtype() == src.dtype()) return copy(dst, src);
   // fp32 <-> 16-bit: the vectorised bulk conversions (bit for bit those of core/dtype.h).
@@ -364,26 +343,11 @@ void cast(Tensor dst, Tensor src) {
   for (int64_t i = 0; i < n; ++i) store(dst, i, load(src, i));
 }
 
-bool check_copy_blocks(const Tensor& dst, int64_t dst_offset, int64_t dst_step, const Tensor& src, int64_t src_offset,
-                       int64_t src_step, int64_t blocks, int64_t width) {
-  DS_CHECK(dst.ndim() >= 1 && src.ndim() >= 1, "copy_blocks: scalar tensors");
-  const int64_t dcols = dst.size(-1), scols = src.size(-1);
-  const int64_t rows = dst.numel() / dcols;
-  DS_CHECK(src.numel() / scols == rows, "copy_blocks: {} rows from {} rows", rows, src.numel() / scols);
-  DS_CHECK(blocks >= 0 && width >= 0 && dst_offset >= 0 && src_offset >= 0 && dst_step >= 0 && src_step >= 0,
-           "copy_blocks: negative offset, step or size");
-  if (blocks == 0 || width == 0 || rows == 0) return false;
-  DS_CHECK(dst_offset + (blocks - 1) * dst_step + width <= dcols && src_offset + (blocks - 1) * src_step + width <= scols,
-           "copy_blocks: {} blocks of {} at {}+j*{} (dst {} columns) from {}+j*{} (src {} columns) run past a row",
-           blocks, width, dst_offset, dst_step, dcols, src_offset, src_step, scols);
-  return true;
-}
-
 void copy_blocks(Tensor dst, int64_t dst_offset, int64_t dst_step, Tensor src, int64_t src_offset, int64_t src_step,
                  int64_t blocks, int64_t width, bool accumulate) {
-  if (!check_copy_blocks(dst, dst_offset, dst_step, src, src_offset, src_step, blocks, width)) return;
   const int64_t dcols = dst.size(-1), scols = src.size(-1);
-  const int64_t rows = dst.numel() / dcols;
+  const int64_t rows = dcols > 0 ? dst.numel() / dcols : 0;
+  if (blocks == 0 || width == 0 || rows == 0) return;
   const float* sp = src.data<float>();
   float* dp = dst.data<float>();
 #pragma omp parallel for schedule(static)
@@ -408,9 +372,6 @@ void fill_normal(Tensor x, double std, uint64_t seed, uint64_t stream, uint64_t 
 }
 
 void shift_tokens(Tensor out, Tensor src, int64_t shift, int32_t fill, int32_t ignore_as) {
-  DS_CHECK(out.ndim() == 2 && out.shape() == src.shape(), "shift_tokens: out {} and src {} must both be (B, T)",
-           out.shape().str(), src.shape().str());
-  DS_CHECK(shift >= 0, "shift_tokens: negative shift {}", shift);
   const int64_t B = out.size(0), T = out.size(1);
   const int32_t* s = src.data<int32_t>();
   int32_t* o = out.data<int32_t>();

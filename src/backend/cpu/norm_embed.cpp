@@ -9,9 +9,6 @@ namespace dstrain::cpu {
 
 void rmsnorm_forward(Tensor out, Tensor rstd, Tensor x, Tensor weight, float eps) {
   const int64_t C = x.size(-1), N = x.numel() / C;
-  DS_CHECK(out.numel() == x.numel() && rstd.numel() == N && weight.numel() == C,
-           "rmsnorm_forward: x {} weight {} out {} rstd {}", x.shape().str(), weight.shape().str(),
-           out.shape().str(), rstd.shape().str());
   const float* xp = x.data<float>();
   const float* wp = weight.data<float>();
   float* op = out.data<float>();
@@ -32,8 +29,6 @@ void rmsnorm_forward(Tensor out, Tensor rstd, Tensor x, Tensor weight, float eps
 
 void rmsnorm_backward(Tensor dx, Tensor dweight, Tensor dout, Tensor x, Tensor weight, Tensor rstd) {
   const int64_t C = x.size(-1), N = x.numel() / C;
-  DS_CHECK(dx.numel() == x.numel() && dout.numel() == x.numel() && dweight.numel() == C && rstd.numel() == N,
-           "rmsnorm_backward: shape mismatch");
   const float* xp = x.data<float>();
   const float* wp = weight.data<float>();
   const float* gp = dout.data<float>();
@@ -78,11 +73,8 @@ namespace {
 
 // The rows of embedding_forward and of its vocabulary shards: table (Vl,C) holds rows
 // [vocab_begin, vocab_begin + Vl) of a vocabulary of vocab_size; tokens of other shards get zeros.
-void gather_rows(const char* op, Tensor out, Tensor tokens, Tensor table, int64_t vocab_begin, int64_t vocab_size) {
+void gather_rows(Tensor out, Tensor tokens, Tensor table, int64_t vocab_begin, int64_t vocab_size) {
   const int64_t Vl = table.size(0), C = table.size(1), N = tokens.numel();
-  DS_CHECK(out.numel() == N * C, "{}: out {} for {} tokens of width {}", op, out.shape().str(), N, C);
-  DS_CHECK(vocab_begin >= 0 && vocab_begin + Vl <= vocab_size,
-           "{}: rows [{}, {}) are not within the vocabulary [0, {})", op, vocab_begin, vocab_begin + Vl, vocab_size);
   const int32_t* tp = tokens.data<int32_t>();
   const float* wp = table.data<float>();
   float* outp = out.data<float>();
@@ -103,9 +95,8 @@ void gather_rows(const char* op, Tensor out, Tensor tokens, Tensor table, int64_
 
 // The scatter of embedding_backward and of its vocabulary shards: rows of dout whose token is
 // outside [vocab_begin, vocab_begin + Vl) are skipped.
-void scatter_rows(const char* op, Tensor dtable, Tensor dout, Tensor tokens, int64_t vocab_begin) {
+void scatter_rows(Tensor dtable, Tensor dout, Tensor tokens, int64_t vocab_begin) {
   const int64_t Vl = dtable.size(0), C = dtable.size(1), N = tokens.numel();
-  DS_CHECK(dout.numel() == N * C, "{}: dout {} for {} tokens", op, dout.shape().str(), N);
   const int32_t* tp = tokens.data<int32_t>();
   const float* gp = dout.data<float>();
   float* dp = dtable.data<float>();
@@ -130,19 +121,19 @@ void scatter_rows(const char* op, Tensor dtable, Tensor dout, Tensor tokens, int
 }  // namespace
 
 void embedding_forward(Tensor out, Tensor tokens, Tensor table) {
-  gather_rows("embedding_forward", out, tokens, table, 0, table.size(0));
+  gather_rows(out, tokens, table, 0, table.size(0));
 }
 
 void embedding_backward(Tensor dtable, Tensor dout, Tensor tokens) {
-  scatter_rows("embedding_backward", dtable, dout, tokens, 0);
+  scatter_rows(dtable, dout, tokens, 0);
 }
 
 void embedding_shard_forward(Tensor out, Tensor tokens, Tensor table, int64_t vocab_begin, int64_t vocab_size) {
-  gather_rows("embedding_shard_forward", out, tokens, table, vocab_begin, vocab_size);
+  gather_rows(out, tokens, table, vocab_begin, vocab_size);
 }
 
 void embedding_shard_backward(Tensor dtable, Tensor dout, Tensor tokens, int64_t vocab_begin) {
-  scatter_rows("embedding_shard_backward", dtable, dout, tokens, vocab_begin);
+  scatter_rows(dtable, dout, tokens, vocab_begin);
 }
 
 }  // namespace dstrain::cpu

@@ -9,8 +9,6 @@ namespace dstrain::cpu {
 
 void rope_tables_yarn(Tensor cos, Tensor sin, int dim, double theta, const ops::YarnParams& yarn) {
   const int64_t T = cos.size(0), half = dim / 2;
-  DS_CHECK(dim > 0 && dim % 2 == 0 && cos.ndim() == 2 && cos.size(1) == half && sin.shape() == cos.shape(),
-           "rope_tables_yarn: dim {} with tables {} and {}", dim, cos.shape().str(), sin.shape().str());
   float m = 1;
   const std::vector<float> inv_freq = ops::yarn_inv_freq(dim, theta, yarn, &m);
   float* cp = cos.data<float>();
@@ -29,22 +27,8 @@ void rope_tables_yarn(Tensor cos, Tensor sin, int dim, double theta, const ops::
 // leaves it. Backward (`inverse`): the transpose of that linear map, so gradients come back
 // in the interleaved input layout. It is the transpose, not the inverse, that the chain rule
 // needs; they differ by mscale^2 when the YaRN mscale factor is not 1.
-void check_rope_interleaved(const Tensor& x, int64_t offset, int n_heads, int64_t head_stride, int dim,
-                            const Tensor& cos, const Tensor& sin) {
-  DS_CHECK(x.ndim() == 3, "rope_interleaved: expected (B, T, W), got {}", x.shape().str());
-  const int64_t T = x.size(1), W = x.size(2), half = dim / 2;
-  DS_CHECK(dim > 0 && dim % 2 == 0 && n_heads > 0 && (n_heads == 1 || head_stride >= dim),
-           "rope_interleaved: {} heads of dim {} with a stride of {} columns", n_heads, dim, head_stride);
-  DS_CHECK(offset >= 0 && offset + int64_t(n_heads - 1) * head_stride + dim <= W,
-           "rope_interleaved: {} heads of {} at column {} (stride {}) do not fit rows of {}", n_heads, dim, offset,
-           head_stride, W);
-  DS_CHECK(cos.ndim() == 2 && cos.size(0) >= T && cos.size(1) == half && sin.shape() == cos.shape(),
-           "rope_interleaved: tables {} for T = {} and dim {}", cos.shape().str(), T, dim);
-}
-
 void rope_apply_interleaved(Tensor x, int64_t offset, int n_heads, int64_t head_stride, int dim, Tensor cos, Tensor sin,
                             bool inverse) {
-  check_rope_interleaved(x, offset, n_heads, head_stride, dim, cos, sin);
   const int64_t B = x.size(0), T = x.size(1), W = x.size(2), half = dim / 2;
   float* xp = x.data<float>();
   const float* cp = cos.data<float>();

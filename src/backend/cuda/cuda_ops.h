@@ -1,5 +1,6 @@
 // The CUDA backend's op table, filled group by group. Each group is a .cpp of op wrappers
-// (argument checks, compiled by g++) over a .cu of kernels (compiled by nvcc, with a plain
+// (compiled by g++; the op's argument checks ran in the ops:: wrapper, backend/checks.cpp, and a
+// wrapper checks only the data its kernels depend on and the kernels' own limits) over a .cu of kernels (compiled by nvcc, with a plain
 // header of launch functions: nvcc never parses dstrain's own headers). Every kernel runs on
 // cuda::stream() (core/cuda/runtime.h).
 //
@@ -33,7 +34,5 @@ void fill_moe(ops::OpTable& t);
 
 // The kernel element type of a floating-point tensor (F32, BF16 or F16); an error otherwise.
 Elem elem_of(const Tensor& t, const char* what);
-// Checks that t lives on a CUDA device (names the op and argument otherwise).
-void check_on_gpu(const Tensor& t, const char* op, const char* what);
 
 }  // namespace dstrain::cuda

@@ -1,7 +1,8 @@
 // The layer ops of the CUDA backend: embedding (4), RMSNorm (2), rotary embedding (6) and
-// SwiGLU (2). Each wrapper makes the checks of its CPU kernel (backend/cpu/norm_embed.cpp,
-// elementwise.cpp, rope_yarn.cpp), then launches the kernels of layers.cu. One wrapper serves
-// the F32, BF16 and F16 slots: every floating-point tensor is passed with its own element type.
+// SwiGLU (2). Each wrapper launches the kernels of layers.cu on arguments the ops:: wrapper has
+// checked (backend/checks.cpp); it checks only the token ids (data) and its kernels' limits. One
+// wrapper serves the F32, BF16 and F16 slots: every floating-point tensor is passed with its own
+// element type.
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -15,21 +16,15 @@
 namespace dstrain::cuda {
 namespace {
 
-// Token ids are int32 (as the CPU kernels read them).
-const int32_t* ids_of(const Tensor& t, const char* op, const char* what) {
-  DS_CHECK(t.dtype() == DType::I32, "{}: {} holds {}, expected I32 ids", op, what, dtype_name(t.dtype()));
-  return static_cast<const int32_t*>(t.raw());
-}
+// Token ids are int32 (the ops:: wrapper checked the dtype).
+const int32_t* ids_of(const Tensor& t) { return static_cast<const int32_t*>(t.raw()); }
 
 // ---- embedding -----------------------------------------------------------------------------
 
 // embedding_forward and its vocabulary shards (the CPU's gather_rows).
 void gather_rows(const char* op, Tensor out, Tensor tokens, Tensor table, int64_t vocab_begin, int64_t vocab_size) {
   const int64_t Vl = table.size(0), C = table.size(1), N = tokens.numel();
-  DS_CHECK(out.numel() == N * C, "{}: out {} for {} tokens of width {}", op, out.shape().str(), N, C);
-  DS_CHECK(vocab_begin >= 0 && vocab_begin + Vl <= vocab_size,
-           "{}: rows [{}, {}) are not within the vocabulary [0, {})", op, vocab_begin, vocab_begin + Vl, vocab_size);
-  const int32_t* tp = ids_of(tokens, op, "tokens");
+  const int32_t* tp = ids_of(tokens);
   const Elem oe = elem_of(out, op), te = elem_of(table, op);
   Buffer flag("embedding id check", MemCategory::Workspace, DType::I64, 1, tokens.device());
   int32_t bad = 0;
@@ -43,8 +38,7 @@ void gather_rows(const char* op, Tensor out, Tensor tokens, Tensor table, int64_
 // token is outside [vocab_begin, vocab_begin + Vl) are skipped.
 void scatter_rows(const char* op, Tensor dtable, Tensor dout, Tensor tokens, int64_t vocab_begin) {
   const int64_t Vl = dtable.size(0), C = dtable.size(1), N = tokens.numel();
-  DS_CHECK(dout.numel() == N * C, "{}: dout {} for {} tokens", op, dout.shape().str(), N);
-  const int32_t* tp = ids_of(tokens, op, "tokens");
+  const int32_t* tp = ids_of(tokens);
   const Elem de = elem_of(dtable, op), ge = elem_of(dout, op);
   if (N == 0 || C == 0 || Vl == 0) return;
   DS_CHECK(N <= INT_MAX && Vl < INT_MAX && C <= 65535 * 256,
@@ -75,9 +69,6 @@ void embedding_shard_backward(Tensor dtable, Tensor dout, Tensor tokens, int64_t
 
 void rmsnorm_forward(Tensor out, Tensor rstd, Tensor x, Tensor weight, float eps) {
   const int64_t C = x.size(-1), N = x.numel() / C;
-  DS_CHECK(out.numel() == x.numel() && rstd.numel() == N && weight.numel() == C,
-           "rmsnorm_forward: x {} weight {} out {} rstd {}", x.shape().str(), weight.shape().str(),
-           out.shape().str(), rstd.shape().str());
   const char* op = "rmsnorm_forward";
   launch_rmsnorm_forward(out.raw(), elem_of(out, op), rstd.raw(), elem_of(rstd, op), x.raw(), elem_of(x, op),
                          weight.raw(), elem_of(weight, op), N, C, eps);
@@ -85,8 +76,6 @@ void rmsnorm_forward(Tensor out, Tensor rstd, Tensor x, Tensor weight, float eps
 
 void rmsnorm_backward(Tensor dx, Tensor dweight, Tensor dout, Tensor x, Tensor weight, Tensor rstd) {
   const int64_t C = x.size(-1), N = x.numel() / C;
-  DS_CHECK(dx.numel() == x.numel() && dout.numel() == x.numel() && dweight.numel() == C && rstd.numel() == N,
-           "rmsnorm_backward: shape mismatch");
   const char* op = "rmsnorm_backward";
   const Elem dxe = elem_of(dx, op), dwe = elem_of(dweight, op), ge = elem_of(dout, op), xe = elem_of(x, op),
              we = elem_of(weight, op), re = elem_of(rstd, op);
@@ -112,8 +101,6 @@ void tables_from(const char* op, Tensor cos, Tensor sin, const std::vector<float
 
 void rope_tables(Tensor cos, Tensor sin, int head_dim, double theta) {
   const int64_t T = cos.size(0), half = head_dim / 2;
-  DS_CHECK(head_dim % 2 == 0 && cos.size(1) == half && sin.numel() == cos.numel(),
-           "rope_tables: head_dim {} with table {}", head_dim, cos.shape().str());
   // Hugging Face computes inv_freq = 1 / theta^(2i/d), the angles t * inv_freq and their
   // cosines all in fp32; the frequencies are the CPU kernel's (the same host pow), the angles
   // the same fp32 products on the device.
@@ -126,11 +113,7 @@ void rope_tables(Tensor cos, Tensor sin, int head_dim, double theta) {
 
 void rope_apply(const char* op, Tensor x, int64_t offset, int n_heads, int head_dim, Tensor cos, Tensor sin,
                 bool inverse) {
-  DS_CHECK(x.ndim() == 3, "rope: expected (B, T, W), got {}", x.shape().str());
-  const int64_t B = x.size(0), T = x.size(1), W = x.size(2), half = head_dim / 2;
-  DS_CHECK(offset + int64_t(n_heads) * head_dim <= W && cos.size(0) >= T && cos.size(1) == half,
-           "rope: {} heads of {} at column {} do not fit rows of {} / tables {}", n_heads, head_dim, offset, W,
-           cos.shape().str());
+  const int64_t B = x.size(0), T = x.size(1), W = x.size(2);
   launch_rope(x.raw(), elem_of(x, op), cos.raw(), elem_of(cos, op), sin.raw(), elem_of(sin, op), B, T, W, offset,
               n_heads, head_dim, inverse);
 }
@@ -146,26 +129,16 @@ void rope_backward(Tensor dx, int64_t offset, int n_heads, int head_dim, Tensor 
 // The frequencies and mscale factor on the host (ops::yarn_inv_freq, as the CPU kernel); the
 // tables on the device.
 void rope_tables_yarn(Tensor cos, Tensor sin, int dim, double theta, const ops::YarnParams& yarn) {
-  const int64_t T = cos.size(0), half = dim / 2;
-  DS_CHECK(dim > 0 && dim % 2 == 0 && cos.ndim() == 2 && cos.size(1) == half && sin.shape() == cos.shape(),
-           "rope_tables_yarn: dim {} with tables {} and {}", dim, cos.shape().str(), sin.shape().str());
+  const int64_t T = cos.size(0);
   float m = 1;
   const std::vector<float> inv_freq = ops::yarn_inv_freq(dim, theta, yarn, &m);
   tables_from("rope_tables_yarn", cos, sin, inv_freq, T, m);
 }
 
-// check_rope_interleaved of the CPU backend, and the kernel's limit on a head's size.
+// The kernel's limit on a head's size (the op's argument checks ran in the ops:: wrapper).
 void rope_interleaved(const char* op, Tensor x, int64_t offset, int n_heads, int64_t head_stride, int dim, Tensor cos,
                       Tensor sin, bool inverse) {
-  DS_CHECK(x.ndim() == 3, "rope_interleaved: expected (B, T, W), got {}", x.shape().str());
-  const int64_t B = x.size(0), T = x.size(1), W = x.size(2), half = dim / 2;
-  DS_CHECK(dim > 0 && dim % 2 == 0 && n_heads > 0 && (n_heads == 1 || head_stride >= dim),
-           "rope_interleaved: {} heads of dim {} with a stride of {} columns", n_heads, dim, head_stride);
-  DS_CHECK(offset >= 0 && offset + int64_t(n_heads - 1) * head_stride + dim <= W,
-           "rope_interleaved: {} heads of {} at column {} (stride {}) do not fit rows of {}", n_heads, dim, offset,
-           head_stride, W);
-  DS_CHECK(cos.ndim() == 2 && cos.size(0) >= T && cos.size(1) == half && sin.shape() == cos.shape(),
-           "rope_interleaved: tables {} for T = {} and dim {}", cos.shape().str(), T, dim);
+  const int64_t B = x.size(0), T = x.size(1), W = x.size(2);
   DS_CHECK(dim <= kRopeInterleavedMaxDim, "{}: a rotary dim of {} is more than the CUDA kernel's {}", op, dim,
            kRopeInterleavedMaxDim);
   launch_rope_interleaved(x.raw(), elem_of(x, op), cos.raw(), elem_of(cos, op), sin.raw(), elem_of(sin, op), B, T, W,
@@ -186,15 +159,12 @@ void rope_backward_interleaved(Tensor dx, int64_t offset, int n_heads, int64_t h
 
 void swiglu_forward(Tensor out, Tensor gate_up) {
   const int64_t I = out.size(-1), N = out.numel() / I;
-  DS_CHECK(gate_up.numel() == 2 * N * I, "swiglu_forward: gate_up {} for out {}", gate_up.shape().str(),
-           out.shape().str());
   const char* op = "swiglu_forward";
   launch_swiglu_forward(out.raw(), elem_of(out, op), gate_up.raw(), elem_of(gate_up, op), N, I);
 }
 
 void swiglu_backward(Tensor dgate_up, Tensor dout, Tensor gate_up) {
   const int64_t I = dout.size(-1), N = dout.numel() / I;
-  DS_CHECK(gate_up.numel() == 2 * N * I && dgate_up.numel() == 2 * N * I, "swiglu_backward: shape mismatch");
   const char* op = "swiglu_backward";
   launch_swiglu_backward(dgate_up.raw(), elem_of(dgate_up, op), dout.raw(), elem_of(dout, op), gate_up.raw(),
                          elem_of(gate_up, op), N, I);

@@ -1,7 +1,7 @@
-// The MoE ops of the CUDA backend: the CPU kernels' argument checks (backend/cpu/moe.cpp, the
-// same messages), then the kernels of moe.cu. The floating-point tensors may be any mix of F32
+// The MoE ops of the CUDA backend: the kernels of moe.cu, on arguments the ops:: wrapper has
+// checked (backend/checks.cpp); only the kernels' own limits are checked here. The floating-point tensors may be any mix of F32
 // and one 16-bit type, so every op but the integer-only dispatch plan serves all three slots.
-// Two ops read device data for their checks and so synchronise with the stream: the dispatch
+// Two ops read device data for checks of that data and so synchronise with the stream: the dispatch
 // plan (an expert id out of range) and the capacity plan (its offsets, which the host needs
 // anyway to size the kept ranges).
 #include <algorithm>
@@ -19,16 +19,6 @@ namespace dstrain::cuda {
 namespace {
 
 int64_t rows(const Tensor& t) { return t.size(-1) > 0 ? t.numel() / t.size(-1) : 0; }
-
-void on_gpu(const char* op, std::initializer_list<std::pair<const Tensor*, const char*>> ts) {
-  for (const auto& [t, what] : ts) {
-    if (t->defined()) check_on_gpu(*t, op, what);
-  }
-}
-
-void need(const Tensor& t, DType dt, const char* op, const char* what) {
-  DS_CHECK(t.dtype() == dt, "{}: {} holds {}, expected {}", op, what, dtype_name(t.dtype()), dtype_name(dt));
-}
 
 // Device scratch of one call, freed in stream order when it goes out of scope.
 Buffer scratch(DType dt, int64_t n, const Tensor& like) {
@@ -49,23 +39,8 @@ moe::RouteArgs route_args(const ops::MoERouteParams& p) {
   return a;
 }
 
-void check_route(const Tensor& ids, const Tensor& weights, const Tensor& scores, const ops::MoERouteParams& p) {
-  const int64_t E = scores.size(-1), N = rows(scores);
-  DS_CHECK(p.top_k >= 1 && p.top_k <= E, "moe_route: top_k {} with {} experts", p.top_k, E);
-  DS_CHECK(ids.numel() == N * p.top_k && weights.numel() == N * p.top_k,
-           "moe_route: ids {} / weights {} for {} tokens and top_k {}", ids.shape().str(), weights.shape().str(), N,
-           p.top_k);
-  if (p.method != ops::MoETopK::Greedy) {
-    DS_CHECK(p.n_group >= 1 && E % p.n_group == 0 && p.topk_group >= 1 && p.topk_group <= p.n_group,
-             "moe_route: {} experts in n_group {} keeping topk_group {}", E, p.n_group, p.topk_group);
-    DS_CHECK(p.topk_group * (E / p.n_group) >= p.top_k,
-             "moe_route: topk_group {} groups of {} experts hold fewer than top_k {}", p.topk_group, E / p.n_group,
-             p.top_k);
-  }
-  if (p.method == ops::MoETopK::NoAuxTC) {
-    DS_CHECK(E / p.n_group >= 2, "moe_route: noaux_tc ranks groups by their two best experts; groups of {}",
-             E / p.n_group);
-  }
+// The CUDA kernel's own limits (the op's argument checks ran in the ops:: wrapper).
+void check_route(const ops::MoERouteParams& p) {
   // The CUDA kernel keeps a token's candidates in registers and local memory.
   DS_CHECK(p.top_k <= moe::kMaxTopK, "moe_route: top_k {} is more than the CUDA kernel's {}", p.top_k,
            moe::kMaxTopK);
@@ -77,29 +52,21 @@ void check_route(const Tensor& ids, const Tensor& weights, const Tensor& scores,
 
 void moe_scores(Tensor scores, Tensor logits, ops::MoEScoring scoring) {
   const int64_t E = logits.size(-1), N = rows(logits);
-  DS_CHECK(scores.numel() == N * E, "moe_scores: scores {} for logits {}", scores.shape().str(),
-           logits.shape().str());
-  on_gpu("moe_scores", {{&scores, "scores"}, {&logits, "logits"}});
   moe::scores(scores.raw(), elem_of(scores, "moe_scores: scores"), logits.raw(), elem_of(logits, "moe_scores: logits"),
               N, E, scoring == ops::MoEScoring::Sigmoid);
 }
 
 void moe_scores_backward(Tensor dlogits, Tensor dscores, Tensor scores, ops::MoEScoring scoring) {
   const int64_t E = scores.size(-1), N = rows(scores);
-  DS_CHECK(dscores.numel() == N * E && dlogits.numel() == N * E, "moe_scores_backward: shape mismatch");
-  on_gpu("moe_scores_backward", {{&dlogits, "dlogits"}, {&dscores, "dscores"}, {&scores, "scores"}});
   moe::scores_backward(dlogits.raw(), elem_of(dlogits, "moe_scores_backward: dlogits"), dscores.raw(),
                        elem_of(dscores, "moe_scores_backward: dscores"), scores.raw(),
                        elem_of(scores, "moe_scores_backward: scores"), N, E, scoring == ops::MoEScoring::Sigmoid);
 }
 
 void moe_route(Tensor ids, Tensor weights, Tensor scores, Tensor bias, const ops::MoERouteParams& p) {
-  check_route(ids, weights, scores, p);
+  check_route(p);
   const bool noaux = p.method == ops::MoETopK::NoAuxTC;
   const int64_t E = scores.size(-1), N = rows(scores);
-  DS_CHECK(!noaux || (bias.defined() && bias.numel() == E), "moe_route: noaux_tc needs a bias of {} experts", E);
-  on_gpu("moe_route", {{&ids, "ids"}, {&weights, "weights"}, {&scores, "scores"}, {&bias, "bias"}});
-  need(ids, DType::I32, "moe_route", "ids");
   const Elem eb = noaux ? elem_of(bias, "moe_route: bias") : Elem::F32;
   moe::route(static_cast<int32_t*>(ids.raw()), weights.raw(), elem_of(weights, "moe_route: weights"), scores.raw(),
              elem_of(scores, "moe_route: scores"), noaux ? bias.raw() : nullptr, eb, N, int(E), route_args(p));
@@ -107,12 +74,6 @@ void moe_route(Tensor ids, Tensor weights, Tensor scores, Tensor bias, const ops
 
 void moe_route_backward(Tensor dscores, Tensor dweights, Tensor ids, Tensor scores, const ops::MoERouteParams& p) {
   const int64_t E = scores.size(-1), N = rows(scores);
-  const int k = p.top_k;
-  DS_CHECK(dscores.numel() == N * E && dweights.numel() == N * k && ids.numel() == N * k,
-           "moe_route_backward: dscores {} dweights {} ids {} for scores {}", dscores.shape().str(),
-           dweights.shape().str(), ids.shape().str(), scores.shape().str());
-  on_gpu("moe_route_backward", {{&dscores, "dscores"}, {&dweights, "dweights"}, {&ids, "ids"}, {&scores, "scores"}});
-  need(ids, DType::I32, "moe_route_backward", "ids");
   moe::route_backward(dscores.raw(), elem_of(dscores, "moe_route_backward: dscores"), dweights.raw(),
                       elem_of(dweights, "moe_route_backward: dweights"), static_cast<const int32_t*>(ids.raw()),
                       scores.raw(), elem_of(scores, "moe_route_backward: scores"), N, E, route_args(p));
@@ -121,15 +82,8 @@ void moe_route_backward(Tensor dscores, Tensor dweights, Tensor ids, Tensor scor
 // ---- load-balancing loss --------------------------------------------------------------------
 
 void moe_aux_loss(Tensor aux_out, Tensor coef, Tensor scores, Tensor ids, ops::MoEScoring scoring) {
-  DS_CHECK(aux_out.numel() == 1, "moe_aux_loss: aux has {} elements, expected 1", aux_out.numel());
   const int64_t E = scores.size(-1), N = rows(scores), G = E > 0 ? coef.numel() / E : 0;
-  DS_CHECK(N >= 1, "moe_aux_loss: scores {} hold no token", scores.shape().str());
   const int64_t k = ids.numel() / N;
-  DS_CHECK(coef.numel() == G * E && G >= 1 && N % G == 0 && ids.numel() == N * k,
-           "moe_aux_loss: coef {} ids {} for scores {}", coef.shape().str(), ids.shape().str(), scores.shape().str());
-  on_gpu("moe_aux_loss", {{&aux_out, "aux"}, {&coef, "coef"}, {&scores, "scores"}, {&ids, "ids"}});
-  need(aux_out, DType::F64, "moe_aux_loss", "aux");
-  need(ids, DType::I32, "moe_aux_loss", "ids");
   const bool sigmoid = scoring == ops::MoEScoring::Sigmoid;
   const int64_t chunks = moe::aux_chunks(N / G);
   const int64_t n_affinity = sigmoid ? N : 0, n_partial = G * chunks * E;
@@ -148,10 +102,6 @@ void moe_aux_loss(Tensor aux_out, Tensor coef, Tensor scores, Tensor ids, ops::M
 
 void moe_aux_loss_backward(Tensor dscores, Tensor coef, Tensor scores, ops::MoEScoring scoring, float scale) {
   const int64_t E = dscores.size(-1), N = rows(dscores), G = E > 0 ? coef.numel() / E : 0;
-  DS_CHECK(coef.numel() == G * E && G >= 1 && N % G == 0 && scores.numel() == N * E,
-           "moe_aux_loss_backward: coef {} scores {} for dscores {}", coef.shape().str(), scores.shape().str(),
-           dscores.shape().str());
-  on_gpu("moe_aux_loss_backward", {{&dscores, "dscores"}, {&coef, "coef"}, {&scores, "scores"}});
   moe::aux_loss_backward(dscores.raw(), elem_of(dscores, "moe_aux_loss_backward: dscores"), coef.raw(),
                          elem_of(coef, "moe_aux_loss_backward: coef"), scores.raw(),
                          elem_of(scores, "moe_aux_loss_backward: scores"), N, E, G,
@@ -162,14 +112,6 @@ void moe_aux_loss_backward(Tensor dscores, Tensor coef, Tensor scores, ops::MoES
 
 void moe_dispatch_plan(Tensor offsets, Tensor sorted, Tensor position, Tensor ids) {
   const int64_t E = offsets.numel() - 1, M = ids.numel();
-  DS_CHECK(E >= 1 && sorted.numel() == M && position.numel() == M, "moe_dispatch_plan: offsets {} sorted {} for {} ids",
-           offsets.shape().str(), sorted.shape().str(), M);
-  DS_CHECK(M <= std::numeric_limits<int32_t>::max(), "moe_dispatch_plan: {} pairs overflow the int32 plan", M);
-  on_gpu("moe_dispatch_plan", {{&offsets, "offsets"}, {&sorted, "sorted"}, {&position, "position"}, {&ids, "ids"}});
-  need(offsets, DType::I64, "moe_dispatch_plan", "offsets");
-  need(sorted, DType::I32, "moe_dispatch_plan", "sorted");
-  need(position, DType::I32, "moe_dispatch_plan", "position");
-  need(ids, DType::I32, "moe_dispatch_plan", "ids");
   const auto* ip = static_cast<const int32_t*>(ids.raw());
   Buffer counts = scratch(DType::I32, moe::plan_chunks(M) * E, ids);
   Buffer bad = scratch(DType::I64, 1, ids);
@@ -189,18 +131,6 @@ void moe_dispatch_plan(Tensor offsets, Tensor sorted, Tensor position, Tensor id
 void moe_capacity_plan(Tensor kept, Tensor sorted, Tensor position, Tensor offsets, Tensor weights, int64_t capacity,
                        ops::MoEDropPolicy policy) {
   const int64_t E = offsets.numel() - 1, M = sorted.numel();
-  DS_CHECK(E >= 1 && kept.numel() == E + 1 && position.numel() == M && weights.numel() == M && capacity >= 0,
-           "moe_capacity_plan: kept {} offsets {} sorted {} position {} weights {} capacity {}", kept.shape().str(),
-           offsets.shape().str(), sorted.shape().str(), position.shape().str(), weights.shape().str(), capacity);
-  on_gpu("moe_capacity_plan", {{&kept, "kept"},
-                               {&sorted, "sorted"},
-                               {&position, "position"},
-                               {&offsets, "offsets"},
-                               {&weights, "weights"}});
-  need(kept, DType::I64, "moe_capacity_plan", "kept");
-  need(sorted, DType::I32, "moe_capacity_plan", "sorted");
-  need(position, DType::I32, "moe_capacity_plan", "position");
-  need(offsets, DType::I64, "moe_capacity_plan", "offsets");
   const Elem ew = elem_of(weights, "moe_capacity_plan: weights");
   // The offsets come to the host: for the checks, and for the kept ranges, min(rows, capacity)
   // per expert, whichever rows the policy keeps.
@@ -246,20 +176,12 @@ void moe_capacity_plan(Tensor kept, Tensor sorted, Tensor position, Tensor offse
 
 void moe_permute(Tensor xg, Tensor x, Tensor sorted, int top_k) {
   const int64_t C = x.size(-1), M = sorted.numel(), N = rows(x);
-  DS_CHECK(xg.numel() == M * C && M <= N * top_k, "moe_permute: xg {} from x {} with {} rows", xg.shape().str(),
-           x.shape().str(), M);
-  on_gpu("moe_permute", {{&xg, "xg"}, {&x, "x"}, {&sorted, "sorted"}});
-  need(sorted, DType::I32, "moe_permute", "sorted");
   moe::permute(xg.raw(), elem_of(xg, "moe_permute: xg"), x.raw(), elem_of(x, "moe_permute: x"),
                static_cast<const int32_t*>(sorted.raw()), M, N, C, top_k);
 }
 
 void moe_permute_backward(Tensor dx, Tensor dxg, Tensor position, bool accumulate) {
   const int64_t C = dx.size(-1), N = rows(dx), M = position.numel(), k = N > 0 ? M / N : 0;
-  DS_CHECK(M == N * k && C > 0 && dxg.numel() % C == 0 && dxg.numel() <= M * C,
-           "moe_permute_backward: dxg {} for dx {} and {} pairs", dxg.shape().str(), dx.shape().str(), M);
-  on_gpu("moe_permute_backward", {{&dx, "dx"}, {&dxg, "dxg"}, {&position, "position"}});
-  need(position, DType::I32, "moe_permute_backward", "position");
   moe::permute_backward(dx.raw(), elem_of(dx, "moe_permute_backward: dx"), dxg.raw(),
                         elem_of(dxg, "moe_permute_backward: dxg"), static_cast<const int32_t*>(position.raw()), N, k,
                         dxg.numel() / C, C, accumulate);
@@ -267,10 +189,6 @@ void moe_permute_backward(Tensor dx, Tensor dxg, Tensor position, bool accumulat
 
 void moe_unpermute(Tensor out, Tensor yg, Tensor weights, Tensor position) {
   const int64_t C = out.size(-1), N = rows(out), M = position.numel(), k = N > 0 ? M / N : 0;
-  DS_CHECK(M == N * k && C > 0 && yg.numel() % C == 0 && yg.numel() <= M * C && weights.numel() == M,
-           "moe_unpermute: yg {} weights {} for out {}", yg.shape().str(), weights.shape().str(), out.shape().str());
-  on_gpu("moe_unpermute", {{&out, "out"}, {&yg, "yg"}, {&weights, "weights"}, {&position, "position"}});
-  need(position, DType::I32, "moe_unpermute", "position");
   moe::unpermute(out.raw(), elem_of(out, "moe_unpermute: out"), yg.raw(), elem_of(yg, "moe_unpermute: yg"),
                  weights.raw(), elem_of(weights, "moe_unpermute: weights"),
                  static_cast<const int32_t*>(position.raw()), N, k, yg.numel() / C, C);
@@ -278,16 +196,6 @@ void moe_unpermute(Tensor out, Tensor yg, Tensor weights, Tensor position) {
 
 void moe_unpermute_backward(Tensor dyg, Tensor dweights, Tensor dout, Tensor yg, Tensor weights, Tensor sorted) {
   const int64_t C = dout.size(-1), N = rows(dout), M = weights.numel(), k = N > 0 ? M / N : 0, R = sorted.numel();
-  DS_CHECK(M == N * k && R <= M && dyg.numel() == R * C && yg.numel() == R * C && dweights.numel() == M,
-           "moe_unpermute_backward: dyg {} yg {} weights {} sorted {} for dout {}", dyg.shape().str(),
-           yg.shape().str(), weights.shape().str(), sorted.shape().str(), dout.shape().str());
-  on_gpu("moe_unpermute_backward", {{&dyg, "dyg"},
-                                    {&dweights, "dweights"},
-                                    {&dout, "dout"},
-                                    {&yg, "yg"},
-                                    {&weights, "weights"},
-                                    {&sorted, "sorted"}});
-  need(sorted, DType::I32, "moe_unpermute_backward", "sorted");
   moe::unpermute_backward(dyg.raw(), elem_of(dyg, "moe_unpermute_backward: dyg"), dweights.raw(),
                           elem_of(dweights, "moe_unpermute_backward: dweights"), dout.raw(),
                           elem_of(dout, "moe_unpermute_backward: dout"), yg.raw(),
@@ -298,9 +206,6 @@ void moe_unpermute_backward(Tensor dyg, Tensor dweights, Tensor dout, Tensor yg,
 
 void moe_bias_update(Tensor bias, Tensor tokens_per_expert, float gamma) {
   const int64_t E = bias.numel();
-  DS_CHECK(tokens_per_expert.numel() == E, "moe_bias_update: {} counts for {} experts", tokens_per_expert.numel(), E);
-  on_gpu("moe_bias_update", {{&bias, "bias"}, {&tokens_per_expert, "tokens_per_expert"}});
-  need(tokens_per_expert, DType::I64, "moe_bias_update", "tokens_per_expert");
   moe::bias_update(bias.raw(), elem_of(bias, "moe_bias_update: bias"),
                    static_cast<const int64_t*>(tokens_per_expert.raw()), E, gamma);
 }

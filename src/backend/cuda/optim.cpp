@@ -1,5 +1,6 @@
-// The optimizer op of the CUDA backend: adamw_update's checks and per-step constants as the CPU
-// kernel has them (backend/cpu/elementwise.cpp), then one launch of optim.cu.
+// The optimizer op of the CUDA backend: adamw_update's per-step constants as the CPU kernel has
+// them (backend/cpu/elementwise.cpp), then one launch of optim.cu (arguments checked by the ops::
+// wrapper, backend/checks.cpp).
 #include <cmath>
 
 #include "backend/cuda/cuda_ops.h"
@@ -15,9 +16,6 @@ namespace {
 void adamw_update(Tensor param, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, Tensor param_copy,
                   const ops::AdamWStep& s) {
   const int64_t n = param.numel();
-  DS_CHECK(grad.numel() == n && exp_avg.numel() == n && exp_avg_sq.numel() == n &&
-               (!param_copy.defined() || param_copy.numel() == n),
-           "adamw_update: size mismatch");
   AdamWConstants k;
   k.decay = 1.0f - s.lr * s.weight_decay;
   const double bc1 = 1.0 - std::pow(double(s.beta1), double(s.step));

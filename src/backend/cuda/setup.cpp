@@ -241,9 +241,4 @@ Elem elem_of(const Tensor& t, const char* what) {
   }
 }
 
-void check_on_gpu(const Tensor& t, const char* op, const char* what) {
-  DS_CHECK(t.device().type == DeviceType::CUDA, "{}: {} is on {}, expected a CUDA device", op, what,
-           t.device().str());
-}
-
 }  // namespace dstrain::cuda
