@@ -1,6 +1,7 @@
 #include "model/ctx.h"
 
 #include <algorithm>
+#include <mutex>
 
 #include "backend/ops.h"
 
@@ -88,59 +89,135 @@ ShardSpec ShardSpec::tensor_parallel(const ModelConfig& c, int tp_rank, int tp_s
   return s;
 }
 
+// ---- ActKey ----------------------------------------------------------------------------------
+
+namespace {
+// The process's names of keys and of their roles. Layers are built from several threads in the
+// thread-backed tests, so it is locked; only construction reaches it.
+struct Interner {
+  std::mutex mutex;
+  std::unordered_map<std::string, ActKey> keys;
+  std::vector<std::string> names;  // key id -> name
+  std::unordered_map<std::string, int32_t> roles;
+  int64_t calls = 0;
+};
+
+Interner& interner() {
+  static Interner in;
+  return in;
+}
+
+// "layers.{digits}.rest" -> "rest"; other names have no role.
+std::string_view role_of(std::string_view name) {
+  if (!name.starts_with("layers.")) return {};
+  size_t i = 7;
+  while (i < name.size() && name[i] >= '0' && name[i] <= '9') ++i;
+  if (i == 7 || i >= name.size() || name[i] != '.') return {};
+  return name.substr(i + 1);
+}
+}  // namespace
+
+ActKey act_key(std::string_view name) {
+  Interner& in = interner();
+  const std::lock_guard<std::mutex> lock(in.mutex);
+  ++in.calls;
+  auto [it, added] = in.keys.try_emplace(std::string(name));
+  if (added) {
+    it->second.id = int32_t(in.names.size());
+    in.names.emplace_back(name);
+    const std::string_view role = role_of(name);
+    if (!role.empty()) {
+      auto r = in.roles.try_emplace(std::string(role), int32_t(in.roles.size())).first;
+      it->second.role = r->second;
+    }
+  }
+  return it->second;
+}
+
+std::string act_key_name(ActKey key) {
+  Interner& in = interner();
+  const std::lock_guard<std::mutex> lock(in.mutex);
+  if (key.id < 0 || size_t(key.id) >= in.names.size()) return fmt::format("<key {}>", key.id);
+  return in.names[size_t(key.id)];
+}
+
+int64_t act_key_calls() {
+  Interner& in = interner();
+  const std::lock_guard<std::mutex> lock(in.mutex);
+  return in.calls;
+}
+
+std::vector<ActKey> act_keys_with_prefix(std::string_view prefix, const std::vector<std::string>& except) {
+  Interner& in = interner();
+  const std::lock_guard<std::mutex> lock(in.mutex);
+  std::vector<ActKey> out;
+  for (const auto& [name, key] : in.keys) {
+    const bool excepted =
+        std::any_of(except.begin(), except.end(), [&](const std::string& e) { return name.starts_with(e); });
+    if (name.starts_with(prefix) && !excepted) out.push_back(key);
+  }
+  std::sort(out.begin(), out.end(), [](ActKey a, ActKey b) { return a.id < b.id; });
+  return out;
+}
+
 // ---- ActivationStore ------------------------------------------------------------------------
 
-Tensor ActivationStore::put(int mb, const std::string& key, Shape shape, DType dtype) {
-  Slot& slot = slots_[mb];
+ActivationStore::Entry& ActivationStore::entry(Slot& slot, ActKey key) {
+  DS_CHECK(key.valid(), "an activation key that was never interned (act_key) was used");
+  if (size_t(key.id) >= slot.entries.size()) slot.entries.resize(size_t(key.id) + 1);
+  Entry& e = slot.entries[size_t(key.id)];
+  e.key = key;
+  return e;
+}
+
+Tensor ActivationStore::put(int mb, ActKey key, Shape shape, DType dtype) {
+  Entry& e = entry(slots_[mb], key);
   const size_t need = size_t(shape.numel()) * dtype_size(dtype);
-  auto it = slot.buffers.find(key);
-  if (it == slot.buffers.end() || it->second.nbytes() < need) {
-    if (it != slot.buffers.end()) hand_back(slot, it);
+  if (!e.held || e.buffer.nbytes() < need) {
+    if (e.held) hand_back(key, e);
     Buffer b = take_pooled(key, need);
     if (!b.allocated()) {
-      // Bytes, so one buffer serves any dtype when it comes back from the pool.
-      const std::string label = std::string(mem_category_name(category_)) + "." + key;
+      // Bytes, so one buffer serves any dtype when it comes back from the pool. The label is
+      // made once per key: allocations follow the largest shapes, so they stop after warm-up.
+      if (size_t(key.id) >= labels_.size()) labels_.resize(size_t(key.id) + 1);
+      std::string& label = labels_[size_t(key.id)];
+      if (label.empty()) label = std::string(mem_category_name(category_)) + "." + act_key_name(key);
       const int64_t bytes = int64_t(std::max<size_t>(need, 1));
       b = pinned_host_ ? Buffer::pinned_host(label, category_, DType::U8, bytes)
                        : Buffer(label, category_, DType::U8, bytes, device_);
     }
-    it = slot.buffers.emplace(key, std::move(b)).first;
+    e.buffer = std::move(b);
+    e.held = true;
   }
-  const Tensor t(it->second.data(), dtype, shape, device_);
-  slot.views[key] = t;
-  return t;
+  e.view = Tensor(e.buffer.data(), dtype, shape, device_);
+  return e.view;
 }
 
-std::string ActivationStore::role_of(const std::string& key) {
-  // "layers.{digits}.rest" -> "rest"; other keys have no role.
-  if (!key.starts_with("layers.")) return "";
-  size_t i = 7;
-  while (i < key.size() && key[i] >= '0' && key[i] <= '9') ++i;
-  if (i == 7 || i >= key.size() || key[i] != '.') return "";
-  return key.substr(i + 1);
-}
-
-void ActivationStore::pool(const std::string& key, Buffer b) {
-  auto [it, added] = pool_.try_emplace(key);
-  if (added) {
-    const std::string role = role_of(key);
-    if (!role.empty()) roles_[role].push_back(key);
+void ActivationStore::pool(ActKey key, Buffer b) {
+  if (size_t(key.id) >= pool_.size()) pool_.resize(size_t(key.id) + 1);
+  std::multimap<size_t, Buffer>& p = pool_[size_t(key.id)];
+  if (std::find(pooled_keys_.begin(), pooled_keys_.end(), key.id) == pooled_keys_.end()) {
+    pooled_keys_.push_back(key.id);
+    if (key.role >= 0) {
+      if (size_t(key.role) >= roles_.size()) roles_.resize(size_t(key.role) + 1);
+      roles_[size_t(key.role)].push_back(key.id);
+    }
   }
-  it->second.emplace(b.nbytes(), std::move(b));
+  p.emplace(b.nbytes(), std::move(b));
 }
 
-Buffer ActivationStore::take_pooled(const std::string& key, size_t need) {
+Buffer ActivationStore::take_pooled(ActKey key, size_t need) {
   auto take = [&](std::multimap<size_t, Buffer>& pool, std::multimap<size_t, Buffer>::iterator p) {
     Buffer b = std::move(p->second);
     pool.erase(p);
     return b;
   };
-  auto own = pool_.find(key);
-  if (own != pool_.end() && !own->second.empty()) {
-    auto p = own->second.lower_bound(need);
-    if (p != own->second.end()) return take(own->second, p);
+  if (size_t(key.id) < pool_.size() && !pool_[size_t(key.id)].empty()) {
+    std::multimap<size_t, Buffer>& own = pool_[size_t(key.id)];
+    auto p = own.lower_bound(need);
+    if (p != own.end()) return take(own, p);
     // This key's buffers are all too small: the new one replaces the largest of them.
-    own->second.erase(std::prev(own->second.end()));
+    own.erase(std::prev(own.end()));
     return Buffer();
   }
   // A key this store has not pooled yet: the best fit among the buffers of the same role in
@@ -153,20 +230,19 @@ Buffer ActivationStore::take_pooled(const std::string& key, size_t need) {
   // A buffer more than twice the size asked for is not handed on: a small tensor kept for
   // long (a recomputed layer's routing decisions) would pin a large one.
   auto fits = [&](size_t capacity) { return capacity <= 2 * need + 4096; };
-  const std::string role = role_of(key);
-  if (!role.empty()) {
-    for (const std::string& k : roles_[role]) {
-      auto it = pool_.find(k);
-      if (it == pool_.end()) continue;
-      auto p = it->second.lower_bound(need);
-      if (p != it->second.end() && fits(p->first) && (!best_pool || p->first < best->first)) {
-        best_pool = &it->second;
+  if (key.role >= 0 && size_t(key.role) < roles_.size()) {
+    for (int32_t k : roles_[size_t(key.role)]) {
+      std::multimap<size_t, Buffer>& pool = pool_[size_t(k)];
+      auto p = pool.lower_bound(need);
+      if (p != pool.end() && fits(p->first) && (!best_pool || p->first < best->first)) {
+        best_pool = &pool;
         best = p;
       }
     }
     if (best_pool) return take(*best_pool, best);
   }
-  for (auto& [k, pool] : pool_) {
+  for (int32_t k : pooled_keys_) {
+    std::multimap<size_t, Buffer>& pool = pool_[size_t(k)];
     auto p = pool.lower_bound(need);
     if (p != pool.end() && fits(p->first) && (!best_pool || p->first < best->first)) {
       best_pool = &pool;
@@ -182,55 +258,53 @@ Buffer ActivationStore::take_pooled(const std::string& key, size_t need) {
   return Buffer();
 }
 
-bool ActivationStore::has(int mb, const std::string& key) const {
+bool ActivationStore::has(int mb, ActKey key) const {
   auto s = slots_.find(mb);
-  return s != slots_.end() && s->second.views.count(key);
+  if (s == slots_.end() || key.id < 0) return false;
+  const std::deque<Entry>& entries = s->second.entries;
+  return size_t(key.id) < entries.size() && entries[size_t(key.id)].held;
 }
 
-Tensor ActivationStore::get(int mb, const std::string& key) const {
+Tensor ActivationStore::get(int mb, ActKey key) const {
   auto s = slots_.find(mb);
   DS_CHECK(s != slots_.end(), "no activations are stored for micro-batch {} (backward '{}' before its forward?)", mb,
-           key);
-  auto v = s->second.views.find(key);
-  DS_CHECK(v != s->second.views.end(), "micro-batch {} has no stored activation '{}'", mb, key);
-  return v->second;
+           act_key_name(key));
+  DS_CHECK(has(mb, key), "micro-batch {} has no stored activation '{}'", mb, act_key_name(key));
+  return s->second.entries[size_t(key.id)].view;
 }
 
 void ActivationStore::release(int mb) {
   auto s = slots_.find(mb);
   if (s == slots_.end()) return;
-  for (auto& [key, b] : s->second.buffers) pool(key, std::move(b));
+  for (Entry& e : s->second.entries) {
+    if (e.held) pool(e.key, std::move(e.buffer));
+  }
   slots_.erase(s);
 }
 
-void ActivationStore::release_prefix(int mb, const std::string& prefix, const std::vector<std::string>& keep) {
+void ActivationStore::release_keys(int mb, const std::vector<ActKey>& keys) {
   auto s = slots_.find(mb);
   if (s == slots_.end()) return;
-  Slot& slot = s->second;
-  for (auto it = slot.buffers.begin(); it != slot.buffers.end();) {
-    const std::string& key = it->first;
-    const bool kept = std::any_of(keep.begin(), keep.end(), [&](const std::string& k) { return key.starts_with(k); });
-    it = key.starts_with(prefix) && !kept ? hand_back(slot, it) : std::next(it);
+  std::deque<Entry>& entries = s->second.entries;
+  for (ActKey key : keys) {
+    if (key.id >= 0 && size_t(key.id) < entries.size() && entries[size_t(key.id)].held) {
+      hand_back(key, entries[size_t(key.id)]);
+    }
   }
 }
 
-void ActivationStore::release_key(int mb, const std::string& key) {
-  auto s = slots_.find(mb);
-  if (s == slots_.end()) return;
-  auto it = s->second.buffers.find(key);
-  if (it != s->second.buffers.end()) hand_back(s->second, it);
-}
+void ActivationStore::release_key(int mb, ActKey key) { release_keys(mb, {key}); }
 
-std::unordered_map<std::string, Buffer>::iterator ActivationStore::hand_back(
-    Slot& slot, std::unordered_map<std::string, Buffer>::iterator it) {
-  slot.views.erase(it->first);
-  pool(it->first, std::move(it->second));
-  return slot.buffers.erase(it);
+void ActivationStore::hand_back(ActKey key, Entry& e) {
+  e.view = Tensor();
+  e.held = false;
+  pool(key, std::move(e.buffer));
 }
 
 void ActivationStore::clear() {
   slots_.clear();
   pool_.clear();
+  pooled_keys_.clear();
   roles_.clear();
 }
 
@@ -243,13 +317,13 @@ std::vector<int> ActivationStore::in_flight() const {
 int64_t ActivationStore::bytes_in_use() const {
   int64_t n = 0;
   for (const auto& [mb, s] : slots_)
-    for (const auto& [k, b] : s.buffers) n += int64_t(b.nbytes());
+    for (const Entry& e : s.entries) n += e.held ? int64_t(e.buffer.nbytes()) : 0;
   return n;
 }
 
 int64_t ActivationStore::bytes_allocated() const {
   int64_t n = bytes_in_use();
-  for (const auto& [key, pool] : pool_)
+  for (const auto& pool : pool_)
     for (const auto& [cap, b] : pool) n += int64_t(b.nbytes());
   return n;
 }
@@ -299,11 +373,16 @@ int WeightGradStore::pending(int mb) const {
 
 // ---- Scratch, Ctx -----------------------------------------------------------------------
 
-Tensor Scratch::get(const std::string& slot, Shape shape, DType dtype) {
-  Buffer& b = buffers_[slot];
-  if (b.nbytes() < size_t(shape.numel()) * dtype_size(dtype)) {
-    b = Buffer("scratch." + slot, MemCategory::Workspace, DType::U8, int64_t(shape.numel()) * int64_t(dtype_size(dtype)),
-               device_);
+Tensor Scratch::get(ActKey slot, Shape shape, DType dtype) {
+  DS_CHECK(slot.valid(), "a scratch slot that was never interned (act_key) was used");
+  if (size_t(slot.id) >= buffers_.size()) buffers_.resize(size_t(slot.id) + 1);
+  Buffer& b = buffers_[size_t(slot.id)];
+  const int64_t bytes = int64_t(shape.numel()) * int64_t(dtype_size(dtype));
+  if (b.nbytes() < size_t(bytes)) {
+    if (size_t(slot.id) >= labels_.size()) labels_.resize(size_t(slot.id) + 1);
+    std::string& label = labels_[size_t(slot.id)];
+    if (label.empty()) label = "scratch." + act_key_name(slot);
+    b = Buffer(label, MemCategory::Workspace, DType::U8, bytes, device_);
   }
   return Tensor(b.data(), dtype, shape, device_);
 }

@@ -4,6 +4,8 @@
 //                    the weight-gradient store, the backward scratch and the parameter hooks.
 //   ShardSpec        which piece of the model this rank's layers hold: heads, FFN columns,
 //                    experts, vocabulary rows. Layers size themselves from it, not the config.
+//   ActKey           the names of what layers keep and of backward temporaries, interned to
+//                    small integers when a layer is built, so no op builds or hashes a string.
 //   ActivationStore  what a micro-batch's forward keeps for its backward, keyed by micro-batch,
 //                    so several micro-batches can be in flight (1F1B, DualPipe).
 //   WeightGradStore  the weight-gradient half of a backward that was split into an input-
@@ -14,10 +16,12 @@
 
 #include <any>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -91,10 +95,34 @@ struct Stream {
   void* handle = nullptr;
 };
 
+// The name of something a micro-batch's forward keeps ("layers.3.attn.qkv") or of a backward
+// temporary ("attn.datt"), turned into a small dense integer once, when the layer or model that
+// uses it is built. The stores index vectors with it, so the forward and backward of a
+// micro-batch build, format and hash no strings: on a GPU that host work sits between kernel
+// launches. The name stays with the interner, for messages and for the key's role.
+struct ActKey {
+  int32_t id = -1;    // dense from 0, one per distinct name in the process
+  int32_t role = -1;  // the interned part after "layers.{l}." (its role in every layer); -1: none
+  bool valid() const { return id >= 0; }
+  bool operator==(const ActKey& o) const { return id == o.id; }
+};
+// The key of `name`: the same key for the same name, a new one for a new name, in every thread.
+// It takes a lock and hashes the name: call it when a layer or model is constructed, not per op.
+ActKey act_key(std::string_view name);
+// The name a key was interned from (messages).
+std::string act_key_name(ActKey key);
+// How many times act_key() has run in this process. A forward or backward adds none: the tests
+// count them to keep it so.
+int64_t act_key_calls();
+// The keys interned so far whose names start with `prefix` but with none of `except`, in id
+// order: everything a layer keeps, once its blocks have interned their keys (activation
+// recomputation hands these back without looking at a name).
+std::vector<ActKey> act_keys_with_prefix(std::string_view prefix, const std::vector<std::string>& except = {});
+
 // What a micro-batch's forward keeps for its backward. Buffers are keyed by (micro-batch,
-// key); keys name the layer and the tensor ("layers.3.attn.qkv"). release() returns a
-// micro-batch's buffers to a pool that later micro-batches reuse, so memory grows only with
-// the number of micro-batches in flight, not with how many ran.
+// key); keys name the layer and the tensor ("layers.3.attn.qkv"), interned (act_key) when the
+// layer is built. release() returns a micro-batch's buffers to a pool that later micro-batches
+// reuse, so memory grows only with the number of micro-batches in flight, not with how many ran.
 class ActivationStore {
  public:
   explicit ActivationStore(Device device = Device::cpu()) : device_(device) {}
@@ -111,29 +139,30 @@ class ActivationStore {
 
   // The buffer for `key` of micro-batch mb, viewed at `shape` (contents unspecified when new).
   // Reuses, in this order: the micro-batch's buffer of that key; a pooled buffer of that key
-  // that fits; when the pool has none of that key, the smallest pooled one that fits. Else it
-  // allocates and frees a pooled buffer too small for it (of that key when there is one), as a
-  // buffer that grows in place would: memory follows the largest shapes seen, not all of them.
-  Tensor put(int mb, const std::string& key, Shape shape, DType dtype = DType::F32);
+  // that fits; when the pool has none of that key, the smallest pooled one that fits (first
+  // among the buffers of the same role in other layers). Else it allocates and frees a pooled
+  // buffer too small for it (of that key when there is one), as a buffer that grows in place
+  // would: memory follows the largest shapes seen, not all of them.
+  Tensor put(int mb, ActKey key, Shape shape, DType dtype = DType::F32);
   // What put() stored; an error when the micro-batch has no such tensor (a backward without
   // its forward).
-  Tensor get(int mb, const std::string& key) const;
-  bool has(int mb, const std::string& key) const;
+  Tensor get(int mb, ActKey key) const;
+  bool has(int mb, ActKey key) const;
   // Small host-side values of a micro-batch (sizes, saved views, routing decisions).
   template <class T>
-  T& meta(int mb, const std::string& key) {
-    std::any& a = slots_[mb].meta[key];
+  T& meta(int mb, ActKey key) {
+    std::any& a = entry(slots_[mb], key).meta;
     if (!a.has_value()) a = T{};
     return std::any_cast<T&>(a);
   }
   // Returns the micro-batch's buffers to the pool.
   void release(int mb);
-  // Returns the micro-batch's buffers whose keys start with `prefix` to the pool, but those
-  // that also start with one of `keep` (activation recomputation: a layer's activations go, its
-  // routing decisions stay). Host-side values (meta) stay.
-  void release_prefix(int mb, const std::string& prefix, const std::vector<std::string>& keep = {});
+  // Returns the micro-batch's buffers of `keys` to the pool (those it holds): a layer's
+  // activations, listed when the layer was built (activation recomputation). Host-side values
+  // (meta) stay.
+  void release_keys(int mb, const std::vector<ActKey>& keys);
   // The same for the one buffer of `key`.
-  void release_key(int mb, const std::string& key);
+  void release_key(int mb, ActKey key);
   // Frees every buffer, pooled or in use.
   void clear();
 
@@ -143,27 +172,36 @@ class ActivationStore {
   Device device() const { return device_; }
 
  private:
+  // What a micro-batch holds of one key.
+  struct Entry {
+    ActKey key;
+    bool held = false;  // buffer and view are the micro-batch's
+    Buffer buffer;
+    Tensor view;
+    std::any meta;
+  };
+  // Indexed by key id. A deque, so that growing it for a new key leaves in place the values
+  // that meta() handed out (a MoE layer holds its routing metadata across its puts).
+  struct Slot {
+    std::deque<Entry> entries;
+  };
+  static Entry& entry(Slot& slot, ActKey key);
   // A pooled buffer for `key` of at least `need` bytes, or an empty one to replace by a new
   // allocation (see put).
-  Buffer take_pooled(const std::string& key, size_t need);
-  void pool(const std::string& key, Buffer b);
-  // The part of a layer's key after "layers.{l}." (its role in every layer); "" for others.
-  static std::string role_of(const std::string& key);
-  struct Slot {
-    std::unordered_map<std::string, Buffer> buffers;
-    std::unordered_map<std::string, Tensor> views;
-    std::unordered_map<std::string, std::any> meta;
-  };
-  // Moves a slot's buffer (and drops its view) to the pool; the iterator after it.
-  std::unordered_map<std::string, Buffer>::iterator hand_back(Slot& slot,
-                                                              std::unordered_map<std::string, Buffer>::iterator it);
+  Buffer take_pooled(ActKey key, size_t need);
+  void pool(ActKey key, Buffer b);
+  // Moves an entry's buffer (and drops its view) to the pool.
+  void hand_back(ActKey key, Entry& e);
   Device device_;
   MemCategory category_ = MemCategory::Activations;
   bool pinned_host_ = false;
   std::map<int, Slot> slots_;
-  // Released buffers by the key they were last used for, then by capacity in bytes.
-  std::unordered_map<std::string, std::multimap<size_t, Buffer>> pool_;
-  std::unordered_map<std::string, std::vector<std::string>> roles_;  // role -> pooled keys of that role
+  // Released buffers by the key they were last used for (indexed by key id), then by capacity
+  // in bytes; the keys with a pool entry, in the order they were first pooled.
+  std::vector<std::multimap<size_t, Buffer>> pool_;
+  std::vector<int32_t> pooled_keys_;
+  std::vector<std::vector<int32_t>> roles_;  // role id -> pooled key ids of that role
+  std::vector<std::string> labels_;          // key id -> its buffers' label, made at the first allocation
 };
 
 // The split backward of zero-bubble schedules: with deferral on, linear() computes the input
@@ -208,16 +246,17 @@ class ParamHooks {
 };
 
 // Temporaries for the backward pass, grown on demand and shared by every layer (not kept
-// between calls).
+// between calls). Slots are interned names (act_key("attn.datt")), like the activations' keys.
 class Scratch {
  public:
   explicit Scratch(Device device = Device::cpu()) : device_(device) {}
-  Tensor get(const std::string& slot, Shape shape, DType dtype = DType::F32);
+  Tensor get(ActKey slot, Shape shape, DType dtype = DType::F32);
   void release() { buffers_.clear(); }
 
  private:
   Device device_;
-  std::unordered_map<std::string, Buffer> buffers_;
+  std::vector<Buffer> buffers_;      // by key id
+  std::vector<std::string> labels_;  // by key id, made at the first allocation
 };
 
 // The phases of a training step that its time split reports apart.

@@ -71,6 +71,19 @@ struct RoutingStats {
   }
 };
 
+// The scratch of a row-parallel output: the fp32 partial sum and this rank's rows of the sum
+// ("{name}" and "{name}.mine"), interned when the block is built.
+struct RowParallelSlots {
+  ActKey partial, mine;
+  explicit RowParallelSlots(const std::string& name) : partial(act_key(name)), mine(act_key(name + ".mine")) {}
+};
+// The scratch slots every block's backward uses for its output gradient and its input gradient
+// under tensor parallelism ("sp.dout", "layer.dout16", "tp.dx", "tp.dx.mine").
+struct BlockGradSlots {
+  ActKey sp_dout = act_key("sp.dout"), dout16 = act_key("layer.dout16");
+  ActKey dx = act_key("tp.dx"), dx_mine = act_key("tp.dx.mine");
+};
+
 // The blocks keep nothing per micro-batch: what a forward saves for its backward goes into
 // ctx.acts under the block's key prefix ("layers.3.attn.") and micro-batch mb, and the backward
 // is given the forward's input again. Weight gradients of linear maps go through ctx.wgrad, so
@@ -94,6 +107,7 @@ class FeedForwardBlock {
   virtual void set_loss_scales(const LossScales&) {}
   // Key prefixes of what the block's replay (Ctx::replay) reads from its first forward, kept
   // when a recomputed layer's activations are handed back (a MoE layer's routing decisions).
+  // Read once, when the decoder layer is built.
   virtual std::vector<std::string> kept_for_replay() const { return {}; }
   // Routing statistics, or null for a dense block.
   virtual RoutingStats* routing() { return nullptr; }
@@ -113,6 +127,10 @@ class GQAttention : public AttentionBlock {
  private:
   ParamRegistry& reg_;
   std::string key_;  // "layers.{layer}.attn."
+  ActKey qkv_key_, out_key_, lse_key_;  // key_ + "qkv", "out", "lse"
+  ActKey datt_slot_ = act_key("attn.datt"), dqkv_slot_ = act_key("attn.dqkv");
+  RowParallelSlots partial_{"attn.partial"};
+  BlockGradSlots grad_slots_;
   ops::AttentionLayout layout_;
   int q_, k_, v_, o_;  // parameter ids
   float scale_;
@@ -132,6 +150,10 @@ class SwiGLUMLP : public FeedForwardBlock {
  private:
   ParamRegistry& reg_;
   std::string key_;  // "layers.{layer}.mlp."
+  ActKey gate_up_key_, h_key_;  // key_ + "gate_up", "h"
+  ActKey dh_slot_ = act_key("mlp.dh"), dgate_up_slot_ = act_key("mlp.dgate_up");
+  RowParallelSlots partial_{"mlp.partial"};
+  BlockGradSlots grad_slots_;
   int gate_, up_, down_;
   int64_t inter_;  // local columns of the intermediate size
   bool sharded_;
@@ -145,28 +167,29 @@ class SwiGLUMLP : public FeedForwardBlock {
 //
 // The (n, C) rows of every tensor rank gathered, in rank order, into the (N, C) rows of the
 // micro-batch (in ctx.scratch under `slot`); without sequence parallelism `rows` itself.
-Tensor sp_gather(const Ctx& ctx, Tensor rows, const char* slot);
+Tensor sp_gather(const Ctx& ctx, Tensor rows, ActKey slot);
 
 // A gradient as a layer's backward products take it. The residual stream's and the loss's
 // gradients are fp32; with bf16 compute they are rounded once to bf16 into scratch `slot` (where
 // PyTorch's autocast rounds them, at the cast into the layer), so the layer's two products run
 // on bf16 operands rather than in fp32. Otherwise (fp32, fp16 compute) `t` itself.
-Tensor in_compute_dtype(const Ctx& ctx, Tensor t, const char* slot);
+Tensor in_compute_dtype(const Ctx& ctx, Tensor t, ActKey slot);
 // The sum over the tensor group of partial (N, C): all of it, in place, or with sequence
 // parallelism this rank's rows (n, C), in ctx.scratch under `slot`.
-Tensor reduce_over_tensor_group(const Ctx& ctx, Tensor partial, const std::string& slot);
+Tensor reduce_over_tensor_group(const Ctx& ctx, Tensor partial, ActKey slot);
 // Row-parallel output: out (this rank's rows) += x (N,K) · w^T summed over the tensor group: an
 // all-reduce, or with sequence parallelism a reduce-scatter, of an fp32 partial in ctx.scratch
-// under `slot`; unsharded it is one accumulating GEMM.
-void row_parallel_forward(const Ctx& ctx, bool sharded, Tensor out, Tensor x, Tensor w, const char* slot);
+// under `slots`; unsharded it is one accumulating GEMM.
+void row_parallel_forward(const Ctx& ctx, bool sharded, Tensor out, Tensor x, Tensor w, const RowParallelSlots& slots);
 // The input gradient of a column-parallel projection is summed over the tensor group:
 // column_parallel_grad gives where to form this rank's partial gradient of all of x's rows (dx
 // itself, when it is fp32 and holds all rows, else an fp32 temporary shaped like x in
 // ctx.scratch under `slot`), and reduce_column_parallel_grad sums it over the group (all-reduce,
 // or reduce-scatter into dx's rows with sequence parallelism), rounding into dx when it was the
-// temporary. Unsharded, the pair is dx and nothing.
-Tensor column_parallel_grad(const Ctx& ctx, bool sharded, Tensor dx, Tensor x, const char* slot);
-void reduce_column_parallel_grad(const Ctx& ctx, Tensor partial, Tensor dx);
+// temporary (through scratch `mine` with sequence parallelism). Unsharded, the pair is dx and
+// nothing.
+Tensor column_parallel_grad(const Ctx& ctx, bool sharded, Tensor dx, Tensor x, ActKey slot);
+void reduce_column_parallel_grad(const Ctx& ctx, Tensor partial, Tensor dx, ActKey mine);
 
 // Registers a linear weight's tensor-parallel piece: the local (rows, cols) piece of the global
 // matrix split along `dim` (0: column-parallel, by output rows; 1: row-parallel, by input
@@ -174,8 +197,9 @@ void reduce_column_parallel_grad(const Ctx& ctx, Tensor partial, Tensor dx);
 int add_tp_piece(ParamRegistry& reg, const std::string& name, Shape local, Shape global, int dim, const ShardSpec& shard,
                  int layer, bool follow_previous = false);
 
-// The micro-batch's (B, T), kept in the activation store's meta by the model's forward: with
-// sequence parallelism the residual stream's tensors are this rank's rows (n, C) only.
+// The micro-batch's (B, T), kept in the activation store's meta under this name by the model's
+// forward: with sequence parallelism the residual stream's tensors are this rank's rows (n, C)
+// only.
 inline constexpr const char* kBatchShapeKey = "batch_shape";
 
 class DecoderLayer {
@@ -202,6 +226,12 @@ class DecoderLayer {
  private:
   ParamRegistry& reg_;
   std::string key_;  // "layers.{layer}."
+  // Interned when the layer is built (after its blocks, which intern theirs): what it keeps,
+  // and what a forward to be replayed hands back (all but the blocks' kept_for_replay).
+  ActKey x_in_key_, ln1_key_, rstd1_key_, x_mid_key_, ln2_key_, rstd2_key_, batch_shape_key_;
+  std::vector<ActKey> all_keys_, replay_keys_;
+  ActKey input_slot_ = act_key("layer.input"), dln_slot_ = act_key("layer.dln");
+  ActKey recompute_ln_slot_ = act_key("recompute.ln"), recompute_rstd_slot_ = act_key("recompute.rstd");
   float eps_;
   int ln1_, ln2_;
   int first_param_ = 0, last_param_ = -1;

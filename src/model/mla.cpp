@@ -41,6 +41,11 @@ MLAttention::MLAttention(const ModelConfig& c, const ShardSpec& shard, ParamRegi
       eps_(float(c.rms_norm_eps)),
       scale_(float(c.softmax_scale())),
       sharded_(shard.tp_size > 1) {
+  auto key = [&](const char* name) { return act_key(key_ + name); };
+  qkv_key_ = key("qkv"), out_key_ = key("out"), lse_key_ = key("lse"), k_pe_key_ = key("k_pe");
+  kv_latent_key_ = key("kv_latent"), kv_latent_norm_key_ = key("kv_latent_norm"),
+  kv_latent_rstd_key_ = key("kv_latent_rstd");
+  q_latent_key_ = key("q_latent"), q_latent_norm_key_ = key("q_latent_norm"), q_latent_rstd_key_ = key("q_latent_rstd");
   DS_CHECK(c.mla(), "MLAttention needs a deepseek_v2/v3 config, got model_type '{}'", c.model_type);
   DS_CHECK(H_ > 0 && Dr_ > 0 && Dr_ % 2 == 0 && Dn_ >= 0 && Dv_ > 0 && kv_rank_ > 0 && q_rank_ >= 0,
            "MLAttention: heads {}, qk_nope {}, qk_rope {} (must be even), v_head {}, kv_lora_rank {}, q_lora_rank {}",
@@ -86,10 +91,10 @@ void MLAttention::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   // Selective recomputation ("mla_up_proj"): the heads live in scratch until the attention has
   // read them, and the backward forms them again (form_heads) from what is kept below.
   Tensor qkv = ctx.recompute_mla_up_proj
-                   ? ctx.scratch->get("mla.qkv", {B, T, W}, cd)
-                   : ctx.acts->put(mb, key_ + "qkv", {B, T, W}, cd);  // (B, T, [q (H,Dqk) | k (H,Dqk) | v (H,Dv)])
+                   ? ctx.scratch->get(qkv_slot_, {B, T, W}, cd)
+                   : ctx.acts->put(mb, qkv_key_, {B, T, W}, cd);  // (B, T, [q (H,Dqk) | k (H,Dqk) | v (H,Dv)])
   // The attention output's buffer stages the projections until the attention writes it.
-  Tensor stage = ctx.acts->put(mb, key_ + "out", {stage_numel(N)}, cd);
+  Tensor stage = ctx.acts->put(mb, out_key_, {stage_numel(N)}, cd);
   Tensor att = stage.slice(0, N * H_ * Dv_).view({B, T, H_ * Dv_});  // the front of the same buffer
   Tensor rows = qkv.view({N, W});
 
@@ -97,30 +102,30 @@ void MLAttention::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   // outputs in the compute dtype, as DeepseekV3RMSNorm gives them (it normalises in fp32 and
   // casts back to its input's dtype).
   Tensor w_kv_a = reg_.compute(kv_a_);  // (kv_rank + Dr, C): rows [c | k_pe]
-  Tensor lat = ctx.acts->put(mb, key_ + "kv_latent", {N, kv_rank_}, cd);
-  Tensor lat_norm = ctx.acts->put(mb, key_ + "kv_latent_norm", {N, kv_rank_}, cd);
+  Tensor lat = ctx.acts->put(mb, kv_latent_key_, {N, kv_rank_}, cd);
+  Tensor lat_norm = ctx.acts->put(mb, kv_latent_norm_key_, {N, kv_rank_}, cd);
   ops::linear_forward(lat, xs, w_kv_a.slice(0, kv_rank_));
-  ops::rmsnorm_forward(lat_norm, ctx.acts->put(mb, key_ + "kv_latent_rstd", {N}), lat, reg_.param(kv_norm_), eps_);
+  ops::rmsnorm_forward(lat_norm, ctx.acts->put(mb, kv_latent_rstd_key_, {N}), lat, reg_.param(kv_norm_), eps_);
   // k_pe (pre-rope) is kept only for the backward to form the heads again.
-  Tensor k_pe_kept = ctx.recompute_mla_up_proj ? ctx.acts->put(mb, key_ + "k_pe", {N, Dr_}, cd) : Tensor();
+  Tensor k_pe_kept = ctx.recompute_mla_up_proj ? ctx.acts->put(mb, k_pe_key_, {N, Dr_}, cd) : Tensor();
   staged_linear(xs, w_kv_a.slice(kv_rank_, kv_rank_ + Dr_), stage, [&](int64_t r0, Tensor k_pe) {  // (n, Dr)
     // The one k_pe of a token into every head's key.
     ops::copy_blocks(rows.slice(r0, r0 + k_pe.size(0)), layout_.k_offset + Dn_, Dqk, k_pe, 0, 0, H_, Dr_, false);
     if (k_pe_kept.defined()) ops::copy(k_pe_kept.slice(r0, r0 + k_pe.size(0)), k_pe);
   });
   if (q_rank_ > 0) {
-    Tensor qlat = ctx.acts->put(mb, key_ + "q_latent", {N, q_rank_}, cd);
-    Tensor qlat_norm = ctx.acts->put(mb, key_ + "q_latent_norm", {N, q_rank_}, cd);
+    Tensor qlat = ctx.acts->put(mb, q_latent_key_, {N, q_rank_}, cd);
+    Tensor qlat_norm = ctx.acts->put(mb, q_latent_norm_key_, {N, q_rank_}, cd);
     ops::linear_forward(qlat, xs, reg_.compute(q_a_));
-    ops::rmsnorm_forward(qlat_norm, ctx.acts->put(mb, key_ + "q_latent_rstd", {N}), qlat, reg_.param(q_norm_), eps_);
+    ops::rmsnorm_forward(qlat_norm, ctx.acts->put(mb, q_latent_rstd_key_, {N}), qlat, reg_.param(q_norm_), eps_);
   }
   up_project(ctx, mb, xs, rows, stage);
   // The rope parts of the q heads and of the k heads share one column pattern (offset Dn,
   // stride Dqk) over 2H heads; rotating each head's copy of k_pe costs little next to the
   // attention and keeps the backward a plain transpose.
   ops::rope_forward_interleaved(qkv, Dn_, int(2 * H_), Dqk, int(Dr_), rope.cos_table(), rope.sin_table());
-  ops::attention_forward(att, ctx.acts->put(mb, key_ + "lse", {B, H_, T}), qkv, layout_, scale_);
-  row_parallel_forward(ctx, sharded_, rows_of(out), rows_of(att), reg_.compute(o_), "attn.partial");
+  ops::attention_forward(att, ctx.acts->put(mb, lse_key_, {B, H_, T}), qkv, layout_, scale_);
+  row_parallel_forward(ctx, sharded_, rows_of(out), rows_of(att), reg_.compute(o_), partial_);
 }
 
 int64_t MLAttention::stage_numel(int64_t N) const {
@@ -132,7 +137,7 @@ int64_t MLAttention::stage_numel(int64_t N) const {
 void MLAttention::up_project(const Ctx& ctx, int mb, Tensor xs, Tensor rows, Tensor stage) const {
   const int64_t Dqk = Dn_ + Dr_;
   // Keys and values: kv_b_proj of the normed latent.
-  staged_linear(ctx.acts->get(mb, key_ + "kv_latent_norm"), reg_.compute(kv_b_), stage,
+  staged_linear(ctx.acts->get(mb, kv_latent_norm_key_), reg_.compute(kv_b_), stage,
                 [&](int64_t r0, Tensor kv) {  // kv (n, H*(Dn+Dv))
                   Tensor dst = rows.slice(r0, r0 + kv.size(0));
                   ops::copy_blocks(dst, layout_.k_offset, Dqk, kv, 0, Dn_ + Dv_, H_, Dn_, false);
@@ -145,7 +150,7 @@ void MLAttention::up_project(const Ctx& ctx, int mb, Tensor xs, Tensor rows, Ten
   if (q_rank_ == 0) {
     staged_linear(xs, reg_.compute(q_), stage, scatter_q);
   } else {
-    staged_linear(ctx.acts->get(mb, key_ + "q_latent_norm"), reg_.compute(q_b_), stage, scatter_q);
+    staged_linear(ctx.acts->get(mb, q_latent_norm_key_), reg_.compute(q_b_), stage, scatter_q);
   }
 }
 
@@ -154,12 +159,12 @@ Tensor MLAttention::form_heads(const Ctx& ctx, int mb, Tensor x) const {
   const int64_t Dqk = Dn_ + Dr_, W = layout_.row_stride;
   const RopeCache& rope = *ctx.rope;
   const DType cd = ctx.compute_dtype;
-  if (!ctx.recompute_mla_up_proj) return ctx.acts->get(mb, key_ + "qkv");
-  Tensor qkv = ctx.scratch->get("mla.qkv", {B, T, W}, cd);
+  if (!ctx.recompute_mla_up_proj) return ctx.acts->get(mb, qkv_key_);
+  Tensor qkv = ctx.scratch->get(qkv_slot_, {B, T, W}, cd);
   Tensor rows = qkv.view({N, W});
   // The forward's staging in a buffer of the same size, so every GEMM runs on the same rows.
-  up_project(ctx, mb, rows_of(x), rows, ctx.scratch->get("mla.dheads", {stage_numel(N)}, cd));
-  ops::copy_blocks(rows, layout_.k_offset + Dn_, Dqk, ctx.acts->get(mb, key_ + "k_pe"), 0, 0, H_, Dr_, false);
+  up_project(ctx, mb, rows_of(x), rows, ctx.scratch->get(dheads_slot_, {stage_numel(N)}, cd));
+  ops::copy_blocks(rows, layout_.k_offset + Dn_, Dqk, ctx.acts->get(mb, k_pe_key_), 0, 0, H_, Dr_, false);
   ops::rope_forward_interleaved(qkv, Dn_, int(2 * H_), Dqk, int(Dr_), rope.cos_table(), rope.sin_table());
   return qkv;
 }
@@ -174,39 +179,40 @@ void MLAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor
   Tensor xs = rows_of(x);
   // Every rank's heads read all of x: the input gradient of all rows is this rank's partial,
   // summed over the tensor group at the end.
-  Tensor dxp = column_parallel_grad(ctx, sharded_, dx, x, "tp.dx");
+  Tensor dxp = column_parallel_grad(ctx, sharded_, dx, x, grad_slots_.dx);
   Tensor dxs = rows_of(dxp);
   // The heads first: forming them again (selective recomputation) stages through "mla.dheads".
   Tensor qkv = form_heads(ctx, mb, x);
-  Tensor att = ctx.acts->get(mb, key_ + "out").slice(0, N * H_ * Dv_).view({B, T, H_ * Dv_});
+  Tensor att = ctx.acts->get(mb, out_key_).slice(0, N * H_ * Dv_).view({B, T, H_ * Dv_});
 
   // "mla.dheads" holds one per-head gradient at a time: d(attention output), then dq, then
   // d[k_nope | v]; "mla.dlatent(_norm)" the query latent's, then the kv latent's.
-  Tensor datt = scratch.get("mla.dheads", {N, H_ * Dv_}, cd);
-  wg.linear(datt, reg_.grad(o_), in_compute_dtype(ctx, sp_gather(ctx, rows_of(dout), "sp.dout"), "layer.dout16"),
+  Tensor datt = scratch.get(dheads_slot_, {N, H_ * Dv_}, cd);
+  wg.linear(datt, reg_.grad(o_),
+            in_compute_dtype(ctx, sp_gather(ctx, rows_of(dout), grad_slots_.sp_dout), grad_slots_.dout16),
             rows_of(att), reg_.compute(o_));
-  Tensor dqkv = scratch.get("mla.dqkv", {B, T, W}, cd);
-  ops::attention_backward(dqkv, datt.view({B, T, H_ * Dv_}), qkv, att, ctx.acts->get(mb, key_ + "lse"), layout_, scale_);
+  Tensor dqkv = scratch.get(dqkv_slot_, {B, T, W}, cd);
+  ops::attention_backward(dqkv, datt.view({B, T, H_ * Dv_}), qkv, att, ctx.acts->get(mb, lse_key_), layout_, scale_);
   ops::rope_backward_interleaved(dqkv, Dn_, int(2 * H_), Dqk, int(Dr_), rope.cos_table(), rope.sin_table());
   Tensor drows = dqkv.view({N, W});
 
   // Queries: dx is overwritten here and accumulated into below.
-  Tensor dq = scratch.get("mla.dheads", {N, H_ * Dqk}, cd);
+  Tensor dq = scratch.get(dheads_slot_, {N, H_ * Dqk}, cd);
   ops::copy_blocks(dq, 0, 0, drows, layout_.q_offset, 0, 1, H_ * Dqk, false);
   if (q_rank_ == 0) {
     wg.linear(dxs, reg_.grad(q_), dq, xs, reg_.compute(q_));
   } else {
-    Tensor dlat_norm = scratch.get("mla.dlatent_norm", {N, q_rank_}, cd);
-    Tensor dlat = scratch.get("mla.dlatent", {N, q_rank_}, cd);
-    wg.linear(dlat_norm, reg_.grad(q_b_), dq, ctx.acts->get(mb, key_ + "q_latent_norm"), reg_.compute(q_b_));
+    Tensor dlat_norm = scratch.get(dlatent_norm_slot_, {N, q_rank_}, cd);
+    Tensor dlat = scratch.get(dlatent_slot_, {N, q_rank_}, cd);
+    wg.linear(dlat_norm, reg_.grad(q_b_), dq, ctx.acts->get(mb, q_latent_norm_key_), reg_.compute(q_b_));
     ops::fill(dlat, 0.0f);  // rmsnorm_backward accumulates
-    ops::rmsnorm_backward(dlat, reg_.grad(q_norm_), dlat_norm, ctx.acts->get(mb, key_ + "q_latent"), reg_.param(q_norm_),
-                          ctx.acts->get(mb, key_ + "q_latent_rstd"));
+    ops::rmsnorm_backward(dlat, reg_.grad(q_norm_), dlat_norm, ctx.acts->get(mb, q_latent_key_), reg_.param(q_norm_),
+                          ctx.acts->get(mb, q_latent_rstd_key_));
     wg.linear(dxs, reg_.grad(q_a_), dlat, xs, reg_.compute(q_a_));
   }
 
   // k_pe fed every head's key: its gradient is the sum over (this rank's) heads, in head order.
-  Tensor dk_pe = scratch.get("mla.dk_pe", {N, Dr_}, cd);
+  Tensor dk_pe = scratch.get(dk_pe_slot_, {N, Dr_}, cd);
   const int64_t k_pe = layout_.k_offset + Dn_;
   ops::copy_blocks(dk_pe, 0, 0, drows, k_pe, 0, 1, Dr_, false);
   ops::copy_blocks(dk_pe, 0, 0, drows, k_pe + Dqk, Dqk, H_ - 1, Dr_, /*accumulate=*/true);
@@ -216,17 +222,17 @@ void MLAttention::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor
 
   // Keys and values through kv_b_proj, the latent norm and the latent rows of kv_a_proj.
   const int64_t Dkv = Dn_ + Dv_;
-  Tensor dkv = scratch.get("mla.dheads", {N, H_ * Dkv}, cd);
+  Tensor dkv = scratch.get(dheads_slot_, {N, H_ * Dkv}, cd);
   ops::copy_blocks(dkv, 0, Dkv, drows, layout_.k_offset, Dqk, H_, Dn_, false);
   ops::copy_blocks(dkv, Dn_, Dkv, drows, layout_.v_offset, Dv_, H_, Dv_, false);
-  Tensor dlat_norm = scratch.get("mla.dlatent_norm", {N, kv_rank_}, cd);
-  Tensor dlat = scratch.get("mla.dlatent", {N, kv_rank_}, cd);
-  wg.linear(dlat_norm, reg_.grad(kv_b_), dkv, ctx.acts->get(mb, key_ + "kv_latent_norm"), reg_.compute(kv_b_));
+  Tensor dlat_norm = scratch.get(dlatent_norm_slot_, {N, kv_rank_}, cd);
+  Tensor dlat = scratch.get(dlatent_slot_, {N, kv_rank_}, cd);
+  wg.linear(dlat_norm, reg_.grad(kv_b_), dkv, ctx.acts->get(mb, kv_latent_norm_key_), reg_.compute(kv_b_));
   ops::fill(dlat, 0.0f);
-  ops::rmsnorm_backward(dlat, reg_.grad(kv_norm_), dlat_norm, ctx.acts->get(mb, key_ + "kv_latent"), reg_.param(kv_norm_),
-                        ctx.acts->get(mb, key_ + "kv_latent_rstd"));
+  ops::rmsnorm_backward(dlat, reg_.grad(kv_norm_), dlat_norm, ctx.acts->get(mb, kv_latent_key_), reg_.param(kv_norm_),
+                        ctx.acts->get(mb, kv_latent_rstd_key_));
   wg.linear(dxs, g_kv_a.slice(0, kv_rank_), dlat, xs, w_kv_a.slice(0, kv_rank_), /*accumulate_dx=*/true);
-  reduce_column_parallel_grad(ctx, dxp, dx);
+  reduce_column_parallel_grad(ctx, dxp, dx, grad_slots_.dx_mine);
 }
 
 }  // namespace dstrain

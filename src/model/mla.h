@@ -50,6 +50,14 @@ class MLAttention final : public AttentionBlock {
 
   ParamRegistry& reg_;
   std::string key_;  // "layers.{layer}.attn."
+  // key_ + the names below, interned when the block is built.
+  ActKey qkv_key_, out_key_, lse_key_, k_pe_key_, kv_latent_key_, kv_latent_norm_key_, kv_latent_rstd_key_;
+  ActKey q_latent_key_, q_latent_norm_key_, q_latent_rstd_key_;
+  ActKey qkv_slot_ = act_key("mla.qkv"), dheads_slot_ = act_key("mla.dheads"), dqkv_slot_ = act_key("mla.dqkv");
+  ActKey dlatent_slot_ = act_key("mla.dlatent"), dlatent_norm_slot_ = act_key("mla.dlatent_norm");
+  ActKey dk_pe_slot_ = act_key("mla.dk_pe");
+  RowParallelSlots partial_{"attn.partial"};
+  BlockGradSlots grad_slots_;
   int64_t H_, Dn_, Dr_, Dv_, q_rank_, kv_rank_;
   float eps_, scale_;
   bool sharded_;  // heads split over a tensor group of more than one rank

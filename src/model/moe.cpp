@@ -92,6 +92,14 @@ MoEBlock::MoEBlock(const ModelConfig& c, const ShardSpec& shard, ParamRegistry& 
       drop_policy_(drop_policy(c.moe_drop_policy)),
       seq_aux_(c.seq_aux),
       sharded_(shard.tp_size > 1) {
+  auto key = [&](const char* name) { return act_key(key_ + name); };
+  meta_key_ = key("meta");
+  gate_scores_key_ = key("gate.scores"), gate_weights_key_ = key("gate.weights"), gate_ids_key_ = key("gate.ids");
+  gate_scores_all_key_ = key("gate.scores_all"), gate_aux_coef_key_ = key("gate.aux_coef");
+  plan_offsets_key_ = key("plan.offsets"), plan_sorted_key_ = key("plan.sorted"), plan_position_key_ = key("plan.position");
+  experts_grouped_key_ = key("experts.grouped"), experts_local_in_key_ = key("experts.local_in");
+  experts_gate_up_key_ = key("experts.gate_up"), experts_h_key_ = key("experts.h");
+  shared_experts_gate_up_key_ = key("shared_experts.gate_up"), shared_experts_h_key_ = key("shared_experts.h");
   DS_CHECK(n_local_ * ep_ == c.n_routed_experts, "layer {}: {} experts held of {} over {} expert-parallel ranks",
            layer, n_local_, c.n_routed_experts, ep_);
   const int64_t C = c.hidden_size, E = n_experts_, I = inter_;
@@ -166,7 +174,7 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
            mine.end, x.shape().str());
   DS_CHECK(M < (int64_t(1) << 31), "MoE forward: {} routed rows overflow the int32 dispatch plan", M);
   ActivationStore& acts = *ctx.acts;
-  Meta& m = acts.meta<Meta>(mb, key_ + "meta");
+  Meta& m = acts.meta<Meta>(mb, meta_key_);
   Tensor xr = x.view({N, C}), xm = xr.slice(mine.begin, mine.end), outr = out.view({n, C});
 
   // Router: in fp32 whatever the compute dtype, as MoEGate computes F.linear(x.float(),
@@ -180,26 +188,26 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
   DS_CHECK(route || m.pending, "{}: a replay of micro-batch {} without its first forward", key_, mb);
   Tensor scores, ids, weights, offsets, sorted, position;
   if (!route) {
-    scores = acts.get(mb, key_ + "gate.scores");
-    weights = acts.get(mb, key_ + "gate.weights");
-    sorted = acts.get(mb, key_ + "plan.sorted");
-    position = acts.get(mb, key_ + "plan.position");
+    scores = acts.get(mb, gate_scores_key_);
+    weights = acts.get(mb, gate_weights_key_);
+    sorted = acts.get(mb, plan_sorted_key_);
+    position = acts.get(mb, plan_position_key_);
   } else {
-    scores = acts.put(mb, key_ + "gate.scores", {n, E});
+    scores = acts.put(mb, gate_scores_key_, {n, E});
     ops::linear_forward(scores, xm, reg_.param(gate_));
     ops::moe_scores(scores, scores, scoring_);
-    ids = acts.put(mb, key_ + "gate.ids", {n, k}, DType::I32);
-    weights = acts.put(mb, key_ + "gate.weights", {n, k});
+    ids = acts.put(mb, gate_ids_key_, {n, k}, DType::I32);
+    weights = acts.put(mb, gate_weights_key_, {n, k});
     ops::moe_route(ids, weights, scores, bias_ >= 0 ? reg_.param(bias_) : Tensor(), route_);
 
-    offsets = acts.put(mb, key_ + "plan.offsets", {E + 1}, DType::I64);
-    sorted = acts.put(mb, key_ + "plan.sorted", {M}, DType::I32);
-    position = acts.put(mb, key_ + "plan.position", {M}, DType::I32);
+    offsets = acts.put(mb, plan_offsets_key_, {E + 1}, DType::I64);
+    sorted = acts.put(mb, plan_sorted_key_, {M}, DType::I32);
+    position = acts.put(mb, plan_position_key_, {M}, DType::I32);
     // With a capacity the router's plan (routed) is cut to at most `capacity` rows per expert
     // (offsets), here on the token's rank, before any row moves: the loads and the aux loss stay
     // the router's choice, as Megatron-Core computes them before capacity.
     const int64_t capacity = capacity_factor_ > 0 ? expert_capacity(M) : -1;
-    Tensor routed = capacity < 0 ? offsets : ctx.scratch->get("moe.routed_offsets", {E + 1}, DType::I64);
+    Tensor routed = capacity < 0 ? offsets : ctx.scratch->get(routed_offsets_slot_, {E + 1}, DType::I64);
     ops::moe_dispatch_plan(routed, sorted, position, ids);
     if (capacity >= 0) ops::moe_capacity_plan(offsets, sorted, position, routed, weights, capacity, drop_policy_);
     // The one synchronisation MoE needs: the per-expert row counts decide the shapes of the
@@ -280,12 +288,12 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
     if (split_rows) {
       // The balance statistics are over whole sequences (or the micro-batch): every tensor rank
       // computes them, and the same loss, from all ranks' rows (rank order is row order).
-      all_scores = acts.put(mb, key_ + "gate.scores_all", {N, E});
-      all_ids = ctx.scratch->get("moe.ids_all", {N, k}, DType::I32);
+      all_scores = acts.put(mb, gate_scores_all_key_, {N, E});
+      all_ids = ctx.scratch->get(ids_all_slot_, {N, k}, DType::I32);
       ctx.groups.tp->all_gather(all_scores, scores);
       ctx.groups.tp->all_gather(all_ids, ids);
     }
-    ops::moe_aux_loss(aux_values_[aux_pending_].tensor(), acts.put(mb, key_ + "gate.aux_coef", {G, E}), all_scores,
+    ops::moe_aux_loss(aux_values_[aux_pending_].tensor(), acts.put(mb, gate_aux_coef_key_, {G, E}), all_scores,
                       all_ids, scoring_);
     aux_scales_[aux_pending_++] = scale;
     m.aux_scale = float(scale);
@@ -294,25 +302,25 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
 
   // Routed experts' rows in expert order; with expert parallelism on their way to the experts'
   // owners while the shared experts compute.
-  Tensor grouped = acts.put(mb, key_ + "experts.grouped", {kept, C}, cd);
+  Tensor grouped = acts.put(mb, experts_grouped_key_, {kept, C}, cd);
   t = Clock::now();
   ops::moe_permute(grouped, xm, kept_sorted, int(k));
   stats_.permute_seconds += seconds_since(t);
   Tensor received;  // the rows from the expert group, by source rank
   Work dispatch;
   if (ep_ > 1) {
-    received = ctx.scratch->get("moe.a2a", {R, C}, cd);
+    received = ctx.scratch->get(a2a_slot_, {R, C}, cd);
     dispatch = exchange_rows(ctx, received, m.recv_rows, grouped, m.send_rows);
   }
 
   // Shared experts on all rows, this rank's columns: summed over the tensor group (reduce-
   // scattered into this rank's rows with sequence parallelism).
   if (shared_inter_ > 0) {
-    Tensor gu = acts.put(mb, key_ + "shared_experts.gate_up", {N, 2 * shared_inter_}, cd);
-    Tensor h = acts.put(mb, key_ + "shared_experts.h", {N, shared_inter_}, cd);
+    Tensor gu = acts.put(mb, shared_experts_gate_up_key_, {N, 2 * shared_inter_}, cd);
+    Tensor h = acts.put(mb, shared_experts_h_key_, {N, shared_inter_}, cd);
     ops::linear_forward(gu, xr, reg_.compute_rows(shared_gate_, shared_up_));
     ops::swiglu_forward(h, gu);
-    row_parallel_forward(ctx, sharded_, outr, h, reg_.compute(shared_down_), "moe.shared.partial");
+    row_parallel_forward(ctx, sharded_, outr, h, reg_.compute(shared_down_), shared_partial_);
   }
 
   // Routed experts: one GEMM per expert over its contiguous rows. Without expert parallelism
@@ -326,17 +334,17 @@ void MoEBlock::forward(const Ctx& ctx, int mb, Tensor x, Tensor out) {
     const auto w0 = Clock::now();
     dispatch.wait();
     stats_.dispatch_seconds += seconds_since(w0);
-    xl = acts.put(mb, key_ + "experts.local_in", {R, C}, cd);
-    yl = ctx.scratch->get("moe.local_out", {R, C}, cd);
+    xl = acts.put(mb, experts_local_in_key_, {R, C}, cd);
+    yl = ctx.scratch->get(local_out_slot_, {R, C}, cd);
     t = Clock::now();
     sort_chunks(xl, received, m.recv_counts, /*to_experts=*/true);
     stats_.permute_seconds += seconds_since(t);
   }
-  Tensor gate_up = acts.put(mb, key_ + "experts.gate_up", {R, 2 * I}, cd);
+  Tensor gate_up = acts.put(mb, experts_gate_up_key_, {R, 2 * I}, cd);
   // Selective recomputation ("moe_act"): the SwiGLU output lives in scratch; the backward forms
   // it again from gate|up.
-  Tensor h = ctx.recompute_moe_act ? ctx.scratch->get("moe.experts.h", {R, I}, cd)
-                                   : acts.put(mb, key_ + "experts.h", {R, I}, cd);
+  Tensor h = ctx.recompute_moe_act ? ctx.scratch->get(experts_h_slot_, {R, I}, cd)
+                                   : acts.put(mb, experts_h_key_, {R, I}, cd);
   t = Clock::now();
   for_each_expert(m, [&](int64_t e, int64_t r0, int64_t r1) {
     ops::linear_forward(gate_up.slice(r0, r1), xl.slice(r0, r1),
@@ -360,7 +368,7 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
   Scratch& scratch = *ctx.scratch;
   WeightGradStore& wg = *ctx.wgrad;
   const DType cd = ctx.compute_dtype;  // the experts' gradients; the router's stay fp32
-  Meta& m = acts.meta<Meta>(mb, key_ + "meta");
+  Meta& m = acts.meta<Meta>(mb, meta_key_);
   DS_CHECK(m.pending, "{}: MoE backward of micro-batch {} without a forward since its last backward", key_, mb);
   const int64_t C = x.size(2), N = x.numel() / C, E = n_experts_, k = route_.top_k, I = inter_;
   const Range mine = ctx.token_rows(N);
@@ -369,26 +377,27 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
            dout.shape().str(), dx.shape().str(), mine.begin, mine.end, x.shape().str());
   m.pending = false;
   Tensor xr = x.view({N, C}), xm = xr.slice(mine.begin, mine.end), doutr = dout.view({n, C}), dxr = dx.view({n, C});
-  Tensor scores = acts.get(mb, key_ + "gate.scores");
-  Tensor ids = acts.get(mb, key_ + "gate.ids");
-  Tensor weights = acts.get(mb, key_ + "gate.weights");
-  Tensor sorted = acts.get(mb, key_ + "plan.sorted").slice(0, kept);
-  Tensor position = acts.get(mb, key_ + "plan.position");
+  Tensor scores = acts.get(mb, gate_scores_key_);
+  Tensor ids = acts.get(mb, gate_ids_key_);
+  Tensor weights = acts.get(mb, gate_weights_key_);
+  Tensor sorted = acts.get(mb, plan_sorted_key_).slice(0, kept);
+  Tensor position = acts.get(mb, plan_position_key_);
   // The expert temporaries share the dense MLP's scratch slots: the shared experts, the
   // routed experts and the dense layers use them one after another, never at once.
   // Shared experts first, from dout of all rows: their input gradient is this rank's columns'
   // partial, summed over the tensor group before the (complete) routed and router parts are
   // added, so that those are not counted once per rank.
   if (shared_inter_ > 0) {
-    Tensor dh = scratch.get("mlp.dh", {N, shared_inter_}, cd);
-    Tensor dgu = scratch.get("mlp.dgate_up", {N, 2 * shared_inter_}, cd);
-    wg.linear(dh, reg_.grad(shared_down_), in_compute_dtype(ctx, sp_gather(ctx, doutr, "sp.dout"), "layer.dout16"),
-              acts.get(mb, key_ + "shared_experts.h"), reg_.compute(shared_down_));
-    ops::swiglu_backward(dgu, dh, acts.get(mb, key_ + "shared_experts.gate_up"));
-    Tensor dxp = column_parallel_grad(ctx, sharded_, dx, x, "tp.dx");
+    Tensor dh = scratch.get(dh_slot_, {N, shared_inter_}, cd);
+    Tensor dgu = scratch.get(dgate_up_slot_, {N, 2 * shared_inter_}, cd);
+    wg.linear(dh, reg_.grad(shared_down_),
+              in_compute_dtype(ctx, sp_gather(ctx, doutr, grad_slots_.sp_dout), grad_slots_.dout16),
+              acts.get(mb, shared_experts_h_key_), reg_.compute(shared_down_));
+    ops::swiglu_backward(dgu, dh, acts.get(mb, shared_experts_gate_up_key_));
+    Tensor dxp = column_parallel_grad(ctx, sharded_, dx, x, grad_slots_.dx);
     wg.linear(dxp.view({N, C}), reg_.grad_rows(shared_gate_, shared_up_), dgu, xr,
               reg_.compute_rows(shared_gate_, shared_up_));
-    reduce_column_parallel_grad(ctx, dxp, dx);
+    reduce_column_parallel_grad(ctx, dxp, dx, grad_slots_.dx_mine);
   } else {
     ops::fill(dxr, 0.0f);
   }
@@ -396,30 +405,30 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
   // Routed experts, in expert order. Their output gradients, from the token rank's rows: in
   // place with one expert-parallel rank, otherwise sent to the experts' owners (as the
   // forward's dispatch) and the input gradients returned (as its combine).
-  Tensor grouped = acts.get(mb, key_ + "experts.grouped");  // the experts' outputs
-  Tensor gate_up = acts.get(mb, key_ + "experts.gate_up");
+  Tensor grouped = acts.get(mb, experts_grouped_key_);  // the experts' outputs
+  Tensor gate_up = acts.get(mb, experts_gate_up_key_);
   const int64_t R = m.offsets.back();
   Tensor h;
   if (ctx.recompute_moe_act) {
-    h = scratch.get("moe.experts.h", {R, I}, cd);
+    h = scratch.get(experts_h_slot_, {R, I}, cd);
     ops::swiglu_forward(h, gate_up);
   } else {
-    h = acts.get(mb, key_ + "experts.h");
+    h = acts.get(mb, experts_h_key_);
   }
-  Tensor dgrouped = scratch.get("moe.dgrouped", {kept, C}, cd);
-  Tensor dweights = scratch.get("moe.dweights", {n, k});
-  Tensor dh = scratch.get("mlp.dh", {R, I}, cd);
-  Tensor dgu = scratch.get("mlp.dgate_up", {R, 2 * I}, cd);
+  Tensor dgrouped = scratch.get(dgrouped_slot_, {kept, C}, cd);
+  Tensor dweights = scratch.get(dweights_slot_, {n, k});
+  Tensor dh = scratch.get(dh_slot_, {R, I}, cd);
+  Tensor dgu = scratch.get(dgate_up_slot_, {R, 2 * I}, cd);
   auto t = Clock::now();
   ops::moe_unpermute_backward(dgrouped, dweights, doutr, grouped, weights, sorted);
   stats_.permute_seconds += seconds_since(t);
   Tensor dyl = dgrouped;
   if (ep_ > 1) {
-    Tensor received = scratch.get("moe.a2a", {R, C}, cd);
+    Tensor received = scratch.get(a2a_slot_, {R, C}, cd);
     const auto w0 = Clock::now();
     exchange_rows(ctx, received, m.recv_rows, dgrouped, m.send_rows).wait();
     stats_.dispatch_seconds += seconds_since(w0);
-    dyl = scratch.get("moe.local_dy", {R, C}, cd);
+    dyl = scratch.get(local_dy_slot_, {R, C}, cd);
     t = Clock::now();
     sort_chunks(dyl, received, m.recv_counts, /*to_experts=*/true);
     stats_.permute_seconds += seconds_since(t);
@@ -435,8 +444,8 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
   // rows the owner kept, their gradients into a temporary.
   Tensor xg = dgrouped, dxg = grouped;
   if (ep_ > 1) {
-    xg = acts.get(mb, key_ + "experts.local_in");
-    dxg = scratch.get("moe.local_dx", {R, C}, cd);
+    xg = acts.get(mb, experts_local_in_key_);
+    dxg = scratch.get(local_dx_slot_, {R, C}, cd);
   } else {
     const auto p0 = Clock::now();
     ops::moe_permute(xg, xm, sorted, int(k));
@@ -458,18 +467,18 @@ void MoEBlock::backward(const Ctx& ctx, int mb, Tensor x, Tensor dout, Tensor dx
   // Router, in fp32: through the weights (and the aux loss) into the scores, the logits, the
   // fp32 gate; its input gradient is rounded once as it is added to dx.
   t = Clock::now();
-  Tensor dscores = scratch.get("moe.dscores", {n, E});
+  Tensor dscores = scratch.get(dscores_slot_, {n, E});
   ops::moe_route_backward(dscores, dweights, ids, scores, route_);
   if (m.aux_scale != 0) {
-    Tensor coef = acts.get(mb, key_ + "gate.aux_coef");
+    Tensor coef = acts.get(mb, gate_aux_coef_key_);
     if (n == N) {
       ops::moe_aux_loss_backward(dscores, coef, scores, scoring_, m.aux_scale);
     } else {
       // The coefficients belong to sequences that may straddle ranks: the aux gradient of all
       // rows, of which this rank's rows are added (0 + g then d + g: what the unsplit op adds).
-      Tensor daux = scratch.get("moe.daux", {N, E});
+      Tensor daux = scratch.get(daux_slot_, {N, E});
       ops::fill(daux, 0.0f);
-      ops::moe_aux_loss_backward(daux, coef, acts.get(mb, key_ + "gate.scores_all"), scoring_, m.aux_scale);
+      ops::moe_aux_loss_backward(daux, coef, acts.get(mb, gate_scores_all_key_), scoring_, m.aux_scale);
       ops::add(dscores, dscores, daux.slice(mine.begin, mine.end));
     }
   }
@@ -495,7 +504,7 @@ Work MoEBlock::exchange_rows(const Ctx& ctx, Tensor out, const std::vector<int64
 }
 
 void MoEBlock::return_rows(const Ctx& ctx, const Meta& m, Tensor local, Tensor grouped) {
-  Tensor back = ctx.scratch->get("moe.a2a", local.shape(), local.dtype());
+  Tensor back = ctx.scratch->get(a2a_slot_, local.shape(), local.dtype());
   auto t = Clock::now();
   sort_chunks(back, local, m.recv_counts, /*to_experts=*/false);
   stats_.permute_seconds += seconds_since(t);

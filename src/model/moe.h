@@ -96,12 +96,12 @@ class MoEBlock : public FeedForwardBlock {
   // The routing of micro-batch mb's forward (until its activations are released), for the
   // rows this rank routed (all N, or its n with sequence parallelism): ids (n,k) int32,
   // weights (n,k), scores (n,E), offsets (E+1) int64 (expert e's grouped rows, after dropping).
-  Tensor ids(const ActivationStore& acts, int mb) const { return acts.get(mb, key_ + "gate.ids"); }
-  Tensor weights(const ActivationStore& acts, int mb) const { return acts.get(mb, key_ + "gate.weights"); }
-  Tensor scores(const ActivationStore& acts, int mb) const { return acts.get(mb, key_ + "gate.scores"); }
-  Tensor offsets(const ActivationStore& acts, int mb) const { return acts.get(mb, key_ + "plan.offsets"); }
+  Tensor ids(const ActivationStore& acts, int mb) const { return acts.get(mb, gate_ids_key_); }
+  Tensor weights(const ActivationStore& acts, int mb) const { return acts.get(mb, gate_weights_key_); }
+  Tensor scores(const ActivationStore& acts, int mb) const { return acts.get(mb, gate_scores_key_); }
+  Tensor offsets(const ActivationStore& acts, int mb) const { return acts.get(mb, plan_offsets_key_); }
   // (n*k) int32: the grouped row of each (token, slot) pair, -1 for a pair dropped by capacity.
-  Tensor positions(const ActivationStore& acts, int mb) const { return acts.get(mb, key_ + "plan.position"); }
+  Tensor positions(const ActivationStore& acts, int mb) const { return acts.get(mb, plan_position_key_); }
   const ops::MoERouteParams& route_params() const { return route_; }
   ops::MoEScoring scoring() const { return scoring_; }
   int bias_param() const { return bias_; }  // -1 unless noaux_tc
@@ -137,6 +137,21 @@ class MoEBlock : public FeedForwardBlock {
 
   ParamRegistry& reg_;
   std::string key_;  // "layers.{layer}.mlp."
+  // key_ + the names of the comment at the end, and "meta", interned when the block is built.
+  ActKey meta_key_, gate_scores_key_, gate_weights_key_, gate_ids_key_, gate_scores_all_key_, gate_aux_coef_key_;
+  ActKey plan_offsets_key_, plan_sorted_key_, plan_position_key_;
+  ActKey experts_grouped_key_, experts_local_in_key_, experts_gate_up_key_, experts_h_key_;
+  ActKey shared_experts_gate_up_key_, shared_experts_h_key_;
+  // Scratch slots.
+  ActKey routed_offsets_slot_ = act_key("moe.routed_offsets"), ids_all_slot_ = act_key("moe.ids_all");
+  ActKey a2a_slot_ = act_key("moe.a2a"), local_out_slot_ = act_key("moe.local_out");
+  ActKey experts_h_slot_ = act_key("moe.experts.h"), dh_slot_ = act_key("mlp.dh");
+  ActKey dgate_up_slot_ = act_key("mlp.dgate_up"), dgrouped_slot_ = act_key("moe.dgrouped");
+  ActKey dweights_slot_ = act_key("moe.dweights"), local_dy_slot_ = act_key("moe.local_dy");
+  ActKey local_dx_slot_ = act_key("moe.local_dx"), dscores_slot_ = act_key("moe.dscores");
+  ActKey daux_slot_ = act_key("moe.daux");
+  RowParallelSlots shared_partial_{"moe.shared.partial"};
+  BlockGradSlots grad_slots_;
   int64_t n_experts_;        // E, routed experts of the model (the router's width)
   int64_t n_local_, first_;  // El experts held here, from first_
   int ep_ = 1;               // ranks of the expert group

@@ -46,6 +46,9 @@ Transformer::Transformer(const ModelConfig& config, Device device, const ShardSp
       phases_(device) {
   const ModelConfig& c = config_;
   check_chunks(c, chunks_);
+  // The model's own keys: the residual stream after each layer and the head's.
+  for (int64_t l = 0; l <= c.num_hidden_layers; ++l) keys_.residual.push_back(act_key(fmt::format("residual.{}", l)));
+  keys_.head = {keys_.head_dxf, keys_.final_norm_out, keys_.final_norm_rstd};
   auto any_chunk = [&](bool StageSpec::*what) {
     return std::any_of(chunks_.begin(), chunks_.end(), [&](const StageSpec& s) { return s.*what; });
   };
@@ -116,12 +119,19 @@ Transformer::Transformer(const ModelConfig& config, Device device, const ShardSp
     const int l = int(c.num_hidden_layers) + k;
     MtpModule m;
     m.layer_index = l;
+    // Interned before its decoder layer, so that the layer's keys ("layers.{l}.") hold them too
+    // in every model of the process.
+    auto key = [&](const char* what) { return act_key(fmt::format("layers.{}.mtp.{}", l, what)); };
+    m.keys = {key("inputs"), key("targets"), key("emb"),   key("cat"),      key("hnorm"),   key("e_rstd"),
+              key("h_rstd"), key("h_in"),    key("h_out"), key("out_norm"), key("out_rstd")};
     m.first_param = reg_.size();
     m.enorm = reg_.add(layer_name(l, "enorm.weight"), {c.hidden_size}, ParamKind::Norm, l);
     m.hnorm = reg_.add(layer_name(l, "hnorm.weight"), {c.hidden_size}, ParamKind::Norm, l);
     m.eh_proj = reg_.add(layer_name(l, "eh_proj.weight"), {c.hidden_size, 2 * c.hidden_size}, ParamKind::Linear, l);
     m.layer = make_layer(l);
     m.head_norm = reg_.add(layer_name(l, "shared_head.norm.weight"), {c.hidden_size}, ParamKind::Norm, l);
+    m.all_keys = act_keys_with_prefix(fmt::format("layers.{}.", l));
+    slots_.mtp_d_out.push_back(act_key(fmt::format("mtp.{}.d_out", k)));
     m.last_param = reg_.size() - 1;
     mtp_.push_back(std::move(m));
   }
@@ -249,15 +259,15 @@ void Transformer::forward_body(int slot, const StageSpec& st, Tensor tokens, Ten
   // parameters serve both layouts).
   ctx_.sequence_parallel = rows_split(B, T, slot == kInferenceMb);
   // A copy, so the caller's tokens need not outlive the forward.
-  Tensor tok = acts_.put(slot, "tokens", {B, T}, DType::I32);
+  Tensor tok = acts_.put(slot, keys_.tokens, {B, T}, DType::I32);
   ops::copy(tok, tokens);
-  acts_.meta<Shape>(slot, kBatchShapeKey) = Shape{B, T};
+  acts_.meta<Shape>(slot, keys_.batch_shape) = Shape{B, T};
   // The residual stream, in fp32 whatever the compute dtype: "residual.0" the embedding output
   // (looked up in the fp32 master), "residual.{l+1}" after layer l; a later pipeline stage
   // starts from the previous one's output. With sequence parallelism it holds this rank's
   // rows only.
   const Shape rs = residual_shape(B, T);
-  auto residual = [&](int l) { return acts_.put(slot, fmt::format("residual.{}", l), rs); };
+  auto residual = [&](int l) { return acts_.put(slot, keys_.residual[size_t(l)], rs); };
   Tensor x = residual(st.first_layer);
   if (st.embedding) {
     embed(x, tok);
@@ -276,16 +286,16 @@ void Transformer::forward_body(int slot, const StageSpec& st, Tensor tokens, Ten
     if (g1 != l + 1) continue;
     for (int j = g0; j < g1; ++j) {
       layer(j).release_activations(acts_, slot, /*for_replay=*/true);
-      if (j > g0) acts_.release_key(slot, fmt::format("residual.{}", j));
+      if (j > g0) acts_.release_key(slot, keys_.residual[size_t(j)]);
     }
     // The group's input waits for the replay in host memory.
-    if (recompute_.cpu_checkpointing) offload(slot, fmt::format("residual.{}", g0));
+    if (recompute_.cpu_checkpointing) offload(slot, keys_.residual[size_t(g0)]);
   }
   if (!st.head) return;
   const int64_t n = rs.numel() / C;
   ctx_.before_use(final_norm_, final_norm_);
-  ops::rmsnorm_forward(acts_.put(slot, "final_norm.out", {n, C}, ctx_.compute_dtype),
-                       acts_.put(slot, "final_norm.rstd", {n}), x.view({n, C}), reg_.param(final_norm_),
+  ops::rmsnorm_forward(acts_.put(slot, keys_.final_norm_out, {n, C}, ctx_.compute_dtype),
+                       acts_.put(slot, keys_.final_norm_rstd, {n}), x.view({n, C}), reg_.param(final_norm_),
                        float(config_.rms_norm_eps));
   ctx_.after_use(final_norm_, final_norm_);
 }
@@ -321,30 +331,30 @@ std::pair<int, int> Transformer::recompute_group(const StageSpec& st, int l) con
   return g;
 }
 
-void Transformer::offload(int slot, const std::string& key) {
+void Transformer::offload(int slot, ActKey key) {
   Tensor x = acts_.get(slot, key);
   ops::copy(offloaded_.put(slot, key, x.shape(), x.dtype()), x);
   acts_.release_key(slot, key);
 }
 
-void Transformer::bring_back(int slot, const std::string& key) {
+void Transformer::bring_back(int slot, ActKey key) {
   Tensor held = offloaded_.get(slot, key);
   ops::copy(acts_.put(slot, key, held.shape(), held.dtype()), held);
   offloaded_.release_key(slot, key);
 }
 
 void Transformer::replay_layers(int slot, int first, int end) {
-  const Shape bt = acts_.meta<Shape>(slot, kBatchShapeKey);
+  const Shape bt = acts_.meta<Shape>(slot, keys_.batch_shape);
   const Shape rs = residual_shape(bt[0], bt[1]);
-  const std::string input = fmt::format("residual.{}", first);
+  const ActKey input = keys_.residual[size_t(first)];
   if (offloaded_.has(slot, input)) bring_back(slot, input);
   ctx_.replay = true;
   try {
     for (int j = first; j < end; ++j) {
-      Tensor x = acts_.get(slot, fmt::format("residual.{}", j));
+      Tensor x = acts_.get(slot, keys_.residual[size_t(j)]);
       // The group's output is not needed again (its gradient is in hand): it goes to scratch.
-      Tensor out = j + 1 < end ? acts_.put(slot, fmt::format("residual.{}", j + 1), rs)
-                               : scratch_.get("recompute.out", rs);
+      Tensor out = j + 1 < end ? acts_.put(slot, keys_.residual[size_t(j + 1)], rs)
+                               : scratch_.get(slots_.recompute_out, rs);
       layer(j).forward(ctx_, slot, x, out);
     }
   } catch (...) {
@@ -388,7 +398,7 @@ void Transformer::forward_hidden(int chunk, Tensor tokens, Tensor in, Tensor out
   const StageSpec& st = chunks_[size_t(chunk)];
   DS_CHECK(!st.head, "{} holds the head: use forward_loss or last_logits", st.str());
   forward_body(kInferenceMb, st, tokens, in);
-  Tensor x = acts_.get(kInferenceMb, fmt::format("residual.{}", st.end_layer));
+  Tensor x = acts_.get(kInferenceMb, keys_.residual[size_t(st.end_layer)]);
   DS_CHECK(out.numel() == x.numel(), "{}: output of {} values for {}", st.str(), out.numel(), x.shape().str());
   ops::copy(out.view(x.shape()), x);
   acts_.release(kInferenceMb);
@@ -397,7 +407,7 @@ void Transformer::forward_hidden(int chunk, Tensor tokens, Tensor in, Tensor out
 Tensor Transformer::chunk_output(int mb, int chunk) const {
   const StageSpec& st = chunks_.at(size_t(chunk));
   DS_CHECK(!st.head, "{} holds the head: its output is the loss", st.str());
-  return acts_.get(slot(mb, chunk), fmt::format("residual.{}", st.end_layer));
+  return acts_.get(slot(mb, chunk), keys_.residual[size_t(st.end_layer)]);
 }
 
 Shape Transformer::residual_shape(int64_t B, int64_t T) const {
@@ -415,9 +425,9 @@ void Transformer::embed(Tensor out, Tensor tokens) {
     // Each rank looks up the tokens of its vocabulary rows (zeros for the others); the sum over
     // the tensor group is the embedding (reduce-scattered to the rank's rows with sequence
     // parallelism).
-    Tensor partial = scratch_.get("embed.partial", {N, C});
+    Tensor partial = scratch_.get(slots_.embed_partial, {N, C});
     ops::embedding_shard_forward(partial, tokens.view({N}), reg_.param(embed_), shard_.vocab.begin, config_.vocab_size);
-    ops::copy(out, reduce_over_tensor_group(ctx_, partial, "embed.mine").view(out.shape()));
+    ops::copy(out, reduce_over_tensor_group(ctx_, partial, slots_.embed_mine).view(out.shape()));
   }
   ctx_.after_use(embed_, embed_);
 }
@@ -428,7 +438,7 @@ void Transformer::embed_backward(Tensor dout, Tensor tokens) {
   if (shard_.tp_size == 1) {
     ops::embedding_backward(reg_.grad(embed_), dout.view({N, C}), tokens.view({N}));
   } else {
-    Tensor all = sp_gather(ctx_, dout.view({dout.numel() / C, C}), "embed.dout");
+    Tensor all = sp_gather(ctx_, dout.view({dout.numel() / C, C}), slots_.embed_dout);
     ops::embedding_shard_backward(reg_.grad(embed_), all, tokens.view({N}), shard_.vocab.begin);
   }
   ctx_.after_use(embed_, embed_);
@@ -439,7 +449,7 @@ void Transformer::head(Tensor x, Tensor targets, bool backward, float scale, Ten
   const int64_t C = config_.hidden_size, N = targets.numel(), Vl = shard_.vocab.size();
   const int tp = shard_.tp_size;
   // Every row's logits: x (this rank's rows under sequence parallelism) gathered.
-  Tensor xr = sp_gather(ctx_, x.view({x.numel() / C, C}), "head.x");
+  Tensor xr = sp_gather(ctx_, x.view({x.numel() / C, C}), slots_.head_x);
   DS_CHECK(xr.size(0) == N, "targets {} for {} positions", targets.shape().str(), xr.size(0));
   Tensor tg = targets.view({N});
   ctx_.before_use(head_param(), head_param());
@@ -450,15 +460,16 @@ void Transformer::head(Tensor x, Tensor targets, bool backward, float scale, Ten
   // weights) and the cross-entropy is fp32; dx has x's dtype. Vocabulary-parallel: the logits
   // of this rank's vocabulary rows only; the ranks exchange each row's log-sum-exp and target
   // logit ((N, 2) values), never the logits.
-  Tensor losses = scratch_.get("head.losses", {N});
-  Tensor logits_buf = scratch_.get("head.logits", {chunk, Vl});
-  Tensor lse_buf = scratch_.get("head.lse", {chunk});
-  Tensor stats_buf = tp > 1 ? scratch_.get("head.stats", {chunk, 2}) : Tensor();
-  Tensor all_stats_buf = tp > 1 ? scratch_.get("head.all_stats", {tp * chunk * 2}) : Tensor();
-  Tensor top_buf = correct ? scratch_.get("head.max_and_target", {chunk, 2}) : Tensor();
+  Tensor losses = scratch_.get(slots_.head_losses, {N});
+  Tensor logits_buf = scratch_.get(slots_.head_logits, {chunk, Vl});
+  Tensor lse_buf = scratch_.get(slots_.head_lse, {chunk});
+  Tensor stats_buf = tp > 1 ? scratch_.get(slots_.head_stats, {chunk, 2}) : Tensor();
+  Tensor all_stats_buf = tp > 1 ? scratch_.get(slots_.head_all_stats, {tp * chunk * 2}) : Tensor();
+  Tensor top_buf = correct ? scratch_.get(slots_.head_max_and_target, {chunk, 2}) : Tensor();
   std::vector<float> top_host(correct ? size_t(2 * chunk) : 0);
   // This rank's part of the input gradient of every row, summed over the group after the loop.
-  Tensor dxp = backward ? column_parallel_grad(ctx_, tp > 1, dx.view({dx.numel() / C, C}), xr, "head.dx") : Tensor();
+  Tensor dxp =
+      backward ? column_parallel_grad(ctx_, tp > 1, dx.view({dx.numel() / C, C}), xr, slots_.head_dx) : Tensor();
   // The loss of each chunk is final as soon as its logits exist, so its gradient is formed
   // right away and the full (N, V) logits never exist at once.
   for (int64_t r0 = 0; r0 < N; r0 += chunk) {
@@ -490,13 +501,13 @@ void Transformer::head(Tensor x, Tensor targets, bool backward, float scale, Ten
       } else {
         ops::cross_entropy_shard_backward(logits, logits, lse, tg.slice(r0, r1), scale, shard_.vocab.begin);
       }
-      ops::linear_backward(dxp.slice(r0, r1), head_grad(), in_compute_dtype(ctx_, logits, "head.dlogits16"),
+      ops::linear_backward(dxp.slice(r0, r1), head_grad(), in_compute_dtype(ctx_, logits, slots_.head_dlogits16),
                            xr.slice(r0, r1), w);
     }
   }
   if (backward) {
     const PhaseTimer::Scope timed(ctx_.phases, Phase::Backward);
-    reduce_column_parallel_grad(ctx_, dxp, dx.view({dx.numel() / C, C}));
+    reduce_column_parallel_grad(ctx_, dxp, dx.view({dx.numel() / C, C}), slots_.tp_dx_mine);
   }
   ops::loss_sums(sums, losses, tg);
   ctx_.after_use(head_param(), head_param());
@@ -510,8 +521,8 @@ void Transformer::gather_logits(Tensor x, Tensor logits) {
     ops::linear_forward(logits.view({N, V}), x.view({N, C}), head_weight());
   } else {
     const int tp = shard_.tp_size;
-    Tensor mine = scratch_.get("logits.mine", {N, Vl});
-    Tensor all = scratch_.get("logits.all", {tp, N, Vl});
+    Tensor mine = scratch_.get(slots_.logits_mine, {N, Vl});
+    Tensor all = scratch_.get(slots_.logits_all, {tp, N, Vl});
     ops::linear_forward(mine, x.view({N, C}), head_weight());
     ctx_.groups.tp->all_gather(all, mine);
     for (int r = 0; r < tp; ++r) {
@@ -525,7 +536,7 @@ void Transformer::gather_logits(Tensor x, Tensor logits) {
 Tensor Transformer::zeroed_sums(int mb) {
   // (2 + 2 x MTP depth) F64: {sum, count} of the main loss, then of each depth.
   const int64_t n = 2 + 2 * int64_t(mtp_.size());
-  Tensor sums = acts_.put(mb, "loss_sums", {n}, DType::F64);
+  Tensor sums = acts_.put(mb, keys_.loss_sums, {n}, DType::F64);
   const std::vector<double> zeros(size_t(n), 0.0);
   ops::copy(sums, Tensor(const_cast<double*>(zeros.data()), DType::F64, Shape{n}));
   return sums;
@@ -587,75 +598,72 @@ void Transformer::mtp_forward_backward(int mb, const LossScales& scales, Tensor 
   const DType cd = ctx_.compute_dtype;
   // Forward through the depths: module k (0-based) reads token t+k+1 at position t (targets
   // column t+k) and predicts token t+k+2 (targets column t+k+1).
-  Tensor h_prev = acts_.get(mb, "final_norm.out");
+  Tensor h_prev = acts_.get(mb, keys_.final_norm_out);
   std::vector<Tensor> h_prevs(mtp_.size());
-  auto act = [&](const MtpModule& m, const char* what, Shape shape, DType dtype = DType::F32) {
-    return acts_.put(mb, fmt::format("layers.{}.mtp.{}", m.layer_index, what), shape, dtype);
-  };
+  auto act = [&](ActKey key, Shape shape, DType dtype = DType::F32) { return acts_.put(mb, key, shape, dtype); };
   for (size_t k = 0; k < mtp_.size(); ++k) {
     MtpModule& m = mtp_[k];
     ctx_.before_use(m.first_param, m.last_param);
-    Tensor inputs = act(m, "inputs", {B, T}, DType::I32), tgt = act(m, "targets", {B, T}, DType::I32);
+    Tensor inputs = act(m.keys.inputs, {B, T}, DType::I32), tgt = act(m.keys.targets, {B, T}, DType::I32);
     ops::shift_tokens(inputs, targets, int64_t(k), /*fill=*/0, /*ignore_as=*/0);
     ops::shift_tokens(tgt, targets, int64_t(k) + 1, ops::kIgnoreIndex, ops::kIgnoreIndex);
     // As in the main model: the embedding (from the fp32 master), the projection's output h_in
     // (the module's residual stream) and h_out in fp32; the norms' outputs and their
     // concatenation, which only feed eh_proj, in the compute dtype.
-    Tensor emb = act(m, "emb", {N, C}), cat = act(m, "cat", {N, 2 * C}, cd);
+    Tensor emb = act(m.keys.emb, {N, C}), cat = act(m.keys.cat, {N, 2 * C}, cd);
     embed(emb, inputs);  // shared with the main model
-    Tensor en = scratch_.get("mtp.enorm", {N, C}, cd), hn = act(m, "hnorm", {N, C}, cd);
-    ops::rmsnorm_forward(en, act(m, "e_rstd", {N}), emb, reg_.param(m.enorm), eps);
-    ops::rmsnorm_forward(hn, act(m, "h_rstd", {N}), h_prev.view({N, C}), reg_.param(m.hnorm), eps);
+    Tensor en = scratch_.get(slots_.mtp_enorm, {N, C}, cd), hn = act(m.keys.hnorm, {N, C}, cd);
+    ops::rmsnorm_forward(en, act(m.keys.e_rstd, {N}), emb, reg_.param(m.enorm), eps);
+    ops::rmsnorm_forward(hn, act(m.keys.h_rstd, {N}), h_prev.view({N, C}), reg_.param(m.hnorm), eps);
     // cat = [enorm(embedding) | hnorm(hidden)] per row.
     ops::copy_blocks(cat, 0, 0, en, 0, 0, 1, C, false);
     ops::copy_blocks(cat, C, 0, hn, 0, 0, 1, C, false);
-    Tensor h_in = act(m, "h_in", rs), h_out = act(m, "h_out", rs);
+    Tensor h_in = act(m.keys.h_in, rs), h_out = act(m.keys.h_out, rs);
     ops::linear_forward(h_in.view({N, C}), cat, reg_.compute(m.eh_proj));
     m.layer->forward(ctx_, mb, h_in, h_out);
-    Tensor on = act(m, "out_norm", {N, C}, cd);
-    ops::rmsnorm_forward(on, act(m, "out_rstd", {N}), h_out.view({N, C}), reg_.param(m.head_norm), eps);
+    Tensor on = act(m.keys.out_norm, {N, C}, cd);
+    ops::rmsnorm_forward(on, act(m.keys.out_rstd, {N}), h_out.view({N, C}), reg_.param(m.head_norm), eps);
     h_prevs[k] = h_prev;
     h_prev = h_out;
     ctx_.after_use(m.first_param, m.last_param);
   }
-  auto get = [&](const MtpModule& m, const char* what) {
-    return acts_.get(mb, fmt::format("layers.{}.mtp.{}", m.layer_index, what));
-  };
+  auto get = [&](ActKey key) { return acts_.get(mb, key); };
   // Each depth's loss: its gradient w.r.t. the normed output is formed at once.
   std::vector<Tensor> d_out(mtp_.size());
   for (size_t k = 0; k < mtp_.size(); ++k) {
     MtpModule& m = mtp_[k];
-    d_out[k] = scratch_.get(fmt::format("mtp.{}.d_out", k), {N, C}, cd);
-    head(get(m, "out_norm"), get(m, "targets"), true, scales.mtp_token[k], d_out[k],
+    d_out[k] = scratch_.get(slots_.mtp_d_out[k], {N, C}, cd);
+    head(get(m.keys.out_norm), get(m.keys.targets), true, scales.mtp_token[k], d_out[k],
          sums.slice(2 + 2 * int64_t(k), 4 + 2 * int64_t(k)));
   }
   // Backward from the deepest module: dh carries the gradient w.r.t. h^k from depth k+1. The
   // gradients of fp32 activations (dh, demb) are fp32, those of the norms' outputs and of
   // their concatenation (dcat, de, dhn) in the compute dtype.
   const PhaseTimer::Scope timed(ctx_.phases, Phase::Backward);
-  Tensor dh = scratch_.get("mtp.dh", rs);
+  Tensor dh = scratch_.get(slots_.mtp_dh, rs);
   ops::fill(dh, 0.0f);
   for (size_t k = mtp_.size(); k-- > 0;) {
     MtpModule& m = mtp_[k];
     ctx_.before_use(m.first_param, m.last_param);
-    ops::rmsnorm_backward(dh.view({N, C}), reg_.grad(m.head_norm), d_out[k], get(m, "h_out").view({N, C}),
-                          reg_.param(m.head_norm), get(m, "out_rstd"));
+    ops::rmsnorm_backward(dh.view({N, C}), reg_.grad(m.head_norm), d_out[k], get(m.keys.h_out).view({N, C}),
+                          reg_.param(m.head_norm), get(m.keys.out_rstd));
     m.layer->backward(ctx_, mb, dh);  // dh: w.r.t. h_in now
-    Tensor dcat = scratch_.get("mtp.dcat", {N, 2 * C}, cd);
-    ops::linear_backward(dcat, reg_.grad(m.eh_proj), in_compute_dtype(ctx_, dh.view({N, C}), "mtp.dh16"), get(m, "cat"),
+    Tensor dcat = scratch_.get(slots_.mtp_dcat, {N, 2 * C}, cd);
+    ops::linear_backward(dcat, reg_.grad(m.eh_proj), in_compute_dtype(ctx_, dh.view({N, C}), slots_.mtp_dh16),
+                         get(m.keys.cat),
                          reg_.compute(m.eh_proj));
-    Tensor de = scratch_.get("mtp.de", {N, C}, cd), dhn = scratch_.get("mtp.dhn", {N, C}, cd);
+    Tensor de = scratch_.get(slots_.mtp_de, {N, C}, cd), dhn = scratch_.get(slots_.mtp_dhn, {N, C}, cd);
     ops::copy_blocks(de, 0, 0, dcat, 0, 0, 1, C, false);
     ops::copy_blocks(dhn, 0, 0, dcat, C, 0, 1, C, false);
-    Tensor demb = scratch_.get("mtp.demb", {N, C});
+    Tensor demb = scratch_.get(slots_.mtp_demb, {N, C});
     ops::fill(demb, 0.0f);
-    ops::rmsnorm_backward(demb, reg_.grad(m.enorm), de, get(m, "emb"), reg_.param(m.enorm), get(m, "e_rstd"));
-    embed_backward(demb, get(m, "inputs"));
+    ops::rmsnorm_backward(demb, reg_.grad(m.enorm), de, get(m.keys.emb), reg_.param(m.enorm), get(m.keys.e_rstd));
+    embed_backward(demb, get(m.keys.inputs));
     // The gradient w.r.t. h^{k-1}: the main model's normed output for k = 0.
     Tensor dprev = k == 0 ? dxf.view({N, C}) : dh.view({N, C});
     if (k > 0) ops::fill(dprev, 0.0f);
     ops::rmsnorm_backward(dprev, reg_.grad(m.hnorm), dhn, h_prevs[k].view({N, C}), reg_.param(m.hnorm),
-                          get(m, "h_rstd"));
+                          get(m.keys.h_rstd));
     ctx_.after_use(m.first_param, m.last_param);
   }
 }
@@ -665,10 +673,10 @@ LossSums Transformer::forward_loss(Tensor tokens, Tensor targets) { return forwa
 LossSums Transformer::forward_loss(Tensor tokens, Tensor targets, Tensor in) {
   forward_head_body(tokens, in);
   Tensor sums = zeroed_sums(kInferenceMb);
-  Tensor tgt = acts_.put(kInferenceMb, "targets", targets.shape(), DType::I32);
+  Tensor tgt = acts_.put(kInferenceMb, keys_.targets, targets.shape(), DType::I32);
   ops::copy(tgt, targets);
   int64_t correct = 0;
-  head(acts_.get(kInferenceMb, "final_norm.out"), tgt, /*backward=*/false, 0.0f, Tensor(), sums.slice(0, 2),
+  head(acts_.get(kInferenceMb, keys_.final_norm_out), tgt, /*backward=*/false, 0.0f, Tensor(), sums.slice(0, 2),
        &correct);
   LossSums s = read_sums(sums, /*with_mtp=*/false);
   s.correct = correct;
@@ -736,7 +744,7 @@ LossSums Transformer::forward_chunk(int mb, int chunk, Tensor tokens, Tensor tar
   DS_CHECK(mb >= 0, "micro-batches are numbered from 0, got {}", mb);
   DS_CHECK(chunk >= 0 && chunk < num_chunks(), "chunk {} of this rank's {}", chunk, num_chunks());
   const int sl = slot(mb, chunk);
-  DS_CHECK(!acts_.has(sl, "tokens"), "micro-batch {} is already in flight: run its backward first", mb);
+  DS_CHECK(!acts_.has(sl, keys_.tokens), "micro-batch {} is already in flight: run its backward first", mb);
   const StageSpec& st = chunks_[size_t(chunk)];
   // The head's loss gradient and the MTP modules' backward mark themselves as backward.
   const PhaseTimer::Scope timed(ctx_.phases, Phase::Forward);
@@ -751,16 +759,16 @@ LossSums Transformer::forward_chunk(int mb, int chunk, Tensor tokens, Tensor tar
   const int64_t B = tokens.size(0), T = tokens.size(1), N = B * T, C = config_.hidden_size;
   DS_CHECK(targets.numel() == N, "targets {} for tokens {}", targets.shape().str(), tokens.shape().str());
   // Of final_norm.out: this rank's rows.
-  Tensor dxf = acts_.put(sl, "head.dxf", {residual_shape(B, T).numel() / C, C}, ctx_.compute_dtype);
+  Tensor dxf = acts_.put(sl, keys_.head_dxf, {residual_shape(B, T).numel() / C, C}, ctx_.compute_dtype);
   // The step's accumulator (accumulate_losses_into: the sums are added to it as they are
   // formed, with nothing read here), or this micro-batch's own sums, read below.
   const bool accumulating = loss_accumulator_.defined();
   Tensor sums = accumulating ? loss_accumulator_ : zeroed_sums(sl);
   // The targets on the model's device (the caller's may be on the host), for the loss and the
   // shifted MTP inputs and targets.
-  Tensor tgt = acts_.put(sl, "targets", {B, T}, DType::I32);
+  Tensor tgt = acts_.put(sl, keys_.targets, {B, T}, DType::I32);
   ops::copy(tgt, targets.view({B, T}));
-  head(acts_.get(sl, "final_norm.out"), tgt, /*backward=*/true, scales.token, dxf, sums.slice(0, 2));
+  head(acts_.get(sl, keys_.final_norm_out), tgt, /*backward=*/true, scales.token, dxf, sums.slice(0, 2));
   const bool with_mtp = !mtp_.empty() && !scales.mtp_token.empty();
   if (with_mtp) {
     DS_CHECK(scales.mtp_token.size() == mtp_.size(), "{} MTP loss scales for {} depths", scales.mtp_token.size(),
@@ -780,8 +788,8 @@ void Transformer::backward_chunk(int mb, int chunk, Tensor dout, Tensor din, Bac
   DS_CHECK(chunk >= 0 && chunk < num_chunks(), "chunk {} of this rank's {}", chunk, num_chunks());
   const StageSpec& st = chunks_[size_t(chunk)];
   const int sl = slot(mb, chunk);
-  DS_CHECK(acts_.has(sl, st.head ? "head.dxf" : "tokens"), "backward of micro-batch {} without its training forward",
-           mb);
+  DS_CHECK(acts_.has(sl, st.head ? keys_.head_dxf : keys_.tokens),
+           "backward of micro-batch {} without its training forward", mb);
   ctx_.sequence_parallel = shard_.sequence_parallel;
   const PhaseTimer::Scope timed(ctx_.phases, Phase::Backward);
   if (part == BackwardPart::Input) {
@@ -789,13 +797,13 @@ void Transformer::backward_chunk(int mb, int chunk, Tensor dout, Tensor din, Bac
     split_mb_ = sl;
   }
   try {
-    Tensor tokens = acts_.get(sl, "tokens");
+    Tensor tokens = acts_.get(sl, keys_.tokens);
     const int64_t B = tokens.size(0), T = tokens.size(1), C = config_.hidden_size;
     // The residual-stream gradient flows back through the layers in one buffer (this rank's
     // rows with sequence parallelism).
     const Shape rs = residual_shape(B, T);
     const int64_t n = rs.numel() / C;
-    Tensor dx = scratch_.get("residual.grad", rs);
+    Tensor dx = scratch_.get(slots_.residual_grad, rs);
     if (st.head) {
       // The MTP modules' gradients were completed by the forward; they are reported here, with
       // this micro-batch's backward, so that hooks counting a micro-step's gradients (the
@@ -804,16 +812,16 @@ void Transformer::backward_chunk(int mb, int chunk, Tensor dout, Tensor din, Bac
       for (size_t k = mtp_.size(); k-- > 0;) ctx_.grad_ready(mtp_[k].first_param, mtp_[k].last_param);
       ops::fill(dx, 0.0f);
       ctx_.before_use(final_norm_, final_norm_);
-      ops::rmsnorm_backward(dx.view({n, C}), reg_.grad(final_norm_), acts_.get(sl, "head.dxf"),
-                            acts_.get(sl, fmt::format("residual.{}", st.end_layer)).view({n, C}),
-                            reg_.param(final_norm_), acts_.get(sl, "final_norm.rstd"));
+      ops::rmsnorm_backward(dx.view({n, C}), reg_.grad(final_norm_), acts_.get(sl, keys_.head_dxf),
+                            acts_.get(sl, keys_.residual[size_t(st.end_layer)]).view({n, C}),
+                            reg_.param(final_norm_), acts_.get(sl, keys_.final_norm_rstd));
       ctx_.after_use(final_norm_, final_norm_);
       grad_ready(sl, final_norm_, final_norm_);
       if (lm_head_ >= 0) grad_ready(sl, lm_head_, lm_head_);
       if (recompute_.full) {
         // The head's and the MTP modules' activations are done with: the replays take them.
-        for (const char* key : {"head.dxf", "final_norm.out", "final_norm.rstd"}) acts_.release_key(sl, key);
-        for (const MtpModule& m : mtp_) acts_.release_prefix(sl, fmt::format("layers.{}.", m.layer_index));
+        acts_.release_keys(sl, keys_.head);
+        for (const MtpModule& m : mtp_) acts_.release_keys(sl, m.all_keys);
       }
     } else {
       DS_CHECK(dout.numel() == rs.numel(), "{}: output gradient of {} values for {}", st.str(), dout.numel(),
@@ -867,7 +875,8 @@ void Transformer::forward_logits(Tensor tokens, Tensor logits) {
   const int64_t B = tokens.size(0), T = tokens.size(1), N = B * T, C = config_.hidden_size, V = config_.vocab_size;
   DS_CHECK(logits.numel() == N * V, "logits {} for ({}, {}) tokens and vocabulary {}", logits.shape().str(), B, T,
            V);
-  gather_logits(sp_gather(ctx_, acts_.get(kInferenceMb, "final_norm.out"), "head.x").view({N, C}), logits.view({N, V}));
+  gather_logits(sp_gather(ctx_, acts_.get(kInferenceMb, keys_.final_norm_out), slots_.head_x).view({N, C}),
+                logits.view({N, V}));
   acts_.release(kInferenceMb);
 }
 
@@ -878,9 +887,9 @@ void Transformer::last_logits(Tensor tokens, Tensor logits, Tensor in) {
   const int64_t B = tokens.size(0), T = tokens.size(1), V = config_.vocab_size;
   DS_CHECK(logits.numel() == B * V, "logits {} for {} sequences", logits.shape().str(), B);
   const int64_t C = config_.hidden_size;
-  Tensor xf = sp_gather(ctx_, acts_.get(kInferenceMb, "final_norm.out"), "head.x").view({B, T, C});
+  Tensor xf = sp_gather(ctx_, acts_.get(kInferenceMb, keys_.final_norm_out), slots_.head_x).view({B, T, C});
   // The last position of each sequence, as rows of one GEMM.
-  Tensor last = scratch_.get("logits.last_x", {B, C}, xf.dtype());
+  Tensor last = scratch_.get(slots_.logits_last_x, {B, C}, xf.dtype());
   ops::copy_blocks(last.view({B, C}), 0, 0, xf.view({B, T * C}), (T - 1) * C, 0, 1, C, false);
   gather_logits(last, logits.view({B, V}));
   acts_.release(kInferenceMb);

@@ -223,8 +223,8 @@ class Transformer {
   void replay_layers(int slot, int first, int end);
   // cpu_checkpointing: the stored tensor `key` of micro-batch `slot` moves to host memory
   // (offloaded_), and back into the activation store.
-  void offload(int slot, const std::string& key);
-  void bring_back(int slot, const std::string& key);
+  void offload(int slot, ActKey key);
+  void bring_back(int slot, ActKey key);
   // Errors unless this rank holds the whole model as one chunk (`what` needs it).
   void require_whole_model(const char* what) const;
   // forward_body of the chunk holding the head for inference.
@@ -248,12 +248,40 @@ class Transformer {
   Tensor zeroed_sums(int mb);
   LossSums read_sums(Tensor sums, bool with_mtp) const;
   // One multi-token-prediction depth: its parameters; its activations are keyed by
-  // "layers.{layer}.mtp." in the store.
+  // "layers.{layer}.mtp.{name}" in the store.
   struct MtpModule {
     int enorm = -1, hnorm = -1, eh_proj = -1, head_norm = -1;
     int first_param = 0, last_param = -1;
     int layer_index = 0;
     std::unique_ptr<DecoderLayer> layer;
+    struct Keys {
+      ActKey inputs, targets, emb, cat, hnorm, e_rstd, h_rstd, h_in, h_out, out_norm, out_rstd;
+    } keys;
+    std::vector<ActKey> all_keys;  // "layers.{layer}.": these and its decoder layer's
+  };
+  // What the model keeps per micro-batch besides its layers, interned at construction.
+  struct Keys {
+    ActKey tokens = act_key("tokens"), batch_shape = act_key(kBatchShapeKey), targets = act_key("targets");
+    ActKey final_norm_out = act_key("final_norm.out"), final_norm_rstd = act_key("final_norm.rstd");
+    ActKey head_dxf = act_key("head.dxf"), loss_sums = act_key("loss_sums");
+    std::vector<ActKey> residual;  // "residual.{l}", l = 0 .. num_hidden_layers
+    std::vector<ActKey> head;      // head.dxf and final_norm.*: done with after the head's backward
+  };
+  // The model's scratch slots (some shared with the layers': "tp.dx.mine").
+  struct Slots {
+    ActKey recompute_out = act_key("recompute.out"), residual_grad = act_key("residual.grad");
+    ActKey embed_partial = act_key("embed.partial"), embed_mine = act_key("embed.mine");
+    ActKey embed_dout = act_key("embed.dout"), tp_dx_mine = act_key("tp.dx.mine");
+    ActKey head_x = act_key("head.x"), head_dx = act_key("head.dx"), head_dlogits16 = act_key("head.dlogits16");
+    ActKey head_losses = act_key("head.losses"), head_logits = act_key("head.logits"), head_lse = act_key("head.lse");
+    ActKey head_stats = act_key("head.stats"), head_all_stats = act_key("head.all_stats");
+    ActKey head_max_and_target = act_key("head.max_and_target");
+    ActKey logits_mine = act_key("logits.mine"), logits_all = act_key("logits.all");
+    ActKey logits_last_x = act_key("logits.last_x");
+    ActKey mtp_enorm = act_key("mtp.enorm"), mtp_dh = act_key("mtp.dh"), mtp_dh16 = act_key("mtp.dh16");
+    ActKey mtp_dcat = act_key("mtp.dcat"), mtp_de = act_key("mtp.de"), mtp_dhn = act_key("mtp.dhn");
+    ActKey mtp_demb = act_key("mtp.demb");
+    std::vector<ActKey> mtp_d_out;  // "mtp.{k}.d_out" per depth
   };
   void mtp_forward_backward(int mb, const LossScales& scales, Tensor targets, Tensor dxf, Tensor sums);
   // The hook that the gradients of [first, last] are final: now, or with a split backward
@@ -273,6 +301,8 @@ class Transformer {
   DecoderLayer& layer(int l) { return layers_[size_t(local_layer_[size_t(l)])]; }
   std::vector<MtpModule> mtp_;
   Tensor loss_accumulator_;  // accumulate_losses_into
+  Keys keys_;
+  Slots slots_;
   RopeCache rope_;
   ActivationStore acts_;
   ActivationStore offloaded_;  // cpu_checkpointing: page-locked host memory

@@ -5,10 +5,13 @@
 // naming why.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "model/mla.h"
@@ -164,6 +167,41 @@ TEST_P(Engine, ActivationMemoryIsReusedAcrossRounds) {
   EXPECT_EQ(allocated[0], 2 * one_in_flight);
   m.release_activations();
   EXPECT_EQ(m.activations().bytes_allocated(), 0);
+}
+
+// Every activation key and scratch slot is interned when the model is built: training steps
+// (two micro-batches in flight, full recomputation with its replays and host offload, then the
+// selective kinds), evaluation and generation intern none, so no op builds or hashes a name.
+TEST_P(Engine, StepsInternNoKeysAfterConstruction) {
+  const ModelConfig c = config();
+  const int64_t B = 2, T = 7;
+  Batch d0(B, T, c.vocab_size, 1), d1(B, T, c.vocab_size, 2);
+  Transformer full(c, Device::cpu()), selective(c, Device::cpu());
+  full.init_weights(3);
+  selective.init_weights(3);
+  RecomputePolicy policy;
+  policy.full = true;
+  policy.cpu_checkpointing = true;
+  full.set_recompute(policy);
+  RecomputePolicy sel;
+  sel.layernorm = sel.moe_act = true;
+  sel.mla_up_proj = c.mla();
+  selective.set_recompute(sel);
+  const LossScales s = scales_for(full, B, T);
+  std::vector<float> logits(size_t(B * c.vocab_size));
+  const int64_t calls = act_key_calls();
+  for (Transformer* m : {&full, &selective}) {
+    m->forward(0, d0.tok(), d0.tgt(), s);
+    m->forward(1, d1.tok(), d1.tgt(), s);
+    m->backward(1);
+    m->backward(0);
+    m->forward_loss(d0.tok(), d0.tgt());
+    m->last_logits(d0.tok(), Tensor(logits.data(), DType::F32, Shape{B, c.vocab_size}));
+  }
+  EXPECT_EQ(act_key_calls(), calls);
+  // The counter counts: one more key is one more call.
+  act_key("layers.0.attn.qkv");
+  EXPECT_EQ(act_key_calls(), calls + 1);
 }
 
 // Generation runs forwards of growing length: buffers too small for the next length are
@@ -430,35 +468,109 @@ INSTANTIATE_TEST_SUITE_P(Models, Engine, ::testing::Values(false, true),
 
 TEST(ActivationStore, KeysByMicroBatchAndReusesReleasedBuffers) {
   ActivationStore acts;
-  Tensor a0 = acts.put(0, "layers.0.x", {4, 8});
-  Tensor a1 = acts.put(1, "layers.0.x", {4, 8});
+  const ActKey x = act_key("layers.0.x"), y = act_key("layers.0.y"), n = act_key("layers.0.n");
+  Tensor a0 = acts.put(0, x, {4, 8});
+  Tensor a1 = acts.put(1, x, {4, 8});
   EXPECT_NE(a0.raw(), a1.raw());
-  EXPECT_EQ(acts.get(1, "layers.0.x").raw(), a1.raw());
-  EXPECT_EQ(acts.get(0, "layers.0.x").shape(), (Shape{4, 8}));
-  acts.meta<int>(0, "layers.0.n") = 7;
-  EXPECT_EQ(acts.meta<int>(0, "layers.0.n"), 7);
-  EXPECT_EQ(acts.meta<int>(1, "layers.0.n"), 0);
+  EXPECT_EQ(acts.get(1, x).raw(), a1.raw());
+  EXPECT_EQ(acts.get(0, x).shape(), (Shape{4, 8}));
+  acts.meta<int>(0, n) = 7;
+  EXPECT_EQ(acts.meta<int>(0, n), 7);
+  EXPECT_EQ(acts.meta<int>(1, n), 0);
   EXPECT_EQ(acts.bytes_in_use(), 2 * 4 * 8 * 4);
   // Errors name the micro-batch and the key.
   try {
-    acts.get(0, "layers.0.y");
+    acts.get(0, y);
     FAIL() << "a missing key was returned";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("micro-batch 0 has no stored activation 'layers.0.y'"), std::string::npos)
         << e.what();
   }
-  EXPECT_THROW(acts.get(5, "layers.0.x"), Error);
+  EXPECT_THROW(acts.get(5, x), Error);
   acts.release(0);
-  EXPECT_FALSE(acts.has(0, "layers.0.x"));
+  EXPECT_FALSE(acts.has(0, x));
   EXPECT_EQ(acts.in_flight(), std::vector<int>{1});
-  EXPECT_EQ(acts.meta<int>(0, "layers.0.n"), 0);  // released with its buffers
+  EXPECT_EQ(acts.meta<int>(0, n), 0);  // released with its buffers
   // The next micro-batch gets the released buffer back, even for another dtype of the same size.
-  Tensor again = acts.put(2, "layers.0.x", {32}, DType::I32);
+  Tensor again = acts.put(2, x, {32}, DType::I32);
   EXPECT_EQ(again.raw(), a0.raw());
   EXPECT_EQ(acts.bytes_allocated(), 2 * 4 * 8 * 4);
   acts.clear();
   EXPECT_EQ(acts.bytes_allocated(), 0);
 }
+
+// release_keys hands back exactly the listed buffers the micro-batch holds; a key of the same
+// role in another layer then takes a handed-back buffer before any other pooled one.
+TEST(ActivationStore, ReleasesListedKeysAndPoolsByRole) {
+  ActivationStore acts;
+  const ActKey q3 = act_key("layers.3.attn.qkv"), o3 = act_key("layers.3.attn.out"), ids3 = act_key("layers.3.mlp.gate.ids");
+  const ActKey q5 = act_key("layers.5.attn.qkv");
+  const Tensor tq = acts.put(0, q3, {20}), to = acts.put(0, o3, {16});
+  acts.put(0, ids3, {4}, DType::I32);
+  acts.release_keys(0, {q3, o3, act_key("layers.3.attn.lse")});  // lse: not held, nothing happens
+  EXPECT_FALSE(acts.has(0, q3));
+  EXPECT_FALSE(acts.has(0, o3));
+  EXPECT_TRUE(acts.has(0, ids3));
+  EXPECT_EQ(acts.bytes_in_use(), 4 * 4);
+  EXPECT_EQ(acts.bytes_allocated(), 4 * 4 + 36 * 4);
+  // Both pooled buffers fit; the one of the same role ("attn.qkv") is chosen over the smaller one.
+  EXPECT_EQ(acts.put(0, q5, {16}).raw(), tq.raw());
+  EXPECT_EQ(acts.put(0, q3, {16}).raw(), to.raw());  // its own pool is empty: the other fits
+  EXPECT_EQ(acts.bytes_allocated(), 4 * 4 + 36 * 4);
+}
+
+// Keys are interned once: the same name gives the same id, another name another id, and the
+// name and role stay with the interner.
+TEST(ActKey, OneDenseIdPerName) {
+  const int64_t calls = act_key_calls();
+  const ActKey a = act_key("layers.7.attn.qkv"), b = act_key("layers.7.attn.qkv");
+  const ActKey c = act_key("layers.8.attn.qkv"), d = act_key("layers.7.attn.out"), r = act_key("residual.7");
+  EXPECT_EQ(act_key_calls(), calls + 5);
+  EXPECT_TRUE(a.valid());
+  EXPECT_EQ(a.id, b.id);
+  EXPECT_NE(a.id, c.id);
+  EXPECT_NE(a.id, d.id);
+  EXPECT_NE(c.id, d.id);
+  EXPECT_EQ(act_key_name(c), "layers.8.attn.qkv");
+  // The role is the part after "layers.{l}.": shared across layers, none outside them.
+  EXPECT_EQ(a.role, c.role);
+  EXPECT_NE(a.role, d.role);
+  EXPECT_GE(a.role, 0);
+  EXPECT_EQ(r.role, -1);
+  EXPECT_FALSE(ActKey{}.valid());
+  // A layer's keys by prefix, less those kept.
+  act_key("layers.7.mlp.gate.ids");
+  const std::vector<ActKey> all = act_keys_with_prefix("layers.7."), some = act_keys_with_prefix("layers.7.", {"layers.7.mlp.gate."});
+  auto holds = [](const std::vector<ActKey>& v, ActKey k) { return std::find(v.begin(), v.end(), k) != v.end(); };
+  EXPECT_TRUE(holds(all, a) && holds(all, d) && holds(all, act_key("layers.7.mlp.gate.ids")));
+  EXPECT_FALSE(holds(all, c));
+  EXPECT_TRUE(holds(some, a));
+  EXPECT_FALSE(holds(some, act_key("layers.7.mlp.gate.ids")));
+}
+
+// The stores take interned keys only: a string (or literal) does not compile, so no op can
+// build one per call.
+template <class K>
+concept PutTakes = requires(ActivationStore& s, K k) { s.put(0, k, Shape{1}); };
+template <class K>
+concept GetTakes = requires(const ActivationStore& s, K k) { s.get(0, k); };
+template <class K>
+concept HasTakes = requires(const ActivationStore& s, K k) { s.has(0, k); };
+template <class K>
+concept MetaTakes = requires(ActivationStore& s, K k) { s.meta<int>(0, k); };
+template <class K>
+concept ReleaseTakes = requires(ActivationStore& s, K k) { s.release_key(0, k); };
+template <class K>
+concept ScratchTakes = requires(Scratch& s, K k) { s.get(k, Shape{1}); };
+static_assert(PutTakes<ActKey> && GetTakes<ActKey> && HasTakes<ActKey> && MetaTakes<ActKey> && ReleaseTakes<ActKey> &&
+              ScratchTakes<ActKey>);
+static_assert(!PutTakes<std::string> && !PutTakes<const char*> && !PutTakes<std::string_view>);
+static_assert(!GetTakes<std::string> && !GetTakes<const char*>);
+static_assert(!HasTakes<std::string> && !HasTakes<const char*>);
+static_assert(!MetaTakes<std::string> && !MetaTakes<const char*>);
+static_assert(!ReleaseTakes<std::string> && !ReleaseTakes<const char*>);
+static_assert(!ScratchTakes<std::string> && !ScratchTakes<const char*>);
+static_assert(!std::is_convertible_v<std::string, ActKey> && !std::is_convertible_v<int, ActKey>);
 
 TEST(WeightGradStore, DefersWeightGradientsUntilRun) {
   std::mt19937 rng(2);

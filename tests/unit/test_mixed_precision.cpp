@@ -293,7 +293,7 @@ TEST(MixedPrecision, ActivationsAreSixteenBitWhereTheContractSays) {
     Data d(2, 6, cs.config.vocab_size, 4);
     m.forward(0, d.tok(), d.tgt(), scales_for(m, d.B, d.T));
     const ActivationStore& a = m.activations();
-    auto dtype = [&](const std::string& key) { return a.get(0, key).dtype(); };
+    auto dtype = [&](const std::string& key) { return a.get(0, act_key(key)).dtype(); };
     const DType bf = DType::BF16, f32 = DType::F32;
     // The residual stream, rstd and lse: fp32. Norm outputs, projections, attention: bf16.
     EXPECT_EQ(dtype("residual.0"), f32);
@@ -323,7 +323,8 @@ TEST(MixedPrecision, ActivationsAreSixteenBitWhereTheContractSays) {
       // The router's logits are F.linear(x.float(), gate.float()): the bf16 input widened
       // and the fp32 master gate (its bf16 copy would be off by ~1e-3 relative).
       {
-        const Tensor x = a.get(0, "layers.1.post_attention_layernorm.out"), sc = a.get(0, "layers.1.mlp.gate.scores");
+        const Tensor x = a.get(0, act_key("layers.1.post_attention_layernorm.out")),
+                     sc = a.get(0, act_key("layers.1.mlp.gate.scores"));
         const Tensor w = m.params().param(m.params().find("model.layers.1.mlp.gate.weight"));
         const int64_t N = sc.size(0), E = sc.size(1), C = w.size(1);
         double worst = 0;

@@ -511,10 +511,10 @@ TEST_P(MLAUpProjRecompute, IsBitwiseTheSameAndKeepsKPeInsteadOfTheHeads) {
     formed.attn->forward(formed.ctx, 0, x.t(), out_formed.t());
     // H = 2: W = 2 * (2 * 12 + 6) = 60 per row, k_pe 8.
     const int64_t W = 60, Dr = 8;
-    EXPECT_TRUE(kept.acts.has(0, "layers.1.attn.qkv"));
-    EXPECT_FALSE(formed.acts.has(0, "layers.1.attn.qkv"));
+    EXPECT_TRUE(kept.acts.has(0, act_key("layers.1.attn.qkv")));
+    EXPECT_FALSE(formed.acts.has(0, act_key("layers.1.attn.qkv")));
     EXPECT_EQ(kept.acts.bytes_in_use() - formed.acts.bytes_in_use(), N * (W - Dr) * int64_t(sizeof(float)));
-    ops::fill(formed.scratch.get("mla.qkv", {B, T, W}), 1e3f);
+    ops::fill(formed.scratch.get(act_key("mla.qkv"), {B, T, W}), 1e3f);
     kept.attn->backward(kept.ctx, 0, x.t(), r.t(), dx_kept.t());
     formed.attn->backward(formed.ctx, 0, x.t(), r.t(), dx_formed.t());
     EXPECT_EQ(out_formed.v, out_kept.v);
