@@ -2,8 +2,9 @@
 // in the same order, whose sends and receives match in issue order (NCCL's rule; MPI's too with
 // one tag per channel). One per kind of message and link, so that no message waits behind
 // another on one stream: activations going down the ranks (to a higher rank), activations going
-// up, gradients going down, gradients going up. The pipeline runner's simulation (with two, one
-// per direction, the interleaved ring and DualPipeV's two-way traffic deadlock under rendezvous).
+// up, gradients going down, gradients going up. Why four: the pipeline runner's simulation shows
+// that with two, one per direction, the interleaved ring and DualPipeV's two-way traffic
+// deadlock under rendezvous.
 #pragma once
 
 #include <array>
