@@ -3,7 +3,9 @@
 Without a GPU, dstrain's GPU tests skip, by name (ctest reports them as skipped). Under
 DSTRAIN_REQUIRE_GPU=1, which validation/device/check.sh sets, the same tests fail: a machine whose
 GPU dstrain cannot see cannot report that the GPU tests passed. check.sh's step verdict also fails
-any step whose output says SKIPPED, whatever its exit status.
+any step whose output says SKIPPED, whatever its exit status. check.sh run itself runs here over a
+bundle of stand-in programs (DSTRAIN_DEVICE_BUNDLE): each step's verdict, its figures in the
+summary, and the time budget.
 
 Usage: test_require_gpu.py BUILD_DIR
 """
@@ -73,6 +75,91 @@ class RequireGpu(unittest.TestCase):
             self.assertEqual(verdict(1, "[  FAILED  ] X.Y\n"), "FAILED (exit 1)")
             self.assertEqual(verdict(124, ""), "TIMED OUT")
             self.assertEqual(verdict(137, ""), "TIMED OUT")
+
+
+# Stand-ins for the bundle's programs: what each prints and how it exits decides the verdicts.
+FAKE_PROGRAMS = {
+    "unit_tests": """#!/bin/bash
+echo "[ backend ops ] cuda  linear_forward  f32  3 cases  max err 1e-7  ok"
+echo "[ backend ops ] cuda: 50 of 50 ops match the CPU reference in every slot"
+echo "[       OK ] BackendOps.CudaBackendMatchesTheCpuReference (5 ms)"
+""",
+    # A GPU test that skipped, exit status 0.
+    "reference_tests": """#!/bin/bash
+echo "[  SKIPPED ] Cases/TorchReference.OnTheGpu/mha_untied_1 (0 ms)"
+""",
+    "deepseek_reference_tests": """#!/bin/bash
+echo "[  FAILED  ] Cases/DeepSeekReference.OnTheGpu/v3_noaux_plain (3 ms)"
+exit 1
+""",
+    "dstrain": """#!/bin/bash
+if [[ $1 == train ]]; then
+  for a in "$@"; do [[ $a == output.dir=* ]] && dir=${a#output.dir=}; done
+  dir=${dir//\\"/}; mkdir -p "$dir"
+  for s in 1 2 3 4 5 6 7 8; do
+    echo '{"type": "train", "step": '$s', "tokens_per_s": 1000, "mfu": 0.41, "step_time_s": 0.5, "loss": 3.2,
+           "peak_flops": 9.89e14, "time_s": {"forward": 0.1, "backward": 0.2}}' | tr -d '\\n' >> "$dir/metrics.jsonl"
+    echo >> "$dir/metrics.jsonl"
+  done
+elif [[ $1 == calibrate ]]; then
+  sleep 15
+fi
+""",
+    "nccl_bandwidth": """#!/bin/bash
+echo "check: every operation ok"
+""",
+}
+
+
+class CheckScript(unittest.TestCase):
+    """check.sh run over a bundle of stand-in programs: its verdicts, figures and budget."""
+
+    def run_check(self, budget):
+        check = os.path.join(ROOT, "validation", "device", "check.sh")
+        with tempfile.TemporaryDirectory() as d:
+            stage = os.path.join(d, "stage")
+            os.makedirs(os.path.join(stage, "bin"))
+            for name, text in FAKE_PROGRAMS.items():
+                path = os.path.join(stage, "bin", name)
+                with open(path, "w") as f:
+                    f.write(text)
+                os.chmod(path, 0o755)
+            bundle = os.path.join(d, "bundle")
+            os.makedirs(bundle)
+            subprocess.run(f"tar -C {stage} -cf - . | xz -0 > {bundle}/bundle.tar.xz", shell=True, check=True)
+            out = os.path.join(d, "out")
+            env = dict(os.environ, DSTRAIN_DEVICE_BUNDLE=bundle, OUT=out, CHECK_BUDGET_S=str(budget),
+                       TMPDIR=d, PATH="/usr/bin:/bin")
+            p = subprocess.run(["bash", check, "run"], capture_output=True, text=True, env=env, timeout=120)
+            with open(os.path.join(out, "summary.txt")) as f:
+                summary = f.read()
+        return p, summary
+
+    def test_each_step_gets_its_verdict_and_figures(self):
+        p, summary = self.run_check(budget=60)
+        self.assertEqual(p.returncode, 1, summary)
+        line = {l.split()[0]: l for l in summary.splitlines() if l and not l.startswith(" ")}
+        self.assertRegex(line["op_suite"], r"^op_suite +ok ")
+        self.assertRegex(line["reference_dense"], r"FAILED \(1 SKIPPED line\(s\)\)")
+        self.assertRegex(line["reference_deepseek"], r"FAILED \(exit 1\)")
+        for ok in ("bench_1b", "bench_v3", "nccl_check", "nccl_bandwidth", "calibrate"):
+            self.assertRegex(line[ok], rf"^{ok} +ok ", summary)
+        self.assertIn("    [ backend ops ] cuda: 50 of 50 ops match", summary)
+        self.assertIn("    0 passed, 1 failed, 0 skipped", summary)
+        self.assertIn("    bench_1b: 3 steps, 1000 tokens/s, MFU 41.0% (peak 989 TFLOP/s), step 500 ms", summary)
+        self.assertIn("    bench_v3: 5 steps, 1000 tokens/s", summary)
+        self.assertIn("    bench_v3 time split (s): forward 0.1000, backward 0.2000", summary)
+        self.assertIn("some steps FAILED", summary)
+        self.assertEqual(len(line), 10, summary)  # the GPU, 8 steps, the verdict on the whole
+
+    def test_steps_past_the_budget_are_reported_not_run(self):
+        p, summary = self.run_check(budget=12)
+        self.assertEqual(p.returncode, 1, summary)
+        # calibrate (15 s) is cut at what is left of the 12 s.
+        self.assertRegex(summary, r"calibrate +TIMED OUT")
+        p, summary = self.run_check(budget=5)
+        self.assertRegex(summary, r"op_suite +NOT RUN \(budget spent\)")
+        self.assertRegex(summary, r"bench_1b +NOT RUN \(budget spent\)")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
-BUNDLE=$ROOT/.device
+BUNDLE=${DSTRAIN_DEVICE_BUNDLE:-$ROOT/.device}  # where prepare writes and run reads the bundle
 mode=${1:-run}
 
 prepare() {
@@ -167,8 +167,8 @@ run() {
     ((secs > left)) && secs=$left
     local t0=$SECONDS
     timeout --kill-after=10 "$secs" "$@" >"$OUT/$name.txt" 2>&1
-    local v
-    v=$(verdict $? "$OUT/$name.txt")
+    local rc=$? v  # the status first: `local` itself would reset $?
+    v=$(verdict "$rc" "$OUT/$name.txt")
     [[ $v == ok ]] || failed=1
     note "$(printf '%-20s %-26s %4ss  %s' "$name" "$v" $((SECONDS - t0)) "$OUT/$name.txt")"
   }
