@@ -31,7 +31,8 @@
 # DSTRAIN_REQUIRE_GPU=1 is set for every step: a GPU test that finds no GPU fails instead of
 # skipping, and a step whose output says SKIPPED fails too, so an invisible GPU cannot pass.
 # Everything goes to $OUT (summary.txt first: each step's verdict, time and figures); the exit
-# status is 0 only when every step passed.
+# status is 0 only when every step passed. DSTRAIN_DEVICE_BUNDLE names another bundle directory
+# than .device/ (tests/e2e/test_require_gpu.py runs `run` over stand-in programs).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
